@@ -1,0 +1,3 @@
+from bamboo.cli import main
+import sys
+sys.exit(main())

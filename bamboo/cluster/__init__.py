@@ -1,0 +1,1 @@
+"""The local cluster: a coordinator process that hosts the store, and its workers."""

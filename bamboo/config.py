@@ -1,0 +1,171 @@
+"""One validated description of a training job, importable without torch.
+
+`JobConfig.validate()` checks every field once, where the job is built, and raises
+ConfigError with one line that names the field and says what to change.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bamboo.models.registry import PRESETS, preset
+
+__all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES"]
+
+REDUNDANCY_MODES = ("eager", "lazy", "off")
+
+
+class ConfigError(ValueError):
+    """A user error in the job's configuration; str() is the one line to show."""
+
+
+@dataclass(frozen=True, slots=True)
+class KillSpec:
+    """`--kill D:S@K[+notice]`: preempt the holder of stage S of pipeline D in step K."""
+
+    pipeline: int
+    stage: int
+    step: int
+    notice: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.pipeline}:{self.stage}@{self.step}" + ("+notice" if self.notice else "")
+
+
+_KILL = re.compile(r"^(\d+):(\d+)@(\d+)(\+notice)?$")
+
+
+def parse_kill(text: str) -> KillSpec:
+    """Parse `D:S@K` or `D:S@K+notice`."""
+    m = _KILL.match(text.strip())
+    if not m:
+        raise ConfigError(f"--kill '{text}' is malformed: write PIPELINE:STAGE@STEP, "
+                          f"e.g. --kill 0:2@5 (or 0:2@5+notice)")
+    return KillSpec(int(m[1]), int(m[2]), int(m[3]), bool(m[4]))
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """Everything a training run needs; defaults give the demo job."""
+
+    model: str = "gpt2-tiny"
+    """A preset name from `bamboo.models.registry.PRESETS`."""
+    nodes: int = 4
+    """Worker processes to start; nodes beyond pipelines x stages are standbys."""
+    stages: int = 4
+    """Pipeline stages P."""
+    pipelines: int | None = None
+    """Data-parallel pipelines D; defaults to nodes // stages."""
+    micro_batches: int = 4
+    """Micro-batches per pipeline per step at the start (M); the global batch is D x M."""
+    micro_batch_size: int = 8
+    """Samples per micro-batch (B)."""
+    steps: int = 50
+    seed: int = 0
+    redundancy: str = "eager"
+    """eager | lazy | off: how a node prepares to take over its successor's stage."""
+    data: str | None = None
+    """A UTF-8 text file to train on as byte tokens; default: a synthetic language."""
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    """Linear warm-up steps, then cosine decay to lr / 10 at the last step."""
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all stages) to this; 0 disables."""
+    threads: int = 1
+    """torch threads per worker process."""
+    comm_timeout_s: float = 60.0
+    """Timeout of every point-to-point and collective call."""
+    device: str = "auto"
+    """auto | cpu | cuda (cuda uses NCCL, one GPU per local worker)."""
+    kills: list[KillSpec] = field(default_factory=list)
+    out: str | None = None
+    """Run directory; default runs/<timestamp>."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.pipelines if self.pipelines is not None else self.nodes // self.stages
+
+    @property
+    def global_micro_batches(self) -> int:
+        return self.data_parallel * self.micro_batches
+
+    @property
+    def active_nodes(self) -> int:
+        return self.data_parallel * self.stages
+
+    def validate(self) -> JobConfig:
+        """Check every field; raise ConfigError with a one-line fix."""
+        try:
+            p = preset(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("nodes", "stages", "micro_batches", "micro_batch_size", "steps", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be a positive integer (got {value})")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0 (got {self.seed})")
+        if self.stages > p.layers:
+            raise ConfigError(f"--stages {self.stages} is more than the {p.layers} layers of "
+                              f"{self.model}: use --stages {p.layers} or fewer")
+        if self.pipelines is not None and self.pipelines < 1:
+            raise ConfigError(f"--pipelines must be a positive integer (got {self.pipelines})")
+        if self.data_parallel < 1:
+            raise ConfigError(f"--nodes {self.nodes} cannot hold one pipeline of "
+                              f"{self.stages} stages: use --nodes {self.stages} or more")
+        if self.active_nodes > self.nodes:
+            raise ConfigError(
+                f"--pipelines {self.data_parallel} x --stages {self.stages} needs "
+                f"{self.active_nodes} nodes but --nodes is {self.nodes}: use --nodes "
+                f"{self.active_nodes} or --pipelines {self.nodes // self.stages}")
+        if self.redundancy not in REDUNDANCY_MODES:
+            raise ConfigError(f"--redundancy '{self.redundancy}' is not one of "
+                              f"{', '.join(REDUNDANCY_MODES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device '{self.device}' is not one of auto, cpu, cuda")
+        if not (self.lr > 0):
+            raise ConfigError(f"--lr must be positive (got {self.lr})")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+        if not (self.comm_timeout_s > 0):
+            raise ConfigError(f"--comm-timeout must be positive seconds (got {self.comm_timeout_s})")
+        self._validate_data(p.family)
+        self._validate_kills()
+        return self
+
+    def _validate_data(self, family: str) -> None:
+        if self.data is None:
+            return
+        if family == "cnn":
+            raise ConfigError(f"--data is for token models; {self.model} trains on synthetic images")
+        path = Path(self.data)
+        if not path.is_file():
+            raise ConfigError(f"--data file '{self.data}' does not exist: give a path to a "
+                              f"UTF-8 text file")
+        need = PRESETS[self.model].context + 1
+        if path.stat().st_size < need:
+            raise ConfigError(f"--data file '{self.data}' has {path.stat().st_size} bytes; "
+                              f"{self.model} needs at least {need}")
+
+    def _validate_kills(self) -> None:
+        for k in self.kills:
+            if k.pipeline >= self.data_parallel or k.stage >= self.stages:
+                raise ConfigError(f"--kill {k} names no node: pipelines are 0..{self.data_parallel - 1}"
+                                  f" and stages 0..{self.stages - 1}")
+            if k.step >= self.steps:
+                raise ConfigError(f"--kill {k} is past the run's last step {self.steps - 1}")
+
+    def summary_fields(self) -> dict:
+        """The `config` object of summary.json."""
+        return {"nodes": self.nodes, "stages": self.stages, "pipelines": self.data_parallel,
+                "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
+                "redundancy": self.redundancy, "model": self.model, "seed": self.seed,
+                "steps": self.steps, "data": self.data}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kills"] = [str(k) for k in self.kills]
+        return d

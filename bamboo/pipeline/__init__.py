@@ -1,0 +1,1 @@
+"""The pipeline: partitions, schedules as data, and the engine that dispatches them."""

@@ -1,0 +1,172 @@
+"""Pipeline schedules as data: per-stage lists of instructions for one step.
+
+An instruction names the stage whose work it is, so a node can run a merged list
+covering two stages (a shadow after failover). The engine is a dispatcher over
+these lists; `simulate` replays the lists of all stages without any process, with
+the engine's communication semantics (sends never block, a receive waits for its
+matching send), to prove a schedule is complete and deadlock-free.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Instruction", "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad",
+    "RecvGrad", "ReduceGrads", "OptimizerStep", "one_f_one_b", "gpipe", "simulate",
+    "ScheduleError",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """Work of `stage` for one step; `mb` indexes the pipeline's own micro-batches."""
+
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward(Instruction):
+    """Run the stage's forward on micro-batch `mb` (stage 0 loads its data first)."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backward(Instruction):
+    """Run the stage's backward on micro-batch `mb` and accumulate its gradients."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendActivation(Instruction):
+    """Send the stage's output for `mb` to the holder of stage + 1."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvActivation(Instruction):
+    """Receive the stage's input for `mb` from the holder of stage - 1."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendGrad(Instruction):
+    """Send the gradient of the stage's input for `mb` to the holder of stage - 1."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvGrad(Instruction):
+    """Receive the gradient of the stage's output for `mb` from the holder of stage + 1."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceGrads(Instruction):
+    """All-reduce the stage's gradients across pipelines."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep(Instruction):
+    """Clip by the global norm and apply one optimizer step to the stage."""
+
+
+def _forward_group(stage: int, stages: int, mb: int) -> list[Instruction]:
+    group: list[Instruction] = []
+    if stage > 0:
+        group.append(RecvActivation(stage, mb))
+    group.append(Forward(stage, mb))
+    if stage < stages - 1:
+        group.append(SendActivation(stage, mb))
+    return group
+
+
+def _backward_group(stage: int, stages: int, mb: int) -> list[Instruction]:
+    group: list[Instruction] = []
+    if stage < stages - 1:
+        group.append(RecvGrad(stage, mb))
+    group.append(Backward(stage, mb))
+    if stage > 0:
+        group.append(SendGrad(stage, mb))
+    return group
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """Synchronous 1F1B (PipeDream-flush): warm-up forwards, steady F/B pairs, cool-down.
+
+    Stage s keeps at most P - s micro-batches in flight, which bounds activation memory.
+    """
+    warmup = min(stages - stage - 1, micro_batches)
+    out: list[Instruction] = []
+    for mb in range(warmup):
+        out += _forward_group(stage, stages, mb)
+    for i in range(micro_batches - warmup):
+        out += _forward_group(stage, stages, warmup + i)
+        out += _backward_group(stage, stages, i)
+    for mb in range(micro_batches - warmup, micro_batches):
+        out += _backward_group(stage, stages, mb)
+    return out + [ReduceGrads(stage), OptimizerStep(stage)]
+
+
+def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """All forwards, then all backwards (GPipe); kept for comparison and tests."""
+    out: list[Instruction] = []
+    for mb in range(micro_batches):
+        out += _forward_group(stage, stages, mb)
+    for mb in reversed(range(micro_batches)):
+        out += _backward_group(stage, stages, mb)
+    return out + [ReduceGrads(stage), OptimizerStep(stage)]
+
+
+class ScheduleError(RuntimeError):
+    """A set of schedules that deadlocks or leaves work undone."""
+
+
+def _matching_send(instr: Instruction) -> tuple[type, int, int] | None:
+    if isinstance(instr, RecvActivation):
+        return (SendActivation, instr.stage - 1, instr.mb)
+    if isinstance(instr, RecvGrad):
+        return (SendGrad, instr.stage + 1, instr.mb)
+    return None
+
+
+def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[tuple[int, Instruction]]:
+    """Run every node's list to completion; the global order executed, as (node, instr).
+
+    Sends complete immediately; a receive waits until its matching send was issued;
+    forward/backward order is checked per stage (a backward needs its forward and, off
+    the last stage, its received gradient). Raises ScheduleError on deadlock.
+    """
+    sent: set[tuple[type, int, int]] = set()
+    done_forward: set[tuple[int, int]] = set()
+    positions = [0] * len(schedules)
+    order: list[tuple[int, Instruction]] = []
+    while True:
+        progressed = False
+        for node, schedule in enumerate(schedules):
+            while positions[node] < len(schedule):
+                instr = schedule[positions[node]]
+                need = _matching_send(instr)
+                if need is not None and need not in sent:
+                    break
+                if isinstance(instr, Backward) and (instr.stage, instr.mb) not in done_forward:
+                    raise ScheduleError(f"node {node}: backward of stage {instr.stage} mb "
+                                        f"{instr.mb} before its forward")
+                if isinstance(instr, Forward):
+                    done_forward.add((instr.stage, instr.mb))
+                if isinstance(instr, (SendActivation, SendGrad)):
+                    sent.add((type(instr), instr.stage, instr.mb))
+                order.append((node, instr))
+                positions[node] += 1
+                progressed = True
+        if all(p == len(s) for p, s in zip(positions, schedules)):
+            return order
+        if not progressed:
+            stuck = {n: schedules[n][p] for n, p in enumerate(positions) if p < len(schedules[n])}
+            raise ScheduleError(f"deadlock: nodes waiting at {stuck}")

@@ -1,0 +1,55 @@
+"""Shared helpers: run the real `bamboo` command in a subprocess and read its results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BAMBOO = [sys.executable, "-m", "bamboo"]
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / "events.jsonl").read_text().splitlines()]
+
+
+def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Result:
+    """Run `bamboo ARGS [--out OUT]` to completion (killed after `timeout`)."""
+    cmd = BAMBOO + args + (["--out", str(out)] if out is not None else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return Result(proc.returncode, proc.stdout, proc.stderr, out or Path("/nonexistent"))
+
+
+@pytest.fixture
+def bamboo(tmp_path: Path):
+    """`bamboo(args, name)` runs `bamboo train ARGS` with its own run directory."""
+    def run(args: list[str], name: str = "run", timeout: float = 240) -> Result:
+        return run_bamboo(["train", *args], tmp_path / name, timeout)
+    return run
+
+
+def assert_close(a: list[float] | float, b: list[float] | float, rel: float) -> None:
+    """Every value of `a` within `rel` relative of `b`, and no NaN anywhere."""
+    a_list = a if isinstance(a, list) else [a]
+    b_list = b if isinstance(b, list) else [b]
+    assert len(a_list) == len(b_list), (a_list, b_list)
+    for x, y in zip(a_list, b_list):
+        assert x == x and y == y, "NaN"
+        assert abs(x - y) <= rel * max(abs(x), abs(y)), (x, y, a_list, b_list)

@@ -1,0 +1,53 @@
+"""A plain, single-process training loop: the ground truth pipelined runs must match.
+
+Whole model in one nn.Sequential, micro-batches in global order, gradients summed
+in float64, global-norm clipping, AdamW: no pipeline, no communication.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from bamboo.config import JobConfig
+from bamboo.data import make_task
+from bamboo.models import build_layers, loss_fn, preset
+from bamboo.pipeline.optim import clip_coefficient, learning_rate, make_optimizer
+
+
+def train_reference(cfg: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses per step and final parameters (named like model.pt's keys)."""
+    torch.set_num_threads(1)
+    p = preset(cfg.model)
+    G = cfg.global_micro_batches
+    model = nn.Sequential(*build_layers(p, range(p.layers), cfg.seed))
+    task = make_task(p, seed=cfg.seed, global_micro_batches=G,
+                     micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
+    optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    criterion = loss_fn(p)
+    params = list(model.parameters())
+    losses = []
+    for step in range(cfg.steps):
+        acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
+        step_loss = 0.0
+        for g in range(G):
+            batch = task.batch(step, g)
+            loss = criterion(model(batch.inputs), batch.targets)
+            step_loss += float(loss.detach()) / G
+            (loss * (1.0 / G)).backward()
+            for a, q in zip(acc, params):
+                a.add_(q.grad)
+                q.grad = None
+        norm = math.sqrt(sum(float(a.square().sum()) for a in acc))
+        coef = clip_coefficient(norm, cfg.grad_clip)
+        for a, q in zip(acc, params):
+            q.grad = (a * coef).float()
+        lr = learning_rate(step, peak=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
+    return losses, named

@@ -1,0 +1,64 @@
+"""Bad input: one clear line on stderr, exit code != 0, nothing written to the run directory."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+CASES = {
+    "too many stages": (["--stages", "9"], "--stages 9 is more than the 8 layers"),
+    "nodes not a layout": (["--nodes", "3", "--stages", "2", "--pipelines", "2"], "needs 4 nodes"),
+    "missing data file": (["--data", "/no/such/file.txt"], "does not exist"),
+    "zero steps": (["--steps", "0"], "--steps must be a positive integer"),
+    "unknown model": (["--model", "gpt5"], "unknown model 'gpt5'"),
+    "not an integer": (["--steps", "ten"], "invalid int value"),
+    "bad redundancy": (["--redundancy", "sometimes"], "--redundancy 'sometimes'"),
+    "malformed kill": (["--kill", "2@x"], "--kill '2@x' is malformed"),
+    "kill names no node": (["--kill", "0:7@1"], "names no node"),
+    "kill past last step": (["--steps", "3", "--kill", "0:1@3"], "past the run's last step"),
+    "unknown flag": (["--stagez", "2"], "unrecognized arguments"),
+    "too few nodes": (["--nodes", "2", "--stages", "4"], "cannot hold one pipeline"),
+}
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bamboo", "train", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_gives_one_line_and_touches_nothing(name: str, tmp_path: Path) -> None:
+    args, expected = CASES[name]
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    proc = run([*args, "--out", str(out)])
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_a_finished_run_is_never_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "summary.json").write_text('{"steps_completed": 3}')
+    proc = run(["--steps", "1", "--out", str(out)])
+    assert proc.returncode == 2
+    assert "already holds a run" in proc.stderr
+    assert (out / "summary.json").read_text() == '{"steps_completed": 3}'
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
+def test_unknown_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bamboo", "trian"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "bamboo: error: unknown command 'trian'; choose one of: train, simulate"

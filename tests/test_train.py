@@ -1,0 +1,114 @@
+"""End to end: real worker processes, gloo, the real command line.
+
+The invariant every later feature keeps: any layout of the same global batch gives
+the losses and parameters of a plain single-process loop.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bamboo.config import JobConfig
+from conftest import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import train_reference  # noqa: E402
+
+STEPS = 6
+# Same global batch everywhere: D x M = 4 micro-batches of 8 samples.
+LAYOUTS = {
+    "1 node": ["--nodes", "1", "--stages", "1", "--micro-batches", "4"],
+    "4 stages": ["--nodes", "4", "--stages", "4", "--micro-batches", "4"],
+    "2 pipelines x 2 stages": ["--nodes", "4", "--stages", "2", "--pipelines", "2",
+                               "--micro-batches", "2"],
+    "2 pipelines x 4 stages": ["--nodes", "8", "--stages", "4", "--micro-batches", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return train_reference(JobConfig(steps=STEPS, micro_batches=4).validate())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_equals_the_single_process_loop(bamboo, reference, layout: str) -> None:
+    result = bamboo(["--steps", str(STEPS), "--json", "--quiet", *LAYOUTS[layout]])
+    assert result.code == 0, result.stderr
+    summary = result.summary
+    ref_losses, ref_params = reference
+    assert summary["steps_completed"] == STEPS
+    assert_close(summary["losses"], ref_losses, rel=1e-6)
+    l2 = float(torch.sqrt(sum(t.double().square().sum() for t in ref_params.values())))
+    assert_close(summary["param_l2"], l2, rel=1e-6)
+    params = torch.load(result.out / "model.pt", weights_only=True)
+    assert params.keys() == ref_params.keys()
+    for name, tensor in ref_params.items():
+        torch.testing.assert_close(params[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_summary_and_events_follow_the_contract(bamboo) -> None:
+    result = bamboo(["--nodes", "5", "--stages", "4", "--steps", "3", "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    summary = result.summary
+    for key, kind in [("steps_completed", int), ("samples", int), ("losses", list),
+                      ("param_l2", float), ("param_sha256", str), ("preemptions", int),
+                      ("failovers", int), ("drains", int), ("peer_restores", int),
+                      ("checkpoint_restores", int), ("standby_losses", int),
+                      ("reconfigurations", int), ("redone_steps", int), ("pause_s", list),
+                      ("wall_s", float), ("throughput", float), ("config", dict)]:
+        assert isinstance(summary[key], kind), key
+    assert summary["samples"] == 3 * 4 * 8
+    assert summary["config"] | {} == summary["config"]
+    assert {k: summary["config"][k] for k in ("nodes", "stages", "pipelines", "micro_batches",
+                                              "redundancy", "model", "seed")} == {
+        "nodes": 5, "stages": 4, "pipelines": 1, "micro_batches": 4, "redundancy": "eager",
+        "model": "gpt2-tiny", "seed": 0}
+    assert result.stdout.strip().startswith("{")  # --json: the summary on stdout
+    events = result.events()
+    ups = [e for e in events if e["event"] == "node_up"]
+    assert [e["node"] for e in ups] == ["n0", "n1", "n2", "n3", "n4"]
+    assert [e["stage"] for e in ups] == [0, 1, 2, 3, None]  # n4 is a standby
+    assert all(isinstance(e["pid"], int) for e in ups)
+    steps = [e for e in events if e["event"] == "step_done"]
+    assert [e["step"] for e in steps] == [0, 1, 2]
+    assert [e["loss"] for e in steps] == summary["losses"]
+    for e in steps:
+        assert len(e["stages"]) == 4
+        for stage in e["stages"]:
+            assert stage["compute_s"] > 0 and stage["step_s"] >= stage["compute_s"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model,stages", [("bert-tiny", 2), ("cnn-tiny", 3)])
+def test_other_models_pipeline_equals_single_process(bamboo, model: str, stages: int) -> None:
+    args = ["--model", model, "--steps", "3", "--json", "--quiet", "--micro-batches", "3"]
+    one = bamboo([*args, "--nodes", "1", "--stages", "1"], "one")
+    many = bamboo([*args, "--nodes", str(stages), "--stages", str(stages)], "many")
+    assert one.code == 0 and many.code == 0, one.stderr + many.stderr
+    assert_close(many.summary["losses"], one.summary["losses"], rel=1e-6)
+    assert_close(many.summary["param_l2"], one.summary["param_l2"], rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_trains_on_a_text_file(bamboo, tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
+    result = bamboo(["--data", str(text), "--nodes", "2", "--stages", "2", "--steps", "8",
+                     "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    losses = result.summary["losses"]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_job_learns(bamboo) -> None:
+    result = bamboo(["--steps", "50", "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    losses = result.summary["losses"]
+    assert len(losses) == 50
+    assert losses[-1] <= 0.7 * losses[0], losses
