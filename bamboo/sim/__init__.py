@@ -1,0 +1,20 @@
+"""Trace-driven simulator of training on preemptible instances (``bamboo simulate``); torch-free."""
+
+from .core import RunResult, SimConfig
+from .costs import StepCosts, load_costs
+from .presets import PRESETS, ModelPreset, get_preset
+from .traces import Trace, TraceError, generate_synthetic, load_trace
+
+__all__ = [
+    "RunResult",
+    "SimConfig",
+    "StepCosts",
+    "load_costs",
+    "PRESETS",
+    "ModelPreset",
+    "get_preset",
+    "Trace",
+    "TraceError",
+    "generate_synthetic",
+    "load_trace",
+]

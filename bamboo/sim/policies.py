@@ -1,0 +1,521 @@
+"""Policies: how a job runs on the trace's instances, each a class behind one interface.
+
+* ``bamboo``: redundant computation as in the paper. A lost node's predecessor
+  becomes its shadow (step slowed while it carries two stages); losing a shadow, or
+  a node whose predecessor is already a shadow (two adjacent stages of one pipeline
+  before a reconfiguration), is a fatal failure: global restart, restoring the
+  stage from a peer pipeline when one holds it, else from the last durable
+  checkpoint. Reconfiguration triggers are the authors': spares can replace the
+  shadows, the chance of a fatal failure exceeds 5%, or a new pipeline fits.
+* ``checkpoint``: no redundancy; checkpoint every N seconds; any loss of a node in
+  the layout restarts every worker from the last checkpoint on the nodes
+  available (torchrun-style restart, Varuna-like morphing: checkpoint then restart
+  when a new pipeline fits).
+* ``on-demand``: a fixed on-demand cluster, closed form.
+* ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks the
+  redundancy mode (eager, lazy, off) and the number of pipelines that maximise
+  expected samples per dollar under the preemption rate observed so far, and only
+  pays for the instances that layout needs (plus one spare per pipeline).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .core import CKPT, IDLE, REBALANCE, RESTART, RUN, ClusterPolicy, Policy, RunResult, SimConfig
+from .presets import ModelPreset
+from .traces import Trace
+
+__all__ = [
+    "BambooPolicy",
+    "CheckpointPolicy",
+    "OnDemandPolicy",
+    "AdaptivePolicy",
+    "POLICIES",
+    "make_policy",
+    "on_demand_layout",
+]
+
+# statuses
+STOPPED, RDV, RUNNING, SAVING = 0, 1, 2, 3
+# timer kinds
+T_RDV_DONE, T_DECIDE, T_FALLBACK, T_CKPT_START, T_CKPT_DONE, T_MORPH, T_RESUME = range(7)
+
+
+class BambooPolicy(ClusterPolicy):
+    """Redundant computation with failover, fatal fallback and reconfiguration (the paper's system)."""
+
+    name = "bamboo"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.P = self.preset.stages
+        self.status = STOPPED
+        self.D = 0
+        self.coords: dict[int, list[tuple[int, int]]] = {}
+        self.holder: dict[tuple[int, int], int] = {}
+        self.standby: dict[int, None] = {}
+        self.overloaded = 0
+        self.members: set[int] = set()
+        self.broken = False
+        self.rdv_mode = RESTART
+        self.decision_pending = False
+        self.started = False
+        self.base_tau = 1.0
+        self.rc_mode = "eager"
+        self.last_durable = 0.0
+
+    # -- the redundancy mode's costs (adaptive overrides the mode)
+    def mode_overhead(self, mode: str) -> float:
+        p = self.preset
+        return {"eager": p.rc_overhead, "lazy": p.lazy_overhead, "off": 0.0}[mode]
+
+    def choose_layout(self, n_ready: int) -> int:
+        return min(n_ready // self.P, self.preset.max_pipelines)
+
+    # -- membership
+    def on_ready(self, t: float, node: int) -> None:
+        st = self.status
+        if st == STOPPED:
+            self.start_rdv(t, RESTART)
+        elif st == RDV:
+            self.members.add(node)
+        else:
+            self.standby[node] = None
+            self.want_decision(t)
+
+    def on_lost(self, t: float, node: int) -> None:
+        if node in self.standby:
+            del self.standby[node]
+            self.bump("standby_losses")
+            return
+        st = self.status
+        if st == RDV:
+            if node in self.members:
+                self.members.discard(node)
+                self.broken = True
+            return
+        if st == RUNNING and node in self.coords:
+            self.node_failed(t, node)
+
+    def node_failed(self, t: float, node: int) -> None:
+        cs = self.coords.pop(node)
+        for c in cs:
+            del self.holder[c]
+        P = self.P
+        if len(cs) > 1 or P == 1:
+            self.fatal(t, cs)
+            return
+        d, s = cs[0]
+        pred = self.holder.get((d, (s - 1) % P))
+        if pred is None or len(self.coords[pred]) > 1 or self.rc_mode == "off":
+            self.fatal(t, cs)
+            return
+        self.coords[pred].append((d, s))
+        self.holder[(d, s)] = pred
+        self.overloaded += 1
+        self.bump("failovers")
+        if self.overloaded == 1:
+            self.set_tau(self.base_tau * self.preset.shadow_slowdown)
+        pause = self.preset.failover_pause_s
+        if self.rc_mode == "lazy":
+            pause += self.frac * self.base_tau  # forwards of this step recomputed before BRC
+        if pause > 0:
+            self.stall(pause)
+        self.want_decision(t)
+
+    def fatal(self, t: float, lost: list[tuple[int, int]]) -> None:
+        """Every copy of some stage in one pipeline is gone."""
+        if self.rc_mode != "off":
+            self.fatal_failures += 1
+        D = self.D
+        peer = all(
+            any((d2, s) in self.holder for d2 in range(D) if d2 != d) for d, s in lost
+        )
+        self.drop_partial()
+        if peer:
+            self.bump("peer_restores")
+        else:
+            self.bump("checkpoint_restores")
+            if self.cfg.fatal_rollback:
+                self.rollback()
+        self.start_rdv(t, RESTART)
+
+    # -- reconfiguration
+    def want_decision(self, t: float) -> None:
+        if not self.decision_pending and self.status == RUNNING:
+            self.decision_pending = True
+            self.push(self.next_boundary(t), T_DECIDE)
+
+    def should_reconfigure(self) -> bool:
+        ov = self.overloaded
+        w = len(self.standby)
+        D, P = self.D, self.P
+        if ov and w >= ov:
+            return True
+        active = D * P - ov
+        if ov and 2 * ov / active > 0.05:
+            return True
+        return D < self.preset.max_pipelines and (active + w) // P > D
+
+    def start_rdv(self, t: float, mode: int) -> None:
+        self.drop_partial()
+        self.epoch += 1
+        self.status = RDV
+        self.mode = mode
+        self.rdv_mode = mode
+        self.members = set(self.ready)
+        self.broken = False
+        self.coords.clear()
+        self.holder.clear()
+        self.standby.clear()
+        self.overloaded = 0
+        self.decision_pending = False
+        self.push(t + self.rdv_seconds(mode), T_RDV_DONE)
+
+    def rdv_seconds(self, mode: int) -> float:
+        return self.preset.rebalance_s if mode == REBALANCE else self.preset.restart_s
+
+    def on_timer(self, t: float, kind: int, payload: object) -> None:
+        if kind == T_RDV_DONE:
+            if self.broken:  # a member vanished: the rendezvous starts over
+                self.members = set(self.ready)
+                self.broken = False
+                self.push(t + self.rdv_seconds(self.rdv_mode), T_RDV_DONE)
+                self.bump("rendezvous_retries")
+            else:
+                self.form_layout(t)
+        elif kind == T_DECIDE:
+            if self.status != RUNNING:
+                self.decision_pending = False
+            elif self.mode == CKPT:
+                pass  # decided when the checkpoint is written (T_RESUME)
+            elif 1e-6 < self.frac < 1.0 - 1e-6:
+                self.push(self.next_boundary(t), T_DECIDE)  # boundary moved (checkpoint pause)
+            else:
+                self.decision_pending = False
+                if self.should_reconfigure():
+                    self.start_rdv(t, REBALANCE)
+        elif kind == T_FALLBACK:
+            if self.status == RUNNING and self.mode == RUN:
+                self.durable()  # snapshot of the step state; training waits while it is written
+                self.last_durable = t
+                self.mode = CKPT
+                self.push(t + self.ckpt_save_s(), T_RESUME)
+        elif kind == T_RESUME:
+            if self.status == RUNNING and self.mode == CKPT:
+                self.mode = RUN
+                if self.decision_pending:
+                    self.push(self.next_boundary(t), T_DECIDE)
+                self.push(t + self.cfg.fallback_every_s, T_FALLBACK)
+
+    def ckpt_save_s(self) -> float:
+        return self.cfg.ckpt_save_s if self.cfg.ckpt_save_s is not None else self.preset.ckpt_save_s
+
+    def placement_order(self) -> list[int]:
+        nodes = list(self.ready)
+        if self.cfg.placement == "random":
+            self.rng.shuffle(nodes)
+        return nodes
+
+    def form_layout(self, t: float) -> None:
+        nodes = self.placement_order()
+        D = self.choose_layout(len(nodes))
+        if D <= 0:
+            self.status = STOPPED
+            self.mode = IDLE
+            return
+        P = self.P
+        coords, holder = self.coords, self.holder
+        for d in range(D):
+            for s in range(P):
+                node = nodes[d * P + s]
+                coords[node] = [(d, s)]
+                holder[(d, s)] = node
+        self.standby = dict.fromkeys(nodes[D * P:])
+        if self.started:
+            self.reconfigurations += 1
+        self.started = True
+        self.status = RUNNING
+        self.D = D
+        plain = self.preset.plain_step_time(D)
+        self.base_tau = plain * (1.0 + self.mode_overhead(self.rc_mode))
+        self.start_running(self.base_tau, plain)
+        if self.cfg.fallback_every_s > 0:  # the fallback schedule survives reconfigurations
+            self.push(max(t, self.last_durable + self.cfg.fallback_every_s), T_FALLBACK)
+
+
+class CheckpointPolicy(ClusterPolicy):
+    """Checkpoint every N seconds; any loss of a working node restarts all from the last checkpoint."""
+
+    name = "checkpoint"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.P = self.preset.stages
+        self.status = STOPPED
+        self.D = 0
+        self.layout: set[int] = set()
+        self.standby: dict[int, None] = {}
+        self.members: set[int] = set()
+        self.broken = False
+        self.rdv_mode = RESTART
+        self.morph_pending = False
+        self.then_restart = False
+        self.started = False
+        c = self.cfg
+        self.save_s = c.ckpt_save_s if c.ckpt_save_s is not None else self.preset.ckpt_save_s
+        self.restart_s = c.restart_s if c.restart_s is not None else self.preset.ckpt_restart_s
+
+    def on_ready(self, t: float, node: int) -> None:
+        st = self.status
+        if st == STOPPED:
+            self.start_restart(t, RESTART)
+        elif st == RDV:
+            self.members.add(node)
+        else:
+            self.standby[node] = None
+            if (
+                not self.morph_pending
+                and self.D < self.preset.max_pipelines
+                and (self.D * self.P + len(self.standby)) // self.P > self.D
+            ):
+                self.morph_pending = True
+                if st == RUNNING:
+                    self.push(self.next_boundary(t), T_MORPH)
+
+    def on_lost(self, t: float, node: int) -> None:
+        if node in self.standby:
+            del self.standby[node]
+            self.bump("standby_losses")
+            return
+        st = self.status
+        if st == RDV:
+            if node in self.members:
+                self.members.discard(node)
+                self.broken = True
+            return
+        if node in self.layout:
+            self.fatal_failures += 1
+            self.bump("checkpoint_restores")
+            self.drop_partial()
+            self.rollback()
+            self.start_restart(t, RESTART)
+
+    def start_restart(self, t: float, mode: int) -> None:
+        self.drop_partial()
+        self.epoch += 1
+        self.status = RDV
+        self.mode = mode
+        self.rdv_mode = mode
+        self.members = set(self.ready)
+        self.broken = False
+        self.layout = set()
+        self.standby = {}
+        self.morph_pending = False
+        self.then_restart = False
+        self.push(t + self.restart_s, T_RDV_DONE)
+
+    def schedule_checkpoint(self, t: float) -> None:
+        every = self.cfg.checkpoint_every_s
+        tau = self.tau
+        rem = (1.0 - self.frac) * tau
+        if every <= rem:
+            tb = t + rem
+        else:
+            tb = t + rem + math.ceil((every - rem) / tau - 1e-9) * tau
+        self.push(tb, T_CKPT_START)
+
+    def begin_save(self, t: float, then_restart: bool) -> None:
+        self.epoch += 1
+        self.status = SAVING
+        self.mode = CKPT
+        self.then_restart = then_restart
+        self.frac = 0.0
+        self.lost += self.ptime  # normally ~0: saves start at step boundaries
+        self.ptime = 0.0
+        self.push(t + self.save_s, T_CKPT_DONE)
+
+    def on_timer(self, t: float, kind: int, payload: object) -> None:
+        if kind == T_RDV_DONE:
+            if self.broken:
+                self.members = set(self.ready)
+                self.broken = False
+                self.push(t + self.restart_s, T_RDV_DONE)
+                self.bump("rendezvous_retries")
+            else:
+                self.form_layout(t)
+        elif kind == T_CKPT_START:
+            if self.status == RUNNING:
+                self.begin_save(t, False)
+        elif kind == T_MORPH:
+            if self.status == RUNNING:
+                self.begin_save(t, True)
+        elif kind == T_CKPT_DONE:
+            self.durable()
+            if self.then_restart or self.morph_pending:
+                self.start_restart(t, REBALANCE)
+            else:
+                self.status = RUNNING
+                self.mode = RUN
+                self.schedule_checkpoint(t)
+
+    def form_layout(self, t: float) -> None:
+        nodes = list(self.ready)
+        D = min(len(nodes) // self.P, self.preset.max_pipelines)
+        if D <= 0:
+            self.status = STOPPED
+            self.mode = IDLE
+            return
+        used = D * self.P
+        self.layout = set(nodes[:used])
+        self.standby = dict.fromkeys(nodes[used:])
+        if self.started:
+            self.reconfigurations += 1
+        self.started = True
+        self.status = RUNNING
+        self.D = D
+        plain = self.preset.plain_step_time(D)
+        self.start_running(plain, plain)
+        self.schedule_checkpoint(t)
+
+
+def _mean_live(trace: Trace) -> float:
+    """Time-averaged number of live instances in a trace."""
+    live = 0
+    area = 0.0
+    prev = 0.0
+    for t, k in zip(trace.times, trace.kinds):
+        area += live * (t - prev)
+        prev = t
+        live += k
+    area += live * (trace.duration - prev)
+    return area / trace.duration if trace.duration > 0 else float(live)
+
+
+def on_demand_layout(preset: ModelPreset, config: SimConfig, trace: Trace) -> tuple[int, float]:
+    """(nodes, seconds per step) of the on-demand cluster the config asks for."""
+    what = config.on_demand
+    if what == "ref":
+        return preset.on_demand_nodes, preset.on_demand_step_s
+    if what == "matched":
+        d = int(round(_mean_live(trace) / preset.stages))
+    else:
+        d = int(what) // preset.stages
+    d = max(1, min(d, preset.max_pipelines))
+    return d * preset.stages, preset.plain_step_time(d)
+
+
+class OnDemandPolicy(Policy):
+    """A fixed on-demand cluster: never preempted, so the result is closed form."""
+
+    name = "on-demand"
+
+    def run(self, trace: Trace, record: bool = False) -> RunResult:
+        H = trace.duration
+        nodes, tau = on_demand_layout(self.preset, self.cfg, trace)
+        start = min(self.cfg.alloc_delay_s, H)
+        steps = int((H - start) / tau + 1e-9)
+        samples = steps * self.preset.samples_per_step
+        cost = nodes * self.cfg.on_demand_price * H / 3600.0
+        breakdown = {c: 0.0 for c in ("useful", "redundant", "checkpoint", "restart", "rebalance", "lost", "idle")}
+        breakdown["useful"] = steps * tau
+        breakdown["idle"] = start
+        breakdown["lost"] = H - start - steps * tau
+        timeline = None
+        if record:
+            timeline = [(0.0, nodes, 0, 0.0)]
+            n = 200
+            for i in range(1, n + 1):
+                t = H * i / n
+                k = max(0, int((t - start) / tau + 1e-9)) if t > start else 0
+                timeline.append((t, nodes, k * self.preset.samples_per_step, nodes * self.cfg.on_demand_price * t / 3600))
+        return RunResult(
+            policy=self.name, duration_s=H, steps=steps, samples=samples, cost=cost,
+            preemptions=0, fatal_failures=0, reconfigurations=0, breakdown=breakdown,
+            extra={"nodes": nodes, "step_s": tau}, timeline=timeline,
+        )
+
+
+class AdaptivePolicy(BambooPolicy):
+    """Picks the redundancy mode and pipelines from the observed preemption rate, maximising samples per dollar."""
+
+    name = "adaptive"
+    PRIOR_RATE = 0.10 / 3600.0
+    """Prior preemption rate per node-second (10% per hour: pessimistic, so it starts protected)."""
+    PRIOR_WEIGHT = 12 * 3600.0
+    """Node-seconds of observation the prior counts for."""
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.exposure = 0.0
+        self.removals = 0
+        self.mode_seconds = {"eager": 0.0, "lazy": 0.0, "off": 0.0}
+
+    def advance(self, t: float) -> None:
+        dt = t - self.t
+        if dt > 0:
+            self.exposure += len(self.billed) * dt
+            if self.mode == RUN:
+                self.mode_seconds[self.rc_mode] += dt
+        super().advance(t)
+
+    def on_lost(self, t: float, node: int) -> None:
+        self.removals += 1
+        super().on_lost(t, node)
+
+    def rate(self) -> float:
+        """Posterior mean preemption rate per node-second."""
+        return (self.PRIOR_RATE * self.PRIOR_WEIGHT + self.removals) / (self.PRIOR_WEIGHT + self.exposure)
+
+    def expected_throughput(self, mode: str, D: int, lam: float) -> float:
+        """Expected samples per second of layout D in ``mode`` at preemption rate ``lam`` per node."""
+        p = self.preset
+        plain = p.plain_step_time(D)
+        tau = plain * (1.0 + self.mode_overhead(mode))
+        r = lam * D * self.P  # failures per second among working nodes
+        q = 1.0 - math.exp(-2.0 * lam * (p.rebalance_s + tau))  # a neighbour goes before recovery
+        every = self.cfg.fallback_every_s
+        rollback = every / 2 if (self.cfg.fatal_rollback and every > 0 and D == 1) else 0.0
+        fatal_cost = p.restart_s + tau / 2 + rollback
+        if mode == "off":
+            per_failure = fatal_cost
+        else:
+            per_failure = p.failover_pause_s + tau * (p.shadow_slowdown - 1.0) + p.rebalance_s + q * fatal_cost
+            if mode == "lazy":
+                per_failure += tau / 2  # forwards of the failed stage recomputed
+        return p.samples_per_step / tau / (1.0 + r * per_failure)
+
+    def choose_layout(self, n_ready: int) -> int:
+        lam = self.rate()
+        best_mode, best_d, best_v = "eager", 0, -1.0
+        for D in range(1, min(n_ready // self.P, self.preset.max_pipelines) + 1):
+            for mode in ("eager", "lazy", "off"):
+                v = self.expected_throughput(mode, D, lam)  # same instances paid for: value ~ throughput
+                if v > best_v * (1 + 1e-12):
+                    best_mode, best_d, best_v = mode, D, v
+        self.rc_mode = best_mode
+        return best_d
+
+    def _result(self, horizon: float, timeline: list | None) -> RunResult:
+        res = super()._result(horizon, timeline)
+        for mode, sec in self.mode_seconds.items():
+            res.extra[f"seconds_{mode}"] = sec
+        return res
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "bamboo": BambooPolicy,
+    "checkpoint": CheckpointPolicy,
+    "on-demand": OnDemandPolicy,
+    "adaptive": AdaptivePolicy,
+}
+
+
+def make_policy(name: str, preset: ModelPreset, config: SimConfig, seed: int = 0) -> Policy:
+    """Build a policy by name."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+    return cls(preset, config, seed)

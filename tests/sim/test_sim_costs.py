@@ -1,0 +1,62 @@
+"""The costs file: schema validation, step-time model, and use by the simulator."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bamboo.sim.costs import CostsError, StepCosts, load_costs, save_costs
+from bamboo.sim.presets import get_preset, preset_from_costs
+
+GOOD = {
+    "schema": "bamboo.costs/1", "model": "gpt2-tiny", "stages": 4, "micro_batches": 8, "samples_per_step": 64,
+    "forward_s": [0.01, 0.01, 0.01, 0.01], "backward_s": [0.02, 0.02, 0.02, 0.03], "rc_overhead": 0.2,
+    "failover_pause_s": 0.4, "reconfiguration_s": 2.5,
+}
+
+
+def test_round_trip_and_step_time(tmp_path):
+    c = StepCosts(**{k: v for k, v in GOOD.items() if k != "schema"})
+    f = tmp_path / "c.json"
+    save_costs(c, f)
+    back = load_costs(f)
+    assert back == c
+    # 1F1B: (ceil(8/D) + P - 1) x slowest stage (0.04 s)
+    assert abs(back.step_time(1) - (8 + 3) * 0.04) < 1e-12
+    assert abs(back.step_time(2) - (4 + 3) * 0.04) < 1e-12
+    p = preset_from_costs(back, get_preset("gpt2"))
+    assert p.stages == 4 and abs(p.step_time(2) - 7 * 0.04 * 1.2) < 1e-12 and p.rebalance_s == 2.5
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d.pop("stages"), "'stages'"),
+    (lambda d: d.update(forward_s=[0.1]), "forward_s"),
+    (lambda d: d.update(rc_overhead=-1), "rc_overhead"),
+    (lambda d: d.update(schema="other/2"), "schema"),
+    (lambda d: d.update(extra_field=1), "extra_field"),
+    (lambda d: d.update(micro_batches=2.5), "micro_batches"),
+])
+def test_invalid_costs_name_the_field(tmp_path, mutate, needle):
+    d = dict(GOOD)
+    mutate(d)
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(CostsError) as exc:
+        load_costs(f)
+    assert needle in str(exc.value) and str(f) in str(exc.value)
+
+
+def test_simulate_with_costs_file(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(GOOD))
+    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", "synthetic:p=0.1,nodes=12,hours=2",
+                        "--costs", str(f), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"] == "gpt2-tiny" and d["policies"]["bamboo"]["steps"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", "synthetic:p=0.1", "--costs", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and f"{bad}:1:" in r.stderr
