@@ -13,6 +13,7 @@ import hashlib
 import math
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -190,7 +191,7 @@ class LocalCluster:
                 self.store.set(SHUTDOWN_KEY, "1")
         elif kind == "error":
             self.events.write("worker_error", node=w.name, step=msg["step"], error=msg["error"],
-                              peer_lost=msg["peer_lost"])
+                              peer_lost=msg["peer_lost"], traceback=msg["traceback"])
             if not msg["peer_lost"]:
                 self._fail(self._software_error(w, msg))
             self._peer_lost_message = self._peer_lost_message or (
@@ -202,7 +203,7 @@ class LocalCluster:
     def _software_error(self, w: _Worker, msg: dict) -> str:
         where = self._where(w)
         if self.debug:
-            self.display.message(msg["traceback"])
+            print(msg["traceback"], file=sys.stderr, flush=True)
         return f"worker {w.name} ({where}) failed in step {msg['step']}: {msg['error']}"
 
     def _where(self, w: _Worker) -> str:

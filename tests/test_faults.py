@@ -1,0 +1,126 @@
+"""Faults without redundancy: a software error or a lost node stops the run at once,
+with the cause shown, and leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BAMBOO, REPO
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def worker_pids(result) -> list[int]:
+    return [e["pid"] for e in result.events() if e["event"] == "node_up"]
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_software_error_stops_the_run_with_that_error(bamboo) -> None:
+    result = bamboo(["--steps", "6", "--crash", "0:2@3", "--quiet"])
+    assert result.code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0] == ("bamboo train: error: worker n2 (pipeline 0, stage 2) failed in step 3: "
+                        "InjectedError: injected software error at step 3")
+    events = result.events()
+    failed = next(e for e in events if e["event"] == "run_failed")
+    last_step = max(e["t"] for e in events if e["event"] == "step_done")
+    assert failed["t"] - last_step < 5.0  # stopped within seconds, not a comm timeout
+    summary = result.summary
+    assert summary["status"] == "failed" and summary["steps_completed"] == 3
+    assert wait_gone(worker_pids(result)) == []
+
+
+@pytest.mark.timeout(120)
+def test_debug_shows_the_workers_traceback(bamboo) -> None:
+    result = bamboo(["--steps", "3", "--crash", "0:0@1", "--quiet", "--debug"])
+    assert result.code == 1
+    assert "Traceback" in result.stderr and "InjectedError" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_lost_node_without_failover_stops_with_a_message(bamboo) -> None:
+    result = bamboo(["--steps", "6", "--kill", "0:1@2", "--quiet"])
+    assert result.code == 3
+    assert result.stderr.strip() == ("bamboo train: error: node n1 (pipeline 0, stage 1) was lost "
+                                     "in step 2 (SIGKILL); this run has no failover, so it stops here")
+    lost = [e for e in result.events() if e["event"] == "node_lost"]
+    assert [(e["node"], e["step"]) for e in lost] == [("n1", 2)]
+    assert wait_gone(worker_pids(result)) == []
+
+
+def start_training(out: Path) -> subprocess.Popen:
+    return subprocess.Popen([*BAMBOO, "train", "--steps", "500", "--quiet", "--out", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(out: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    events = out / "events.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists() and '"step_done"' in events.read_text():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError("training never reached its first step")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_launcher_stops_everything(tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out)
+    wait_for_steps(out, proc)
+    pids = [int(line.split('"pid": ')[1].split(",")[0])
+            for line in (out / "events.jsonl").read_text().splitlines() if "node_up" in line]
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 128 + signum
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.timeout(120)
+def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out)
+    wait_for_steps(out, proc)
+    pids = [int(line.split('"pid": ')[1].split(",")[0])
+            for line in (out / "events.jsonl").read_text().splitlines() if "node_up" in line]
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert wait_gone(pids, timeout=15) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out)
+    wait_for_steps(out, proc)
+    victim = next(line for line in (out / "events.jsonl").read_text().splitlines()
+                  if '"node": "n2"' in line and "node_up" in line)
+    os.kill(int(victim.split('"pid": ')[1].split(",")[0]), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3
+    assert "node n2 (pipeline 0, stage 2) was lost" in stderr
