@@ -25,7 +25,7 @@ from heapq import heappop, heappush
 from random import Random
 
 from .presets import ModelPreset
-from .traces import ADD, Trace
+from .traces import ADD, READY, Trace
 
 __all__ = [
     "SimConfig",
@@ -113,6 +113,9 @@ class Policy:
         self.preset = preset
         self.cfg = config
         self.rng = Random(seed)
+        self.plain_s = {d: preset.plain_step_time(d) for d in preset.step_s}
+        """Seconds per step without redundancy, by number of pipelines."""
+        self.max_d = preset.max_pipelines
 
     def run(self, trace: Trace, record: bool = False) -> RunResult:  # pragma: no cover
         raise NotImplementedError
@@ -126,7 +129,8 @@ class ClusterPolicy(Policy):
         self.epoch = 0
         self.seq = 0
         self.heap: list[tuple[float, int, int, int, object]] = []
-        self.billed: set[int] = set()
+        self.billed: dict[int, int] = {}
+        """Instances paid for now: node -> index of its add row."""
         self.ready: dict[int, None] = {}
         self.mode = IDLE
         self.acc = [0.0] * 5  # time per non-running mode (index RUN unused)
@@ -147,6 +151,8 @@ class ClusterPolicy(Policy):
         self.fatal_failures = 0
         self.reconfigurations = 0
         self.counters: dict[str, float] = {}
+        self.observe = False
+        self.events = 0
 
     # -- hooks for subclasses
     def accept(self, node: int) -> bool:
@@ -165,58 +171,62 @@ class ClusterPolicy(Policy):
     # -- event loop
     def run(self, trace: Trace, record: bool = False) -> RunResult:
         self._reset()
-        times, kinds, nodes = trace.times, trace.kinds, trace.nodes
+        ev_t, ev_k, ev_n, ev_s = trace.events(self.cfg.alloc_delay_s)
         horizon = trace.duration
-        delay = self.cfg.alloc_delay_s
-        ready_q: deque[tuple[float, int]] = deque()
         heap = self.heap
         billed = self.billed
+        ready = self.ready
+        advance, accept = self.advance, self.accept
+        on_timer, on_ready, on_lost = self.on_timer, self.on_ready, self.on_lost
         inf = math.inf
-        i, n = 0, len(times)
+        i, n = 0, len(ev_t)
+        t_ev = ev_t[0] if n else inf
         timeline: list[tuple[float, int, int, float]] | None = [] if record else None
+        sps = self.preset.samples_per_step
+        stale = 0
         while True:
-            t_tr = times[i] if i < n else inf
-            t_rd = ready_q[0][0] if ready_q else inf
-            t_hp = heap[0][0] if heap else inf
-            if t_hp <= t_tr and t_hp <= t_rd:
-                if t_hp > horizon:
+            if heap and heap[0][0] <= t_ev:
+                if heap[0][0] > horizon:
                     break
                 t, _, kind, epoch, payload = heappop(heap)
                 if epoch != self.epoch:
+                    stale += 1
                     continue
-                self.advance(t)
-                self.on_timer(t, kind, payload)
-            elif t_rd <= t_tr:
-                if t_rd > horizon:
-                    break
-                t, node = ready_q.popleft()
-                if node not in billed:
-                    continue
-                self.advance(t)
-                self.ready[node] = None
-                self.on_ready(t, node)
+                advance(t)
+                on_timer(t, kind, payload)
             else:
-                if t_tr > horizon:
+                t = t_ev
+                if t > horizon:  # also the end of the rows (inf)
                     break
-                t = t_tr
-                node = nodes[i]
-                kind = kinds[i]
+                kind = ev_k[i]
+                node = ev_n[i]
+                serial = ev_s[i]
                 i += 1
-                self.advance(t)
-                if kind == ADD:
-                    if self.accept(node):
-                        billed.add(node)
-                        ready_q.append((t + delay, node))
-                elif node in billed:
-                    billed.discard(node)
-                    self.preemptions += 1
-                    self.ready.pop(node, None)
-                    self.on_lost(t, node)
+                t_ev = ev_t[i] if i < n else inf
+                if kind == READY:
+                    if billed.get(node) != serial:
+                        continue  # lost (or never taken) before it was ready
+                    advance(t)
+                    ready[node] = None
+                    on_ready(t, node)
+                elif kind == ADD:
+                    advance(t)
+                    if node not in billed and accept(node):  # a duplicate add of a live node is ignored
+                        billed[node] = serial
+                else:
+                    advance(t)
+                    if node in billed:
+                        del billed[node]
+                        self.preemptions += 1
+                        ready.pop(node, None)
+                        on_lost(t, node)
             if timeline is not None:
-                timeline.append((t, len(billed), self.steps * self.preset.samples_per_step, self.cost))
-        self.advance(horizon)
+                timeline.append((t, len(billed), self.steps * sps, self.cost))
+        advance(horizon)
+        # events handled: rows and READYs reached, timers fired (stale ones not counted)
+        self.events = i + self.seq - len(heap) - stale
         if timeline is not None:
-            timeline.append((horizon, len(billed), self.steps * self.preset.samples_per_step, self.cost))
+            timeline.append((horizon, len(billed), self.steps * sps, self.cost))
         return self._result(horizon, timeline)
 
     def _result(self, horizon: float, timeline: list | None) -> RunResult:
@@ -247,44 +257,55 @@ class ClusterPolicy(Policy):
 
     # -- time accounting
     def advance(self, t: float) -> None:
+        """Account the time up to ``t`` (the hot path: steps are counted, not simulated)."""
         dt = t - self.t
         if dt <= 0.0:
             return
-        self.cost += len(self.billed) * self.price_s * dt
-        if self.mode == RUN:
-            self._run_for(dt)
-        else:
-            self.acc[self.mode] += dt
+        nb = len(self.billed)
+        self.cost += nb * self.price_s * dt
         self.t = t
-
-    def _run_for(self, dt: float) -> None:
+        if self.observe:  # adaptive: node-seconds exposed, seconds run per redundancy mode
+            self.exposure += nb * dt
+            if self.mode == RUN:
+                self.mode_seconds[self.rc_mode] += dt
+        if self.mode != RUN:
+            self.acc[self.mode] += dt
+            return
         tau = self.tau
         rem = (1.0 - self.frac) * tau
         if dt < rem - _EPS:
             self.frac += dt / tau
             self.ptime += dt
             return
-        self._commit(1, self.ptime + rem)
+        # the step in flight completes
+        seconds = self.ptime + rem
+        u = self.tau_useful
+        if u > seconds:
+            u = seconds
+        r = seconds - u
+        steps, useful, redundant = self.steps + 1, self.useful + u, self.redundant + r
+        ck_steps, ck_useful, ck_redundant = self.ck_steps + 1, self.ck_useful + u, self.ck_redundant + r
         dt -= rem
         k = int((dt + _EPS) / tau)
-        if k:
-            self._commit(k, k * tau)
-            dt -= k * tau
+        if k:  # and k more whole steps
+            seconds = k * tau
+            u = k * self.tau_useful
+            if u > seconds:
+                u = seconds
+            r = seconds - u
+            steps += k
+            useful += u
+            redundant += r
+            ck_steps += k
+            ck_useful += u
+            ck_redundant += r
+            dt -= seconds
+        self.steps, self.useful, self.redundant = steps, useful, redundant
+        self.ck_steps, self.ck_useful, self.ck_redundant = ck_steps, ck_useful, ck_redundant
         if dt < 0.0:
             dt = 0.0
         self.frac = dt / tau
         self.ptime = dt
-
-    def _commit(self, k: int, seconds: float) -> None:
-        u = k * self.tau_useful
-        if u > seconds:
-            u = seconds
-        self.steps += k
-        self.useful += u
-        self.redundant += seconds - u
-        self.ck_steps += k
-        self.ck_useful += u
-        self.ck_redundant += seconds - u
 
     def set_tau(self, tau: float, tau_useful: float | None = None) -> None:
         """Change the step time; the in-flight step keeps its progress fraction."""

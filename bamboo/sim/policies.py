@@ -52,8 +52,13 @@ class BambooPolicy(ClusterPolicy):
         self.P = self.preset.stages
         self.status = STOPPED
         self.D = 0
-        self.coords: dict[int, list[tuple[int, int]]] = {}
-        self.holder: dict[tuple[int, int], int] = {}
+        # Layout: position d * P + s is stage s of pipeline d.
+        self.holder: list[int | None] = []
+        """Position -> the node computing it (None: lost, only transiently)."""
+        self.slot: dict[int, int] = {}
+        """Working node -> its own position."""
+        self.extra: dict[int, int] = {}
+        """Shadow node -> the position it took over (a shadow holds two stages)."""
         self.standby: dict[int, None] = {}
         self.overloaded = 0
         self.members: set[int] = set()
@@ -68,10 +73,12 @@ class BambooPolicy(ClusterPolicy):
     # -- the redundancy mode's costs (adaptive overrides the mode)
     def mode_overhead(self, mode: str) -> float:
         p = self.preset
-        return {"eager": p.rc_overhead, "lazy": p.lazy_overhead, "off": 0.0}[mode]
+        if mode == "eager":
+            return p.rc_overhead
+        return p.lazy_overhead if mode == "lazy" else 0.0
 
     def choose_layout(self, n_ready: int) -> int:
-        return min(n_ready // self.P, self.preset.max_pipelines)
+        return min(n_ready // self.P, self.max_d)
 
     # -- membership
     def on_ready(self, t: float, node: int) -> None:
@@ -95,24 +102,28 @@ class BambooPolicy(ClusterPolicy):
                 self.members.discard(node)
                 self.broken = True
             return
-        if st == RUNNING and node in self.coords:
+        if st == RUNNING and node in self.slot:
             self.node_failed(t, node)
 
     def node_failed(self, t: float, node: int) -> None:
-        cs = self.coords.pop(node)
-        for c in cs:
-            del self.holder[c]
+        holder, extra = self.holder, self.extra
+        pos = self.slot.pop(node)
+        holder[pos] = None
+        took = extra.pop(node, None)
+        if took is not None:  # a shadow is lost: both its stages are gone
+            holder[took] = None
+            self.fatal(t, (pos, took))
+            return
         P = self.P
-        if len(cs) > 1 or P == 1:
-            self.fatal(t, cs)
+        if P == 1:
+            self.fatal(t, (pos,))
             return
-        d, s = cs[0]
-        pred = self.holder.get((d, (s - 1) % P))
-        if pred is None or len(self.coords[pred]) > 1 or self.rc_mode == "off":
-            self.fatal(t, cs)
+        pred = holder[pos - 1 if pos % P else pos + P - 1]  # the previous stage, cyclically
+        if pred is None or pred in extra or self.rc_mode == "off":
+            self.fatal(t, (pos,))
             return
-        self.coords[pred].append((d, s))
-        self.holder[(d, s)] = pred
+        extra[pred] = pos
+        holder[pos] = pred
         self.overloaded += 1
         self.bump("failovers")
         if self.overloaded == 1:
@@ -124,13 +135,13 @@ class BambooPolicy(ClusterPolicy):
             self.stall(pause)
         self.want_decision(t)
 
-    def fatal(self, t: float, lost: list[tuple[int, int]]) -> None:
-        """Every copy of some stage in one pipeline is gone."""
+    def fatal(self, t: float, lost: tuple[int, ...]) -> None:
+        """Every copy of some stage in one pipeline is gone (``lost``: their positions)."""
         if self.rc_mode != "off":
             self.fatal_failures += 1
-        D = self.D
+        D, P, holder = self.D, self.P, self.holder
         peer = all(
-            any((d2, s) in self.holder for d2 in range(D) if d2 != d) for d, s in lost
+            any(holder[d2 * P + pos % P] is not None for d2 in range(D) if d2 != pos // P) for pos in lost
         )
         self.drop_partial()
         if peer:
@@ -156,7 +167,7 @@ class BambooPolicy(ClusterPolicy):
         active = D * P - ov
         if ov and 2 * ov / active > 0.05:
             return True
-        return D < self.preset.max_pipelines and (active + w) // P > D
+        return D < self.max_d and (active + w) // P > D
 
     def start_rdv(self, t: float, mode: int) -> None:
         self.drop_partial()
@@ -166,9 +177,10 @@ class BambooPolicy(ClusterPolicy):
         self.rdv_mode = mode
         self.members = set(self.ready)
         self.broken = False
-        self.coords.clear()
-        self.holder.clear()
-        self.standby.clear()
+        self.holder = []
+        self.slot = {}
+        self.extra = {}
+        self.standby = {}
         self.overloaded = 0
         self.decision_pending = False
         self.push(t + self.rdv_seconds(mode), T_RDV_DONE)
@@ -225,20 +237,17 @@ class BambooPolicy(ClusterPolicy):
             self.status = STOPPED
             self.mode = IDLE
             return
-        P = self.P
-        coords, holder = self.coords, self.holder
-        for d in range(D):
-            for s in range(P):
-                node = nodes[d * P + s]
-                coords[node] = [(d, s)]
-                holder[(d, s)] = node
-        self.standby = dict.fromkeys(nodes[D * P:])
+        used = D * self.P
+        holder = self.holder = nodes[:used]
+        self.slot = dict(zip(holder, range(used)))
+        self.extra = {}
+        self.standby = dict.fromkeys(nodes[used:])
         if self.started:
             self.reconfigurations += 1
         self.started = True
         self.status = RUNNING
         self.D = D
-        plain = self.preset.plain_step_time(D)
+        plain = self.plain_s[D]
         self.base_tau = plain * (1.0 + self.mode_overhead(self.rc_mode))
         self.start_running(self.base_tau, plain)
         if self.cfg.fallback_every_s > 0:  # the fallback schedule survives reconfigurations
@@ -277,7 +286,7 @@ class CheckpointPolicy(ClusterPolicy):
             self.standby[node] = None
             if (
                 not self.morph_pending
-                and self.D < self.preset.max_pipelines
+                and self.D < self.max_d
                 and (self.D * self.P + len(self.standby)) // self.P > self.D
             ):
                 self.morph_pending = True
@@ -362,7 +371,7 @@ class CheckpointPolicy(ClusterPolicy):
 
     def form_layout(self, t: float) -> None:
         nodes = list(self.ready)
-        D = min(len(nodes) // self.P, self.preset.max_pipelines)
+        D = min(len(nodes) // self.P, self.max_d)
         if D <= 0:
             self.status = STOPPED
             self.mode = IDLE
@@ -375,7 +384,7 @@ class CheckpointPolicy(ClusterPolicy):
         self.started = True
         self.status = RUNNING
         self.D = D
-        plain = self.preset.plain_step_time(D)
+        plain = self.plain_s[D]
         self.start_running(plain, plain)
         self.schedule_checkpoint(t)
 
@@ -451,14 +460,8 @@ class AdaptivePolicy(BambooPolicy):
         self.exposure = 0.0
         self.removals = 0
         self.mode_seconds = {"eager": 0.0, "lazy": 0.0, "off": 0.0}
-
-    def advance(self, t: float) -> None:
-        dt = t - self.t
-        if dt > 0:
-            self.exposure += len(self.billed) * dt
-            if self.mode == RUN:
-                self.mode_seconds[self.rc_mode] += dt
-        super().advance(t)
+        self.terms = self._terms()
+        self.observe = True  # ClusterPolicy.advance accrues exposure and mode_seconds
 
     def on_lost(self, t: float, node: int) -> None:
         self.removals += 1
@@ -468,32 +471,56 @@ class AdaptivePolicy(BambooPolicy):
         """Posterior mean preemption rate per node-second."""
         return (self.PRIOR_RATE * self.PRIOR_WEIGHT + self.removals) / (self.PRIOR_WEIGHT + self.exposure)
 
+    def _terms(self) -> list[tuple]:
+        """Per (D, mode), the constants of :meth:`expected_throughput` (only the rate varies)."""
+        p = self.preset
+        every = self.cfg.fallback_every_s
+        out = []
+        for D in range(1, p.max_pipelines + 1):
+            plain = p.plain_step_time(D)
+            for mode in ("eager", "lazy", "off"):
+                tau = plain * (1.0 + self.mode_overhead(mode))
+                rollback = every / 2 if (self.cfg.fatal_rollback and every > 0 and D == 1) else 0.0
+                fatal_cost = p.restart_s + tau / 2 + rollback
+                base = p.failover_pause_s + tau * (p.shadow_slowdown - 1.0) + p.rebalance_s
+                lazy = tau / 2 if mode == "lazy" else 0.0  # forwards of the failed stage recomputed
+                out.append((D, mode, p.samples_per_step / tau, p.rebalance_s + tau, fatal_cost, base, lazy))
+        return out
+
     def expected_throughput(self, mode: str, D: int, lam: float) -> float:
         """Expected samples per second of layout D in ``mode`` at preemption rate ``lam`` per node."""
-        p = self.preset
-        plain = p.plain_step_time(D)
-        tau = plain * (1.0 + self.mode_overhead(mode))
+        for row in self._terms():
+            if row[0] == D and row[1] == mode:
+                return self._value(row, lam)
+        raise ValueError(f"no layout D={D} mode={mode!r}")
+
+    def _value(self, row: tuple, lam: float) -> float:
+        D, mode, sps_tau, exposure_s, fatal_cost, base, lazy = row
         r = lam * D * self.P  # failures per second among working nodes
-        q = 1.0 - math.exp(-2.0 * lam * (p.rebalance_s + tau))  # a neighbour goes before recovery
-        every = self.cfg.fallback_every_s
-        rollback = every / 2 if (self.cfg.fatal_rollback and every > 0 and D == 1) else 0.0
-        fatal_cost = p.restart_s + tau / 2 + rollback
         if mode == "off":
-            per_failure = fatal_cost
+            per_failure = fatal_cost  # every loss restarts
         else:
-            per_failure = p.failover_pause_s + tau * (p.shadow_slowdown - 1.0) + p.rebalance_s + q * fatal_cost
-            if mode == "lazy":
-                per_failure += tau / 2  # forwards of the failed stage recomputed
-        return p.samples_per_step / tau / (1.0 + r * per_failure)
+            q = 1.0 - math.exp(-2.0 * lam * exposure_s)  # a neighbour goes before recovery
+            per_failure = base + q * fatal_cost + lazy
+        return sps_tau / (1.0 + r * per_failure)
 
     def choose_layout(self, n_ready: int) -> int:
         lam = self.rate()
         best_mode, best_d, best_v = "eager", 0, -1.0
-        for D in range(1, min(n_ready // self.P, self.preset.max_pipelines) + 1):
-            for mode in ("eager", "lazy", "off"):
-                v = self.expected_throughput(mode, D, lam)  # same instances paid for: value ~ throughput
-                if v > best_v * (1 + 1e-12):
-                    best_mode, best_d, best_v = mode, D, v
+        d_max = min(n_ready // self.P, self.max_d)
+        P = self.P
+        exp = math.exp
+        for row in self.terms:  # _value, inlined (hot)
+            D, mode, sps_tau, exposure_s, fatal_cost, base, lazy = row
+            if D > d_max:
+                break
+            if mode == "off":
+                per_failure = fatal_cost
+            else:
+                per_failure = base + (1.0 - exp(-2.0 * lam * exposure_s)) * fatal_cost + lazy
+            v = sps_tau / (1.0 + lam * D * P * per_failure)  # same instances paid for: value ~ throughput
+            if v > best_v * (1 + 1e-12):
+                best_mode, best_d, best_v = row[1], row[0], v
         self.rc_mode = best_mode
         return best_d
 

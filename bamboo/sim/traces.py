@@ -35,6 +35,7 @@ from pathlib import Path
 __all__ = [
     "ADD",
     "REMOVE",
+    "READY",
     "Trace",
     "TraceError",
     "SyntheticSpec",
@@ -46,6 +47,8 @@ __all__ = [
 
 ADD = 1
 REMOVE = -1
+READY = 0
+"""Kind of the derived 'instance is ready' events of :meth:`Trace.events` (never in a file)."""
 
 
 class TraceError(ValueError):
@@ -68,6 +71,52 @@ class Trace:
     node_names: list[str] = field(default_factory=list)
     unsorted_rows: int = 0
     """How many rows had to be moved to restore time order."""
+    _events: dict = field(default_factory=dict, repr=False, compare=False)
+    """Cache of :meth:`events` by allocation delay (the trace is shared by every policy)."""
+
+    def events(self, alloc_delay: float) -> tuple[list[float], list[int], list[int], list[int]]:
+        """The rows merged with one READY event ``alloc_delay`` seconds after each add.
+
+        Returns parallel lists (times, kinds, nodes, serials); ``serial`` is the index of
+        the add row (for an add, its own index; for a READY, the add it follows), so a
+        replay can tell a READY of the current incarnation of a node from a stale one.
+        Ties: a READY comes before rows at the same time (but after its own add, when the
+        delay is 0), and READYs keep add order (the delay is constant). Computed once per delay and cached: callers must not mutate.
+        """
+        got = self._events.get(alloc_delay)
+        if got is not None:
+            return got
+        times, kinds, nodes = self.times, self.kinds, self.nodes
+        adds = [i for i, k in enumerate(kinds) if k == ADD]
+        rt = [times[i] + alloc_delay for i in adds]
+        et: list[float] = []
+        ek: list[int] = []
+        en: list[int] = []
+        es: list[int] = []
+        j, m = 0, len(adds)
+        inf = math.inf
+        r_next = rt[0] if m else inf
+        for i, t in enumerate(times):
+            while r_next <= t and adds[j] < i:  # a READY never precedes its own add (delay 0)
+                a = adds[j]
+                et.append(r_next)
+                ek.append(READY)
+                en.append(nodes[a])
+                es.append(a)
+                j += 1
+                r_next = rt[j] if j < m else inf
+            et.append(t)
+            ek.append(kinds[i])
+            en.append(nodes[i])
+            es.append(i)
+        for jj in range(j, m):
+            a = adds[jj]
+            et.append(rt[jj])
+            ek.append(READY)
+            en.append(nodes[a])
+            es.append(a)
+        got = self._events[alloc_delay] = (et, ek, en, es)
+        return got
 
     @property
     def preemptions(self) -> int:
