@@ -5,8 +5,9 @@ trace, instance-ready times (allocation delay after an add), and a policy's own
 timers (rendezvous done, a step boundary where it wants to decide something,
 checkpoint start/end). Between two events the layout and step time are constant,
 so completed steps follow from elapsed time; the in-flight step is carried as a
-progress fraction. Three sorted sources are merged: the trace (pre-sorted), the
-ready queue (FIFO: the allocation delay is constant) and a small timer heap.
+progress fraction. Two sorted sources are merged: the trace rows with their
+instance-ready events (merged once per trace and allocation delay by
+:meth:`Trace.events`, shared by every policy) and a small timer heap.
 
 Wall time is split into categories that always sum to the trace duration:
 useful (steps at the no-redundancy step time), redundant (RC overhead, shadow

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,7 +124,7 @@ def test_p3_trace_calibration_and_speed():
     t0 = time.perf_counter()
     res = {p: make_policy(p, get_preset("gpt2"), SimConfig()).run(trace)
            for p in ("bamboo", "checkpoint", "on-demand", "adaptive")}
-    assert time.perf_counter() - t0 < 10.0
+    assert time.perf_counter() - t0 < 1.0  # the issue's target (measured ~10 ms)
     b = res["bamboo"]
     assert b.preemptions == 167
     assert abs(b.cost_per_hour - 21.90) / 21.90 < 0.01
@@ -147,6 +148,33 @@ def test_every_format_end_to_end_and_plots(tmp_path):
     for p in pngs:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+@pytest.mark.timeout(60)
+def test_every_format_json_end_to_end_and_same_seed_same_bytes(tmp_path):
+    """Each trace format through `python -m bamboo.sim --json`: valid contract JSON, and byte-identical
+    stdout when run twice with the same seed (a file trace with --runs uses seeded random placement)."""
+    rows = [[i * 60000, "add", {"nodes": [f"n{i}"]}] for i in range(26)]
+    rows += [[3_600_000, "remove", {"nodes": ["n3"], "zone": "a"}], [3_700_000, "no-op", {}],
+             [3_800_000, "remove", {"nodes": ["n4", "n5"]}], [7_200_000, "add", {"nodes": ["n3b"]}]]
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    arr = tmp_path / "t.json"
+    arr.write_text(json.dumps(rows, indent=1))
+    counts = tmp_path / "c.txt"
+    counts.write_text("\n".join(f"2024-01-01, {h:02d}:00:00, {n}" for h, n in enumerate([30, 28, 31, 24, 26])) + "\n")
+    traces = [str(P3), str(TRACES / "gcp-a100-counts.txt"), str(counts), str(jl), str(arr),
+              "synthetic:p=0.25,hours=3", "synthetic:mtbf=20min,hours=3"]
+    pols = "bamboo,checkpoint,on-demand,adaptive"
+    for trace in traces:
+        args = ["--trace", trace, "--json", "--policies", pols, "--seed", "7", "--runs", "3", "--jobs", "1"]
+        a, b = _sim(*args), _sim(*args)
+        assert a.returncode == 0, (trace, a.stderr)
+        assert a.stdout == b.stdout, trace
+        d = json.loads(a.stdout)
+        assert set(d) >= {"trace", "model", "hours", "policies"} and set(d["policies"]) == set(pols.split(","))
+        for e in d["policies"].values():
+            assert e["throughput"] >= 0 and e["cost_per_hour"] > 0 and e["steps"] >= 0, (trace, e)
 
 
 def test_user_errors_are_one_line(tmp_path):

@@ -109,3 +109,34 @@ def test_synthetic_is_deterministic_and_plausible():
 def test_bad_synthetic_spec(spec):
     with pytest.raises(TraceError):
         parse_synthetic_spec(spec)
+
+
+def test_events_merge_ready_after_its_add_and_before_rows_at_the_same_time():
+    from bamboo.sim.traces import ADD, READY, REMOVE, Trace
+
+    tr = Trace(name="m", times=[0.0, 0.0, 10.0, 55.0], kinds=[ADD, ADD, REMOVE, ADD], nodes=[0, 1, 0, 2], duration=200.0)
+    et, ek, en, es = tr.events(0.0)  # zero delay: READY right after its own add
+    assert list(zip(et, ek, en)) == [(0.0, ADD, 0), (0.0, READY, 0), (0.0, ADD, 1), (0.0, READY, 1),
+                                     (10.0, REMOVE, 0), (55.0, ADD, 2), (55.0, READY, 2)]
+    et, ek, en, es = tr.events(45.0)  # READY at 45 and 55: before the row at 55
+    assert list(zip(et, ek, en)) == [(0.0, ADD, 0), (0.0, ADD, 1), (10.0, REMOVE, 0), (45.0, READY, 0),
+                                     (45.0, READY, 1), (55.0, ADD, 2), (100.0, READY, 2)]
+    assert es[3] == 0 and es[4] == 1 and es[6] == 3  # serial = index of the add row
+    assert tr.events(45.0) is tr.events(45.0)  # cached
+
+
+def test_ready_of_a_node_removed_and_re_added_uses_the_new_add():
+    from bamboo.sim.core import SimConfig
+    from bamboo.sim.policies import make_policy
+    from bamboo.sim.presets import ModelPreset
+    from bamboo.sim.traces import ADD, REMOVE, Trace
+
+    tiny = ModelPreset(name="tiny", stages=2, samples_per_step=2, step_s={1: 1.0},
+                       rebalance_s=5.0, restart_s=5.0, ckpt_save_s=1.0, ckpt_restart_s=5.0)
+    # node 1 is lost at 10 s and re-added at 30 s: it must be ready at 75 s, not at the first add's 45 s.
+    tr = Trace(name="r", times=[0.0, 0.0, 10.0, 30.0], kinds=[ADD, ADD, REMOVE, ADD], nodes=[0, 1, 1, 1],
+               duration=300.0)
+    r = make_policy("checkpoint", tiny, SimConfig(alloc_delay_s=45.0, fallback_every_s=0.0)).run(tr)
+    # 0-45 idle; 45-50 restart with node 0 alone (no pipeline fits); 50-75 idle; 75-80 restart; runs from 80
+    # (before the fix, the stale READY at 45 made node 1 ready 30 s early: idle 45, restart 5).
+    assert abs(r.breakdown["idle"] - 70.0) < 1e-9 and abs(r.breakdown["restart"] - 10.0) < 1e-9
