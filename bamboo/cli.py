@@ -54,11 +54,15 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
     p.add_argument("--comm-timeout", type=float, default=d.comm_timeout_s, dest="comm_timeout_s",
                    help="seconds any communication call may block (default 60)")
+    p.add_argument("--lease", type=float, default=d.lease_s, dest="lease_s",
+                   help="seconds without a heartbeat before a node is fenced (default 10)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda")
     p.add_argument("--kill", action="append", default=[], metavar="D:S@K[+notice]",
                    help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
     p.add_argument("--crash", action="append", default=[], metavar="D:S@K",
                    help="make that node raise a Python exception in step K (software-error test)")
+    p.add_argument("--check-replicas", action="store_true",
+                   help="compare every replica's digest with its primary's after every step")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     p.add_argument("--json", action="store_true", help="print summary.json on stdout when done")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -70,7 +74,7 @@ def _config(args: argparse.Namespace) -> JobConfig:
     fields = {k: getattr(args, k) for k in (
         "model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
         "seed", "redundancy", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
-        "threads", "comm_timeout_s", "device", "out")}
+        "threads", "comm_timeout_s", "lease_s", "device", "out")}
     return JobConfig(kills=[parse_kill(k) for k in args.kill], **fields).validate()
 
 
@@ -102,7 +106,8 @@ def train(argv: list[str]) -> int:
     from bamboo.progress import ProgressDisplay
     display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
     try:
-        summary = run_local(cfg, run, display, crash, debug=args.debug)
+        summary = run_local(cfg, run, display, crash, debug=args.debug,
+                            check_replicas=args.check_replicas)
     except RunFailed as e:
         print(f"bamboo train: error: {e}", file=sys.stderr)
         if args.json:

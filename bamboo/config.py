@@ -77,6 +77,8 @@ class JobConfig:
     """torch threads per worker process."""
     comm_timeout_s: float = 60.0
     """Timeout of every point-to-point and collective call."""
+    lease_s: float = 10.0
+    """A node whose heartbeat is older than this is fenced (SIGKILL) and handled as lost."""
     device: str = "auto"
     """auto | cpu | cuda (cuda uses NCCL, one GPU per local worker)."""
     kills: list[KillSpec] = field(default_factory=list)
@@ -130,6 +132,8 @@ class JobConfig:
             raise ConfigError(f"--lr must be positive (got {self.lr})")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+        if not (0 < self.lease_s <= 10):
+            raise ConfigError(f"--lease must be in (0, 10] seconds (got {self.lease_s})")
         if not (self.comm_timeout_s > 0):
             raise ConfigError(f"--comm-timeout must be positive seconds (got {self.comm_timeout_s})")
         self._validate_data(p.family)

@@ -42,7 +42,7 @@ def train_reference(cfg: JobConfig) -> tuple[list[float], dict[str, torch.Tensor
         norm = math.sqrt(sum(float(a.square().sum()) for a in acc))
         coef = clip_coefficient(norm, cfg.grad_clip)
         for a, q in zip(acc, params):
-            q.grad = (a * coef).float()
+            q.grad = a.float() * coef if coef != 1.0 else a.float()
         lr = learning_rate(step, peak=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr

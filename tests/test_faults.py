@@ -59,17 +59,19 @@ def test_debug_shows_the_workers_traceback(bamboo) -> None:
 
 @pytest.mark.timeout(120)
 def test_lost_node_without_failover_stops_with_a_message(bamboo) -> None:
-    result = bamboo(["--steps", "6", "--kill", "0:1@2", "--quiet"])
+    result = bamboo(["--steps", "6", "--kill", "0:1@2", "--quiet", "--redundancy", "off"])
     assert result.code == 3
-    assert result.stderr.strip() == ("bamboo train: error: node n1 (pipeline 0, stage 1) was lost "
-                                     "in step 2 (SIGKILL); this run has no failover, so it stops here")
+    assert result.stderr.strip() == (
+        "bamboo train: error: node n1 (pipeline 0, stage 1) was lost in step 2 (SIGKILL); "
+        "--redundancy off keeps no copy of its stage, so the run stops here")
     lost = [e for e in result.events() if e["event"] == "node_lost"]
     assert [(e["node"], e["step"]) for e in lost] == [("n1", 2)]
     assert wait_gone(worker_pids(result)) == []
 
 
-def start_training(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([*BAMBOO, "train", "--steps", "500", "--quiet", "--out", str(out)],
+def start_training(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*BAMBOO, "train", "--steps", "500", "--quiet", "--out", str(out),
+                             *extra],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -116,7 +118,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = start_training(out)
+    proc = start_training(out, "--redundancy", "off")
     wait_for_steps(out, proc)
     victim = next(line for line in (out / "events.jsonl").read_text().splitlines()
                   if '"node": "n2"' in line and "node_up" in line)

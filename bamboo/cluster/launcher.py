@@ -1,15 +1,24 @@
-"""The coordinator of a local cluster: hosts the store, starts and watches the workers.
+"""The coordinator of a local cluster: hosts the store, starts, watches and fences workers,
+and decides each step's fate.
 
 `bamboo train` runs this in its own process, so the store outlives every worker.
-Workers come from a fork server that has already imported torch (a ready worker in
-milliseconds instead of seconds of imports). The coordinator waits on every
-worker's pipe and process sentinel at once, never longer than a fraction of a
-second, and decides the run's fate: a worker that raised a Python exception stops
-the run with that error shown; a worker killed by a signal is a lost node.
+Workers come from a fork server that has already imported torch. The coordinator
+waits on every worker's pipe and process at once, never longer than a fraction of a
+second, and:
+
+- notices a lost node within that fraction of a second (its process is gone) or when
+  its heartbeat lease runs out (a frozen machine: it is fenced with SIGKILL first);
+- publishes the new role map (`epoch/<e>`), which every survivor applies to the step
+  under way; a loss no copy can cover stops the run with one line;
+- says "go" to a step's commit round when every live node has finished its
+  micro-batches, and "commit" when every live node's round succeeded (else "redo");
+- stops the run with the worker's error when a worker raises (a software error is
+  never failed over: a deterministic bug would only cascade through the shadows).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import signal
 import statistics
@@ -18,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
 import torch
@@ -27,13 +37,15 @@ from bamboo.cluster import forkserver
 from bamboo.cluster.worker import SHUTDOWN_KEY, WorkerSpec, worker_main
 from bamboo.config import JobConfig
 from bamboo.faults import Fault
+from bamboo.pipeline.engine import PHASES
 from bamboo.pipeline.layout import Layout
 from bamboo.progress import ProgressDisplay
+from bamboo.redundancy.roles import RoleMap, Unrecoverable, plan_failover
 from bamboo.runlog import RunDir, write_atomic
 
 __all__ = ["RunFailed", "LocalCluster", "run_local"]
 
-_POLL_S = 0.2
+_POLL_S = 0.1
 _ROOT_CAUSE_GRACE_S = 2.0
 
 
@@ -51,33 +63,62 @@ class _Worker:
     name: str
     process: Any
     conn: Connection
-    role: tuple[int | None, int | None]
     done: bool = False
     exited: bool = False
+    lost: bool = False
 
 
 @dataclass(slots=True)
-class _Progress:
-    reports: dict[int, dict[int, dict]] = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
-    step_records: list[dict] = field(default_factory=list)
-    params: dict[int, list] = field(default_factory=dict)
-    last_step_t: float = 0.0
+class _Failure:
+    node: str
+    rank: int
+    step: int
+    phase: str
+    handled_as: str
+    shadow: str | None
+    t: float
+    signal: str
+    pause_s: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _PendingStep:
+    step: int
+    loss: float
+    wall_s: float
+    expected: set[int]
+    reports: dict[int, dict] = field(default_factory=dict)
 
 
 class LocalCluster:
     """One training run on local worker processes."""
 
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-                 extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False) -> None:
+                 extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
+                 check_replicas: bool = False) -> None:
         self.cfg, self.rundir, self.display, self.debug = cfg, run, display, debug
-        self._peer_lost_message = ""
+        self.check_replicas = check_replicas
         self.layout = Layout(nodes=cfg.nodes, pipelines=cfg.data_parallel, stages=cfg.stages,
                              global_micro_batches=cfg.global_micro_batches)
+        self.rc = cfg.redundancy != "off" and cfg.stages > 1
+        self.roles = RoleMap.initial(stages=cfg.stages, pipelines=cfg.data_parallel,
+                                     redundancy=self.rc)
         self.faults = self._plan_faults(extra_faults or {})
         self.workers: dict[int, _Worker] = {}
-        self.state = _Progress()
         self.interrupted: int | None = None
+        self._peer_lost_message = ""
+        self.committed = 0
+        self.phase_a: dict[tuple[int, int], set[int]] = {}
+        self.rounds: dict[tuple[int, int], dict[int, dict]] = {}
+        self.written: set[str] = set()
+        self.round_failed_at: float | None = None
+        self.pending: dict[int, _PendingStep] = {}
+        self.losses: list[float] = []
+        self.step_records: list[dict] = []
+        self.failures: list[_Failure] = []
+        self.params: dict[int, list] = {}
+        self.standby_losses = 0
 
     def _plan_faults(self, extra: dict[int, list[Fault]]) -> dict[int, list[Fault]]:
         plan = {rank: list(faults) for rank, faults in extra.items()}
@@ -115,22 +156,28 @@ class LocalCluster:
 
     def _start_workers(self) -> None:
         ctx = forkserver.context()
-        for rank in range(self.cfg.nodes):
+        n = self.cfg.nodes
+        self.beats = RawArray("d", [time.monotonic() + 30.0] * n)  # grace for start-up
+        self.progress = RawArray("i", [0] * (2 * n))
+        for rank in range(n):
             reader, writer = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(rank=rank, world_size=self.cfg.nodes, store_host="127.0.0.1",
+            spec = WorkerSpec(rank=rank, world_size=n, store_host="127.0.0.1",
                               store_port=self.store.port, config=self.cfg,
-                              faults=tuple(self.faults.get(rank, [])))
-            process = ctx.Process(target=worker_main, args=(spec, writer), name=f"bamboo-n{rank}")
+                              faults=tuple(self.faults.get(rank, [])),
+                              check_replicas=self.check_replicas)
+            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.progress),
+                                  name=f"bamboo-n{rank}")
             process.start()
             writer.close()
             role = self.layout.role(rank)
-            w = _Worker(rank, self.layout.node_name(rank), process, reader, (role.pipeline, role.stage))
+            w = _Worker(rank, self.layout.node_name(rank), process, reader)
             self.workers[rank] = w
             self.events.write("node_up", node=w.name, pid=process.pid, pipeline=role.pipeline,
                               stage=role.stage)
-        self.display.message(f"started {self.cfg.nodes} workers: {self.cfg.data_parallel} "
-                             f"pipeline(s) x {self.cfg.stages} stage(s), model {self.cfg.model}")
-        self.state.last_step_t = time.monotonic()
+        self.display.message(f"started {n} workers: {self.cfg.data_parallel} pipeline(s) x "
+                             f"{self.cfg.stages} stage(s), model {self.cfg.model}, redundancy "
+                             f"{self.cfg.redundancy if self.rc else 'off'}")
+        self.last_commit_t = time.monotonic()
 
     def _stop_all(self) -> None:
         for w in self.workers.values():
@@ -143,9 +190,9 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         stall_s = self.cfg.comm_timeout_s + 30.0
-        last_news = time.monotonic()
+        self.last_news = time.monotonic()
         peer_lost_at: float | None = None
-        while not all(w.done for w in self.workers.values()):
+        while not all(w.done or w.lost for w in self.workers.values()):
             if self.interrupted is not None:
                 self._fail(f"interrupted by {signal.Signals(self.interrupted).name}; "
                            f"all workers stopped", exit_code=128 + self.interrupted)
@@ -154,40 +201,60 @@ class LocalCluster:
             ready = wait(list(live) + list(sentinels), timeout=_POLL_S)
             for obj in ready:
                 if obj in live:
-                    last_news = time.monotonic()
-                    peer_lost = self._drain(live[obj])
-                    if peer_lost and peer_lost_at is None:
+                    self.last_news = time.monotonic()
+                    if self._drain(live[obj]) and peer_lost_at is None:
                         peer_lost_at = time.monotonic()
             for obj in ready:
                 if obj in sentinels:
                     self._on_exit(sentinels[obj])
-            if peer_lost_at is not None and time.monotonic() - peer_lost_at > _ROOT_CAUSE_GRACE_S:
+            self._check_leases()
+            now = time.monotonic()
+            if peer_lost_at is not None and now - peer_lost_at > _ROOT_CAUSE_GRACE_S:
                 self._fail(self._peer_lost_message)
-            if time.monotonic() - last_news > stall_s:
+            if self.round_failed_at is not None and now - self.round_failed_at > self.cfg.lease_s + 5:
+                self._fail("a node reported a failed commit round but no node was lost; "
+                           "stopped the run (see events.jsonl)")
+            if now - self.last_news > stall_s:
                 self._fail(f"no worker reported progress for {stall_s:.0f} s; stopped the run "
                            f"(raise --comm-timeout if steps are that slow)")
+
+    def _check_leases(self) -> None:
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.exited or w.done:
+                continue
+            silent = now - self.beats[w.rank]
+            if silent > self.cfg.lease_s and w.process.is_alive():
+                self.events.write("fenced", node=w.name, silent_s=round(silent, 2))
+                self.display.message(f"node {w.name} stopped answering for {silent:.1f} s; "
+                                     f"fenced with SIGKILL")
+                w.process.kill()
 
     def _drain(self, w: _Worker) -> bool:
         """Handle every message waiting on `w`'s pipe; True when it reported a lost peer."""
         peer_lost = False
         try:
             while w.conn.poll():
-                msg = w.conn.recv()
-                peer_lost |= self._handle(w, msg)
+                peer_lost |= self._handle(w, w.conn.recv())
         except (EOFError, OSError):
             pass
         return peer_lost
 
     def _handle(self, w: _Worker, msg: dict) -> bool:
         kind = msg["kind"]
-        if kind == "step":
+        if kind == "phase_a_done":
+            self._on_phase_a(msg)
+        elif kind == "round_done":
+            self._on_round(msg)
+        elif kind == "step":
             self._on_step_report(msg)
         elif kind == "params":
             for layer_index, tensors in msg["layers"]:
-                self.state.params[layer_index] = tensors
+                self.params[layer_index] = tensors
         elif kind == "done":
             w.done = True
-            if all(x.done for x in self.workers.values() if x.role[1] is not None):
+            active = set(self.roles.active_ranks())
+            if all(x.done for x in self.workers.values() if x.rank in active):
                 self.store.set(SHUTDOWN_KEY, "1")
         elif kind == "error":
             self.events.write("worker_error", node=w.name, step=msg["step"], error=msg["error"],
@@ -201,14 +268,117 @@ class LocalCluster:
         return False
 
     def _software_error(self, w: _Worker, msg: dict) -> str:
-        where = self._where(w)
         if self.debug:
             print(msg["traceback"], file=sys.stderr, flush=True)
-        return f"worker {w.name} ({where}) failed in step {msg['step']}: {msg['error']}"
+        return f"worker {w.name} ({self._where(w.rank)}) failed in step {msg['step']}: {msg['error']}"
 
-    def _where(self, w: _Worker) -> str:
-        pipeline, stage = w.role
-        return "standby" if stage is None else f"pipeline {pipeline}, stage {stage}"
+    def _where(self, rank: int) -> str:
+        d = self.roles.pipeline_of(rank)
+        stages = self.roles.stages_of(rank)
+        if d is None or not stages:
+            return "standby"
+        return f"pipeline {d}, stage{'s' if len(stages) > 1 else ''} " + \
+            " and ".join(map(str, stages))
+
+    # -- the step protocol ------------------------------------------------------------------
+
+    def _set(self, key: str, value: str) -> None:
+        if key not in self.written:
+            self.written.add(key)
+            self.store.set(key, value)
+
+    def _live_active(self) -> set[int]:
+        return set(self.roles.active_ranks())
+
+    def _on_phase_a(self, msg: dict) -> None:
+        step, epoch = msg["step"], msg["epoch"]
+        if epoch < self.roles.epoch:
+            self._set(f"go/{step}/{epoch}", "abort")
+            return
+        done = self.phase_a.setdefault((step, epoch), set())
+        done.add(msg["rank"])
+        if done >= self._live_active():
+            self._set(f"go/{step}/{epoch}", "go")
+
+    def _on_round(self, msg: dict) -> None:
+        step, epoch = msg["step"], msg["epoch"]
+        if epoch < self.roles.epoch:
+            self._set(f"decide/{step}/{epoch}", "redo")
+            return
+        reports = self.rounds.setdefault((step, epoch), {})
+        reports[msg["rank"]] = msg
+        if not msg["ok"] and self.round_failed_at is None:
+            self.round_failed_at = time.monotonic()
+        if set(reports) >= self._live_active() and all(r["ok"] for r in reports.values()):
+            self._set(f"decide/{step}/{epoch}", "commit")
+            self._commit(step, reports)
+
+    def _commit(self, step: int, reports: dict[int, dict]) -> None:
+        self.round_failed_at = None
+        mb_losses = sorted(x for r in reports.values() for x in r["losses"])
+        loss = math.fsum(l * w for _, l, w in mb_losses)
+        now = time.monotonic()
+        self.pending[step] = _PendingStep(step, loss, now - self.last_commit_t, self._live_active())
+        self.last_commit_t = now
+        self.committed = step + 1
+        self.losses.append(loss)
+        self._emit_steps()
+
+    def _on_step_report(self, msg: dict) -> None:
+        pending = self.pending.get(msg["step"])
+        if pending is not None:
+            pending.reports[msg["rank"]] = msg
+            self._emit_steps()
+
+    def _emit_steps(self) -> None:
+        """Write step_done for every committed step whose reports are all in, in order."""
+        dead = set(self.roles.dead)
+        while self.pending:
+            first = min(self.pending)
+            p = self.pending[first]
+            if not (p.expected - dead) <= set(p.reports):
+                return
+            del self.pending[first]
+            self._step_done(p)
+
+    def _step_done(self, p: _PendingStep) -> None:
+        reports = list(p.reports.values())
+        record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
+                  "grad_norm": reports[0]["grad_norm"] if reports else None,
+                  "lr": reports[0]["lr"] if reports else None,
+                  "attempts": max((r["attempts"] for r in reports), default=1),
+                  "nodes": [self._node_timers(r) for r in sorted(reports, key=lambda r: r["rank"])]}
+        self.step_records.append(record)
+        self.events.write("step_done", **record)
+        self._check_digests(reports, p.step)
+        self._close_failures(p.step, reports)
+        samples = self.cfg.global_micro_batches * self.cfg.micro_batch_size
+        self.display.step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
+                          [1000 * r["step_s"] for r in sorted(reports, key=lambda r: r["rank"])])
+
+    @staticmethod
+    def _node_timers(r: dict) -> dict:
+        keys = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s")
+        return {"node": f"n{r['rank']}", "stages": r["stages"]} | \
+            {k: round(r[k], 6) for k in keys} | \
+            {"bytes_sent": r["bytes_sent"], "bytes_replica": r["bytes_replica"]}
+
+    def _check_digests(self, reports: list[dict], step: int) -> None:
+        if not self.check_replicas:
+            return
+        primaries, replicas = {}, {}
+        for r in reports:
+            for name, digest in r["digests"].items():
+                (replicas if name.startswith("replica") else primaries)[
+                    (self.roles.pipeline_of(r["rank"]), int(name.removeprefix("replica")
+                                                           .removeprefix("stage")))] = digest
+        for key, digest in replicas.items():
+            if key in primaries and primaries[key] != digest:
+                self._fail(f"replica of stage {key[1]} in pipeline {key[0]} differs from its "
+                           f"primary after step {step}")
+        self.events.write("replicas_checked", step=step, replicas=len(replicas))
+
+    # -- lost nodes -------------------------------------------------------------------------
 
     def _on_exit(self, w: _Worker) -> None:
         w.exited = True
@@ -217,54 +387,76 @@ class LocalCluster:
         if w.done and code == 0:
             return
         if code is not None and code < 0:
-            name = signal.Signals(-code).name
-            step = len(self.state.losses)
-            self.events.write("node_lost", node=w.name, step=step, signal=name,
-                              handled_as="stopped")
-            self._fail(f"node {w.name} ({self._where(w)}) was lost in step {step} ({name}); "
-                       f"this run has no failover, so it stops here",
-                       exit_code=3)
+            self._on_lost(w, signal.Signals(-code).name)
+            return
         if not w.done:
-            self._fail(f"worker {w.name} ({self._where(w)}) exited with code {code} "
+            self._fail(f"worker {w.name} ({self._where(w.rank)}) exited with code {code} "
                        f"before finishing (see events.jsonl)")
 
-    def _on_step_report(self, msg: dict) -> None:
-        step = msg["step"]
-        reports = self.state.reports.setdefault(step, {})
-        reports[msg["rank"]] = msg
-        active = self.layout.pipelines * self.layout.stages
-        # Steps finish in order: every node runs them in order and reports after each.
-        while len(self.state.reports.get(len(self.state.losses), {})) == active:
-            self._step_done(len(self.state.losses))
+    def _on_lost(self, w: _Worker, signame: str) -> None:
+        w.lost = True
+        step = self.committed
+        phase = PHASES[self.progress[2 * w.rank + 1]] if self.progress[2 * w.rank] == step \
+            else "between steps"
+        where = self._where(w.rank)
+        if self.roles.pipeline_of(w.rank) is None:
+            self.standby_losses += 1
+            self.events.write("node_lost", node=w.name, step=step, phase="standby",
+                              handled_as="standby", signal=signame)
+            return
+        if not self.rc:
+            self.events.write("node_lost", node=w.name, step=step, phase=phase,
+                              handled_as="stopped", signal=signame)
+            why = ("--redundancy off keeps no copy of its stage" if self.cfg.redundancy == "off"
+                   else "a one-stage pipeline keeps no replica")
+            self._fail(f"node {w.name} ({where}) was lost in step {step} ({signame}); {why}, so "
+                       f"the run stops here", exit_code=3)
+        try:
+            plan = plan_failover(self.roles, w.rank)
+        except Unrecoverable as e:
+            self.events.write("node_lost", node=w.name, step=step, phase=phase,
+                              handled_as="stopped", signal=signame, error=str(e))
+            self._fail(f"node {w.name} ({where}) was lost in step {step} ({signame}); {e}",
+                       exit_code=3)
+        old_epoch = self.roles.epoch
+        self.roles = plan.roles
+        self.store.set(f"epoch/{self.roles.epoch}", self.roles.to_json())
+        self._set(f"go/{step}/{old_epoch}", "abort")
+        self._set(f"decide/{step}/{old_epoch}", "redo")
+        self.round_failed_at = None
+        shadow = plan.takeovers[0].new_holder if plan.takeovers else None
+        failure = _Failure(node=w.name, rank=w.rank, step=step, phase=phase,
+                           handled_as=plan.handled_as, shadow=f"n{shadow}" if shadow is not None
+                           else None, t=time.monotonic() - self.t0, signal=signame)
+        self.failures.append(failure)
+        self.events.write("fault_detected", node=w.name, step=step, phase=phase, signal=signame,
+                          handled_as=plan.handled_as, shadow=failure.shadow,
+                          roles=self.roles.holders)
+        self.display.message(f"node {w.name} ({where}) lost in step {step} during {phase}; "
+                             f"{plan.handled_as.replace('_', ' ')} by {failure.shadow}")
+        self._emit_steps()
+        # A role change also completes a go/commit that only the lost node was missing.
+        for (s, e), done in list(self.phase_a.items()):
+            if e == self.roles.epoch and done >= self._live_active():
+                self._set(f"go/{s}/{e}", "go")
 
-    def _step_done(self, step: int) -> None:
-        reports = self.state.reports.pop(step)
-        mb_losses = sorted(x for r in reports.values() for x in r["losses"])
-        loss = math.fsum(l * w for _, l, w in mb_losses)
-        now = time.monotonic()
-        elapsed = now - self.state.last_step_t
-        self.state.last_step_t = now
-        samples = self.cfg.global_micro_batches * self.cfg.micro_batch_size
-        per_stage = self._stage_breakdown(reports)
-        self.state.losses.append(loss)
-        record = {"step": step, "loss": loss, "wall_s": elapsed,
-                  "grad_norm": next(iter(reports.values()))["grad_norm"],
-                  "lr": next(iter(reports.values()))["lr"], "stages": per_stage}
-        self.state.step_records.append(record)
-        self.events.write("step_done", **record)
-        self.display.step(step, loss, samples / max(elapsed, 1e-9),
-                          [1000 * s["step_s"] for s in per_stage])
+    def _close_failures(self, step: int, reports: list[dict]) -> None:
+        here = [f for f in self.failures if f.step == step and not f.counts]
+        if not here:
+            return
+        totals = {k: sum(r[k] for r in reports) for k in ("frc_reused", "brc", "resent_grads")}
+        extra = max(0.0, self.step_records[-1]["wall_s"] - self._median_clean_step())
+        for f in here:
+            f.counts = totals
+            f.pause_s = extra / len(here)
+            self.events.write("node_lost", node=f.node, step=f.step, phase=f.phase,
+                              handled_as=f.handled_as, shadow=f.shadow, signal=f.signal,
+                              pause_s=round(f.pause_s, 4), **totals)
 
-    def _stage_breakdown(self, reports: dict[int, dict]) -> list[dict]:
-        """Per stage, the slowest pipeline's timers (that pipeline sets the pace)."""
-        out = []
-        for stage in range(self.layout.stages):
-            rows = [r for r in reports.values() if r["stage"] == stage]
-            slowest = max(rows, key=lambda r: r["step_s"])
-            out.append({k: round(slowest[k], 6) for k in
-                        ("step_s", "compute_s", "wait_s", "reduce_s", "optim_s")}
-                       | {"bytes_sent": slowest["bytes_sent"]})
-        return out
+    def _median_clean_step(self) -> float:
+        failed = {f.step for f in self.failures}
+        clean = [r["wall_s"] for r in self.step_records[1:] if r["step"] not in failed]
+        return statistics.median(clean) if clean else 0.0
 
     def _fail(self, message: str, exit_code: int = 1) -> None:
         self._stop_all()
@@ -284,18 +476,16 @@ class LocalCluster:
 
     def _ordered_params(self) -> list[tuple[str, torch.Tensor]]:
         out = []
-        for layer_index in sorted(self.state.params):
-            out += [(f"layers.{layer_index}.{n}", t) for n, t in self.state.params[layer_index]]
+        for layer_index in sorted(self.params):
+            out += [(f"layers.{layer_index}.{n}", t) for n, t in self.params[layer_index]]
         return out
 
     def _save_model(self) -> None:
         params = self._ordered_params()
-        if not params:
-            return
-        import io
-        buffer = io.BytesIO()
-        torch.save(dict(params), buffer)
-        write_atomic(self.rundir.path / "model.pt", buffer.getvalue())
+        if params:
+            buffer = io.BytesIO()
+            torch.save(dict(params), buffer)
+            write_atomic(self.rundir.path / "model.pt", buffer.getvalue())
 
     def _summary(self, *, status: str, error: str | None) -> dict[str, Any]:
         params = self._ordered_params()
@@ -303,18 +493,21 @@ class LocalCluster:
         sha = hashlib.sha256()
         for _, t in params:
             sha.update(t.contiguous().numpy().tobytes())
-        steps = len(self.state.losses)
+        steps = len(self.losses)
         samples = steps * self.cfg.global_micro_batches * self.cfg.micro_batch_size
         wall = time.monotonic() - self.t0
-        step_walls = [r["wall_s"] for r in self.state.step_records[1:]]
+        kinds = [f.handled_as for f in self.failures]
+        step_walls = [r["wall_s"] for r in self.step_records[1:]]
         return {
             "status": status, "error": error,
-            "steps_completed": steps, "samples": samples, "losses": self.state.losses,
+            "steps_completed": steps, "samples": samples, "losses": self.losses,
             "param_l2": l2 if params else None,
             "param_sha256": sha.hexdigest() if params else None,
-            "preemptions": 0, "failovers": 0, "drains": 0, "peer_restores": 0,
-            "checkpoint_restores": 0, "standby_losses": 0, "reconfigurations": 0,
-            "redone_steps": 0, "pause_s": [],
+            "preemptions": len(self.failures) + self.standby_losses,
+            "failovers": kinds.count("failover"), "drains": 0,
+            "peer_restores": kinds.count("peer_restore"), "checkpoint_restores": 0,
+            "standby_losses": self.standby_losses, "reconfigurations": 0,
+            "redone_steps": 0, "pause_s": [round(f.pause_s, 4) for f in self.failures],
             "wall_s": wall, "throughput": samples / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
             "config": self.cfg.summary_fields(),
@@ -323,6 +516,6 @@ class LocalCluster:
 
 def run_local(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
               extra_faults: dict[int, list[Fault]] | None = None,
-              debug: bool = False) -> dict[str, Any]:
+              debug: bool = False, check_replicas: bool = False) -> dict[str, Any]:
     """Train `cfg` on a local cluster; the summary, or RunFailed."""
-    return LocalCluster(cfg, run, display, extra_faults, debug).run()
+    return LocalCluster(cfg, run, display, extra_faults, debug, check_replicas).run()

@@ -1,29 +1,47 @@
-"""The engine: one node's dispatcher over its stage's instruction list.
+"""The engine: one node's dispatcher over its instruction list, with in-flight failover.
 
-A node builds only its stage's layers, runs the schedule's instructions in order,
-accumulates every micro-batch's parameter gradients in float64 (so the sum, and
-the data-parallel all-reduce, give the same bits whatever the layout), clips by the
-global gradient norm over all stages and applies one AdamW step.
+A step has three phases:
+
+A. micro-batches: the node runs `node_schedule` for the stages it holds (1F1B, and
+   eager FRC of its replica stage in the waits); gradients are summed in float64;
+B. the commit round (`commit.py`): data-parallel sums, the replica's gradient, the
+   global norm; the coordinator says "commit" only if every survivor's round worked;
+C. the optimizer step, on every stage the node holds and on its replica.
+
+When a peer is lost the node asks the coordinator for the new role map and applies
+it to the step under way: a shadow adopts the lost stage (from its replica, with the
+eager FRC results, or restored from a peer pipeline) and its list grows by that
+stage's work, all of whose backward passes it redoes; the lost stage's successor
+sends its output gradients of this step again and takes every activation again; the
+rest of the step goes on. Nothing restarts and the step ends with the bits a
+failure-free step gives.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from bamboo.cluster.link import CoordinatorLink
 from bamboo.data import Task
 from bamboo.faults import FaultPlan
-from bamboo.models import ModelPreset, boundary_shapes, build_layers, loss_fn
+from bamboo.models import ModelPreset, boundary_shapes, loss_fn
 from bamboo.pipeline import schedule as S
-from bamboo.pipeline.comm import ACTIVATION, GRADIENT, P2P, PeerLost, tag_for
+from bamboo.pipeline.comm import (ACTIVATION, GRADIENT, RESTORE, P2P, Interrupted, PeerLost,
+                                  tag_for)
+from bamboo.pipeline.commit import RoundResult, commit_round
 from bamboo.pipeline.layout import Layout
-from bamboo.pipeline.optim import clip_coefficient, learning_rate, make_optimizer
+from bamboo.pipeline.optim import clip_coefficient, learning_rate
+from bamboo.pipeline.stage import StageState
+from bamboo.redundancy.roles import RoleMap
 
-__all__ = ["StepReport", "StageEngine", "TrainingHyper"]
+__all__ = ["TrainingHyper", "StepReport", "NodeEngine", "PHASES"]
+
+PHASES = ("forward", "backward", "commit", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,206 +57,358 @@ class TrainingHyper:
 
 @dataclass(kw_only=True, slots=True)
 class StepReport:
-    """What one node tells the coordinator after a step."""
+    """What one node tells the coordinator after a committed step."""
 
     step: int
     rank: int
-    pipeline: int
-    stage: int
+    stages: list[int]
     losses: list[tuple[int, float, float]] = field(default_factory=list)
-    """(global micro-batch, mean loss, weight) for each micro-batch this node ended."""
     grad_norm: float = 0.0
     lr: float = 0.0
     compute_s: float = 0.0
+    frc_s: float = 0.0
     wait_s: float = 0.0
     reduce_s: float = 0.0
     optim_s: float = 0.0
     step_s: float = 0.0
     bytes_sent: int = 0
+    bytes_replica: int = 0
+    frc_reused: int = 0
+    brc: int = 0
+    resent_grads: int = 0
+    attempts: int = 1
+    digests: dict[str, str] = field(default_factory=dict)
 
 
-class StageEngine:
-    """Runs stage `layout.role(rank).stage` of its pipeline, one step at a time."""
+@dataclass(slots=True)
+class _Step:
+    """Everything a node keeps during one step (dropped at the commit)."""
 
-    def __init__(self, *, preset: ModelPreset, parts: Sequence[range], layout: Layout, rank: int,
-                 task: Task, hyper: TrainingHyper, seed: int, device: torch.device,
-                 dp_group: dist.ProcessGroup | None, norm_group: dist.ProcessGroup | None,
-                 faults: FaultPlan | None = None) -> None:
-        role = layout.role(rank)
-        assert role.stage is not None and role.pipeline is not None, "a standby runs no engine"
-        self.rank, self.stage, self.pipeline = rank, role.stage, role.pipeline
-        self.layout, self.task, self.hyper, self.device = layout, task, hyper, device
-        self.dp_group, self.norm_group = dp_group, norm_group
-        self.faults = faults or FaultPlan([])
-        self.layer_indices = parts[self.stage]
-        self.num_layers = preset.layers
-        self.module = nn.Sequential(*build_layers(preset, self.layer_indices, seed, device))
-        self.module.train()
-        self.loss = loss_fn(preset)
-        self.optimizer = make_optimizer(self.module, lr=hyper.lr, weight_decay=hyper.weight_decay)
-        self._init_grad_buffer()
+    step: int
+    done: set = field(default_factory=set)
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    saved_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    in_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    sent_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    received_acts: set[tuple[int, int]] = field(default_factory=set)
+    dup_recvs: list[tuple[Any, int]] = field(default_factory=list)
+    frc: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    adopted: set[int] = field(default_factory=set)
+    seen_forward: bool = False
+    report: StepReport | None = None
+
+
+class NodeEngine:
+    """Runs the stages `roles` gives this rank, one step at a time."""
+
+    def __init__(self, *, preset: ModelPreset, parts: Sequence[range], layout: Layout,
+                 rank: int, roles: RoleMap, task: Task, hyper: TrainingHyper, seed: int,
+                 device: torch.device, link: CoordinatorLink, redundancy: str,
+                 faults: FaultPlan | None = None, progress: Any = None,
+                 check_replicas: bool = False) -> None:
+        self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
+        self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
+        self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
+        self.eager, self.check_replicas = redundancy == "eager", check_replicas
+        self.P = layout.stages
+        self.pipeline = roles.pipeline_of(rank)
         self.global_mbs = layout.micro_batches(self.pipeline)
+        self.M = len(self.global_mbs)
+        self.order = S.global_order(self.P, self.M)
         self.weight = 1.0 / layout.global_micro_batches
-        self.schedule = S.one_f_one_b(self.stage, layout.stages, len(self.global_mbs))
-        specs = boundary_shapes(preset, task.micro_batch_size)
-        self.in_spec = specs[self.layer_indices.start - 1] if self.stage > 0 else None
-        self.out_spec = specs[self.layer_indices.stop - 1]
+        self.specs = boundary_shapes(preset, task.micro_batch_size)
+        self.loss = loss_fn(preset)
+        self.stages = {s: self._build(s) for s in roles.stages_of(rank)}
+        replica = roles.replica_of(rank) if redundancy != "off" else None
+        self.replica = self._build(replica) if replica is not None else None
         self.p2p = P2P()
-        self._dispatch: dict[type, Callable[[S.Instruction], None]] = {
+        link.on_epoch = self.p2p.wake.set
+        self._dispatch: dict[type, Callable[[_Step, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
             S.SendActivation: self._send_activation, S.RecvActivation: self._recv_activation,
             S.SendGrad: self._send_grad, S.RecvGrad: self._recv_grad,
-            S.ReduceGrads: self._reduce, S.OptimizerStep: self._optimizer_step,
+            S.RedundantForward: self._redundant_forward,
         }
 
-    def _init_grad_buffer(self) -> None:
-        self.params = [p for p in self.module.parameters()]
-        total = sum(p.numel() for p in self.params)
-        self.flat_grad = torch.zeros(total, dtype=torch.float64, device=self.device)
-        self.grad_views, self.layer_spans, offset = [], [], 0
-        for layer_index, layer in zip(self.layer_indices, self.module):
-            start = offset
-            for p in layer.parameters():
-                self.grad_views.append(self.flat_grad[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            self.layer_spans.append((layer_index, start, offset))
+    def _build(self, stage: int) -> StageState:
+        return StageState(preset=self.preset, stage=stage, layer_indices=self.parts[stage],
+                          seed=self.seed, device=self.device, lr=self.hyper.lr,
+                          weight_decay=self.hyper.weight_decay)
 
-    # -- one step -------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------
 
     def run_step(self, step: int) -> StepReport:
-        """Execute the whole instruction list of `step`."""
-        self._step = step
-        self._report = StepReport(step=step, rank=self.rank, pipeline=self.pipeline,
-                                  stage=self.stage)
-        self._inputs: dict[int, torch.Tensor] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._input_grads: dict[int, torch.Tensor] = {}
-        self._received_grads: dict[int, torch.Tensor] = {}
-        self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
+        """Run `step` to its commit, surviving lost peers on the way."""
         start = time.perf_counter()
-        seen_forward = False
-        for index, instr in enumerate(self.schedule):
-            self._dispatch[type(instr)](instr)
-            is_forward = isinstance(instr, S.Forward)
-            self.faults.check(step, index, is_forward, seen_forward)
-            seen_forward |= is_forward
-        r = self._report
+        s = _Step(step)
+        s.report = StepReport(step=step, rank=self.rank, stages=[])
+        self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
+        while True:
+            try:
+                length = self._micro_batches(s)
+                self._mark(step, 2)
+                self.faults.check(step, length, False, True)
+                if self.link.phase_a_done(step, self.roles.epoch) != "go":
+                    self._catch_up(s, wait=False)
+                    continue
+                result = self._commit_round(s, length)
+                self.faults.check(step, length + 2, False, True)
+                losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
+                if self.link.round_done(step, self.roles.epoch, result.ok, losses) == "commit":
+                    self._apply(s, result)
+                    self.faults.check(step, length + 3, False, True)
+                    break
+                self._catch_up(s, wait=False)
+            except PeerLost:
+                self._catch_up(s, wait=True)
+            except Interrupted:
+                self._catch_up(s, wait=False)
+            s.report.attempts += 1
+        r = s.report
+        r.stages = sorted(self.stages)
+        r.losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
         r.step_s = time.perf_counter() - start
-        r.wait_s += self.p2p.wait_s
+        r.wait_s = self.p2p.wait_s
         r.bytes_sent = self.p2p.bytes_sent
+        if self.check_replicas:
+            r.digests = {f"stage{k}": st.digest() for k, st in self.stages.items()}
+            if self.replica is not None:
+                r.digests[f"replica{self.replica.stage}"] = self.replica.digest()
         return r
 
-    def _timed_compute(self, fn: Callable[[], None]) -> None:
+    def _mark(self, step: int, phase: int) -> None:
+        if self.progress is not None:
+            self.progress[2 * self.rank] = step
+            self.progress[2 * self.rank + 1] = phase
+
+    def _schedule(self) -> list[S.Instruction]:
+        frc = self.replica.stage if self.replica is not None and self.eager else None
+        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
+
+    def _micro_batches(self, s: _Step) -> int:
+        """Phase A: the remaining instructions of this node's list; its length (fault index)."""
+        schedule = self._schedule()
+        for index, instr in enumerate(schedule):
+            if instr in s.done:
+                continue
+            self._mark(s.step, 1 if isinstance(instr, (S.Backward, S.SendGrad, S.RecvGrad)) else 0)
+            self._dispatch[type(instr)](s, instr)
+            s.done.add(instr)
+            is_forward = isinstance(instr, S.Forward)
+            self.faults.check(s.step, index, is_forward, s.seen_forward)
+            s.seen_forward |= is_forward
+        dead = set(self.roles.dead)
+        self.p2p.flush(dead, self._interrupted)
+        while s.dup_recvs:
+            work, peer = s.dup_recvs[0]
+            if peer not in dead:
+                self.p2p.wait_interruptible(work, peer, self._interrupted)
+            s.dup_recvs.pop(0)
+        return len(schedule)
+
+    def _interrupted(self) -> bool:
+        """True when the coordinator published roles newer than this node's."""
+        return self.link.latest_epoch > self.roles.epoch
+
+    def _commit_round(self, s: _Step, length: int) -> RoundResult:
         start = time.perf_counter()
-        fn()
-        self._report.compute_s += time.perf_counter() - start
+        result = commit_round(roles=self.roles, rank=self.rank, stages=self.stages,
+                              replica=self.replica, p2p=self.p2p,
+                              num_layers=self.preset.layers,
+                              after_reduce=lambda: self.faults.check(s.step, length + 1, False, True))
+        s.report.reduce_s += time.perf_counter() - start
+        s.report.bytes_replica = result.bytes_replica
+        return result
 
-    def _forward(self, instr: S.Forward) -> None:
-        g = self.global_mbs[instr.mb]
-
-        def run() -> None:
-            if self.stage == 0:
-                x = self.task.batch(self._step, g).inputs.to(self.device)
-            else:
-                x = self._inputs[instr.mb]
-            out = self.module(x)
-            if self.stage == self.layout.stages - 1:
-                targets = self.task.batch(self._step, g).targets.to(self.device)
-                loss = self.loss(out, targets)
-                self._report.losses.append((g, float(loss.detach()), self.weight))
-                out = loss * self.weight
-            self._outputs[instr.mb] = out
-        self._timed_compute(run)
-
-    def _backward(self, instr: S.Backward) -> None:
-        def run() -> None:
-            out = self._outputs.pop(instr.mb)
-            if self.stage == self.layout.stages - 1:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=self._received_grads.pop(instr.mb))
-            if self.stage > 0:
-                self._input_grads[instr.mb] = self._inputs.pop(instr.mb).grad
-            for view, p in zip(self.grad_views, self.params):
-                if p.grad is not None:
-                    view.add_(p.grad)
-                    p.grad = None
-        self._timed_compute(run)
-
-    def _peer(self, stage: int) -> int:
-        return self.layout.rank(self.pipeline, stage)
-
-    def _send_activation(self, instr: S.SendActivation) -> None:
-        out = self._outputs[instr.mb].detach()
-        self.p2p.send(out, self._peer(instr.stage + 1), tag_for(ACTIVATION, instr.stage, instr.mb))
-
-    def _recv_activation(self, instr: S.RecvActivation) -> None:
-        assert self.in_spec is not None
-        buf = torch.empty(self.in_spec.shape, dtype=self.in_spec.dtype, device=self.device)
-        self.p2p.recv(buf, self._peer(instr.stage - 1), tag_for(ACTIVATION, instr.stage - 1, instr.mb))
-        self._inputs[instr.mb] = buf.requires_grad_(buf.is_floating_point())
-
-    def _send_grad(self, instr: S.SendGrad) -> None:
-        grad = self._input_grads.pop(instr.mb)
-        self.p2p.send(grad, self._peer(instr.stage - 1), tag_for(GRADIENT, instr.stage, instr.mb))
-
-    def _recv_grad(self, instr: S.RecvGrad) -> None:
-        buf = torch.empty(self.out_spec.shape, dtype=self.out_spec.dtype, device=self.device)
-        self.p2p.recv(buf, self._peer(instr.stage + 1), tag_for(GRADIENT, instr.stage + 1, instr.mb))
-        self._received_grads[instr.mb] = buf
-
-    def _reduce(self, instr: S.ReduceGrads) -> None:
-        self.p2p.flush()
+    def _apply(self, s: _Step, result: RoundResult) -> None:
+        """Phase C: one optimizer step on every stage held and on the replica."""
+        self._mark(s.step, 3)
         start = time.perf_counter()
-        if self.dp_group is not None:
-            try:
-                dist.all_reduce(self.flat_grad, group=self.dp_group)
-            except RuntimeError as e:
-                raise PeerLost(f"gradient all-reduce of stage {self.stage} failed: {e}") from e
-        self._report.reduce_s += time.perf_counter() - start
-
-    def _global_norm(self) -> float:
-        """sqrt of the sum over all layers of squared gradients, summed in layer order.
-
-        Each layer's sum is computed by its holder in pipeline 0 and the per-layer sums
-        are added in layer order, so every layout gets the same bits.
-        """
-        per_layer = torch.zeros(self.num_layers, dtype=torch.float64, device=self.device)
-        if self.pipeline == 0:
-            for layer_index, start, end in self.layer_spans:
-                per_layer[layer_index] = self.flat_grad[start:end].square().sum()
-        if self.norm_group is not None:
-            try:
-                dist.all_reduce(per_layer, group=self.norm_group)
-            except RuntimeError as e:
-                raise PeerLost(f"global-norm all-reduce failed: {e}") from e
-        return float(per_layer.sum().sqrt())
-
-    def _optimizer_step(self, instr: S.OptimizerStep) -> None:
-        start = time.perf_counter()
-        norm = self._global_norm()
-        self._report.reduce_s += time.perf_counter() - start
-        start = time.perf_counter()
-        coef = clip_coefficient(norm, self.hyper.grad_clip)
-        if coef != 1.0:
-            self.flat_grad.mul_(coef)
-        for view, p in zip(self.grad_views, self.params):
-            p.grad = view.to(torch.float32)
         h = self.hyper
-        lr = learning_rate(self._step, peak=h.lr, warmup=h.warmup_steps, total=h.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
-        self.flat_grad.zero_()
-        self._report.grad_norm, self._report.lr = norm, lr
-        self._report.optim_s += time.perf_counter() - start
+        coef = clip_coefficient(result.norm, h.grad_clip)
+        lr = learning_rate(s.step, peak=h.lr, warmup=h.warmup_steps, total=h.total_steps)
+        for stage, st in self.stages.items():
+            st.apply(result.reduced[stage].to(torch.float32), coef, lr)
+            st.reset_grads()
+        if self.replica is not None:
+            assert result.replica_grad is not None
+            self.replica.apply(result.replica_grad, coef, lr)
+        s.report.grad_norm, s.report.lr = result.norm, lr
+        s.report.optim_s += time.perf_counter() - start
 
-    # -- results --------------------------------------------------------------------------
+    # -- instructions -----------------------------------------------------------------------
+
+    def _holder(self, stage: int) -> int:
+        return self.roles.holders[self.pipeline][stage]
+
+    def _input(self, s: _Step, stage: int, mb: int) -> torch.Tensor:
+        return self.task.batch(s.step, self.global_mbs[mb]).inputs.to(self.device)
+
+    def _run(self, module: nn.Module, stage: int, mb: int, x: torch.Tensor,
+             s: _Step) -> tuple[torch.Tensor, float | None]:
+        """Forward of `stage` on `x`; the last stage returns its weighted loss and value."""
+        out = module(x)
+        if stage != self.P - 1:
+            return out, None
+        targets = self.task.batch(s.step, self.global_mbs[mb]).targets.to(self.device)
+        loss = self.loss(out, targets)
+        return loss * self.weight, float(loss.detach())
+
+    def _forward(self, s: _Step, i: S.Forward) -> None:
+        start = time.perf_counter()
+        key = (i.stage, i.mb)
+        x = self._input(s, i.stage, i.mb) if i.stage == 0 else s.inputs[key]
+        out, loss = self._run(self.stages[i.stage].module, i.stage, i.mb, x, s)
+        s.outputs[key] = out
+        if loss is not None:
+            s.losses[self.global_mbs[i.mb]] = loss
+        else:
+            s.saved_out[key] = out.detach()
+        s.report.compute_s += time.perf_counter() - start
+
+    def _redundant_forward(self, s: _Step, i: S.RedundantForward) -> None:
+        start = time.perf_counter()
+        assert self.replica is not None
+        if i.stage == 0:
+            x = self._input(s, 0, i.mb)
+        else:
+            x = s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
+        out, loss = self._run(self.replica.module, i.stage, i.mb, x, s)
+        s.frc[i.mb] = (x, out, loss)
+        s.report.frc_s += time.perf_counter() - start
+
+    def _backward(self, s: _Step, i: S.Backward) -> None:
+        start = time.perf_counter()
+        key = (i.stage, i.mb)
+        out = s.outputs.pop(key)
+        if i.stage == self.P - 1:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=s.out_grads.pop(key))
+        if i.stage > 0:
+            s.in_grads[key] = s.inputs.pop(key).grad
+        self.stages[i.stage].accumulate()
+        if i.stage in s.adopted:
+            s.report.brc += 1
+        s.report.compute_s += time.perf_counter() - start
+
+    def _send_activation(self, s: _Step, i: S.SendActivation) -> None:
+        out = s.outputs[(i.stage, i.mb)].detach()
+        peer = self._holder(i.stage + 1)
+        if peer != self.rank:
+            self.p2p.send(out, peer, tag_for(ACTIVATION, i.stage, i.mb))
+        elif S.Forward(i.stage + 1, i.mb) not in s.done:
+            s.inputs[(i.stage + 1, i.mb)] = out.detach().requires_grad_()
+
+    def _recv_activation(self, s: _Step, i: S.RecvActivation) -> None:
+        key = (i.stage, i.mb)
+        peer = self._holder(i.stage - 1)
+        if peer == self.rank:
+            return  # passed in memory by this node's own SendActivation, earlier in the list
+        spec = self.specs[self.parts[i.stage].start - 1]
+        buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer,
+                                          tag_for(ACTIVATION, i.stage - 1, i.mb), self._interrupted)
+        s.inputs[key] = buf.requires_grad_(buf.is_floating_point())
+        s.received_acts.add(key)
+
+    def _send_grad(self, s: _Step, i: S.SendGrad) -> None:
+        grad = s.in_grads[(i.stage, i.mb)]  # kept until sent: a failed send is retried
+        peer = self._holder(i.stage - 1)
+        if peer != self.rank:
+            self.p2p.send(grad, peer, tag_for(GRADIENT, i.stage, i.mb))
+            s.sent_grads[(i.stage, i.mb)] = grad
+        elif S.Backward(i.stage - 1, i.mb) not in s.done:
+            s.out_grads[(i.stage - 1, i.mb)] = grad
+        del s.in_grads[(i.stage, i.mb)]
+
+    def _recv_grad(self, s: _Step, i: S.RecvGrad) -> None:
+        peer = self._holder(i.stage + 1)
+        if peer == self.rank:
+            return  # passed in memory by this node's own SendGrad
+        spec = self.specs[self.parts[i.stage].stop - 1]
+        s.out_grads[(i.stage, i.mb)] = self.p2p.recv_interruptible(
+            spec.shape, spec.dtype, self.device, peer, tag_for(GRADIENT, i.stage + 1, i.mb),
+            self._interrupted)
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def _catch_up(self, s: _Step, wait: bool) -> None:
+        """Apply every role map the coordinator published since ours."""
+        for roles in self.link.next_epochs(self.roles.epoch, wait):
+            self._apply_roles(s, roles)
+
+    def _apply_roles(self, s: _Step, new: RoleMap) -> None:
+        self.roles = new
+        self.p2p.forget(set(new.dead))
+        for t in new.takeovers:
+            if t["pipeline"] == self.pipeline and t["new_holder"] == self.rank:
+                self._adopt(s, t)
+            elif t["pipeline"] == self.pipeline and (t["stage"] + 1) % self.P in self.stages \
+                    and t["stage"] != self.P - 1:
+                self._retarget(s, t["stage"], t["new_holder"])
+            if t["source"] == self.rank:
+                state = self.stages[t["stage"]].state_vector()
+                self.p2p.send(state, t["new_holder"], tag_for(RESTORE, t["stage"]))
+        if self.replica is not None and new.replica_of(self.rank) != self.replica.stage:
+            self.replica = None
+
+    def _adopt(self, s: _Step, t: dict) -> None:
+        """Take over stage t["stage"] for the rest of this step and after."""
+        stage = t["stage"]
+        if t["kind"] == "failover":
+            assert self.replica is not None and self.replica.stage == stage
+            st, self.replica = self.replica, None
+        else:
+            st = self._build(stage)
+            buf = torch.empty(st.state_size(), dtype=torch.float32, device=self.device)
+            try:
+                self.p2p.recv(buf, t["source"], tag_for(RESTORE, stage))
+            except PeerLost as e:
+                raise RuntimeError(f"restoring stage {stage} from node n{t['source']} failed: the "
+                                   f"source was lost too ({e})") from e
+            st.load_state_vector(buf)
+        self.stages[stage] = st
+        s.adopted.add(stage)
+        for mb in range(self.M):
+            key = (stage, mb)
+            if stage > 0 and (stage - 1, mb) in s.saved_out:
+                s.inputs[key] = s.saved_out[(stage - 1, mb)].detach().requires_grad_()
+                s.done.add(S.RecvActivation(stage, mb))
+            if mb in s.frc and t["kind"] == "failover":
+                x, out, loss = s.frc.pop(mb)
+                s.inputs[key], s.outputs[key] = x, out
+                if loss is not None:
+                    s.losses[self.global_mbs[mb]] = loss
+                else:
+                    s.saved_out[key] = out.detach()
+                s.done.update({S.RecvActivation(stage, mb), S.Forward(stage, mb)})
+                s.report.frc_reused += 1
+            if (stage + 1, mb) in s.sent_grads and S.Backward(stage, mb) not in s.done:
+                s.out_grads[key] = s.sent_grads[(stage + 1, mb)]  # this node is also the successor
+        s.frc.clear()
+
+    def _retarget(self, s: _Step, stage: int, new_holder: int) -> None:
+        """As the lost stage's successor: send this step's gradients again, take every
+        activation again (the new holder sends all of them)."""
+        successor = stage + 1
+        for (st, mb), grad in sorted(s.sent_grads.items()):
+            if st == successor:
+                self.p2p.send(grad, new_holder, tag_for(GRADIENT, st, mb))
+                s.report.resent_grads += 1
+        spec = self.specs[self.parts[successor].start - 1]
+        for st, mb in sorted(s.received_acts):
+            if st == successor:
+                buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                work = self.p2p.post_recv(buf, new_holder, tag_for(ACTIVATION, stage, mb))
+                s.dup_recvs.append((work, new_holder))
+
+    # -- results ----------------------------------------------------------------------------
 
     def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
-        """(layer index, [(name, float32 CPU tensor)]) for every layer this node holds."""
-        return [(i, [(n, p.detach().to("cpu", torch.float32).clone())
-                     for n, p in layer.named_parameters()])
-                for i, layer in zip(self.layer_indices, self.module)]
+        out = []
+        for st in self.stages.values():
+            out += st.parameters_by_layer()
+        return sorted(out, key=lambda x: x[0])

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "Instruction", "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad",
-    "RecvGrad", "ReduceGrads", "OptimizerStep", "one_f_one_b", "gpipe", "simulate",
-    "ScheduleError",
+    "RecvGrad", "ReduceGrads", "OptimizerStep", "RedundantForward", "one_f_one_b", "gpipe",
+    "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
 ]
 
 
@@ -63,6 +63,13 @@ class SendGrad(Instruction):
 @dataclass(frozen=True, slots=True)
 class RecvGrad(Instruction):
     """Receive the gradient of the stage's output for `mb` from the holder of stage + 1."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class RedundantForward(Instruction):
+    """Eager FRC: run the replica of `stage` (the successor's) on micro-batch `mb`, locally."""
 
     mb: int
 
@@ -136,15 +143,19 @@ def _matching_send(instr: Instruction) -> tuple[type, int, int] | None:
     return None
 
 
-def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[tuple[int, Instruction]]:
+def simulate(schedules: Sequence[Sequence[Instruction]], *,
+             sent: set[tuple[type, int, int]] | None = None,
+             done_forward: set[tuple[int, int]] | None = None) -> list[tuple[int, Instruction]]:
     """Run every node's list to completion; the global order executed, as (node, instr).
 
     Sends complete immediately; a receive waits until its matching send was issued;
     forward/backward order is checked per stage (a backward needs its forward and, off
-    the last stage, its received gradient). Raises ScheduleError on deadlock.
+    the last stage, its received gradient). `sent` and `done_forward` give the state of
+    a step already under way. Raises ScheduleError on deadlock.
     """
-    sent: set[tuple[type, int, int]] = set()
-    done_forward: set[tuple[int, int]] = set()
+    sent = set() if sent is None else set(sent)
+    done_forward = set() if done_forward is None else set(done_forward)
+    schedules = [[i for i in sched if not isinstance(i, RedundantForward)] for sched in schedules]
     positions = [0] * len(schedules)
     order: list[tuple[int, Instruction]] = []
     while True:
@@ -170,3 +181,47 @@ def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[tuple[int, Inst
         if not progressed:
             stuck = {n: schedules[n][p] for n, p in enumerate(positions) if p < len(schedules[n])}
             raise ScheduleError(f"deadlock: nodes waiting at {stuck}")
+
+
+COMPUTE_KINDS = (Forward, Backward, SendActivation, RecvActivation, SendGrad, RecvGrad)
+
+
+def global_order(stages: int, micro_batches: int) -> dict[Instruction, int]:
+    """A position for every per-micro-batch instruction of every stage in one step.
+
+    The order is one complete execution of all stages' 1F1B lists. Any node's list is
+    the subsequence of this order for the stages it holds, so lists built this way
+    (for nodes holding one stage, two after a failover, or more) are always
+    deadlock-free together: executing all remaining work in this order is a valid
+    interleaving, and with non-blocking sends one valid interleaving proves that none
+    of them can deadlock.
+    """
+    lists = [[i for i in one_f_one_b(s, stages, micro_batches) if isinstance(i, COMPUTE_KINDS)]
+             for s in range(stages)]
+    return {instr: pos for pos, (_, instr) in enumerate(simulate(lists))}
+
+
+def node_schedule(held: Sequence[int], stages: int, micro_batches: int, *,
+                  order: dict[Instruction, int] | None = None,
+                  frc_stage: int | None = None) -> list[Instruction]:
+    """The per-micro-batch work of a node holding stages `held`, in global order.
+
+    Transfers between two stages the node holds stay in the list: the engine passes
+    them in memory. With `frc_stage` (eager FRC), the replica's forward of each
+    micro-batch is placed where the node would otherwise wait: right after it sent the
+    replica's input, or, for a replica of stage 0 (its input is data), right before
+    the node's wait for that micro-batch's activation.
+    """
+    order = order if order is not None else global_order(stages, micro_batches)
+    chosen = set(held)
+    out: list[Instruction] = []
+    for instr in sorted((i for i in order if i.stage in chosen), key=order.__getitem__):
+        if frc_stage == 0 and isinstance(instr, RecvActivation) and instr.stage == stages - 1:
+            out.append(RedundantForward(0, instr.mb))
+        out.append(instr)
+        if (frc_stage is not None and frc_stage != 0 and isinstance(instr, SendActivation)
+                and instr.stage == frc_stage - 1):
+            out.append(RedundantForward(frc_stage, instr.mb))
+    if frc_stage == 0 and stages == 1:
+        out = [RedundantForward(0, mb) for mb in range(micro_batches)] + out
+    return out

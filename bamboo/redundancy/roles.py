@@ -1,0 +1,162 @@
+"""The role map: which node holds each stage of each pipeline, and each stage's replica.
+
+Node (d, s) starts as the holder of stage s of pipeline d and keeps a replica of
+its successor stage (s + 1) mod P. When a node is lost, `plan_failover` moves each of
+its stages to a surviving copy: the replica's holder (a *failover*: the predecessor
+becomes the shadow), or, when the replica died too, the same stage of another
+pipeline, whose copy is identical at every step boundary (a *peer restore*, onto the
+node that took the preceding stage, so every node holds a contiguous run of stages).
+When no copy survives, `Unrecoverable` says so in one line. Pure data, no torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+__all__ = ["RoleMap", "Takeover", "FailoverPlan", "Unrecoverable", "plan_failover"]
+
+
+class Unrecoverable(RuntimeError):
+    """Every copy of some stage is gone; str() is the message for the user."""
+
+
+@dataclass(kw_only=True)
+class RoleMap:
+    """holders[d][s]: the rank running stage s of pipeline d; replicas[d][s]: the rank
+    keeping a replica of it (None when no live node does)."""
+
+    stages: int
+    pipelines: int
+    holders: list[list[int]]
+    replicas: list[list[int | None]]
+    epoch: int = 0
+    dead: list[int] = field(default_factory=list)
+    takeovers: list[dict] = field(default_factory=list)
+    """The moves of the latest change: dicts of Takeover's fields, in the order to apply."""
+
+    @classmethod
+    def initial(cls, *, stages: int, pipelines: int, redundancy: bool) -> RoleMap:
+        holders = [[d * stages + s for s in range(stages)] for d in range(pipelines)]
+        replicas: list[list[int | None]] = [
+            [holders[d][(s - 1) % stages] if redundancy and stages > 1 else None
+             for s in range(stages)] for d in range(pipelines)]
+        return cls(stages=stages, pipelines=pipelines, holders=holders, replicas=replicas)
+
+    def pipeline_of(self, rank: int) -> int | None:
+        for d, row in enumerate(self.holders):
+            if rank in row:
+                return d
+        for d, row in enumerate(self.replicas):
+            if rank in row:
+                return d
+        return None
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Stages this rank runs as primary, in pipeline order starting at the lowest."""
+        d = self.pipeline_of(rank)
+        return [] if d is None else [s for s in range(self.stages) if self.holders[d][s] == rank]
+
+    def replica_of(self, rank: int) -> int | None:
+        """The stage this rank keeps a replica of, if any."""
+        d = self.pipeline_of(rank)
+        if d is None:
+            return None
+        held = [s for s in range(self.stages) if self.replicas[d][s] == rank]
+        return held[0] if held else None
+
+    def active_ranks(self) -> list[int]:
+        return sorted({r for row in self.holders for r in row})
+
+    def stage_members(self, stage: int) -> list[int]:
+        """Holders of `stage` in every pipeline, in pipeline order (its data-parallel group)."""
+        return [self.holders[d][stage] for d in range(self.pipelines)]
+
+    def to_json(self) -> str:
+        return json.dumps({"stages": self.stages, "pipelines": self.pipelines,
+                           "holders": self.holders, "replicas": self.replicas,
+                           "epoch": self.epoch, "dead": self.dead, "takeovers": self.takeovers})
+
+    @classmethod
+    def from_json(cls, text: str) -> RoleMap:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Takeover:
+    """Stage `stage` of pipeline `pipeline` moves from the lost node to `new_holder`."""
+
+    stage: int
+    pipeline: int
+    new_holder: int
+    kind: str
+    """`failover` (from the replica) or `peer_restore` (from `source`, another pipeline)."""
+    source: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailoverPlan:
+    roles: RoleMap
+    takeovers: list[Takeover]
+
+    @property
+    def handled_as(self) -> str:
+        """How the lost node is accounted: failover unless some stage needed a peer."""
+        kinds = {t.kind for t in self.takeovers}
+        return "peer_restore" if "peer_restore" in kinds else "failover"
+
+
+def _copy(roles: RoleMap) -> RoleMap:
+    return RoleMap.from_json(roles.to_json())
+
+
+def plan_failover(roles: RoleMap, lost: int) -> FailoverPlan:
+    """The role map after losing rank `lost`, or Unrecoverable."""
+    new = _copy(roles)
+    new.epoch += 1
+    new.takeovers = []
+    new.dead = sorted(set(new.dead) | {lost})
+    d = roles.pipeline_of(lost)
+    takeovers: list[Takeover] = []
+    if d is None:
+        return FailoverPlan(roles=new, takeovers=takeovers)
+    P = roles.stages
+    lost_stages = [s for s in range(P) if roles.holders[d][s] == lost]
+    if len(lost_stages) == P:
+        hint = ("continuing on fewer pipelines needs a reconfiguration, which this version lacks"
+                if roles.pipelines > 1 else "run with --pipelines 2 or more to survive this")
+        raise Unrecoverable(f"stage 0 of pipeline {d} lost every copy with node n{lost}, the "
+                            f"pipeline's last node: the run stops here; {hint}")
+    if lost_stages:
+        # Walk the lost run in pipeline order, starting after a surviving stage.
+        start = next(s for s in lost_stages if roles.holders[d][(s - 1) % P] != lost)
+        ordered = sorted(lost_stages, key=lambda s: (s - start) % P)
+        for s in ordered:
+            takeovers.append(_take_over(roles, new, d, s, lost))
+    for row in new.replicas:
+        for s, holder in enumerate(row):
+            if holder == lost:
+                row[s] = None
+    new.takeovers = [{"stage": t.stage, "pipeline": t.pipeline, "new_holder": t.new_holder,
+                      "kind": t.kind, "source": t.source} for t in takeovers]
+    return FailoverPlan(roles=new, takeovers=takeovers)
+
+
+def _take_over(old: RoleMap, new: RoleMap, d: int, s: int, lost: int) -> Takeover:
+    P = old.stages
+    replica = old.replicas[d][s]
+    if replica is not None and replica != lost and replica not in old.dead:
+        new.holders[d][s] = replica
+        new.replicas[d][s] = None
+        return Takeover(stage=s, pipeline=d, new_holder=replica, kind="failover")
+    peers = [e for e in range(old.pipelines) if e != d and old.holders[e][s] not in new.dead]
+    prev_holder = new.holders[d][(s - 1) % P]
+    if not peers or prev_holder in new.dead or P == 1:
+        node = f"n{lost}"
+        raise Unrecoverable(
+            f"stage {s} of pipeline {d} lost every copy with node {node} (its replica's holder "
+            f"is gone too) and no other pipeline holds it: the run stops here; run with "
+            f"--pipelines 2 or more to survive the loss of adjacent nodes")
+    new.holders[d][s] = prev_holder
+    new.replicas[d][s] = None
+    return Takeover(stage=s, pipeline=d, new_holder=prev_holder, kind="peer_restore",
+                    source=old.holders[peers[0]][s])

@@ -1,0 +1,186 @@
+"""Redundant computation and in-flight failover with real processes and real SIGKILLs.
+
+Every scenario ends with the losses and parameters of the failure-free run (the plain
+single-process loop), or, where no copy of a stage survives, stops with the
+documented message.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bamboo.cluster.launcher import RunFailed, run_local
+from bamboo.config import JobConfig, parse_kill
+from bamboo.faults import Fault
+from bamboo.pipeline import schedule as S
+from bamboo.progress import ProgressDisplay
+from bamboo.runlog import RunDir
+from conftest import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import train_reference  # noqa: E402
+
+REL = 1e-6
+
+
+@lru_cache(maxsize=None)
+def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> tuple:
+    losses, params = train_reference(JobConfig(
+        nodes=1, stages=1, steps=steps, micro_batches=global_micro_batches,
+        micro_batch_size=micro_batch_size).validate())
+    l2 = float(torch.sqrt(sum(t.double().square().sum() for t in params.values())))
+    return losses, l2
+
+
+def assert_equals_failure_free(summary: dict, cfg: JobConfig) -> None:
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert summary["status"] == "completed", summary["error"]
+    assert_close(summary["losses"], losses, rel=REL)
+    assert_close(summary["param_l2"], l2, rel=REL)
+
+
+def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | None = None,
+                   check_replicas: bool = True) -> dict:
+    """The launcher in this process: its fork server stays warm across runs."""
+    try:
+        return run_local(cfg, RunDir(out), ProgressDisplay(cfg.steps, enabled=False),
+                         faults or {}, check_replicas=check_replicas)
+    except RunFailed as e:
+        return e.summary | {"exit_code": e.exit_code}
+
+
+# -- the acceptance scenarios, as data -----------------------------------------------------
+
+SCENARIOS = {
+    # name: (flags, failovers, peer_restores)
+    "kill stage 2": (dict(steps=12, kills=["0:2@5"]), 1, 0),
+    "kill stage 0 (shadow is the last stage)": (dict(steps=8, kills=["0:0@5"]), 1, 0),
+    "kill the last stage": (dict(steps=8, kills=["0:3@5"]), 1, 0),
+    "two pipelines": (dict(steps=8, nodes=8, micro_batches=2, kills=["0:2@5"]), 1, 0),
+    "two kills in one run": (dict(steps=8, kills=["0:1@3", "0:3@7"]), 2, 0),
+    "adjacent kills, restored from the peer pipeline": (
+        dict(steps=8, nodes=8, micro_batches=2, kills=["0:1@4", "0:2@4"]), 1, 1),
+    "lazy redundancy": (dict(steps=8, redundancy="lazy", kills=["0:2@3"]), 1, 0),
+    "two-stage pipeline": (dict(steps=6, nodes=2, stages=2, kills=["0:0@3"]), 1, 0),
+    "the shadow is lost later (its two stages)": (
+        dict(steps=8, nodes=8, micro_batches=2, kills=["1:2@2", "1:1@5"]), 1, 1),
+}
+
+
+def config(flags: dict) -> JobConfig:
+    flags = dict(flags)
+    kills = [parse_kill(k) for k in flags.pop("kills", [])]
+    return JobConfig(kills=kills, **flags).validate()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
+    flags, failovers, peer_restores = SCENARIOS[name]
+    cfg = config(flags)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equals_failure_free(summary, cfg)
+    assert summary["failovers"] == failovers and summary["peer_restores"] == peer_restores
+    assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
+    assert summary["preemptions"] == len(cfg.kills) == len(summary["pause_s"])
+    events = RunDir(tmp_path / "run")
+    lost = [e for e in _events(tmp_path / "run") if e["event"] == "node_lost"]
+    assert len(lost) == len(cfg.kills)
+    for e in lost:
+        assert e["handled_as"] in ("failover", "peer_restore")
+        assert e["brc"] >= cfg.micro_batches  # every backward of the lost stage, redone
+        if cfg.redundancy == "lazy":
+            assert e["frc_reused"] == 0
+    checked = [e for e in _events(tmp_path / "run") if e["event"] == "replicas_checked"]
+    assert len(checked) == cfg.steps and any(e["replicas"] > 0 for e in checked)
+    assert events.path.exists()
+
+
+def _events(out: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+def test_adjacent_kills_without_a_peer_pipeline_stop_with_the_message(tmp_path: Path) -> None:
+    cfg = config(dict(steps=6, kills=["0:1@3", "0:2@3"]))
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert summary["exit_code"] == 3 and summary["status"] == "failed"
+    assert "lost every copy" in summary["error"] and "--pipelines 2" in summary["error"]
+    assert summary["steps_completed"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
+    cfg = config(dict(steps=4, redundancy="off", kills=["0:2@1"]))
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert summary["exit_code"] == 3 and summary["failovers"] == 0
+    assert "--redundancy off keeps no copy" in summary["error"]
+
+
+@pytest.mark.timeout(120)
+def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
+    cfg = config(dict(steps=2))
+    run_in_process(cfg, tmp_path / "run")
+    step = [e for e in _events(tmp_path / "run") if e["event"] == "step_done"][-1]
+    from bamboo.models import layer_param_counts, preset
+    from bamboo.pipeline.partition import partition
+    counts = layer_param_counts(preset("gpt2-tiny"))
+    parts = partition(counts, 4)
+    for node in step["nodes"]:
+        [stage] = node["stages"]
+        numel = sum(counts[i] for i in parts[stage])
+        # float32 gradient plus a status word; parameters + two AdamW moments would be 12 B.
+        assert node["bytes_replica"] == 4 * (numel + 1)
+
+
+# -- the property test: a random node killed at a random instruction of a random step -------
+
+CASES = int(os.environ.get("BAMBOO_FAILOVER_CASES", "30"))
+
+
+def victim_schedule_length(cfg: JobConfig, pipeline: int, stage: int) -> int:
+    frc = (stage + 1) % cfg.stages if cfg.redundancy == "eager" else None
+    return len(S.node_schedule([stage], cfg.stages, cfg.micro_batches, frc_stage=frc)) + 4
+
+
+@st.composite
+def kill_cases(draw) -> tuple[JobConfig, dict[int, list[Fault]]]:
+    stages = draw(st.integers(2, 4))
+    pipelines = draw(st.integers(1, 2))
+    micro_batches = draw(st.integers(1, 3))
+    cfg = JobConfig(nodes=stages * pipelines, stages=stages, micro_batches=micro_batches,
+                    micro_batch_size=2, steps=3,
+                    redundancy=draw(st.sampled_from(["eager", "lazy"]))).validate()
+    faults: dict[int, list[Fault]] = {}
+    for _ in range(draw(st.integers(1, 2))):
+        d, s = draw(st.integers(0, pipelines - 1)), draw(st.integers(0, stages - 1))
+        step = draw(st.integers(0, cfg.steps - 1))
+        after = draw(st.integers(0, victim_schedule_length(cfg, d, s) - 1))
+        faults[d * stages + s] = [Fault("kill", step, after)]
+    return cfg, faults
+
+
+@pytest.mark.timeout(60 * 30)
+@settings(max_examples=CASES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=kill_cases())
+def test_random_kills_end_equal_or_stop_with_the_message(case, tmp_path_factory) -> None:
+    cfg, faults = case
+    out = tmp_path_factory.mktemp("case") / "run"
+    summary = run_in_process(cfg, out, faults)
+    if summary["status"] == "failed":
+        assert summary["exit_code"] == 3, summary["error"]
+        assert "lost every copy" in summary["error"], summary["error"]
+        return
+    assert_equals_failure_free(summary, cfg)
+    lost = summary["failovers"] + summary["peer_restores"]
+    assert summary["preemptions"] == lost
+    assert 0 < lost <= len(faults) or all(f.step >= cfg.steps for fs in faults.values() for f in fs)
