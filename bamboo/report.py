@@ -1,0 +1,592 @@
+"""A run's report: `report.txt` and PNG plots, rebuilt from summary.json and events.jsonl.
+
+    bamboo report runs/demo-20250101-120000      # rewrites report.txt and the plots
+
+Writes, into the run directory:
+
+- `report.txt`: steps, first and last loss and the relative drop, throughput, wall time,
+  every preemption and how it was handled, the pause each cost, reconfigurations, and
+  the run's cost on spot against the same work on on-demand instances;
+- `loss.png` (loss per step, a vertical line at each failure's step, coloured by how it
+  was handled), `throughput.png` (samples/s of each step over time), `nodes.png` (live
+  nodes over time), `cost.png` (cumulative $ on spot against on-demand, per step) and
+  `pauses.png` (the wall time each failure cost).
+
+It needs no torch and works on a finished, a failed and a cut-short run (one whose
+launcher was killed: then summary.json may be missing and the figures come from the
+events alone). Plots use matplotlib's Agg canvas directly, so no display is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report", "main",
+           "PLOT_SIZE_PX"]
+
+EXIT_USAGE = 2
+PLOT_SIZE_PX = (800, 450)
+"""Width and height of every PNG, in pixels."""
+_DPI = 100
+
+HANDLED_COLOURS: dict[str, str] = {
+    "failover": "tab:orange",
+    "peer_restore": "tab:purple",
+    "drain": "tab:green",
+    "checkpoint_restore": "tab:red",
+    "standby": "tab:gray",
+    "stopped": "black",
+}
+_OTHER_COLOUR = "tab:brown"
+_COUNTERS = (("failovers", "failover"), ("drains", "drain"), ("peer_restores", "peer restore"),
+             ("checkpoint_restores", "checkpoint restore"), ("standby_losses", "standby"))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file and a rename (as bamboo.runlog does, whose import
+    chain pulls in torch: this module stays torch-free so the command starts fast)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; str() is the one line to show."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prices:
+    """$ per node-hour; defaults are AWS p3.2xlarge (1 V100) figures, as in the simulator."""
+
+    spot: float = 0.91
+    on_demand: float = 3.06
+
+
+@dataclass(kw_only=True, slots=True)
+class Failure:
+    """One node_lost event."""
+
+    t: float
+    node: str
+    step: int | None
+    handled_as: str
+    pause_s: float
+    phase: str | None = None
+    shadow: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    """What a run directory says, checked: the summary (possibly empty) and the events."""
+
+    path: Path
+    summary: dict[str, Any]
+    events: list[dict[str, Any]]
+    warnings: list[str] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        cfg = self.summary.get("config")
+        if isinstance(cfg, dict):
+            return cfg
+        start = self.of("run_start")
+        return start[0].get("config") or {} if start else {}
+
+    @property
+    def status(self) -> str:
+        if not self.summary:
+            return "incomplete (no summary.json: the run was stopped before it finished)"
+        status = str(self.summary.get("status", "completed"))
+        error = self.summary.get("error")
+        return f"{status}: {error}" if error else status
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read and check a run directory; ReportError with one line if it is not one."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ReportError(f"run directory '{path}' does not exist: give a directory written "
+                          f"by bamboo train --out")
+    if not path.is_dir():
+        raise ReportError(f"'{path}' is not a directory: give a run directory")
+    summary_path, events_path = path / "summary.json", path / "events.jsonl"
+    if not summary_path.exists() and not events_path.exists():
+        raise ReportError(f"'{path}' holds no run (no summary.json or events.jsonl): give a "
+                          f"directory written by bamboo train --out")
+    warnings: list[str] = []
+    events = _read_events(events_path, warnings) if events_path.exists() else []
+    summary = _read_summary(summary_path) if summary_path.exists() else {}
+    if not events_path.exists():
+        warnings.append("no events.jsonl: plots over time are empty")
+    return Run(path=path, summary=summary, events=events, warnings=warnings)
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    for key in ("losses", "pause_s"):
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(_is_num(v) for v in value):
+            raise ReportError(f"{path}: '{key}' must be a list of numbers")
+    for key in ("steps_completed", "samples", "preemptions", "reconfigurations", "redone_steps",
+                *(c for c, _ in _COUNTERS), "wall_s", "throughput"):
+        if key in data and data[key] is not None and not _is_num(data[key]):
+            raise ReportError(f"{path}: '{key}' must be a number, got {data[key]!r}")
+    return data
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_events(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path} cannot be read: {e}") from None
+    lines = text.split("\n")
+    events: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            events.append(_parse_event(line))
+        except ValueError as e:
+            if number == len(lines):  # no newline after it: cut short by a killed writer
+                warnings.append(f"events.jsonl line {number} is cut short (the run was stopped "
+                                f"while writing it) and was ignored")
+                continue
+            raise ReportError(f"{path} line {number}: {e}") from None
+    events.sort(key=lambda e: e["t"])  # stable: same-time events keep their order
+    return events
+
+
+def _parse_event(line: str) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(event, dict):
+        raise ValueError("not a JSON object")
+    if not _is_num(event.get("t")):
+        raise ValueError("no numeric 't' (seconds since the run began)")
+    if not isinstance(event.get("event"), str):
+        raise ValueError("no 'event' name")
+    kind = event["event"]
+    if kind == "step_done" and not (isinstance(event.get("step"), int) and _is_num(event.get("loss"))):
+        raise ValueError("step_done needs an integer 'step' and a numeric 'loss'")
+    if kind in ("node_up", "node_lost") and not isinstance(event.get("node"), str):
+        raise ValueError(f"{kind} needs a 'node' name")
+    return event
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def _failures(run: Run) -> list[Failure]:
+    lost = run.of("node_lost")
+    pauses = [float(p) for p in run.summary.get("pause_s", [])]
+    out = []
+    for i, e in enumerate(lost):
+        pause = e.get("pause_s")
+        if not _is_num(pause):
+            pause = pauses[i] if len(pauses) == len(lost) else 0.0
+        step = e.get("step")
+        out.append(Failure(t=float(e["t"]), node=e["node"], step=step if isinstance(step, int) else None,
+                           handled_as=str(e.get("handled_as", "unknown")), pause_s=float(pause),
+                           phase=e.get("phase"), shadow=e.get("shadow")))
+    return out
+
+
+def _pauses(run: Run, failures: list[Failure]) -> list[float]:
+    """Per failure, the wall time it cost: summary.json's list, else the events' figures."""
+    listed = run.summary.get("pause_s")
+    if isinstance(listed, list) and (listed or not failures):
+        return [float(p) for p in listed]
+    return [f.pause_s for f in failures]
+
+
+def _losses(run: Run) -> list[float]:
+    if isinstance(run.summary.get("losses"), list):
+        return [float(x) for x in run.summary["losses"]]
+    by_step = {e["step"]: float(e["loss"]) for e in run.of("step_done")}  # a redone step: last
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _samples_per_step(run: Run) -> float:
+    cfg = run.config
+    try:
+        pipelines = cfg.get("pipelines") or cfg["nodes"] // cfg["stages"]
+        return float(pipelines * cfg["micro_batches"] * cfg["micro_batch_size"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        steps, samples = run.summary.get("steps_completed"), run.summary.get("samples")
+        return float(samples) / steps if steps and samples else 0.0
+
+
+def _end_time(run: Run) -> float:
+    ends = run.of("run_done") + run.of("run_failed")
+    if ends:
+        return float(ends[-1]["t"])
+    return float(run.events[-1]["t"]) if run.events else 0.0
+
+
+def _live_nodes(run: Run) -> list[tuple[float, int]]:
+    """(t, live nodes from t on), from node_up / node_lost; all gone at the run's end."""
+    live: set[str] = set()
+    series: list[tuple[float, int]] = [(0.0, 0)]
+    for e in run.events:
+        if e["event"] == "node_up":
+            live.add(e["node"])
+        elif e["event"] == "node_lost":
+            live.discard(e["node"])
+        else:
+            continue
+        series.append((float(e["t"]), len(live)))
+    series.append((max(_end_time(run), series[-1][0]), 0))
+    return series
+
+
+def _node_seconds(series: list[tuple[float, int]], until: float) -> float:
+    total = 0.0
+    for (t0, n), (t1, _) in zip(series, series[1:]):
+        total += n * max(0.0, min(t1, until) - t0) if t0 < until else 0.0
+    return total
+
+
+def _start_time(run: Run) -> float:
+    ups = run.of("node_up")
+    return float(ups[0]["t"]) if ups else 0.0
+
+
+def _failure_free_nodes(run: Run) -> int:
+    cfg = run.config
+    try:
+        return int((cfg.get("pipelines") or cfg["nodes"] // cfg["stages"]) * cfg["stages"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        return max((n for _, n in _live_nodes(run)), default=0)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Cost:
+    steps: list[int]
+    spot: list[float]
+    on_demand: list[float]
+    node_seconds: float
+    on_demand_nodes: int
+    on_demand_s: float
+
+
+def _cost(run: Run, failures: list[Failure], prices: Prices) -> _Cost:
+    """Cumulative $ after each step: the run's node-seconds on spot, and the same steps on
+    the failure-free node count at on-demand prices, taking as long as this run did since
+    its first node started, less the pauses its failures cost."""
+    series, start, n = _live_nodes(run), _start_time(run), _failure_free_nodes(run)
+    pauses = _pauses(run, failures)
+    times = [f.t for f in failures]
+    if len(pauses) != len(times):
+        times = [math.inf] * len(pauses)  # cannot place them: subtract only at the end
+
+    def on_demand_s(t: float) -> float:
+        # a pause of p seconds from tf on has cost min(p, t - tf) seconds by time t
+        lost = sum(min(p, max(0.0, t - tf)) for p, tf in zip(pauses, times))
+        return max(0.0, t - start - lost)
+
+    steps, spot, od = [0], [0.0], [0.0]
+    for i, e in enumerate(run.of("step_done"), start=1):
+        t = float(e["t"])
+        steps.append(i)
+        spot.append(_node_seconds(series, t) * prices.spot / 3600)
+        od.append(max(od[-1], n * on_demand_s(t) * prices.on_demand / 3600))  # never falls
+    end = _end_time(run)
+    total_od_s = max(0.0, end - start - sum(pauses))
+    return _Cost(steps=steps, spot=spot, on_demand=od, node_seconds=_node_seconds(series, end),
+                 on_demand_nodes=n, on_demand_s=total_od_s)
+
+
+# -- the text -----------------------------------------------------------------------------
+
+
+def _money(x: float) -> str:
+    return f"${x:.2f}" if x >= 1 else f"${x:.4f}"
+
+
+def report_text(run: Run, prices: Prices | None = None) -> str:
+    """The text of report.txt."""
+    prices = prices or Prices()
+    s, failures = run.summary, _failures(run)
+    losses, pauses = _losses(run), _pauses(run, failures)
+    steps = int(s.get("steps_completed", len(losses)))
+    samples = s.get("samples", steps * _samples_per_step(run))
+    wall = float(s["wall_s"]) if _is_num(s.get("wall_s")) else _end_time(run)
+    throughput = float(s["throughput"]) if _is_num(s.get("throughput")) else (
+        samples / wall if wall > 0 else 0.0)
+    out = [f"Bamboo run report: {run.path}", f"status: {run.status}"]
+    cfg = run.config
+    if cfg:
+        out.append("job: " + ", ".join(f"{k} {cfg[k]}" for k in (
+            "model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size",
+            "redundancy", "seed") if cfg.get(k) is not None))
+    out.append(f"steps: {steps} completed ({int(samples)} samples)")
+    if losses:
+        first, last = losses[0], losses[-1]
+        drop = (first - last) / first if first else 0.0
+        out.append(f"loss: {first:.4f} first -> {last:.4f} last ({100 * drop:.1f}% drop)")
+    else:
+        out.append("loss: no completed step")
+    median = s.get("median_step_s")
+    out.append(f"throughput: {throughput:.2f} samples/s; wall time {wall:.2f} s"
+               + (f"; median step {median:.3f} s" if _is_num(median) else ""))
+    out += _failure_lines(run, failures, pauses)
+    out.append(f"reconfigurations: {int(s.get('reconfigurations', 0))}; "
+               f"redone steps: {int(s.get('redone_steps', 0))}")
+    out += _cost_lines(_cost(run, failures, prices), prices)
+    out += [f"warning: {w}" for w in run.warnings]
+    return "\n".join(out) + "\n"
+
+
+def _failure_lines(run: Run, failures: list[Failure], pauses: list[float]) -> list[str]:
+    s = run.summary
+    count = int(s.get("preemptions", len(failures)))
+    if "preemptions" in s:
+        kinds = ", ".join(f"{label} {int(s.get(key, 0))}" for key, label in _COUNTERS)
+    else:
+        by: dict[str, int] = {}
+        for f in failures:
+            by[f.handled_as] = by.get(f.handled_as, 0) + 1
+        kinds = ", ".join(f"{k} {v}" for k, v in by.items()) or "none"
+    out = [f"preemptions: {count} ({kinds})"]
+    for f in failures:
+        where = f"step {f.step}" + (f" ({f.phase})" if f.phase else "")
+        shadow = f", shadow {f.shadow}" if f.shadow else ""
+        out.append(f"  t={f.t:.2f} s  {f.node} lost in {where}: {f.handled_as}{shadow}, "
+                   f"pause {f.pause_s:.2f} s")
+    if pauses:
+        out.append(f"pause per failure: {', '.join(f'{p:.2f}' for p in pauses)} s (total "
+                   f"{sum(pauses):.2f} s, mean {sum(pauses) / len(pauses):.2f} s)")
+    else:
+        out.append("pause per failure: none")
+    return out
+
+
+def _cost_lines(c: _Cost, prices: Prices) -> list[str]:
+    spot = c.node_seconds * prices.spot / 3600
+    od = c.on_demand_nodes * c.on_demand_s * prices.on_demand / 3600
+    saving = ""
+    if od > 0:
+        ratio = 1 - spot / od
+        saving = (f" (spot saves {100 * ratio:.1f}%)" if ratio >= 0
+                  else f" (spot costs {-100 * ratio:.1f}% more)")
+    return [
+        f"cost on spot: {_money(spot)} for {c.node_seconds:.1f} node-seconds at "
+        f"${prices.spot:.2f}/node-hour",
+        f"cost on on-demand: {_money(od)} for {c.on_demand_nodes} nodes x {c.on_demand_s:.1f} s "
+        f"at ${prices.on_demand:.2f}/node-hour{saving}",
+        "  assumption: on-demand runs the same steps on the failure-free node count "
+        "(pipelines x stages) for as long as this run took from its first node's start, "
+        "less the pauses its failures cost; spot pays every live node (standbys and "
+        "replacements included) from node_up to node_lost or the run's end.",
+    ]
+
+
+# -- the plots ----------------------------------------------------------------------------
+
+
+def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=13,
+            color="0.35")
+
+
+def _png(fig: Any, path: Path, bottom: float = 0.12) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig.subplots_adjust(left=0.09, right=0.97, top=0.92, bottom=bottom)  # tight_layout: slow
+    buffer = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buffer)
+    _write_atomic(path, buffer.getvalue())
+    return path
+
+
+def _colour(handled_as: str) -> str:
+    return HANDLED_COLOURS.get(handled_as, _OTHER_COLOUR)
+
+
+def _mark_failures(ax: Any, failures: list[Failure], x_of: Any) -> None:
+    seen: set[str] = set()
+    for f in failures:
+        x = x_of(f)
+        if x is None:
+            continue
+        label = None if f.handled_as in seen else f"{f.handled_as} ({f.node} lost)"
+        seen.add(f.handled_as)
+        ax.axvline(x, color=_colour(f.handled_as), linestyle="--", linewidth=1.5, label=label)
+
+
+def _plot_loss(run: Run, failures: list[Failure], path: Path) -> Path:
+    fig, ax = _figure("Training loss per step", "step", "loss")
+    losses = _losses(run)
+    if losses:
+        ax.plot(range(len(losses)), losses, marker="o" if len(losses) < 40 else None,
+                markersize=3, color="tab:blue", label="loss")
+    else:
+        _empty(ax, "no completed step")
+    _mark_failures(ax, failures, lambda f: f.step)
+    if losses or failures:
+        ax.legend(loc="upper right", fontsize=8)
+    return _png(fig, path)
+
+
+def _plot_throughput(run: Run, failures: list[Failure], path: Path) -> Path:
+    fig, ax = _figure("Throughput of each step", "time since start (s)", "samples/s")
+    per_step = _samples_per_step(run)
+    points = [(float(e["t"]), per_step / float(e["wall_s"])) for e in run.of("step_done")
+              if _is_num(e.get("wall_s")) and e["wall_s"] > 0]
+    if points:
+        ax.plot(*zip(*points), marker=".", color="tab:blue", label="samples/s")
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax, "no timed step")
+    _mark_failures(ax, failures, lambda f: f.t)
+    if points or failures:
+        ax.legend(loc="lower right", fontsize=8)
+    return _png(fig, path)
+
+
+def _plot_nodes(run: Run, failures: list[Failure], path: Path) -> Path:
+    fig, ax = _figure("Live nodes", "time since start (s)", "nodes")
+    series = _live_nodes(run)
+    ts, ns = zip(*series)
+    ax.step(ts, ns, where="post", color="tab:blue", label="live nodes")
+    ax.set_ylim(bottom=0, top=max(ns) + 1)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    if len(series) <= 2:
+        _empty(ax, "no node_up event")
+    _mark_failures(ax, failures, lambda f: f.t)
+    ax.legend(loc="best", fontsize=8)
+    return _png(fig, path)
+
+
+def _plot_cost(run: Run, failures: list[Failure], prices: Prices, path: Path) -> Path:
+    c = _cost(run, failures, prices)
+    fig, ax = _figure("Cumulative cost of the same work", "steps completed", "cost ($)")
+    ax.plot(c.steps, c.spot, color="tab:green", label=f"spot, live nodes (${prices.spot:.2f}/h)")
+    ax.plot(c.steps, c.on_demand, color="tab:red",
+            label=f"on-demand, {c.on_demand_nodes} nodes (${prices.on_demand:.2f}/h)")
+    if len(c.steps) == 1:
+        _empty(ax, "no completed step")
+    ax.legend(loc="upper left", fontsize=8)
+    return _png(fig, path)
+
+
+def _plot_pauses(run: Run, failures: list[Failure], path: Path) -> Path:
+    fig, ax = _figure("Time lost per failure", "failure", "pause (s)")
+    pauses = _pauses(run, failures)
+    if pauses:
+        named = len(failures) == len(pauses)
+        labels = [f"{f.node}@{f.step}\n{f.handled_as}" if named else f"#{i + 1}"
+                  for i, f in enumerate(failures if named else [None] * len(pauses))]
+        colours = [_colour(f.handled_as) for f in failures] if named else ["tab:blue"] * len(pauses)
+        ax.bar(range(len(pauses)), pauses, color=colours, tick_label=labels)
+        for i, p in enumerate(pauses):
+            ax.annotate(f"{p:.2f} s", (i, p), ha="center", va="bottom", fontsize=8)
+    else:
+        _empty(ax, "no failures: no time lost")
+        ax.set_xticks([])
+    return _png(fig, path, bottom=0.17)
+
+
+def write_report(run_dir: str | Path, prices: Prices | None = None) -> list[Path]:
+    """Write report.txt and the five PNGs into `run_dir`; their paths, report.txt first."""
+    prices = prices or Prices()
+    run = load_run(run_dir)
+    failures = _failures(run)
+    path = run.path
+    try:
+        text_path = path / "report.txt"
+        _write_atomic(text_path, report_text(run, prices).encode("utf-8"))
+        return [text_path,
+                _plot_loss(run, failures, path / "loss.png"),
+                _plot_throughput(run, failures, path / "throughput.png"),
+                _plot_nodes(run, failures, path / "nodes.png"),
+                _plot_cost(run, failures, prices, path / "cost.png"),
+                _plot_pauses(run, failures, path / "pauses.png")]
+    except PermissionError as e:
+        raise ReportError(f"cannot write the report into '{path}': {e.strerror}") from None
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Prices()
+    p = _Parser(prog="bamboo report", description="Rewrite a run's report.txt and PNG plots "
+                "from its summary.json and events.jsonl.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by bamboo train --out")
+    p.add_argument("--spot-price", type=float, default=d.spot,
+                   help=f"$ per node-hour on spot (default {d.spot})")
+    p.add_argument("--on-demand-price", type=float, default=d.on_demand,
+                   help=f"$ per node-hour on demand (default {d.on_demand})")
+    p.add_argument("--quiet", action="store_true", help="do not print the report on stdout")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`bamboo report RUN_DIR`: 0 on success, 2 (one line on stderr) for a bad run directory."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if not (args.spot_price >= 0 and args.on_demand_price >= 0):
+            raise ReportError("--spot-price and --on-demand-price must be >= 0 $ per node-hour")
+        paths = write_report(args.run_dir, Prices(spot=args.spot_price,
+                                                  on_demand=args.on_demand_price))
+    except ReportError as e:
+        if args.debug:
+            raise
+        print(f"bamboo report: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.quiet:
+        sys.stdout.write(paths[0].read_text(encoding="utf-8"))
+    print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Job files (`bamboo train --config`): the schema, one-line errors, override precedence."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bamboo.config import ConfigError, JobConfig, KillSpec
+from bamboo.configfile import SECTIONS, example_config, field_paths, load_job_config
+
+
+def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _nested(dotted: str, value: object) -> dict:
+    *sections, key = dotted.split(".")
+    doc: dict = {key: value}
+    for section in reversed(sections):
+        doc = {section: doc}
+    return doc
+
+
+def _error(path: Path, overrides: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_job_config(path, overrides or {})
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_example_loads_validates_and_documents_every_field(tmp_path: Path) -> None:
+    text = example_config()
+    cfg = load_job_config(_write(tmp_path, text), {})
+    assert cfg == JobConfig()
+    for name, dotted in field_paths().items():
+        assert f"{dotted.rsplit('.', 1)[-1]}:" in text, name
+    assert "# Worker processes to start" in text  # a field docstring from config.py
+    assert "layout:" in text and "training:" in text
+
+
+def test_every_field_has_a_home() -> None:
+    paths = field_paths()
+    assert set(paths) == {f.name for f in dataclasses.fields(JobConfig)}
+    assert paths["nodes"] == "layout.nodes" and paths["model"] == "model"
+    assert all(p.count(".") <= 1 for p in paths.values())
+
+
+def test_nested_file_and_hyphenated_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+model: gpt2-mini
+redundancy: lazy
+layout: {nodes: 8, stages: 4, micro-batches: 2, micro_batch_size: 4}
+training:
+  steps: 7
+  seed: 3
+  lr: 1e-3            # YAML 1.1 reads this as a string; it is accepted as a number
+runtime: {device: cpu}
+faults: {kills: ["1:2@3", "0:0@5+notice"]}
+""")
+    cfg = load_job_config(path, {})
+    assert (cfg.model, cfg.redundancy, cfg.nodes, cfg.stages, cfg.data_parallel) == (
+        "gpt2-mini", "lazy", 8, 4, 2)
+    assert (cfg.micro_batches, cfg.micro_batch_size, cfg.steps, cfg.seed, cfg.lr) == (2, 4, 7, 3, 1e-3)
+    assert cfg.kills == [KillSpec(1, 2, 3), KillSpec(0, 0, 5, notice=True)]
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'model = "bert-tiny"\n[layout]\nnodes = 2\nstages = 2\n'
+                            '[training]\nsteps = 3\n', "job.toml")
+    cfg = load_job_config(path, {})
+    assert (cfg.model, cfg.nodes, cfg.stages, cfg.steps) == ("bert-tiny", 2, 2, 3)
+    bad = _write(tmp_path, "model = \n", "bad.toml")
+    assert "bad.toml: TOML syntax error" in _error(bad)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "layout: {nodes: 8, stages: 4}\ntraining: {steps: 9, seed: 2}\n"
+                            "faults: {kills: ['0:1@2']}\n")
+    cfg = load_job_config(path, {"steps": 3, "kills": [KillSpec(1, 0, 1)]})
+    assert (cfg.nodes, cfg.stages, cfg.steps, cfg.seed) == (8, 4, 3, 2)
+    assert cfg.kills == [KillSpec(1, 0, 1)]
+    # a flag may also repair a file value that would not validate
+    bad = _write(tmp_path, "layout: {stages: 9}\n", "bad.yaml")
+    assert load_job_config(bad, {"stages": 2, "nodes": 2}).stages == 2
+    assert "layout.stages" in _error(bad, {"steps": 3})
+
+
+def _wrong_value(tp: object) -> object:
+    """A value of the wrong type for a field of type `tp`."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list:
+        return "0:1@2"  # a string, not a list
+    if str in args or tp is str:
+        return 12
+    return "twelve" if tp is not bool else 3
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(JobConfig)])
+def test_every_field_with_a_wrong_value_names_it(tmp_path: Path, name: str) -> None:
+    tp = typing.get_type_hints(JobConfig, vars(__import__("bamboo.config").config))[name]
+    dotted = field_paths()[name]
+    path = _write(tmp_path, yaml.safe_dump(_nested(dotted, _wrong_value(tp))))
+    message = _error(path)
+    assert f"job.yaml: {dotted}: expected " in message, message
+
+
+@pytest.mark.parametrize("dotted,value,expected", [
+    ("model", "gpt5", "model: 'gpt5' is not one of gpt2-tiny"),
+    ("redundancy", "sometimes", "redundancy: 'sometimes' is not one of eager, lazy, off"),
+    ("runtime.device", "tpu", "runtime.device: 'tpu' is not one of auto, cpu, cuda"),
+    ("layout.nodes", 0, "--nodes must be a positive integer (got 0) (in {path}: layout.nodes)"),
+    ("layout.stages", 9, "--stages 9 is more than the 8 layers"),
+    ("training.lr", -1, "--lr must be positive"),
+    ("runtime.comm_timeout_s", 0, "(in {path}: runtime.comm_timeout_s)"),
+    ("faults.kills", ["0:1@x"], "faults.kills[0]: --kill '0:1@x' is malformed"),
+    ("faults.kills", ["0:7@1"], "names no node"),
+    ("faults.kills", [3], "faults.kills[0]: expected a \"D:S@K\" string, got an integer (3)"),
+    ("data", "/no/such/file.txt", "text file (in {path}: data)"),
+    ("layout.nodes", True, "layout.nodes: expected an integer, got a boolean (True)"),
+])
+def test_bad_values_are_one_line_naming_the_field(tmp_path: Path, dotted: str, value: object,
+                                                  expected: str) -> None:
+    path = _write(tmp_path, yaml.safe_dump(_nested(dotted, value)))
+    assert expected.format(path=path) in _error(path)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("nodes: 4\n", "unknown key 'nodes': it belongs at 'layout.nodes'"),
+    ("layout: {nodez: 4}\n", "unknown key 'layout.nodez': did you mean 'nodes'? allowed: "),
+    ("trainer: {steps: 4}\n", "unknown key 'trainer': did you mean 'training'?"),
+    ("layout: 4\n", "'layout' must be a section (a mapping), got an integer (4)"),
+    ("- 1\n- 2\n", "the top level must be a mapping"),
+])
+def test_unknown_keys_and_shapes(tmp_path: Path, text: str, expected: str) -> None:
+    assert expected in _error(_write(tmp_path, text))
+
+
+def test_empty_file_and_empty_section_are_the_defaults(tmp_path: Path) -> None:
+    assert load_job_config(_write(tmp_path, ""), {}) == JobConfig()
+    assert load_job_config(_write(tmp_path, "layout:\n"), {}) == JobConfig()
+
+
+def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
+    message = _error(tmp_path / "nope.yaml")
+    assert "--config file" in message and "nope.yaml' does not exist" in message
+    assert "is a directory" in _error(tmp_path)
+    path = _write(tmp_path, "model: gpt2-tiny\nlayout:\n  nodes: 4\n stages: 2\n")
+    message = _error(path)
+    assert message.startswith(f"{path}, line 4, column 2: YAML syntax error"), message
+
+
+def test_override_of_unknown_field_is_an_error(tmp_path: Path) -> None:
+    assert "override 'nodez' is not a JobConfig field" in _error(_write(tmp_path, ""), {"nodez": 1})
+    assert "--steps: expected an integer" in _error(_write(tmp_path, ""), {"steps": "3"})
+
+
+def test_sections_do_not_overlap() -> None:
+    names = [n for members in SECTIONS.values() for n in members]
+    assert len(names) == len(set(names))
