@@ -361,7 +361,8 @@ class LocalCluster:
         keys = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s")
         return {"node": f"n{r['rank']}", "stages": r["stages"]} | \
             {k: round(r[k], 6) for k in keys} | \
-            {"bytes_sent": r["bytes_sent"], "bytes_replica": r["bytes_replica"]}
+            {k: r[k] for k in ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes",
+                               "state_bytes")}
 
     def _check_digests(self, reports: list[dict], step: int) -> None:
         if not self.check_replicas:

@@ -77,6 +77,12 @@ class StepReport:
     brc: int = 0
     resent_grads: int = 0
     attempts: int = 1
+    saved_bytes: int = 0
+    """Bytes autograd saved for backward in this step's forwards (activation memory)."""
+    frc_saved_bytes: int = 0
+    """The same, for the eager FRC forwards of the replica stage (kept the whole step)."""
+    state_bytes: int = 0
+    """Parameters and optimizer state held: every stage and the replica."""
     digests: dict[str, str] = field(default_factory=dict)
 
 
@@ -173,6 +179,8 @@ class NodeEngine:
         r.step_s = time.perf_counter() - start
         r.wait_s = self.p2p.wait_s
         r.bytes_sent = self.p2p.bytes_sent
+        held = list(self.stages.values()) + ([self.replica] if self.replica is not None else [])
+        r.state_bytes = sum(3 * 4 * st.numel for st in held)  # fp32 params + two AdamW moments
         if self.check_replicas:
             r.digests = {f"stage{k}": st.digest() for k, st in self.stages.items()}
             if self.replica is not None:
@@ -248,13 +256,26 @@ class NodeEngine:
         return self.task.batch(s.step, self.global_mbs[mb]).inputs.to(self.device)
 
     def _run(self, module: nn.Module, stage: int, mb: int, x: torch.Tensor,
-             s: _Step) -> tuple[torch.Tensor, float | None]:
-        """Forward of `stage` on `x`; the last stage returns its weighted loss and value."""
-        out = module(x)
-        if stage != self.P - 1:
-            return out, None
-        targets = self.task.batch(s.step, self.global_mbs[mb]).targets.to(self.device)
-        loss = self.loss(out, targets)
+             s: _Step, frc: bool = False) -> tuple[torch.Tensor, float | None]:
+        """Forward of `stage` on `x`; the last stage returns its weighted loss and value.
+
+        Counts the bytes autograd keeps for the backward (parameters excluded): the
+        activation memory of this forward.
+        """
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not (t.is_leaf and t.requires_grad):
+                nbytes = t.numel() * t.element_size()
+                if frc:
+                    s.report.frc_saved_bytes += nbytes
+                else:
+                    s.report.saved_bytes += nbytes
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+            if stage != self.P - 1:
+                return out, None
+            targets = self.task.batch(s.step, self.global_mbs[mb]).targets.to(self.device)
+            loss = self.loss(out, targets)
         return loss * self.weight, float(loss.detach())
 
     def _forward(self, s: _Step, i: S.Forward) -> None:
@@ -276,7 +297,7 @@ class NodeEngine:
             x = self._input(s, 0, i.mb)
         else:
             x = s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
-        out, loss = self._run(self.replica.module, i.stage, i.mb, x, s)
+        out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)
         s.frc[i.mb] = (x, out, loss)
         s.report.frc_s += time.perf_counter() - start
 
