@@ -4,14 +4,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup system-deps demo test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) system-deps
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# etcd (Debian's etcd-server) for the membership tests; installed when running as root.
+system-deps:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
+	  else echo "etcd is missing: install Debian's etcd-server (sudo apt-get install etcd-server)"; fi; }
 
 demo: setup
 	$(BIN)/bamboo train --nodes 4 --stages 4 --steps 50 --out runs/demo-$$(date +%Y%m%d-%H%M%S)

@@ -15,7 +15,7 @@ import sys
 from typing import NoReturn
 
 from bamboo.config import ConfigError, JobConfig, parse_kill
-from bamboo.models.registry import PRESETS
+from bamboo.presets import PRESETS
 
 __all__ = ["main"]
 
@@ -29,53 +29,68 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _train_parser() -> argparse.ArgumentParser:
+def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
+    """The parser of `bamboo train`; with `given_only`, flags the user did not type are absent
+    (so a --config file's values are overridden only by flags actually given)."""
     d = JobConfig()
     p = _Parser(prog="bamboo train", description="Train on a local cluster of worker processes, "
                 "one per node, with a coordinator process holding the store.")
-    p.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
-    p.add_argument("--nodes", type=int, default=d.nodes, help="worker processes (default 4)")
-    p.add_argument("--stages", type=int, default=d.stages, help="pipeline stages P (default 4)")
-    p.add_argument("--pipelines", type=int, default=None,
-                   help="data-parallel pipelines D (default nodes // stages)")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches,
-                   help="micro-batches per pipeline per step (default 4)")
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
-                   help="samples per micro-batch (default 8)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--redundancy", default=d.redundancy, help="eager | lazy | off")
-    p.add_argument("--data", default=None, help="UTF-8 text file (byte tokens); default synthetic")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip,
-                   help="global gradient-norm clip, 0 to disable (default 1.0)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
-    p.add_argument("--comm-timeout", type=float, default=d.comm_timeout_s, dest="comm_timeout_s",
-                   help="seconds any communication call may block (default 60)")
-    p.add_argument("--lease", type=float, default=d.lease_s, dest="lease_s",
-                   help="seconds without a heartbeat before a node is fenced (default 10)")
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda")
-    p.add_argument("--kill", action="append", default=[], metavar="D:S@K[+notice]",
-                   help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
-    p.add_argument("--crash", action="append", default=[], metavar="D:S@K",
-                   help="make that node raise a Python exception in step K (software-error test)")
-    p.add_argument("--check-replicas", action="store_true",
-                   help="compare every replica's digest with its primary's after every step")
-    p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
-    p.add_argument("--json", action="store_true", help="print summary.json on stdout when done")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    def opt(*names: str, default: object = None, **kw: object) -> None:
+        p.add_argument(*names, default=argparse.SUPPRESS if given_only else default, **kw)
+
+    opt("--config", help="a YAML or TOML job file (see `bamboo config --example`); flags override it")
+    opt("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
+    opt("--nodes", type=int, default=d.nodes, help="worker processes (default 4)")
+    opt("--stages", type=int, default=d.stages, help="pipeline stages P (default 4)")
+    opt("--pipelines", type=int, help="data-parallel pipelines D (default nodes // stages)")
+    opt("--micro-batches", type=int, default=d.micro_batches,
+        help="micro-batches per pipeline per step (default 4)")
+    opt("--micro-batch-size", type=int, default=d.micro_batch_size,
+        help="samples per micro-batch (default 8)")
+    opt("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
+    opt("--seed", type=int, default=d.seed)
+    opt("--redundancy", default=d.redundancy, help="eager | lazy | off (default eager)")
+    opt("--data", help="UTF-8 text file (byte tokens); default synthetic")
+    opt("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
+    opt("--warmup-steps", type=int, default=d.warmup_steps)
+    opt("--weight-decay", type=float, default=d.weight_decay)
+    opt("--grad-clip", type=float, default=d.grad_clip,
+        help="global gradient-norm clip, 0 to disable (default 1.0)")
+    opt("--threads", type=int, default=d.threads, help="torch threads per worker")
+    opt("--comm-timeout", type=float, default=d.comm_timeout_s, dest="comm_timeout_s",
+        help="seconds any communication call may block (default 60)")
+    opt("--lease", type=float, default=d.lease_s, dest="lease_s",
+        help="seconds without a heartbeat before a node is fenced (default 10)")
+    opt("--device", default=d.device, help="auto | cpu | cuda")
+    opt("--kill", action="append", default=[], metavar="D:S@K[+notice]",
+        help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
+    opt("--crash", action="append", default=[], metavar="D:S@K",
+        help="make that node raise a Python exception in step K (software-error test)")
+    opt("--check-replicas", action="store_true", default=False,
+        help="compare every replica's digest with its primary's after every step")
+    opt("--out", help="run directory (default runs/<timestamp>)")
+    opt("--json", action="store_true", default=False, help="print summary.json on stdout when done")
+    opt("--quiet", action="store_true", default=False, help="no progress on stderr")
+    opt("--debug", action="store_true", default=False, help="show tracebacks")
     return p
 
 
-def _config(args: argparse.Namespace) -> JobConfig:
-    fields = {k: getattr(args, k) for k in (
-        "model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
-        "seed", "redundancy", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
-        "threads", "comm_timeout_s", "lease_s", "device", "out")}
-    return JobConfig(kills=[parse_kill(k) for k in args.kill], **fields).validate()
+_FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
+           "seed", "redundancy", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
+           "threads", "comm_timeout_s", "lease_s", "device", "out")
+
+
+def _config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
+    if args.config is None:
+        fields = {k: getattr(args, k) for k in _FIELDS}
+        return JobConfig(kills=[parse_kill(k) for k in args.kill], **fields).validate()
+    from bamboo.configfile import load_job_config
+    given = vars(_train_parser(given_only=True).parse_args(argv))
+    overrides = {k: v for k, v in given.items() if k in _FIELDS}
+    if "kill" in given:
+        overrides["kills"] = [parse_kill(k) for k in given["kill"]]
+    return load_job_config(args.config, overrides)
 
 
 def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
@@ -92,7 +107,7 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
 def train(argv: list[str]) -> int:
     args = _train_parser().parse_args(argv)
     try:
-        cfg = _config(args)
+        cfg = _config(args, argv)
         crash = _crash_faults(cfg, args.crash)
         from bamboo.runlog import RunDir, default_run_dir
         run = RunDir(cfg.out or default_run_dir())
@@ -127,15 +142,33 @@ def _simulate(argv: list[str]) -> int:
     return simulate_main(argv)
 
 
-_COMMANDS = {"train": train, "simulate": _simulate}
+def _report(argv: list[str]) -> int:
+    from bamboo.report import main as report_main
+    return report_main(argv)
+
+
+def _config_command(argv: list[str]) -> int:
+    p = _Parser(prog="bamboo config", description="Job files for `bamboo train --config`.")
+    p.add_argument("--example", action="store_true", help="print a commented example job file")
+    args = p.parse_args(argv)
+    if not args.example:
+        p.error("nothing to do; use --example")
+    from bamboo.configfile import example_config
+    print(example_config(), end="")
+    return 0
+
+
+_COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,simulate} ...\n\n"
+        print("usage: bamboo {train,simulate,report,config} ...\n\n"
               "  train     train a model on a local cluster of worker processes\n"
-              "  simulate  project throughput and cost of a spot trace", file=sys.stderr)
+              "  simulate  project throughput and cost of a spot trace\n"
+              "  report    write the text summary and plots of a run directory\n"
+              "  config    print an example job file (--example)", file=sys.stderr)
         return 0 if argv else EXIT_USAGE
     command = _COMMANDS.get(argv[0])
     if command is None:

@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bamboo.models.registry import PRESETS, preset
+from bamboo.presets import PRESETS, preset
 
 __all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES"]
 
@@ -50,7 +50,7 @@ class JobConfig:
     """Everything a training run needs; defaults give the demo job."""
 
     model: str = "gpt2-tiny"
-    """A preset name from `bamboo.models.registry.PRESETS`."""
+    """A preset name from `bamboo.presets.PRESETS`."""
     nodes: int = 4
     """Worker processes to start; nodes beyond pipelines x stages are standbys."""
     stages: int = 4

@@ -37,7 +37,7 @@ import yaml
 
 from bamboo import config as _config_module
 from bamboo.config import REDUNDANCY_MODES, ConfigError, JobConfig, KillSpec, parse_kill
-from bamboo.models.registry import PRESETS
+from bamboo.presets import PRESETS
 
 __all__ = ["load_job_config", "example_config", "field_paths", "SECTIONS"]
 

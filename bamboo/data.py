@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bamboo.models.registry import ModelPreset
+from bamboo.presets import ModelPreset
 
 __all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "SyntheticImages", "Task",
            "make_task", "MASK_RATE"]

@@ -18,7 +18,7 @@ from torch import nn
 from bamboo.models.bert import bert_layer
 from bamboo.models.cnn import _block_widths, cnn_layer
 from bamboo.models.gpt2 import gpt2_layer
-from bamboo.models.registry import PRESETS, ModelPreset, preset
+from bamboo.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
     "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",

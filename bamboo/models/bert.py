@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.models.registry import ModelPreset
+from bamboo.presets import ModelPreset
 
 __all__ = ["BertBlock", "bert_layer"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.models.registry import ModelPreset
+from bamboo.presets import ModelPreset
 
 __all__ = ["CausalSelfAttention", "GPTBlock", "GPTLayer", "gpt2_layer"]
 
