@@ -61,4 +61,28 @@ def test_unknown_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "bamboo", "trian"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "bamboo: error: unknown command 'trian'; choose one of: train, simulate"
+    assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
+                                   "train, simulate, report, config")
+
+
+def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("layout:\n  nodes: 0\n")
+    proc = run(["--config", str(job), "--out", str(tmp_path / "a")])
+    assert proc.returncode == 2 and "layout.nodes" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    job.write_text("training:\n  steps: 3\n")
+    proc = run(["--config", str(job), "--steps", "0", "--out", str(tmp_path / "b")])
+    assert proc.returncode == 2 and "--steps must be a positive integer (got 0)" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_example_job_file_is_valid(tmp_path: Path) -> None:
+    example = subprocess.run([sys.executable, "-m", "bamboo", "config", "--example"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert example.returncode == 0
+    job = tmp_path / "job.yaml"
+    job.write_text(example.stdout)
+    from bamboo.configfile import load_job_config
+    cfg = load_job_config(job, {})
+    assert (cfg.model, cfg.nodes, cfg.stages) == ("gpt2-tiny", 4, 4)

@@ -65,6 +65,7 @@ SCENARIOS = {
     "kill the last stage": (dict(steps=8, kills=["0:3@5"]), 1, 0),
     "two pipelines": (dict(steps=8, nodes=8, micro_batches=2, kills=["0:2@5"]), 1, 0),
     "two kills in one run": (dict(steps=8, kills=["0:1@3", "0:3@7"]), 2, 0),
+    "two non-adjacent kills in one step": (dict(steps=6, kills=["0:0@3", "0:2@3"]), 2, 0),
     "adjacent kills, restored from the peer pipeline": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["0:1@4", "0:2@4"]), 1, 1),
     "lazy redundancy": (dict(steps=8, redundancy="lazy", kills=["0:2@3"]), 1, 0),
@@ -184,3 +185,51 @@ def test_random_kills_end_equal_or_stop_with_the_message(case, tmp_path_factory)
     lost = summary["failovers"] + summary["peer_restores"]
     assert summary["preemptions"] == lost
     assert 0 < lost <= len(faults) or all(f.step >= cfg.steps for fs in faults.values() for f in fs)
+
+
+@pytest.mark.timeout(180)
+def test_the_acceptance_command_line(bamboo) -> None:
+    """`bamboo train --nodes 4 --stages 4 --steps 12 --kill 0:2@5`, as a user types it."""
+    args = ["--nodes", "4", "--stages", "4", "--steps", "12", "--json", "--quiet"]
+    killed = bamboo([*args, "--kill", "0:2@5"], "killed")
+    clean = bamboo(args, "clean")
+    assert killed.code == 0 and clean.code == 0, killed.stderr + clean.stderr
+    k, c = killed.summary, clean.summary
+    assert (k["failovers"], k["checkpoint_restores"], k["redone_steps"]) == (1, 0, 0)
+    assert_close(k["losses"], c["losses"], rel=1e-4)
+    assert_close(k["param_l2"], c["param_l2"], rel=1e-4)
+    [lost] = [e for e in killed.events() if e["event"] == "node_lost"]
+    assert (lost["node"], lost["step"], lost["handled_as"], lost["shadow"]) == ("n2", 5, "failover", "n1")
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_node_is_fenced_then_failed_over(tmp_path: Path) -> None:
+    """SIGSTOP (a frozen VM) is invisible to gloo: the lease notices, the coordinator fences."""
+    import json
+    import signal
+    import threading
+    import time
+    cfg = config(dict(steps=8, lease_s=2.0))
+    out = tmp_path / "run"
+
+    def freeze_n2_after_step_2() -> None:
+        events = out / "events.jsonl"
+        while True:
+            lines = events.read_text().splitlines() if events.exists() else []
+            done = [json.loads(x) for x in lines if '"step_done"' in x]
+            if len(done) >= 2:
+                pid = next(json.loads(x)["pid"] for x in lines
+                           if '"node_up"' in x and '"n2"' in x)
+                os.kill(pid, signal.SIGSTOP)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=freeze_n2_after_step_2, daemon=True).start()
+    summary = run_in_process(cfg, out)
+    assert_equals_failure_free(summary, cfg)
+    assert summary["failovers"] == 1
+    events = _events(out)
+    assert [e["node"] for e in events if e["event"] == "fenced"] == ["n2"]
+    lost = next(e for e in events if e["event"] == "fault_detected")
+    fenced_t = next(e["t"] for e in events if e["event"] == "fenced")
+    assert lost["node"] == "n2" and lost["t"] - fenced_t < 2.0
