@@ -252,7 +252,8 @@ class NodeEngine:
     def _holder(self, stage: int) -> int:
         return self.roles.holders[self.pipeline][stage]
 
-    def _input(self, s: _Step, stage: int, mb: int) -> torch.Tensor:
+    def _data(self, s: _Step, mb: int) -> torch.Tensor:
+        """Stage 0's input for micro-batch `mb`: any node can build it from (seed, step, mb)."""
         return self.task.batch(s.step, self.global_mbs[mb]).inputs.to(self.device)
 
     def _run(self, module: nn.Module, stage: int, mb: int, x: torch.Tensor,
@@ -281,7 +282,7 @@ class NodeEngine:
     def _forward(self, s: _Step, i: S.Forward) -> None:
         start = time.perf_counter()
         key = (i.stage, i.mb)
-        x = self._input(s, i.stage, i.mb) if i.stage == 0 else s.inputs[key]
+        x = self._data(s, i.mb) if i.stage == 0 else s.inputs[key]
         out, loss = self._run(self.stages[i.stage].module, i.stage, i.mb, x, s)
         s.outputs[key] = out
         if loss is not None:
@@ -294,7 +295,7 @@ class NodeEngine:
         start = time.perf_counter()
         assert self.replica is not None
         if i.stage == 0:
-            x = self._input(s, 0, i.mb)
+            x = self._data(s, i.mb)
         else:
             x = s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
         out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)

@@ -61,10 +61,6 @@ class Layout:
     def rank(self, pipeline: int, stage: int) -> int:
         return pipeline * self.stages + stage
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks holding `stage` in every pipeline (its data-parallel group)."""
-        return [self.rank(d, stage) for d in range(self.pipelines)]
-
     def micro_batches(self, pipeline: int) -> list[int]:
         return micro_batch_blocks(self.global_micro_batches, self.pipelines)[pipeline]
 

@@ -6,7 +6,6 @@ primary without shipping parameters or optimizer state.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -20,7 +20,6 @@ idle (too few nodes to train, or waiting for instances to boot).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from random import Random
