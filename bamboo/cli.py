@@ -147,6 +147,11 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _profile(argv: list[str]) -> int:
+    from bamboo.profile import main as profile_main
+    return profile_main(argv)
+
+
 def _config_command(argv: list[str]) -> int:
     p = _Parser(prog="bamboo config", description="Job files for `bamboo train --config`.")
     p.add_argument("--example", action="store_true", help="print a commented example job file")
@@ -158,16 +163,18 @@ def _config_command(argv: list[str]) -> int:
     return 0
 
 
-_COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command}
+_COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command,
+             "profile": _profile}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,simulate,report,config} ...\n\n"
+        print("usage: bamboo {train,simulate,report,config,profile} ...\n\n"
               "  train     train a model on a local cluster of worker processes\n"
               "  simulate  project throughput and cost of a spot trace\n"
               "  report    write the text summary and plots of a run directory\n"
+              "  profile   measure a model's step costs here for `simulate --costs`\n"
               "  config    print an example job file (--example)", file=sys.stderr)
         return 0 if argv else EXIT_USAGE
     command = _COMMANDS.get(argv[0])
