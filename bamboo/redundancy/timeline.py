@@ -1,0 +1,465 @@
+"""A per-instruction timeline model of one pipeline step, with and without redundancy.
+
+It replays every node's instruction list (`schedule.node_schedule`, with the eager
+FRC forwards where the engine runs them) as a discrete-event timeline:
+
+- a compute instruction (Forward, Backward, RedundantForward) occupies its node for
+  its cost;
+- a send never blocks; a receive waits for its matching send plus `latency` (zero
+  when both stages sit on the same node: the engine passes them in memory);
+- after the last micro-batch instruction of every node comes the commit round (a
+  barrier, then `commit` seconds) and the optimizer step (each node's own cost; with
+  lazy or eager RC it also steps its replica).
+
+Processors: by default every node has its own (the GPU case: one device per node).
+With `cores=N`, N processors are shared by all nodes (processor sharing: k nodes
+computing at once each run at min(1, N/k) of full speed), which is what several
+worker processes on a small CPU machine see.
+
+The model tells how much FRC work lands in bubbles: compare the eager timeline with
+the `off` timeline on the same costs. A node's FRC work that fits in what would have
+been idle time costs nothing; the rest lengthens the step, and
+overhead = step_eager / step_off - 1.
+
+Costs come from explicit numbers or from a run's events.jsonl (`costs_from_events`).
+Torch-free; `python -m bamboo.redundancy.timeline --help`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bamboo.pipeline import schedule as S
+
+__all__ = ["Costs", "Interval", "NodeTimeline", "Timeline", "simulate_step", "compare",
+           "costs_from_events", "render", "ascii_timeline", "main", "MODES"]
+
+MODES = ("off", "lazy", "eager")
+_EPS = 1e-12
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Seconds per micro-batch instruction, per stage; per step for commit and optimizer."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    frc: tuple[float, ...] | None = None
+    """Cost of the eager FRC forward of stage r (run on r's predecessor); default forward[r]."""
+    latency: float = 0.0
+    """From a send to its receive being satisfied, between two nodes."""
+    commit: float = 0.0
+    """The commit round (gradient sums, replica gradient, global norm), after a barrier."""
+    optim: tuple[float, ...] | None = None
+    """Optimizer step of each primary stage; default zero."""
+    replica_optim: tuple[float, ...] | None = None
+    """Optimizer step of the replica of stage r (lazy and eager); default optim[r]."""
+
+    @classmethod
+    def uniform(cls, stages: int, f: float, b: float, **kw: object) -> "Costs":
+        return cls(forward=(f,) * stages, backward=(b,) * stages, **kw)  # type: ignore[arg-type]
+
+    def frc_cost(self, stage: int) -> float:
+        return (self.frc or self.forward)[stage]
+
+    def optim_cost(self, stage: int) -> float:
+        return self.optim[stage] if self.optim else 0.0
+
+    def replica_optim_cost(self, stage: int) -> float:
+        return (self.replica_optim or self.optim or (0.0,) * len(self.forward))[stage]
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    start: float
+    end: float
+    kind: str
+    """'F' forward, 'B' backward, 'R' eager FRC forward, 'C' commit, 'O' optimizer."""
+    stage: int = -1
+    mb: int = -1
+
+
+@dataclass(kw_only=True)
+class NodeTimeline:
+    node: int
+    stages: list[int]
+    intervals: list[Interval] = field(default_factory=list)
+    bubbles: list[tuple[float, float]] = field(default_factory=list)
+    """Idle intervals in the micro-batch phase (before the commit barrier)."""
+
+    def busy(self, kinds: str = "FBR") -> float:
+        return sum(i.end - i.start for i in self.intervals if i.kind in kinds)
+
+    @property
+    def frc_s(self) -> float:
+        return self.busy("R")
+
+    @property
+    def idle_s(self) -> float:
+        return sum(b - a for a, b in self.bubbles)
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    mode: str
+    stages: int
+    micro_batches: int
+    cores: int | None
+    phase_a_s: float
+    step_s: float
+    nodes: list[NodeTimeline]
+
+
+def _cost(costs: Costs, instr: S.Instruction) -> tuple[str, float] | None:
+    if isinstance(instr, S.Forward):
+        return "F", costs.forward[instr.stage]
+    if isinstance(instr, S.Backward):
+        return "B", costs.backward[instr.stage]
+    if isinstance(instr, S.RedundantForward):
+        return "R", costs.frc_cost(instr.stage)
+    return None
+
+
+def _matching_send(instr: S.Instruction) -> tuple[type, int, int] | None:
+    if isinstance(instr, S.RecvActivation):
+        return (S.SendActivation, instr.stage - 1, instr.mb)
+    if isinstance(instr, S.RecvGrad):
+        return (S.SendGrad, instr.stage + 1, instr.mb)
+    return None
+
+
+def node_lists(stages: int, micro_batches: int, mode: str,
+               held: Sequence[Sequence[int]] | None = None) -> list[list[S.Instruction]]:
+    """Every node's instruction list, as the engine builds it (eager: with FRC forwards)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
+    order = S.global_order(stages, micro_batches)
+    out = []
+    for h in held:
+        frc = (h[0] + 1) % stages if mode == "eager" and stages > 1 and len(h) == 1 else None
+        out.append(S.node_schedule(sorted(h), stages, micro_batches, order=order, frc_stage=frc))
+    return out
+
+
+def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
+                  cores: int | None = None,
+                  held: Sequence[Sequence[int]] | None = None) -> Timeline:
+    """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each)."""
+    if len(costs.forward) != stages or len(costs.backward) != stages:
+        raise ValueError(f"costs must give one forward and one backward per stage ({stages})")
+    if cores is not None and cores < 1:
+        raise ValueError("cores must be at least 1")
+    held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
+    lists = node_lists(stages, micro_batches, mode, held)
+    n_nodes = len(lists)
+    owner = {s: n for n, h in enumerate(held) for s in h}
+    pc = [0] * n_nodes
+    computing: dict[int, list] = {}  # node -> [instr, kind, remaining, start]
+    wake: dict[int, float] = {}  # node -> time its pending receive is satisfied
+    sends: dict[tuple[type, int, int], float] = {}
+    nodes = [NodeTimeline(node=n, stages=sorted(h)) for n, h in enumerate(held)]
+    t = 0.0
+    while True:
+        progressed = True
+        while progressed:  # issue every zero-cost instruction possible at time t
+            progressed = False
+            for n in range(n_nodes):
+                if n in computing:
+                    continue
+                if n in wake:
+                    if wake[n] > t + _EPS:
+                        continue
+                    del wake[n]
+                    pc[n] += 1  # the receive completes now
+                    progressed = True
+                while pc[n] < len(lists[n]):
+                    instr = lists[n][pc[n]]
+                    if isinstance(instr, (S.SendActivation, S.SendGrad)):
+                        sends[(type(instr), instr.stage, instr.mb)] = t
+                        pc[n] += 1
+                        progressed = True
+                        continue
+                    need = _matching_send(instr)
+                    if need is not None:
+                        if need not in sends:
+                            break
+                        local = owner.get(need[1]) == n
+                        ready = sends[need] + (0.0 if local else costs.latency)
+                        if ready > t + _EPS:
+                            wake[n] = ready
+                            break
+                        pc[n] += 1
+                        progressed = True
+                        continue
+                    kind, cost = _cost(costs, instr)  # type: ignore[misc]
+                    computing[n] = [instr, kind, cost, t]
+                    pc[n] += 1
+                    progressed = True
+                    break
+        if not computing and not wake:
+            if all(p == len(lst) for p, lst in zip(pc, lists)):
+                break
+            stuck = {n: lists[n][pc[n]] for n in range(n_nodes) if pc[n] < len(lists[n])}
+            raise S.ScheduleError(f"deadlock in the timeline: nodes waiting at {stuck}")
+        rate = 1.0 if cores is None or not computing else min(1.0, cores / len(computing))
+        dt = min([c[2] / rate for c in computing.values()] + [w - t for w in wake.values()])
+        dt = max(dt, 0.0)
+        t += dt
+        for n in list(computing):
+            c = computing[n]
+            c[2] -= rate * dt
+            if c[2] <= _EPS * max(1.0, t):
+                instr = c[0]
+                nodes[n].intervals.append(Interval(c[3], t, c[1], instr.stage, instr.mb))
+                del computing[n]
+    phase_a = max((i.end for nt in nodes for i in nt.intervals), default=0.0)
+    for nt in nodes:
+        cursor = 0.0
+        for i in sorted(nt.intervals, key=lambda i: i.start):
+            if i.start > cursor + _EPS:
+                nt.bubbles.append((cursor, i.start))
+            cursor = max(cursor, i.end)
+        if phase_a > cursor + _EPS:
+            nt.bubbles.append((cursor, phase_a))
+    # Commit round after the barrier, then every node's optimizer step(s).
+    optim = []
+    for nt in nodes:
+        o = sum(costs.optim_cost(s) for s in nt.stages)
+        if mode != "off" and stages > 1 and len(nt.stages) == 1:
+            o += costs.replica_optim_cost((nt.stages[0] + 1) % stages)
+        optim.append(o)
+    end_commit = phase_a + costs.commit
+    if cores is None:
+        last = max(optim, default=0.0)
+    else:
+        last = max(max(optim, default=0.0), sum(optim) / cores)
+    for nt, o in zip(nodes, optim):
+        if costs.commit > 0:
+            nt.intervals.append(Interval(phase_a, end_commit, "C"))
+        if o > 0:
+            nt.intervals.append(Interval(end_commit, end_commit + (o if cores is None else last), "O"))
+    return Timeline(mode=mode, stages=stages, micro_batches=micro_batches, cores=cores,
+                    phase_a_s=phase_a, step_s=end_commit + last, nodes=nodes)
+
+
+@dataclass(kw_only=True)
+class Comparison:
+    timelines: dict[str, Timeline]
+
+    def overhead(self, mode: str) -> float:
+        return self.timelines[mode].step_s / self.timelines["off"].step_s - 1.0
+
+    def frc_hidden(self) -> list[tuple[int, float, float]]:
+        """Per node: (node, FRC work, the part of it that fell into would-be idle time).
+
+        FRC work lengthens a node's busy time by exactly its cost; whatever does not
+        show up as a longer micro-batch phase was absorbed by bubbles.
+        """
+        off, eager = self.timelines["off"], self.timelines["eager"]
+        extra = eager.phase_a_s - off.phase_a_s
+        return [(nt.node, nt.frc_s, max(0.0, nt.frc_s - extra)) for nt in eager.nodes]
+
+
+def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None = None,
+            modes: Sequence[str] = MODES) -> Comparison:
+    """The timelines of `modes` (always including off) on the same costs."""
+    modes = list(dict.fromkeys(["off", *modes]))
+    return Comparison(timelines={m: simulate_step(stages, micro_batches, m, costs, cores=cores)
+                                 for m in modes})
+
+
+# -- costs from a run -----------------------------------------------------------------------
+
+
+def _read_events(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float = 2.0,
+                      latency: float = 0.0) -> tuple[int, int, Costs, dict]:
+    """(P, M, costs, notes) from a run's events.jsonl.
+
+    Per stage, the median over clean steps (after `skip` warm-up steps; steps with a
+    lost node or a redone round are left out) of the node timers, divided by the
+    instruction counts: compute_s / M is forward + backward of one micro-batch; in an
+    eager run frc_s / M at node s is the forward of stage s+1, which splits it;
+    otherwise backward = `backward_ratio` x forward. The optimizer time of an RC run
+    is split between primary and replica by their sizes (state_bytes, bytes_replica).
+    These are wall times as the workers saw them: with more processes than cores they
+    include the slowdown of sharing the cores.
+    """
+    events = _read_events(path)
+    start = next(e for e in events if e["event"] == "run_start")["config"]
+    P, M = int(start["stages"]), int(start["micro_batches"])
+    mode = start.get("redundancy", "eager") if P > 1 else "off"
+    failed = {e["step"] for e in events if e["event"] in ("fault_detected", "node_lost")}
+    steps = [e for e in events if e["event"] == "step_done" and e["step"] >= skip
+             and e["step"] not in failed and e.get("attempts", 1) == 1]
+    if not steps:
+        raise ValueError(f"{path}: no clean step after the first {skip}")
+    per_stage: dict[int, dict[str, list[float]]] = {s: {} for s in range(P)}
+    for e in steps:
+        for node in e["nodes"]:
+            if len(node["stages"]) != 1:
+                continue
+            d = per_stage[node["stages"][0]]
+            for k in ("compute_s", "frc_s", "reduce_s", "optim_s", "state_bytes",
+                      "bytes_replica"):
+                d.setdefault(k, []).append(float(node.get(k, 0.0)))
+    med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in per_stage.items()}
+    if any(not med[s] for s in range(P)):
+        raise ValueError(f"{path}: some stage has no single-stage node report")
+    fwd, bwd = [], []
+    for s in range(P):
+        c = med[s]["compute_s"] / M
+        f = med[(s - 1) % P]["frc_s"] / M if mode == "eager" else 0.0
+        if not 0.0 < f < c:
+            f = c / (1.0 + backward_ratio)
+        fwd.append(f)
+        bwd.append(c - f)
+    optim, replica_optim = [], [0.0] * P
+    for s in range(P):
+        o = med[s]["optim_s"]
+        if mode != "off":
+            # bytes_replica: this stage's reduced gradient sent to the predecessor's replica
+            # (4 bytes per parameter); state_bytes: 12 bytes per parameter held, replica too.
+            numel_own = med[s]["bytes_replica"] / 4.0
+            numel_all = med[s]["state_bytes"] / 12.0
+            share = 1.0 - numel_own / numel_all if 0 < numel_own < numel_all else 0.5
+            replica_optim[(s + 1) % P] = o * share
+            o *= 1.0 - share
+        optim.append(o)
+    costs = Costs(forward=tuple(fwd), backward=tuple(bwd), frc=None, latency=latency,
+                  commit=statistics.median(med[s]["reduce_s"] for s in range(P)),
+                  optim=tuple(optim),
+                  replica_optim=tuple(replica_optim) if mode != "off" else None)
+    notes = {"mode": mode, "steps_used": len(steps), "nodes": start.get("nodes"),
+             "forward_split": "from FRC timers" if mode == "eager" else
+             f"backward = {backward_ratio} x forward",
+             "measured_step_s": statistics.median(e["wall_s"] for e in steps)}
+    return P, M, costs, notes
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def ascii_timeline(tl: Timeline, width: int = 96, scale: float | None = None) -> list[str]:
+    """One row per node: F forward, B backward, R eager FRC, C commit, O optimizer, . idle."""
+    total = scale or tl.step_s or 1.0
+    rows = []
+    for nt in tl.nodes:
+        cells = []
+        for col in range(width):
+            a, b = col * total / width, (col + 1) * total / width
+            best, kind = 0.0, "." if a < tl.step_s else " "
+            for i in nt.intervals:
+                overlap = min(b, i.end) - max(a, i.start)
+                if overlap > best:
+                    best, kind = overlap, i.kind
+            cells.append(kind if best >= 0.5 * (b - a) or kind in " ." else kind.lower())
+        name = f"n{nt.node} s{'+'.join(map(str, nt.stages))}"
+        rows.append(f"{name:<8}|{''.join(cells)}|")
+    return rows
+
+
+def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
+    off = cmp.timelines["off"]
+    where = "one processor per node" if off.cores is None else f"{off.cores} shared cores"
+    lines = [f"timeline model: P={off.stages} M={off.micro_batches}, {where}", "",
+             f"{'mode':<6} {'step ms':>9} {'phase A ms':>11} {'overhead':>9}"]
+    for mode, tl in cmp.timelines.items():
+        lines.append(f"{mode:<6} {1e3 * tl.step_s:>9.2f} {1e3 * tl.phase_a_s:>11.2f} "
+                     f"{100 * cmp.overhead(mode):>8.1f}%")
+    lines += ["", f"{'node':<6} {'mode':<6} {'busy ms':>8} {'idle ms':>8} {'bubbles':>8} "
+                  f"{'FRC ms':>7} {'FRC in bubbles':>15}"]
+    hidden = {n: (w, h) for n, w, h in cmp.frc_hidden()} if "eager" in cmp.timelines else {}
+    for mode, tl in cmp.timelines.items():
+        for nt in tl.nodes:
+            extra = ""
+            if mode == "eager" and nt.frc_s > 0:
+                w, h = hidden[nt.node]
+                extra = f"{1e3 * h:>7.2f} ({100 * h / w:.0f}%)"
+            lines.append(f"n{nt.node:<5} {mode:<6} {1e3 * nt.busy():>8.2f} {1e3 * nt.idle_s:>8.2f} "
+                         f"{len(nt.bubbles):>8} {1e3 * nt.frc_s:>7.2f} {extra:>15}")
+    if show:
+        scale = max(tl.step_s for tl in cmp.timelines.values())
+        for mode, tl in cmp.timelines.items():
+            lines += ["", f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, R eager FRC, "
+                          f"C commit, O optimizer, . idle; lower case: partly)"]
+            lines += ascii_timeline(tl, width, scale)
+    return "\n".join(lines)
+
+
+def _floats(text: str, stages: int) -> tuple[float, ...]:
+    values = [float(x) for x in text.split(",")]
+    if len(values) == 1:
+        values *= stages
+    if len(values) != stages:
+        raise SystemExit(f"error: expected 1 or {stages} comma-separated values, got {text!r}")
+    return tuple(values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bamboo.redundancy.timeline",
+        description="Per-instruction timeline model of a 1F1B step with off/lazy/eager RC. "
+                    "Costs from a run's events.jsonl or given in milliseconds.")
+    ap.add_argument("--events", help="events.jsonl of a run (eager runs give the forward/"
+                                     "backward split; else --backward-ratio)")
+    ap.add_argument("--skip", type=int, default=1, help="warm-up steps to leave out (default 1)")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--forward", default="10", help="ms per micro-batch, one or per stage")
+    ap.add_argument("--backward", default="20", help="ms per micro-batch, one or per stage")
+    ap.add_argument("--frc", help="ms of the FRC forward of each stage (default: --forward)")
+    ap.add_argument("--backward-ratio", type=float, default=2.0)
+    ap.add_argument("--latency", type=float, default=0.0, help="ms per transfer")
+    ap.add_argument("--commit", type=float, default=0.0, help="ms")
+    ap.add_argument("--optim", default="0", help="ms per stage")
+    ap.add_argument("--cores", type=int, help="share N processors among all nodes")
+    ap.add_argument("--width", type=int, default=96)
+    ap.add_argument("--no-ascii", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = ap.parse_args(argv)
+    if args.events:
+        P, M, costs, notes = costs_from_events(args.events, skip=args.skip,
+                                               backward_ratio=args.backward_ratio,
+                                               latency=args.latency / 1e3)
+        if not args.json:
+            print(f"costs from {args.events}: {notes}")
+    else:
+        P, M = args.stages, args.micro_batches
+        ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))  # noqa: E731
+        costs = Costs(forward=ms(args.forward), backward=ms(args.backward),
+                      frc=ms(args.frc) if args.frc else None, latency=args.latency / 1e3,
+                      commit=args.commit / 1e3, optim=ms(args.optim))
+    if not args.json:
+        print("per-stage ms  forward " + " ".join(f"{1e3 * x:.2f}" for x in costs.forward)
+              + "  backward " + " ".join(f"{1e3 * x:.2f}" for x in costs.backward)
+              + f"  commit {1e3 * costs.commit:.2f}")
+    cmp = compare(P, M, costs, cores=args.cores)
+    if args.json:
+        print(json.dumps(summary(cmp)))
+    else:
+        print(render(cmp, width=args.width, show=not args.no_ascii))
+    return 0
+
+
+def summary(cmp: Comparison) -> dict:
+    """The figures of a comparison as plain data."""
+    out = {m: {"step_s": tl.step_s, "phase_a_s": tl.phase_a_s, "overhead": cmp.overhead(m),
+               "idle_s": [nt.idle_s for nt in tl.nodes]} for m, tl in cmp.timelines.items()}
+    if "eager" in cmp.timelines:
+        out["frc_hidden"] = [{"node": n, "frc_s": w, "hidden_s": h} for n, w, h in cmp.frc_hidden()]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
