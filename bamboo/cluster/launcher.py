@@ -66,6 +66,7 @@ class _Worker:
     done: bool = False
     exited: bool = False
     lost: bool = False
+    fenced: bool = False
 
 
 @dataclass(slots=True)
@@ -221,10 +222,11 @@ class LocalCluster:
     def _check_leases(self) -> None:
         now = time.monotonic()
         for w in self.workers.values():
-            if w.exited or w.done:
+            if w.exited or w.done or w.fenced:
                 continue
             silent = now - self.beats[w.rank]
             if silent > self.cfg.lease_s and w.process.is_alive():
+                w.fenced = True
                 self.events.write("fenced", node=w.name, silent_s=round(silent, 2))
                 self.display.message(f"node {w.name} stopped answering for {silent:.1f} s; "
                                      f"fenced with SIGKILL")

@@ -49,7 +49,8 @@ class P2P:
         self.posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         self.wake = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="p2p-wait")
-        self._waiting: dict[int, Future] = {}
+        self._waiting: dict[int, tuple[dist.Work, Future]] = {}
+        """Transfers a helper thread is waiting on, by id of their Work (kept alive here)."""
         self.wait_s = 0.0
         self.bytes_sent = 0
 
@@ -92,11 +93,13 @@ class P2P:
         """
         start = time.perf_counter()
         try:
-            future = self._waiting.get(id(work))
-            if future is None:
+            entry = self._waiting.get(id(work))
+            if entry is None or entry[0] is not work:  # an id can be reused once a Work is freed
                 future = self._pool.submit(work.wait)
                 future.add_done_callback(lambda _: self.wake.set())
-                self._waiting[id(work)] = future
+                self._waiting[id(work)] = (work, future)
+            else:
+                future = entry[1]
             while not future.done():
                 if interrupt():
                     raise Interrupted()
@@ -139,3 +142,4 @@ class P2P:
         """Drop pending sends to, and posted receives from, lost ranks."""
         self.pending = [p for p in self.pending if p[2] not in dead]
         self.posted = {k: v for k, v in self.posted.items() if k[0] not in dead}
+        self._waiting = {k: v for k, v in self._waiting.items() if not v[1].done()}

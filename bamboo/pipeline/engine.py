@@ -168,8 +168,9 @@ class NodeEngine:
                     self.faults.check(step, length + 3, False, True)
                     break
                 self._catch_up(s, wait=False)
-            except PeerLost:
-                self._catch_up(s, wait=True)
+            except PeerLost as e:
+                # Wait for the new roles, unless this peer's loss is already in ours.
+                self._catch_up(s, wait=e.peer not in self.roles.dead)
             except Interrupted:
                 self._catch_up(s, wait=False)
             s.report.attempts += 1

@@ -148,16 +148,30 @@ def node_lists(stages: int, micro_batches: int, mode: str,
 
 
 def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
-                  cores: int | None = None,
-                  held: Sequence[Sequence[int]] | None = None) -> Timeline:
-    """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each)."""
+                  cores: int | None = None, held: Sequence[Sequence[int]] | None = None,
+                  frc_policy: str = "engine") -> Timeline:
+    """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each).
+
+    `frc_policy` (eager): "engine" runs each FRC forward where `node_schedule` puts it
+    (right after sending the replica's input); "greedy" is a what-if for a dynamic
+    scheduler: a node runs a pending FRC forward only when it would otherwise block on
+    a receive, and any left over after its last micro-batch instruction.
+    """
+    if frc_policy not in ("engine", "greedy"):
+        raise ValueError(f"frc_policy must be engine or greedy (got {frc_policy!r})")
     if len(costs.forward) != stages or len(costs.backward) != stages:
         raise ValueError(f"costs must give one forward and one backward per stage ({stages})")
     if cores is not None and cores < 1:
         raise ValueError("cores must be at least 1")
     held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
-    lists = node_lists(stages, micro_batches, mode, held)
+    greedy = frc_policy == "greedy" and mode == "eager"
+    lists = node_lists(stages, micro_batches, "off" if greedy else mode, held)
     n_nodes = len(lists)
+    replica_of = {n: (h[0] + 1) % stages for n, h in enumerate(held)
+                  if greedy and stages > 1 and len(h) == 1}
+    queue: dict[int, list[S.Instruction]] = {
+        n: [S.RedundantForward(0, mb) for mb in range(micro_batches)] if r == 0 else []
+        for n, r in replica_of.items()}
     owner = {s: n for n, h in enumerate(held) for s in h}
     pc = [0] * n_nodes
     computing: dict[int, list] = {}  # node -> [instr, kind, remaining, start]
@@ -182,15 +196,24 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                     instr = lists[n][pc[n]]
                     if isinstance(instr, (S.SendActivation, S.SendGrad)):
                         sends[(type(instr), instr.stage, instr.mb)] = t
+                        if isinstance(instr, S.SendActivation) and n in replica_of \
+                                and instr.stage + 1 == replica_of[n]:
+                            queue[n].append(S.RedundantForward(instr.stage + 1, instr.mb))
                         pc[n] += 1
                         progressed = True
                         continue
                     need = _matching_send(instr)
                     if need is not None:
-                        if need not in sends:
+                        local = need in sends and owner.get(need[1]) == n
+                        ready = sends[need] + (0.0 if local else costs.latency) \
+                            if need in sends else None
+                        if (ready is None or ready > t + _EPS) and queue.get(n):
+                            frc = queue[n].pop(0)  # would block: fill the wait with FRC
+                            computing[n] = [frc, "R", costs.frc_cost(frc.stage), t]
+                            progressed = True
                             break
-                        local = owner.get(need[1]) == n
-                        ready = sends[need] + (0.0 if local else costs.latency)
+                        if ready is None:
+                            break
                         if ready > t + _EPS:
                             wake[n] = ready
                             break
@@ -202,8 +225,12 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                     pc[n] += 1
                     progressed = True
                     break
+                if pc[n] == len(lists[n]) and n not in computing and queue.get(n):
+                    frc = queue[n].pop(0)  # left over after the last micro-batch instruction
+                    computing[n] = [frc, "R", costs.frc_cost(frc.stage), t]
+                    progressed = True
         if not computing and not wake:
-            if all(p == len(lst) for p, lst in zip(pc, lists)):
+            if all(p == len(lst) for p, lst in zip(pc, lists)) and not any(queue.values()):
                 break
             stuck = {n: lists[n][pc[n]] for n in range(n_nodes) if pc[n] < len(lists[n])}
             raise S.ScheduleError(f"deadlock in the timeline: nodes waiting at {stuck}")
@@ -251,6 +278,7 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
 @dataclass(kw_only=True)
 class Comparison:
     timelines: dict[str, Timeline]
+    policy: str = "engine"
 
     def overhead(self, mode: str) -> float:
         return self.timelines[mode].step_s / self.timelines["off"].step_s - 1.0
@@ -267,11 +295,12 @@ class Comparison:
 
 
 def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None = None,
-            modes: Sequence[str] = MODES) -> Comparison:
+            modes: Sequence[str] = MODES, frc_policy: str = "engine") -> Comparison:
     """The timelines of `modes` (always including off) on the same costs."""
     modes = list(dict.fromkeys(["off", *modes]))
-    return Comparison(timelines={m: simulate_step(stages, micro_batches, m, costs, cores=cores)
-                                 for m in modes})
+    return Comparison(timelines={m: simulate_step(stages, micro_batches, m, costs, cores=cores,
+                                                  frc_policy=frc_policy)
+                                 for m in modes}, policy=frc_policy)
 
 
 # -- costs from a run -----------------------------------------------------------------------
@@ -372,6 +401,8 @@ def ascii_timeline(tl: Timeline, width: int = 96, scale: float | None = None) ->
 def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     off = cmp.timelines["off"]
     where = "one processor per node" if off.cores is None else f"{off.cores} shared cores"
+    if cmp.policy != "engine":
+        where += f", FRC policy {cmp.policy}"
     lines = [f"timeline model: P={off.stages} M={off.micro_batches}, {where}", "",
              f"{'mode':<6} {'step ms':>9} {'phase A ms':>11} {'overhead':>9}"]
     for mode, tl in cmp.timelines.items():
@@ -424,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--commit", type=float, default=0.0, help="ms")
     ap.add_argument("--optim", default="0", help="ms per stage")
     ap.add_argument("--cores", type=int, help="share N processors among all nodes")
+    ap.add_argument("--frc-policy", choices=("engine", "greedy"), default="engine",
+                    help="engine: FRC where node_schedule puts it; greedy: what-if, FRC only "
+                         "when a node would block on a receive")
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--no-ascii", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -444,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("per-stage ms  forward " + " ".join(f"{1e3 * x:.2f}" for x in costs.forward)
               + "  backward " + " ".join(f"{1e3 * x:.2f}" for x in costs.backward)
               + f"  commit {1e3 * costs.commit:.2f}")
-    cmp = compare(P, M, costs, cores=args.cores)
+    cmp = compare(P, M, costs, cores=args.cores, frc_policy=args.frc_policy)
     if args.json:
         print(json.dumps(summary(cmp)))
     else:
