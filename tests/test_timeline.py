@@ -6,8 +6,14 @@ import json
 import pytest
 
 from bamboo.pipeline import schedule as S
-from bamboo.redundancy.timeline import (Costs, compare, costs_from_events, main, render,
-                                        simulate_step)
+from bamboo.redundancy.timeline import (
+    Costs,
+    compare,
+    costs_from_events,
+    main,
+    render,
+    simulate_step,
+)
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (4, 4), (4, 8), (3, 2), (6, 12)])
@@ -158,3 +164,17 @@ def test_schedules_are_the_engines() -> None:
     lists = node_lists(4, 4, "eager")
     assert lists[1] == S.node_schedule([1], 4, 4, frc_stage=2)
     assert sum(isinstance(i, S.RedundantForward) for i in lists[3]) == 4
+
+
+@pytest.mark.parametrize("P,M", [(4, 4), (4, 8), (3, 2)])
+def test_greedy_frc_placement_never_slower_and_conserves_work(P: int, M: int) -> None:
+    costs = Costs.uniform(P, 0.01, 0.02)
+    engine = simulate_step(P, M, "eager", costs)
+    greedy = simulate_step(P, M, "eager", costs, frc_policy="greedy")
+    assert greedy.step_s <= engine.step_s + 1e-12
+    for nt in greedy.nodes:
+        assert nt.frc_s == pytest.approx(M * 0.01)
+    one_core = simulate_step(P, M, "eager", costs, cores=1, frc_policy="greedy")
+    assert one_core.step_s == pytest.approx(P * M * 0.04)
+    with pytest.raises(ValueError):
+        simulate_step(P, M, "eager", costs, frc_policy="sometimes")

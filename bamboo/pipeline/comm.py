@@ -49,8 +49,9 @@ class P2P:
         self.posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         self.wake = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="p2p-wait")
-        self._waiting: dict[int, tuple[dist.Work, Future]] = {}
-        """Transfers a helper thread is waiting on, by id of their Work (kept alive here)."""
+        self._waiting: dict[int, tuple[dist.Work, Future, int]] = {}
+        """Transfers a helper thread waits on, by id of their Work (kept alive here). A Work
+        is waited on once only: a gloo receive waited twice would wait for a second message."""
         self.wait_s = 0.0
         self.bytes_sent = 0
 
@@ -97,7 +98,7 @@ class P2P:
             if entry is None or entry[0] is not work:  # an id can be reused once a Work is freed
                 future = self._pool.submit(work.wait)
                 future.add_done_callback(lambda _: self.wake.set())
-                self._waiting[id(work)] = (work, future)
+                self._waiting[id(work)] = (work, future, peer)
             else:
                 future = entry[1]
             while not future.done():
@@ -142,4 +143,4 @@ class P2P:
         """Drop pending sends to, and posted receives from, lost ranks."""
         self.pending = [p for p in self.pending if p[2] not in dead]
         self.posted = {k: v for k, v in self.posted.items() if k[0] not in dead}
-        self._waiting = {k: v for k, v in self._waiting.items() if not v[1].done()}
+        self._waiting = {k: v for k, v in self._waiting.items() if v[2] not in dead}

@@ -36,8 +36,19 @@ from pathlib import Path
 
 from bamboo.pipeline import schedule as S
 
-__all__ = ["Costs", "Interval", "NodeTimeline", "Timeline", "simulate_step", "compare",
-           "costs_from_events", "render", "ascii_timeline", "main", "MODES"]
+__all__ = [
+    "MODES",
+    "Costs",
+    "Interval",
+    "NodeTimeline",
+    "Timeline",
+    "ascii_timeline",
+    "compare",
+    "costs_from_events",
+    "main",
+    "render",
+    "simulate_step",
+]
 
 MODES = ("off", "lazy", "eager")
 _EPS = 1e-12
@@ -61,7 +72,7 @@ class Costs:
     """Optimizer step of the replica of stage r (lazy and eager); default optim[r]."""
 
     @classmethod
-    def uniform(cls, stages: int, f: float, b: float, **kw: object) -> "Costs":
+    def uniform(cls, stages: int, f: float, b: float, **kw: object) -> Costs:
         return cls(forward=(f,) * stages, backward=(b,) * stages, **kw)  # type: ignore[arg-type]
 
     def frc_cost(self, stage: int) -> float:
@@ -408,8 +419,8 @@ def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     for mode, tl in cmp.timelines.items():
         lines.append(f"{mode:<6} {1e3 * tl.step_s:>9.2f} {1e3 * tl.phase_a_s:>11.2f} "
                      f"{100 * cmp.overhead(mode):>8.1f}%")
-    lines += ["", f"{'node':<6} {'mode':<6} {'busy ms':>8} {'idle ms':>8} {'bubbles':>8} "
-                  f"{'FRC ms':>7} {'FRC in bubbles':>15}"]
+    lines += ["", (f"{'node':<6} {'mode':<6} {'busy ms':>8} {'idle ms':>8} {'bubbles':>8} "
+                  f"{'FRC ms':>7} {'FRC in bubbles':>15}")]
     hidden = {n: (w, h) for n, w, h in cmp.frc_hidden()} if "eager" in cmp.timelines else {}
     for mode, tl in cmp.timelines.items():
         for nt in tl.nodes:
@@ -422,8 +433,8 @@ def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     if show:
         scale = max(tl.step_s for tl in cmp.timelines.values())
         for mode, tl in cmp.timelines.items():
-            lines += ["", f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, R eager FRC, "
-                          f"C commit, O optimizer, . idle; lower case: partly)"]
+            lines += ["", (f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, R eager FRC, "
+                          f"C commit, O optimizer, . idle; lower case: partly)")]
             lines += ascii_timeline(tl, width, scale)
     return "\n".join(lines)
 
@@ -470,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"costs from {args.events}: {notes}")
     else:
         P, M = args.stages, args.micro_batches
-        ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))  # noqa: E731
+        ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))
         costs = Costs(forward=ms(args.forward), backward=ms(args.backward),
                       frc=ms(args.frc) if args.frc else None, latency=args.latency / 1e3,
                       commit=args.commit / 1e3, optim=ms(args.optim))
