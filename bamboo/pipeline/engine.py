@@ -119,6 +119,7 @@ class NodeEngine:
         self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
         self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
+        self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
         self.P = layout.stages
         self.pipeline = roles.pipeline_of(rank)
         self.global_mbs = layout.micro_batches(self.pipeline)
@@ -288,7 +289,7 @@ class NodeEngine:
         s.outputs[key] = out
         if loss is not None:
             s.losses[self.global_mbs[i.mb]] = loss
-        else:
+        elif self.keep_outputs:
             s.saved_out[key] = out.detach()
         s.report.compute_s += time.perf_counter() - start
 
