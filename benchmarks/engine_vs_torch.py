@@ -114,11 +114,12 @@ def run_ours(args: argparse.Namespace) -> tuple[list[float], list[float], list[d
     cmd = [sys.executable, "-m", "bamboo", "train", "--model", args.model,
            "--nodes", str(args.stages), "--stages", str(args.stages),
            "--micro-batches", str(args.micro_batches), "--micro-batch-size",
-           str(args.micro_batch_size), "--steps", str(args.steps), "--quiet", "--out", str(out)]
+           str(args.micro_batch_size), "--steps", str(args.steps), "--redundancy", args.redundancy,
+           "--quiet", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step_done"]
-    return [e["wall_s"] for e in steps], [e["loss"] for e in steps], [e["stages"] for e in steps]
+    return [e["wall_s"] for e in steps], [e["loss"] for e in steps], [e["nodes"] for e in steps]
 
 
 def main() -> None:
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
+    parser.add_argument("--redundancy", default="off",
+                        help="our engine's mode (off: the same work as torch's schedule)")
     args = parser.parse_args()
 
     ours_times, ours_losses, breakdown = run_ours(args)
@@ -138,14 +141,15 @@ def main() -> None:
     torch_rate = (args.steps - w) / sum(torch_times[w:])
     print(f"model {args.model}, {args.stages} stages, {args.micro_batches} micro-batches of "
           f"{args.micro_batch_size}, {args.steps} steps ({w} warm-up excluded)")
-    print(f"  bamboo engine        {ours_rate:6.2f} steps/s  (median step "
+    print(f"  bamboo engine ({args.redundancy:5s}) {ours_rate:6.2f} steps/s  (median step "
           f"{1000 * statistics.median(ours_times[w:]):.0f} ms)  loss {ours_losses[0]:.3f} -> "
           f"{ours_losses[-1]:.3f}")
     print(f"  torch Schedule1F1B   {torch_rate:6.2f} steps/s  (median step "
           f"{1000 * statistics.median(torch_times[w:]):.0f} ms)  loss {torch_losses[0]:.3f} -> "
           f"{torch_losses[-1]:.3f}")
     print(f"  ratio bamboo / torch {ours_rate / torch_rate:6.2f}x")
-    print("per-stage breakdown of our engine, mean ms per step after warm-up:")
+    print("per-node breakdown of our engine, mean ms per step after warm-up "
+          "(reduce = the commit round):")
     print("  stage  compute   wait  reduce  optim   step")
     for s in range(args.stages):
         rows = [b[s] for b in breakdown[w:]]
