@@ -10,7 +10,7 @@ __all__ = ["ProgressDisplay"]
 
 
 class ProgressDisplay:
-    """Shows step, loss, samples/s and per-stage time; prints events as they happen."""
+    """Shows step, loss, samples/s and each node's step time; prints events as they happen."""
 
     def __init__(self, total_steps: int, *, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -34,11 +34,11 @@ class ProgressDisplay:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def step(self, step: int, loss: float, samples_per_s: float, stage_ms: list[float]) -> None:
+    def step(self, step: int, loss: float, samples_per_s: float, node_ms: list[float]) -> None:
         if not self.enabled:
             return
-        stages = "/".join(f"{ms:.0f}" for ms in stage_ms)
-        info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s  stage ms {stages}"
+        stages = "/".join(f"{ms:.0f}" for ms in node_ms)
+        info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s  node ms {stages}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, info=info)
         else:
