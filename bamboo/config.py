@@ -156,6 +156,9 @@ class JobConfig:
 
     def _validate_kills(self) -> None:
         for k in self.kills:
+            if k.notice:
+                raise ConfigError(f"--kill {k}: preemption notices (+notice) are not supported "
+                                  f"yet; use --kill {k.pipeline}:{k.stage}@{k.step} for a SIGKILL")
             if k.pipeline >= self.data_parallel or k.stage >= self.stages:
                 raise ConfigError(f"--kill {k} names no node: pipelines are 0..{self.data_parallel - 1}"
                                   f" and stages 0..{self.stages - 1}")

@@ -21,6 +21,7 @@ CASES = {
     "kill names no node": (["--kill", "0:7@1"], "names no node"),
     "kill past last step": (["--steps", "3", "--kill", "0:1@3"], "past the run's last step"),
     "unknown flag": (["--stagez", "2"], "unrecognized arguments"),
+    "notice not supported yet": (["--kill", "0:1@2+notice"], "notices (+notice) are not supported"),
     "too few nodes": (["--nodes", "2", "--stages", "4"], "cannot hold one pipeline"),
 }
 

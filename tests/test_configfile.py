@@ -61,13 +61,13 @@ training:
   seed: 3
   lr: 1e-3            # YAML 1.1 reads this as a string; it is accepted as a number
 runtime: {device: cpu}
-faults: {kills: ["1:2@3", "0:0@5+notice"]}
+faults: {kills: ["1:2@3", "0:0@5"]}
 """)
     cfg = load_job_config(path, {})
     assert (cfg.model, cfg.redundancy, cfg.nodes, cfg.stages, cfg.data_parallel) == (
         "gpt2-mini", "lazy", 8, 4, 2)
     assert (cfg.micro_batches, cfg.micro_batch_size, cfg.steps, cfg.seed, cfg.lr) == (2, 4, 7, 3, 1e-3)
-    assert cfg.kills == [KillSpec(1, 2, 3), KillSpec(0, 0, 5, notice=True)]
+    assert cfg.kills == [KillSpec(1, 2, 3), KillSpec(0, 0, 5)]
 
 
 def test_toml_file(tmp_path: Path) -> None:
