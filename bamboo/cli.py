@@ -51,6 +51,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     opt("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
     opt("--seed", type=int, default=d.seed)
     opt("--redundancy", default=d.redundancy, help="eager | lazy | off (default eager)")
+    opt("--frc-offload", action="store_true", default=False,
+        help="keep eager FRC's saved tensors in CPU memory until a failover needs them")
     opt("--data", help="UTF-8 text file (byte tokens); default synthetic")
     opt("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
     opt("--warmup-steps", type=int, default=d.warmup_steps)
@@ -77,7 +79,7 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
-           "seed", "redundancy", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
+           "seed", "redundancy", "frc_offload", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
            "threads", "comm_timeout_s", "lease_s", "device", "out")
 
 

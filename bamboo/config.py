@@ -65,6 +65,8 @@ class JobConfig:
     seed: int = 0
     redundancy: str = "eager"
     """eager | lazy | off: how a node prepares to take over its successor's stage."""
+    frc_offload: bool = False
+    """Keep what eager FRC saves for a later backward in CPU memory (bounds GPU memory)."""
     data: str | None = None
     """A UTF-8 text file to train on as byte tokens; default: a synthetic language."""
     lr: float = 3e-3
@@ -169,7 +171,8 @@ class JobConfig:
         """The `config` object of summary.json."""
         return {"nodes": self.nodes, "stages": self.stages, "pipelines": self.data_parallel,
                 "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
-                "redundancy": self.redundancy, "model": self.model, "seed": self.seed,
+                "redundancy": self.redundancy, "frc_offload": self.frc_offload,
+                "model": self.model, "seed": self.seed,
                 "steps": self.steps, "data": self.data}
 
     def to_dict(self) -> dict:

@@ -69,6 +69,7 @@ SCENARIOS = {
     "adjacent kills, restored from the peer pipeline": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["0:1@4", "0:2@4"]), 1, 1),
     "lazy redundancy": (dict(steps=8, redundancy="lazy", kills=["0:2@3"]), 1, 0),
+    "eager FRC kept in CPU memory": (dict(steps=6, frc_offload=True, kills=["0:2@3"]), 1, 0),
     "two-stage pipeline": (dict(steps=6, nodes=2, stages=2, kills=["0:0@3"]), 1, 0),
     "the shadow is lost later (its two stages)": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["1:2@2", "1:1@5"]), 1, 1),

@@ -98,7 +98,8 @@ def _train(spec: WorkerSpec, link: CoordinatorLink, store: dist.Store, device: t
     engine = NodeEngine(preset=p, parts=parts, layout=layout, rank=spec.rank, roles=roles,
                         task=task, hyper=hyper, seed=cfg.seed, device=device, link=link,
                         redundancy=cfg.redundancy, faults=FaultPlan(list(spec.faults)),
-                        progress=progress, check_replicas=spec.check_replicas)
+                        progress=progress, check_replicas=spec.check_replicas,
+                        frc_offload=cfg.frc_offload)
     link.send("ready", stages=sorted(engine.stages),
               replica=engine.replica.stage if engine.replica is not None else None)
     for step in range(cfg.steps):

@@ -114,12 +114,13 @@ class NodeEngine:
                  rank: int, roles: RoleMap, task: Task, hyper: TrainingHyper, seed: int,
                  device: torch.device, link: CoordinatorLink, redundancy: str,
                  faults: FaultPlan | None = None, progress: Any = None,
-                 check_replicas: bool = False) -> None:
+                 check_replicas: bool = False, frc_offload: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
         self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
         self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
         self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
+        self.frc_offload = frc_offload
         self.P = layout.stages
         self.pipeline = roles.pipeline_of(rank)
         self.global_mbs = layout.micro_batches(self.pipeline)
@@ -265,15 +266,24 @@ class NodeEngine:
         Counts the bytes autograd keeps for the backward (parameters excluded): the
         activation memory of this forward.
         """
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        offload = frc and self.frc_offload
+
+        def pack(t: torch.Tensor) -> Any:
             if not (t.is_leaf and t.requires_grad):
                 nbytes = t.numel() * t.element_size()
                 if frc:
                     s.report.frc_saved_bytes += nbytes
                 else:
                     s.report.saved_bytes += nbytes
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if offload:
+                    return t.device, t.to("cpu", copy=True)
+            return None, t
+
+        def unpack(packed: Any) -> torch.Tensor:
+            device, t = packed
+            return t if device is None else t.to(device)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = module(x)
             if stage != self.P - 1:
                 return out, None
