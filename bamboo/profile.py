@@ -18,7 +18,6 @@ What is measured, and how:
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -103,7 +102,8 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bamboo profile", description=__doc__.split("\n")[0])
+    from bamboo.cli import _Parser  # one-line usage errors, like every bamboo command
+    parser = _Parser(prog="bamboo profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt2-tiny")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (G)")
