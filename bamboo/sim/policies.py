@@ -42,16 +42,43 @@ STOPPED, RDV, RUNNING, SAVING = 0, 1, 2, 3
 T_RDV_DONE, T_DECIDE, T_FALLBACK, T_CKPT_START, T_CKPT_DONE, T_MORPH, T_RESUME = range(7)
 
 
-class BambooPolicy(ClusterPolicy):
-    """Redundant computation with failover, fatal fallback and reconfiguration (the paper's system)."""
-
-    name = "bamboo"
+class _RestartingPolicy(ClusterPolicy):
+    """What bamboo and checkpoint share: a layout of P-stage pipelines formed at a rendezvous,
+    standbys, and losses that a standby or an ongoing rendezvous simply absorbs."""
 
     def _reset(self) -> None:
         super()._reset()
         self.P = self.preset.stages
         self.status = STOPPED
         self.D = 0
+        self.standby: dict[int, None] = {}
+        self.members: set[int] = set()
+        self.broken = False
+        self.rdv_mode = RESTART
+        self.started = False
+
+    def _loss_absorbed(self, node: int) -> bool:
+        """True when losing `node` changes nothing running: it was a standby, or a member
+        of a rendezvous under way (which then has to start over)."""
+        if node in self.standby:
+            del self.standby[node]
+            self.bump("standby_losses")
+            return True
+        if self.status == RDV:
+            if node in self.members:
+                self.members.discard(node)
+                self.broken = True
+            return True
+        return False
+
+
+class BambooPolicy(_RestartingPolicy):
+    """Redundant computation with failover, fatal fallback and reconfiguration (the paper's system)."""
+
+    name = "bamboo"
+
+    def _reset(self) -> None:
+        super()._reset()
         # Layout: position d * P + s is stage s of pipeline d.
         self.holder: list[int | None] = []
         """Position -> the node computing it (None: lost, only transiently)."""
@@ -59,13 +86,8 @@ class BambooPolicy(ClusterPolicy):
         """Working node -> its own position."""
         self.extra: dict[int, int] = {}
         """Shadow node -> the position it took over (a shadow holds two stages)."""
-        self.standby: dict[int, None] = {}
         self.overloaded = 0
-        self.members: set[int] = set()
-        self.broken = False
-        self.rdv_mode = RESTART
         self.decision_pending = False
-        self.started = False
         self.base_tau = 1.0
         self.rc_mode = "eager"
         self.last_durable = 0.0
@@ -92,17 +114,7 @@ class BambooPolicy(ClusterPolicy):
             self.want_decision(t)
 
     def on_lost(self, t: float, node: int) -> None:
-        if node in self.standby:
-            del self.standby[node]
-            self.bump("standby_losses")
-            return
-        st = self.status
-        if st == RDV:
-            if node in self.members:
-                self.members.discard(node)
-                self.broken = True
-            return
-        if st == RUNNING and node in self.slot:
+        if not self._loss_absorbed(node) and self.status == RUNNING and node in self.slot:
             self.node_failed(t, node)
 
     def node_failed(self, t: float, node: int) -> None:
@@ -254,24 +266,16 @@ class BambooPolicy(ClusterPolicy):
             self.push(max(t, self.last_durable + self.cfg.fallback_every_s), T_FALLBACK)
 
 
-class CheckpointPolicy(ClusterPolicy):
+class CheckpointPolicy(_RestartingPolicy):
     """Checkpoint every N seconds; any loss of a working node restarts all from the last checkpoint."""
 
     name = "checkpoint"
 
     def _reset(self) -> None:
         super()._reset()
-        self.P = self.preset.stages
-        self.status = STOPPED
-        self.D = 0
         self.layout: set[int] = set()
-        self.standby: dict[int, None] = {}
-        self.members: set[int] = set()
-        self.broken = False
-        self.rdv_mode = RESTART
         self.morph_pending = False
         self.then_restart = False
-        self.started = False
         c = self.cfg
         self.save_s = c.ckpt_save_s if c.ckpt_save_s is not None else self.preset.ckpt_save_s
         self.restart_s = c.restart_s if c.restart_s is not None else self.preset.ckpt_restart_s
@@ -294,15 +298,7 @@ class CheckpointPolicy(ClusterPolicy):
                     self.push(self.next_boundary(t), T_MORPH)
 
     def on_lost(self, t: float, node: int) -> None:
-        if node in self.standby:
-            del self.standby[node]
-            self.bump("standby_losses")
-            return
-        st = self.status
-        if st == RDV:
-            if node in self.members:
-                self.members.discard(node)
-                self.broken = True
+        if self._loss_absorbed(node):
             return
         if node in self.layout:
             self.fatal_failures += 1
