@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from bamboo.cluster.link import CoordinatorLink
-from bamboo.data import Task
+from bamboo.data import Batch, Task
 from bamboo.faults import FaultPlan
 from bamboo.models import ModelPreset, boundary_shapes, loss_fn
 from bamboo.pipeline import schedule as S
@@ -102,6 +102,7 @@ class _Step:
     dup_recvs: list[tuple[Any, int]] = field(default_factory=list)
     frc: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)
+    batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
     seen_forward: bool = False
     report: StepReport | None = None
@@ -257,7 +258,14 @@ class NodeEngine:
 
     def _data(self, s: _Step, mb: int) -> torch.Tensor:
         """Stage 0's input for micro-batch `mb`: any node can build it from (seed, step, mb)."""
-        return self.task.batch(s.step, self.global_mbs[mb]).inputs.to(self.device)
+        return self._batch(s, mb).inputs.to(self.device)
+
+    def _batch(self, s: _Step, mb: int) -> Batch:
+        """Micro-batch `mb` of this step, built once (the last stage needs its targets, and
+        may also run stage 0's FRC on its inputs)."""
+        if mb not in s.batches:
+            s.batches[mb] = self.task.batch(s.step, self.global_mbs[mb])
+        return s.batches[mb]
 
     def _run(self, module: nn.Module, stage: int, mb: int, x: torch.Tensor,
              s: _Step, frc: bool = False) -> tuple[torch.Tensor, float | None]:
@@ -287,7 +295,7 @@ class NodeEngine:
             out = module(x)
             if stage != self.P - 1:
                 return out, None
-            targets = self.task.batch(s.step, self.global_mbs[mb]).targets.to(self.device)
+            targets = self._batch(s, mb).targets.to(self.device)
             loss = self.loss(out, targets)
         return loss * self.weight, float(loss.detach())
 
