@@ -2,12 +2,20 @@
 
 The command line validates a layout (stages <= layers) before it pays for importing
 torch, so the facts it needs about each preset live here, apart from the modules.
+That includes `hf:` names (transformers' GPT-2 and BERT, see docs/models.md): they are
+parsed and sized here without importing torch or transformers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib.util
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["ModelPreset", "PRESETS", "preset"]
+__all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,6 +35,10 @@ class ModelPreset:
     channels: int = 0
     classes: int = 0
     description: str = ""
+    hf_config: str = ""
+    """For hf: models, the transformers config as JSON; bamboo's own builders when empty."""
+    hf_weights: str = ""
+    """For hf: models read from a directory, the weights file their layers start from."""
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -56,9 +68,185 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def preset(name: str) -> ModelPreset:
-    """The preset called `name`; ValueError naming the known ones otherwise."""
+    """The preset called `name` (or an hf: model); ValueError with one line otherwise."""
+    if name.startswith(HF_PREFIX):
+        return _hf_preset(name)
     try:
         return PRESETS[name]
     except KeyError:
         known = ", ".join(sorted(PRESETS))
-        raise ValueError(f"unknown model '{name}'; choose one of: {known}") from None
+        raise ValueError(f"unknown model '{name}'; choose one of: {known}, or hf:gpt2, hf:bert, "
+                         f"hf:DIR (transformers models, see docs/models.md)") from None
+
+
+# -- hf: models, worked out without importing torch or transformers ---------------------
+
+HF_PREFIX = "hf:"
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INSTALL_HF = "install the hf extra: pip install 'bamboo-train[hf]'"
+
+_INT, _FLOAT = "a positive integer", "a positive number"
+HF_OVERRIDES: dict[str, dict[str, str]] = {
+    "gpt2": {"n_layer": _INT, "n_embd": _INT, "n_head": _INT, "n_positions": _INT,
+             "n_inner": _INT, "vocab_size": _INT, "layer_norm_epsilon": _FLOAT,
+             "initializer_range": _FLOAT, "context": _INT},
+    "bert": {"num_hidden_layers": _INT, "hidden_size": _INT, "num_attention_heads": _INT,
+             "intermediate_size": _INT, "max_position_embeddings": _INT, "vocab_size": _INT,
+             "type_vocab_size": _INT, "layer_norm_eps": _FLOAT, "initializer_range": _FLOAT,
+             "context": _INT},
+}
+"""The keys an hf:gpt2 / hf:bert name may set, and what each takes."""
+HF_SIZES: dict[str, dict[str, int]] = {
+    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+    "bert": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+             "max_position_embeddings": 512, "vocab_size": 30522},
+}
+"""layers, width, heads, positions, vocab: transformers' GPT2Config() / BertConfig() defaults
+(GPT-2 small, BERT-base), kept here so that no import is needed; a test checks them."""
+_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size",
+            "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
+_SPECIAL_TOKENS = {"gpt2": {"bos_token_id": 50256, "eos_token_id": 50256},
+                   "bert": {"pad_token_id": 0}}
+_FIXED: dict[str, dict[str, Any]] = {
+    "gpt2": {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "summary_first_dropout": 0.0, "tie_word_embeddings": False},
+    "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+             "tie_word_embeddings": False},
+}
+"""No dropout (a pipelined run must draw what a single process draws) and an untied head."""
+_MIN_VOCAB = {"gpt2": 256, "bert": 257}
+"""Training data are byte tokens 0..255; the masked-LM task also uses id vocab-1 as [MASK]."""
+_EXAMPLE = {"gpt2": "n_layer=2,n_embd=64,n_head=4,n_positions=64,vocab_size=256",
+            "bert": "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,"
+                    "max_position_embeddings=64,vocab_size=257"}
+
+
+@dataclass(frozen=True, slots=True)
+class HFName:
+    """An hf: model name taken apart: which architecture, from which config and weights."""
+
+    name: str
+    kind: str
+    """`gpt2` or `bert`."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """config.json of a directory; empty for transformers' defaults."""
+    overrides: dict[str, int | float] = field(default_factory=dict)
+    """Config keys set by the name, plus `context` (the training sequence length)."""
+    weights: str = ""
+
+
+@functools.cache
+def _hf_preset(name: str) -> ModelPreset:
+    spec = parse_hf_name(name)
+    kind = spec.kind
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"model '{name}' needs the transformers package: {INSTALL_HF}")
+    values = {**spec.config, **spec.overrides}
+    context = values.pop("context", None)
+    layers, d, heads, positions, vocab = (_size(name, values, key, default)
+                                          for key, default in HF_SIZES[kind].items())
+    context = context or positions
+    if d % heads:
+        raise ValueError(f"model '{name}': hidden size {d} is not a multiple of the {heads} "
+                         f"attention heads")
+    if context > positions:
+        raise ValueError(f"model '{name}': context={context} is more than the model's "
+                         f"{positions} positions")
+    if vocab < _MIN_VOCAB[kind]:
+        raise ValueError(f"model '{name}': vocab_size={vocab} is too small: training data are "
+                         f"byte tokens, so hf:{kind} needs vocab_size >= {_MIN_VOCAB[kind]}")
+    if values.get("add_cross_attention") or values.get("is_decoder"):
+        raise ValueError(f"model '{name}': decoder and cross-attention configs are not supported")
+    for key, default in _SPECIAL_TOKENS[kind].items():
+        token = values.get(key, default)
+        if isinstance(token, int) and token >= vocab:
+            values[key] = None  # GPT-2's 50256 lies outside a smaller vocabulary
+    values.update(_FIXED[kind], model_type=kind)
+    source = f", weights from {spec.weights}" if spec.weights else ""
+    return ModelPreset(
+        name=name, family=kind, layers=layers, d_model=d, heads=heads, context=context,
+        vocab=vocab, hf_config=json.dumps(values, sort_keys=True), hf_weights=spec.weights,
+        description=f"transformers {kind}: {layers} blocks, d={d}, {heads} heads, context "
+                    f"{context}, vocab {vocab}{source}")
+
+
+def _size(name: str, values: dict[str, Any], key: str, default: int) -> int:
+    value = values.get(key, values.get(_ALIASES.get(key, ""), default))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model '{name}': {key}={value!r} in its config is not a positive integer")
+    return value
+
+
+def parse_hf_name(name: str) -> HFName:
+    """Parse `hf:gpt2[:K=V,...]`, `hf:bert[:K=V,...]` or `hf:DIR[:context=N]` strictly."""
+    rest = name[len(HF_PREFIX):]
+    kind = rest[:4]
+    if kind in HF_OVERRIDES and (len(rest) == 4 or rest[4] == ":"):
+        text = rest[5:]
+        if len(rest) > 4 and not text:
+            raise ValueError(f"model '{name}': nothing after '{kind}:'; write hf:{kind} or "
+                             f"hf:{kind}:{_EXAMPLE[kind]}")
+        return HFName(name, kind, overrides=_parse_overrides(name, kind, text) if text else {})
+    if not rest:
+        raise ValueError(f"model '{name}': write hf:gpt2, hf:bert or hf:DIR (a directory "
+                         f"with a config.json)")
+    path, text = rest, ""
+    head, sep, tail = rest.rpartition(":")
+    if sep and "=" in tail:
+        path, text = head, tail
+    overrides = _parse_overrides(name, None, text) if text else {}
+    directory = Path(path)
+    kind, config = _read_config_json(name, directory)
+    return HFName(name, kind, config, overrides, _weights_in(name, directory))
+
+
+def _parse_overrides(name: str, kind: str | None, text: str) -> dict[str, int | float]:
+    allowed = HF_OVERRIDES[kind] if kind else {"context": _INT}
+    form = (f"write hf:{kind}:KEY=VALUE,... e.g. hf:{kind}:{_EXAMPLE[kind]}" if kind else
+            "only context=N may follow a directory, e.g. hf:DIR:context=128")
+    out: dict[str, int | float] = {}
+    for item in text.split(","):
+        key, eq, raw = (s.strip() for s in item.partition("="))
+        if not eq or not key or not raw:
+            raise ValueError(f"model '{name}': '{item}' is not KEY=VALUE; {form}")
+        if key not in allowed:
+            why = "dropout is fixed at 0" if "drop" in key else f"keys: {', '.join(allowed)}"
+            raise ValueError(f"model '{name}': unknown key '{key}' ({why}); {form}")
+        if key in out:
+            raise ValueError(f"model '{name}': key '{key}' is given twice")
+        try:
+            value: int | float = int(raw) if allowed[key] == _INT else float(raw)
+        except ValueError:
+            value = -1
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"model '{name}': {key}={raw} is not {allowed[key]}; {form}")
+        out[key] = value
+    return out
+
+
+def _read_config_json(name: str, directory: Path) -> tuple[str, dict[str, Any]]:
+    if not directory.is_dir():
+        raise ValueError(f"model '{name}': directory '{directory}' does not exist; give "
+                         f"hf:gpt2, hf:bert or hf:DIR with a config.json")
+    file = directory / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"model '{name}': directory '{directory}' has no config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model '{name}': cannot read {file}: {e}".splitlines()[0]) from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in HF_OVERRIDES:
+        raise ValueError(f"model '{name}': {file} has model_type {kind!r}; hf: models are "
+                         f"'gpt2' or 'bert'")
+    return kind, config
+
+
+def _weights_in(name: str, directory: Path) -> str:
+    for file in HF_WEIGHT_FILES:
+        if (directory / file).is_file():
+            return str(directory / file)
+    if any((directory / f"{file}.index.json").is_file() for file in HF_WEIGHT_FILES):
+        raise ValueError(f"model '{name}': '{directory}' holds a sharded checkpoint; save it as "
+                         f"one file (save_pretrained(..., max_shard_size='100GB'))")
+    return ""

@@ -18,6 +18,7 @@ from torch import nn
 from bamboo.models.bert import bert_layer
 from bamboo.models.cnn import _block_widths, cnn_layer
 from bamboo.models.gpt2 import gpt2_layer
+from bamboo.models.hf import hf_layer, load_transformers
 from bamboo.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
@@ -30,6 +31,11 @@ _BUILDERS: dict[str, Callable[[ModelPreset, int], nn.Module]] = {
 }
 
 
+def _builder(p: ModelPreset) -> Callable[[ModelPreset, int], nn.Module]:
+    """transformers' modules for hf: presets, bamboo's own otherwise (same family, same task)."""
+    return hf_layer if p.hf_config else _BUILDERS[p.family]
+
+
 def derive_seed(*parts: object) -> int:
     """A 63-bit seed that is a pure function of `parts` (stable across processes)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
@@ -40,7 +46,7 @@ def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.devic
     """Layer `index` of preset `p`, initialised from the stream (seed, index)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("layer", seed, index))
-        layer = _BUILDERS[p.family](p, index)
+        layer = _builder(p)(p, index)
     return layer.to(device)
 
 
@@ -73,6 +79,10 @@ def _shapes_only() -> Iterator[None]:
 
 
 def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
+    if p.hf_config:
+        load_transformers()  # before the init functions are stubbed: it keeps references
+        with _shapes_only():
+            return hf_layer(p, index, init=False)
     with _shapes_only():
         return _BUILDERS[p.family](p, index)
 
