@@ -21,7 +21,7 @@ CASES = {
     "kill names no node": (["--kill", "0:7@1"], "names no node"),
     "kill past last step": (["--steps", "3", "--kill", "0:1@3"], "past the run's last step"),
     "unknown flag": (["--stagez", "2"], "unrecognized arguments"),
-    "notice not supported yet": (["--kill", "0:1@2+notice"], "notices (+notice) are not supported"),
+    "notice without --notice-s": (["--kill", "0:1@2+notice"], "needs --notice-s S"),
     "too few nodes": (["--nodes", "2", "--stages", "4"], "cannot hold one pipeline"),
 }
 
@@ -63,7 +63,7 @@ def test_unknown_command() -> None:
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
-                                   "train, simulate, report, config, profile")
+                                   "train, simulate, report, config, profile, coordinator, agent")
 
 
 def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:
@@ -87,3 +87,189 @@ def test_the_example_job_file_is_valid(tmp_path: Path) -> None:
     from bamboo.configfile import load_job_config
     cfg = load_job_config(job, {})
     assert (cfg.model, cfg.nodes, cfg.stages) == ("gpt2-tiny", 4, 4)
+
+
+# -- every flag of `bamboo train` with a wrong value ---------------------------------------
+#
+# Each case: (argv, text the one line must hold). "{name}" is a path from `files` below.
+# The line must also name the flag, unless the case says `names=` what it names instead.
+
+FLAG_CASES: dict[str, list[tuple]] = {
+    "--config": [(["--config", "{missing}"], "--config file '{missing}' does not exist"),
+                 (["--config", "{dir}"], "is a directory"),
+                 (["--config", "{bad_yaml}"], "line 4, column 9: YAML syntax error",
+                  "{bad_yaml}"),
+                 (["--config", "{bad_toml}"], "TOML syntax error", "{bad_toml}"),
+                 (["--config", "{job}"], "unknown key 'layout.nodez': did you mean 'nodes'?",
+                  "{job}")],
+    "--model": [(["--model", "gpt5"], "unknown model 'gpt5'"),
+                (["--model", "hf:/no/such/model"], "does not exist")],
+    "--nodes": [(["--nodes", "0"], "--nodes must be a positive integer (got 0)")],
+    "--stages": [(["--stages", "9"], "is more than the 8 layers")],
+    "--pipelines": [(["--pipelines", "0"], "must be a positive integer"),
+                    (["--pipelines", "2"], "needs 8 nodes but --nodes is 4")],
+    "--micro-batches": [(["--micro-batches", "0"], "must be a positive integer")],
+    "--micro-batch-size": [(["--micro-batch-size", "-1"], "must be a positive integer")],
+    "--steps": [(["--steps", "0"], "must be a positive integer")],
+    "--seed": [(["--seed", "-1"], "must be >= 0")],
+    "--redundancy": [(["--redundancy", "foo"], "'foo' is not one of eager, lazy, off")],
+    "--data": [(["--data", "{missing}"], "does not exist"),
+               (["--data", "{dir}"], "is a directory"),
+               (["--data", "{small}"], "has 3 bytes; gpt2-tiny needs at least 65"),
+               (["--data", "{small}", "--model", "cnn-tiny", "--stages", "2"],
+                "is for token models")],
+    "--lr": [(["--lr", "0"], "must be positive"), (["--lr", "inf"], "must be positive"),
+             (["--lr", "nan"], "must be positive")],
+    "--warmup-steps": [(["--warmup-steps", "-1"], "must be an integer >= 0")],
+    "--weight-decay": [(["--weight-decay", "-0.1"], ">= 0"), (["--weight-decay", "nan"], ">= 0")],
+    "--grad-clip": [(["--grad-clip", "-1"], "0 disables"), (["--grad-clip", "nan"], "0 disables")],
+    "--threads": [(["--threads", "0"], "must be a positive integer")],
+    "--comm-timeout": [(["--comm-timeout", "-1"], "must be positive seconds"),
+                       (["--comm-timeout", "inf"], "at most 86400")],
+    "--lease": [(["--lease", "0"], "must be in (0, 10]"), (["--lease", "11"], "(got 11.0)"),
+                (["--lease", "nan"], "must be in (0, 10]")],
+    "--device": [(["--device", "tpu"], "'tpu' is not one of auto, cpu, cuda")],
+    "--kill": [(["--kill", "0:1"], "is malformed: write PIPELINE:STAGE@STEP"),
+               (["--kill", "0:7@1"], "names no node: pipelines are 0..0 and stages 0..3"),
+               (["--kill", "1:0@1"], "names no node"),
+               (["--kill", "0:1@50"], "past the run's last step 49"),
+               (["--kill", "0:1@2+notice"], "needs --notice-s S")],
+    "--crash": [(["--crash", "x"], "--crash 'x' is malformed: write PIPELINE:STAGE@STEP"),
+                (["--crash", "0:1@2+notice"], "is malformed"),
+                (["--crash", "0:9@1"], "names no node: pipelines are 0..0 and stages 0..3"),
+                (["--crash", "0:1@50"], "past the run's last step 49")],
+    "--trace": [(["--trace", "{missing}"], "does not exist"),
+                (["--trace", "{dir}"], "is a directory"),
+                (["--trace", "{bad_trace}"], "{bad_trace}:2: event 'bogus' is neither"),
+                (["--trace", "{empty}"], "trace is empty"),
+                (["--trace", "{remove_trace}"], "is removed at 0 ms but is not live")],
+    "--time-scale": [(["--time-scale", "0"], "must be a positive number"),
+                     (["--time-scale", "nan"], "must be a positive number"),
+                     (["--time-scale", "inf"], "must be a positive number")],
+    "--max-nodes": [(["--max-nodes", "2"], "must be an integer >= --nodes 4 (got 2)")],
+    "--notice-s": [(["--notice-s", "0"], "must be in (0, 600]"),
+                   (["--notice-s", "nan"], "must be in (0, 600]"),
+                   (["--notice-s", "601"], "must be in (0, 600]")],
+    "--checkpoint-every": [(["--checkpoint-every", "-1"], "must be an integer >= 0")],
+    "--recovery": [(["--recovery", "sometimes"], "is not one of redundancy, checkpoint-restart"),
+                   (["--recovery", "checkpoint-restart"], "needs --redundancy off")],
+    "--resume": [(["--resume", "{missing}"], "does not exist"),
+                 (["--resume", "{small}"], "is not a directory"),
+                 (["--resume", "{dir}"], "no checkpoint in")],
+    "--out": [(["--out", "{small}"], "exists and is not a directory"),
+              (["--out", "{small}/run"], "is a file, not a directory"),
+              (["--out", "{finished}"], "already holds a run (summary.json)")],
+}
+"""Flag -> wrong values; every value-taking flag of `bamboo train` has at least one."""
+
+BOOL_FLAGS = ("--frc-offload", "--no-report", "--check-replicas", "--json", "--quiet", "--debug")
+"""Flags that take no value: giving one is the wrong value."""
+
+TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--micro-batches": "int",
+               "--micro-batch-size": "int", "--steps": "int", "--seed": "int", "--lr": "float",
+               "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
+               "--threads": "int", "--comm-timeout": "float", "--lease": "float",
+               "--time-scale": "float", "--max-nodes": "int", "--notice-s": "float",
+               "--checkpoint-every": "int"}
+"""Flags argparse converts: a word instead of a number is its own one-line error."""
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    paths = {name: tmp_path / name for name in (
+        "missing", "dir", "small", "empty", "bad_yaml", "bad_trace", "remove_trace", "finished")}
+    paths["bad_toml"] = tmp_path / "bad.toml"
+    paths["bad_toml"].write_text("model = \n")
+    paths["job"] = tmp_path / "job.yaml"
+    paths["job"].write_text("layout: {nodez: 4}\n")
+    paths["dir"].mkdir()
+    paths["small"].write_text("hi\n")
+    paths["empty"].write_text("")
+    paths["bad_yaml"].write_text("model: gpt2-tiny\nlayout:\n nodes: 4\n  stages: 2\n")
+    paths["bad_trace"].write_text("0,add,n1\n5,bogus,n2\n")
+    paths["remove_trace"].write_text("0,remove,n1\n")
+    paths["finished"].mkdir()
+    (paths["finished"] / "summary.json").write_text('{"steps_completed": 3}')
+    return paths
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def _flag_cases() -> list:
+    return [pytest.param(flag, case, id=f"{flag}-{i}")
+            for flag, cases in FLAG_CASES.items() for i, case in enumerate(cases)]
+
+
+def _assert_one_line_error(stderr: str, flag: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("bamboo train: error: "), stderr
+    assert flag in lines[0], f"{flag} is not named: {lines[0]}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag,case", _flag_cases())
+def test_every_flag_with_a_wrong_value_gives_one_line(flag: str, case: tuple, tmp_path: Path,
+                                                      files: dict[str, Path]) -> None:
+    argv, expected, *names = case
+    fill = {k: str(v) for k, v in files.items()}
+    argv = [a.format(**fill) for a in argv]
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    if "--out" not in argv:
+        argv += ["--out", str(out)]
+    before = _snapshot(tmp_path)
+    proc = run(argv)
+    assert proc.returncode == 2, proc.stderr
+    line = _assert_one_line_error(proc.stderr, names[0].format(**fill) if names else flag)
+    assert expected.format(**fill) in line, line
+    assert proc.stdout == ""
+    assert _snapshot(tmp_path) == before, "a wrong value changed files on disk"
+
+
+@pytest.mark.parametrize("flag", BOOL_FLAGS)
+def test_a_value_given_to_a_switch_is_one_line(flag: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    from bamboo.cli import main
+    with pytest.raises(SystemExit) as info:
+        main(["train", f"{flag}=yes", "--out", str(tmp_path / "run")])
+    assert info.value.code == 2
+    line = _assert_one_line_error(capsys.readouterr().err, flag)
+    assert "ignored explicit argument 'yes'" in line and "--help" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", TYPED_FLAGS)
+def test_a_word_for_a_number_is_one_line(flag: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    from bamboo.cli import main
+    with pytest.raises(SystemExit) as info:
+        main(["train", flag, "many", "--out", str(tmp_path / "run")])
+    assert info.value.code == 2
+    line = _assert_one_line_error(capsys.readouterr().err, flag)
+    assert f"invalid {TYPED_FLAGS[flag]} value: 'many'" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_flag_has_a_wrong_value_case() -> None:
+    """A flag added to `bamboo train` without a wrong-value case above fails here."""
+    import argparse
+
+    from bamboo.cli import _train_parser
+    takes_value, switches, typed = set(), set(), {}
+    for action in _train_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = max(action.option_strings, key=len)
+        (switches if action.nargs == 0 else takes_value).add(flag)
+        if action.type in (int, float):
+            typed[flag] = action.type.__name__
+    assert takes_value - set(FLAG_CASES) == set(), "flags with no wrong-value case in FLAG_CASES"
+    assert set(FLAG_CASES) - takes_value == set(), "FLAG_CASES names flags that do not exist"
+    assert switches == set(BOOL_FLAGS), "switches missing from (or stale in) BOOL_FLAGS"
+    assert typed == TYPED_FLAGS, "TYPED_FLAGS differs from the parser's int/float flags"

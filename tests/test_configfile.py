@@ -163,3 +163,85 @@ def test_override_of_unknown_field_is_an_error(tmp_path: Path) -> None:
 def test_sections_do_not_overlap() -> None:
     names = [n for members in SECTIONS.values() for n in members]
     assert len(names) == len(set(names))
+
+
+# -- every field of a job file with a wrong value, through `bamboo train --config` --------
+
+MISSING = "/no/such/path"
+FIELD_CASES: dict[str, list[tuple[object, str]]] = {
+    "model": [("gpt5", "'gpt5' is not one of gpt2-tiny"), ("hf:/no/such/dir", "does not exist")],
+    "nodes": [(0, "--nodes must be a positive integer (got 0)"), (2.5, "expected an integer")],
+    "stages": [(9, "--stages 9 is more than the 8 layers")],
+    "pipelines": [(0, "--pipelines must be a positive integer"), (2, "needs 8 nodes")],
+    "micro_batches": [(0, "--micro-batches must be a positive integer")],
+    "micro_batch_size": [(-1, "--micro-batch-size must be a positive integer")],
+    "steps": [(0, "--steps must be a positive integer"), ("ten", "expected an integer")],
+    "seed": [(-1, "--seed must be >= 0")],
+    "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off")],
+    "frc_offload": [("sometimes", "expected true or false"), (1, "expected true or false")],
+    "data": [(MISSING, "does not exist"), (12, "expected a string, got an integer (12)")],
+    "lr": [(0, "--lr must be positive"), (float("nan"), "--lr must be positive")],
+    "warmup_steps": [(-1, "--warmup-steps must be an integer >= 0")],
+    "weight_decay": [(-0.5, "--weight-decay must be a number >= 0")],
+    "grad_clip": [(float("inf"), "--grad-clip must be a number >= 0")],
+    "threads": [(0, "--threads must be a positive integer")],
+    "comm_timeout_s": [(0, "--comm-timeout must be positive seconds")],
+    "lease_s": [(11, "--lease must be in (0, 10]")],
+    "device": [("tpu", "'tpu' is not one of auto, cpu, cuda")],
+    "kills": [(["0:7@1"], "names no node"), (["0:1"], "is malformed"), ("0:1@2", "expected a list")],
+    "trace": [(MISSING, "does not exist")],
+    "time_scale": [(0, "--time-scale must be a positive number"), (float("nan"), "positive")],
+    "max_nodes": [(2, "--max-nodes must be an integer >= --nodes 4 (got 2)")],
+    "notice_s": [(0, "--notice-s must be in (0, 600]")],
+    "checkpoint_every": [(-1, "--checkpoint-every must be an integer >= 0")],
+    "recovery": [("sometimes", "'sometimes' is not one of redundancy, checkpoint-restart"),
+                 ("checkpoint-restart", "needs --redundancy off")],
+    "resume": [(MISSING, "does not exist"), ("{job}", "is not a directory")],
+    "out": [("{job}", "exists and is not a directory"), ("{job}/run", "is a file, not a directory")],
+}
+"""JobConfig field -> wrong values in a job file; every field of `field_paths()` has one."""
+
+
+def _field_cases() -> list:
+    return [pytest.param(name, value, expected, id=f"{name}-{i}")
+            for name, cases in FIELD_CASES.items() for i, (value, expected) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("name,value,expected", _field_cases())
+def test_every_field_with_a_wrong_value_is_one_line_naming_file_and_key(
+        name: str, value: object, expected: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bamboo import cli
+    from bamboo.cluster import forkserver
+
+    def started() -> None:
+        raise AssertionError(f"a wrong {name} passed validation")
+    monkeypatch.setattr(forkserver, "start", started)  # a wrong value must never start a run
+    path = tmp_path / "job.yaml"
+    if isinstance(value, str):
+        value = value.format(job=path)
+    dotted = field_paths()[name]
+    path.write_text(yaml.safe_dump(_nested(dotted, value)))
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    argv = ["train", "--config", str(path)] + ([] if name == "out" else ["--out", str(out)])
+    before = sorted((p, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("bamboo train: error: "), line
+    assert str(path) in line and dotted in line, f"file or key '{dotted}' not named: {line}"
+    assert expected in line, line
+    assert sorted((p, p.read_bytes() if p.is_file() else None)
+                  for p in tmp_path.rglob("*")) == before
+
+
+def test_every_field_has_a_wrong_value_case() -> None:
+    """A JobConfig field added without a wrong-value case in FIELD_CASES fails here."""
+    assert set(field_paths()) - set(FIELD_CASES) == set(), "fields with no wrong-value case"
+    assert set(FIELD_CASES) - set(field_paths()) == set(), "FIELD_CASES names unknown fields"
