@@ -21,7 +21,7 @@ system-deps:
 	  else echo "etcd is missing: install Debian's etcd-server (sudo apt-get install etcd-server)"; fi; }
 
 demo: setup
-	$(BIN)/bamboo train --nodes 4 --stages 4 --steps 50 --kill 0:2@25 --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/bamboo train --config examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_latest", "list_checkpoints"]
+__all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_latest", "load_checkpoint",
+           "list_checkpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,11 @@ def _load_one(path: Path) -> Checkpoint:
         stages[int(s)], optim[int(s)] = obj["params"], obj["optim"]
     return Checkpoint(step=step, stages=stages, optimizer_states=optim,
                       meta=manifest.get("meta", {}), path=path)
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """One checkpoint directory, verified (CheckpointError says what is wrong)."""
+    return _load_one(Path(path))
 
 
 def load_latest(root: str | Path) -> Checkpoint:

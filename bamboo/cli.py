@@ -10,9 +10,10 @@ of a second and prints one line: what is wrong and how to fix it.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bamboo.config import ConfigError, JobConfig, parse_kill
 from bamboo.presets import PRESETS
@@ -40,7 +41,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         p.add_argument(*names, default=argparse.SUPPRESS if given_only else default, **kw)
 
     opt("--config", help="a YAML or TOML job file (see `bamboo config --example`); flags override it")
-    opt("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
+    opt("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}; or a Hugging Face "
+        "model: hf:gpt2, hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR (see docs/models.md)")
     opt("--nodes", type=int, default=d.nodes, help="worker processes (default 4)")
     opt("--stages", type=int, default=d.stages, help="pipeline stages P (default 4)")
     opt("--pipelines", type=int, help="data-parallel pipelines D (default nodes // stages)")
@@ -69,6 +71,21 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
     opt("--crash", action="append", default=[], metavar="D:S@K",
         help="make that node raise a Python exception in step K (software-error test)")
+    opt("--trace", help="replay this preemption trace on the local cluster (Bamboo CSV, count "
+        "rows or JSON rows)")
+    opt("--time-scale", type=float, default=d.time_scale,
+        help="trace seconds per wall second when replaying (default 360)")
+    opt("--max-nodes", type=int, help="at most this many workers alive at once (default --nodes)")
+    opt("--notice-s", type=float,
+        help="a preemption notice (SIGTERM) this many wall seconds before each kill")
+    opt("--checkpoint-every", type=int, default=d.checkpoint_every,
+        help="durable checkpoint every K steps, used only when every copy of a stage is lost")
+    opt("--recovery", default=d.recovery,
+        help="redundancy (default) | checkpoint-restart: the baseline that restarts every "
+        "worker from the last checkpoint on each preemption (needs --redundancy off)")
+    opt("--resume", metavar="DIR", help="continue the run in DIR from its latest whole checkpoint")
+    opt("--no-report", action="store_true", default=False,
+        help="skip writing report.txt and the PNG plots at the end of the run")
     opt("--check-replicas", action="store_true", default=False,
         help="compare every replica's digest with its primary's after every step")
     opt("--out", help="run directory (default runs/<timestamp>)")
@@ -80,7 +97,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
            "seed", "redundancy", "frc_offload", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
-           "threads", "comm_timeout_s", "lease_s", "device", "out")
+           "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
+           "notice_s", "checkpoint_every", "recovery", "resume", "out")
 
 
 def _config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
@@ -99,24 +117,137 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
     from bamboo.faults import Fault
     out: dict[int, list] = {}
     for text in specs:
-        k = parse_kill(text)
-        if k.pipeline >= cfg.data_parallel or k.stage >= cfg.stages or k.step >= cfg.steps:
-            raise ConfigError(f"--crash {text} names no node or step of this run")
+        try:
+            k = parse_kill(text)
+        except ConfigError:
+            k = None
+        if k is None or k.notice:
+            raise ConfigError(f"--crash '{text}' is malformed: write PIPELINE:STAGE@STEP, "
+                              f"e.g. --crash 0:2@5")
+        if k.pipeline >= cfg.data_parallel or k.stage >= cfg.stages:
+            raise ConfigError(f"--crash {text} names no node: pipelines are "
+                              f"0..{cfg.data_parallel - 1} and stages 0..{cfg.stages - 1}")
+        if k.step >= cfg.steps:
+            raise ConfigError(f"--crash {text} is past the run's last step {cfg.steps - 1}")
         out.setdefault(k.pipeline * cfg.stages + k.stage, []).append(Fault("raise", k.step))
     return out
 
 
-def train(argv: list[str]) -> int:
-    args = _train_parser().parse_args(argv)
+def _write_report(path: Path, quiet: bool) -> None:
+    """report.txt and the PNG plots, at the end of every run (a failure here is a warning:
+    the run's own files are already written)."""
+    from bamboo.report import ReportError, write_report
     try:
+        written = write_report(path)
+    except (ReportError, OSError, ValueError) as e:
+        print(f"bamboo train: warning: no report written: {e}", file=sys.stderr)
+        return
+    if not quiet:
+        print(f"report: {written[0]} and {len(written) - 1} plots", file=sys.stderr)
+
+
+def _check_trace(cfg: JobConfig) -> None:
+    """Parse the trace now, so a malformed row is a one-line error before anything starts."""
+    if cfg.trace is None:
+        return
+    from bamboo.sim.traces import TraceError, load_trace
+    try:
+        trace = load_trace(cfg.trace)
+    except TraceError as e:
+        raise ConfigError(f"--trace: {e}") from None
+    if trace.unsorted_rows:
+        print(f"bamboo train: warning: {cfg.trace}: {trace.unsorted_rows} row(s) out of time "
+              f"order were sorted", file=sys.stderr)
+    if trace.allocations == 0:
+        raise ConfigError(f"--trace {cfg.trace} adds no node: the replay needs the trace's "
+                          f"first --nodes adds as its initial workers")
+
+
+def _load_resume(cfg: JobConfig) -> Any:
+    """The checkpoint `--resume` continues from, checked against this job."""
+    if cfg.resume is None:
+        return None
+    # No checkpoint at all is a user error found without importing torch (the layout is
+    # that of bamboo.cluster.launcher.checkpoint_root and bamboo.checkpoint).
+    given = Path(cfg.resume)
+    root = given if (given / "LATEST").exists() or given.name == "checkpoints" else given / "checkpoints"
+    if not (root.is_dir() and any(p.name.startswith("step-") and p.is_dir() for p in root.iterdir())):
+        raise ConfigError(f"--resume {cfg.resume}: no checkpoint in {root}: pass the --out "
+                          f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
+    from bamboo.checkpoint import CheckpointError, load_latest
+    from bamboo.cluster.launcher import checkpoint_root
+    try:
+        ckpt = load_latest(checkpoint_root(cfg.resume))
+    except CheckpointError as e:
+        raise ConfigError(f"--resume {cfg.resume}: {e}") from None
+    meta = ckpt.meta
+    for key, value in (("model", cfg.model), ("seed", cfg.seed),
+                       ("global_micro_batches", cfg.global_micro_batches),
+                       ("micro_batch_size", cfg.micro_batch_size)):
+        if key in meta and meta[key] != value:
+            raise ConfigError(f"--resume {cfg.resume}: its checkpoint was made with {key} "
+                              f"{meta[key]!r}, this job has {value!r}: use the same settings")
+    if ckpt.warning:
+        print(f"bamboo train: warning: {ckpt.warning}", file=sys.stderr)
+    if ckpt.step >= cfg.steps:
+        raise ConfigError(f"--resume {cfg.resume}: its checkpoint is at step {ckpt.step}, "
+                          f"--steps is {cfg.steps}: ask for more steps")
+    return ckpt
+
+
+def train(argv: list[str], coordinator: bool = False) -> int:
+    """`bamboo train`; with `coordinator`, `bamboo coordinator`: the same job, its nodes
+    being agents that join over the network instead of local processes."""
+    prog = "bamboo coordinator" if coordinator else "bamboo train"
+    parser = _train_parser()
+    if coordinator:
+        parser.prog = prog
+        parser.add_argument("--bind", default="127.0.0.1:29400", metavar="ADDR:PORT",
+                            help="where agents join (default 127.0.0.1:29400; 0.0.0.0:PORT "
+                            "for other machines)")
+    args = parser.parse_args(argv)
+    if coordinator:  # the job's own flags, for a --config file's overrides
+        argv = [a for i, a in enumerate(argv) if not a.startswith("--bind")
+                and not (i > 0 and argv[i - 1] == "--bind")]
+    try:
+        if coordinator:
+            from bamboo.cluster.remote import parse_address
+            try:
+                bind = parse_address(args.bind, "--bind")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         cfg = _config(args, argv)
+        if coordinator and (cfg.trace is not None or cfg.recovery != "redundancy"):
+            raise ConfigError("--trace and --recovery checkpoint-restart need local workers: "
+                              "use bamboo train")
         crash = _crash_faults(cfg, args.crash)
+        _check_trace(cfg)
         from bamboo.runlog import RunDir, default_run_dir
-        run = RunDir(cfg.out or default_run_dir())
-        run.check_usable()
+        run = RunDir(cfg.out or cfg.resume or default_run_dir())
+        same_dir = cfg.resume is not None and run.path.resolve() == Path(cfg.resume).resolve()
+        if not same_dir:
+            run.check_usable()
+        resume = _load_resume(cfg)
     except ConfigError as e:
-        print(f"bamboo train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    agents = None
+    if coordinator:
+        from bamboo.cluster.remote import AgentListener, write_join_token
+        run.path.mkdir(parents=True, exist_ok=True)
+        token = write_join_token(run.path / "join-token")
+        try:
+            agents = AgentListener(bind, token)
+        except OSError as e:
+            print(f"{prog}: error: cannot listen on {args.bind} ({e.strerror or e}): choose "
+                  f"another --bind", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"join token: {token} (also in {run.path / 'join-token'}, mode 0600)",
+              file=sys.stderr, flush=True)
+    import os
+    # torch's C++ store logs a warning for every client that vanishes: here that is a
+    # preemption the coordinator handles and reports itself.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from bamboo.cluster import forkserver
     forkserver.start()  # imports torch in the background while this process does too
     from bamboo.cluster.launcher import RunFailed, run_local
@@ -124,12 +255,16 @@ def train(argv: list[str]) -> int:
     display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
     try:
         summary = run_local(cfg, run, display, crash, debug=args.debug,
-                            check_replicas=args.check_replicas)
+                            check_replicas=args.check_replicas, resume=resume, agents=agents)
     except RunFailed as e:
-        print(f"bamboo train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        if not args.no_report:
+            _write_report(run.path, args.quiet)
         if args.json:
             print(json.dumps(e.summary, indent=2))
         return e.exit_code
+    if not args.no_report:
+        _write_report(run.path, args.quiet)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -137,6 +272,45 @@ def train(argv: list[str]) -> int:
         print(f"done: {summary['steps_completed']} steps, loss {first:.4f} -> {last:.4f}, "
               f"{summary['throughput']:.1f} samples/s; run directory {run.path}", file=sys.stderr)
     return 0
+
+
+def _coordinator(argv: list[str]) -> int:
+    return train(argv, coordinator=True)
+
+
+def _agent(argv: list[str]) -> int:
+    p = _Parser(prog="bamboo agent", description="Run one node of a job whose coordinator "
+                "(bamboo coordinator) listens at ADDR:PORT.")
+    p.add_argument("--join", required=True, metavar="ADDR:PORT", help="the coordinator's --bind")
+    p.add_argument("--token", help="the job's join token (printed by the coordinator)")
+    p.add_argument("--token-file", help="a file holding the join token")
+    p.add_argument("--notices", default="", help="preemption notice sources to watch besides "
+                   "SIGTERM: a comma list of aws, gcp, azure")
+    p.add_argument("--metadata-url", help="base URL of the notice source's metadata endpoint")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    from bamboo.cluster.remote import JoinError, parse_address, run_agent
+    try:
+        address = parse_address(args.join, "--join")
+        if (args.token is None) == (args.token_file is None):
+            raise ValueError("give the join token with exactly one of --token or --token-file")
+        token = args.token
+        if args.token_file is not None:
+            try:
+                token = Path(args.token_file).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"--token-file {args.token_file}: {e.strerror or e}") from None
+        sources = [x for x in args.notices.split(",") if x]
+        bad = [x for x in sources if x not in ("aws", "gcp", "azure", "sigterm")]
+        if bad:
+            raise ValueError(f"--notices: unknown source '{bad[0]}': choose from aws, gcp, azure")
+        say = (lambda text: None) if args.quiet else \
+            (lambda text: print(f"bamboo agent: {text}", file=sys.stderr, flush=True))
+        return run_agent(address, token, notice_sources=sources, metadata_url=args.metadata_url,
+                         say=say)
+    except (ValueError, JoinError) as e:
+        print(f"bamboo agent: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _simulate(argv: list[str]) -> int:
@@ -166,7 +340,7 @@ def _config_command(argv: list[str]) -> int:
 
 
 _COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command,
-             "profile": _profile}
+             "profile": _profile, "coordinator": _coordinator, "agent": _agent}
 
 
 def main(argv: list[str] | None = None) -> int:

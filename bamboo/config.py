@@ -5,6 +5,7 @@ ConfigError with one line that names the field and says what to change.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,6 +85,23 @@ class JobConfig:
     device: str = "auto"
     """auto | cpu | cuda (cuda uses NCCL, one GPU per local worker)."""
     kills: list[KillSpec] = field(default_factory=list)
+    trace: str | None = None
+    """A preemption trace to replay on the local cluster (Bamboo CSV, count rows, JSON rows)."""
+    time_scale: float = 360.0
+    """Trace seconds per wall second when replaying a trace."""
+    max_nodes: int | None = None
+    """At most this many workers alive at once (default: --nodes)."""
+    notice_s: float | None = None
+    """Preemption notice before each kill (trace removes and +notice kills), wall seconds."""
+    checkpoint_every: int = 0
+    """Save a durable checkpoint every K steps and on every preemption notice (0: never).
+    Used only when no live node holds some layer any more."""
+    recovery: str = "redundancy"
+    """redundancy | checkpoint-restart. The second is the baseline Bamboo is measured
+    against: every preemption restarts all workers from the last checkpoint (as torchrun
+    does); it implies --redundancy off and needs --checkpoint-every."""
+    resume: str | None = None
+    """Continue the run whose directory (or checkpoints/ folder) this is."""
     out: str | None = None
     """Run directory; default runs/<timestamp>."""
 
@@ -103,8 +121,9 @@ class JobConfig:
         """Check every field; raise ConfigError with a one-line fix."""
         try:
             p = preset(self.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # presets name the model; say which flag gave it
+            text = str(e)
+            raise ConfigError("--" + text if text.startswith("model ") else f"--model: {text}") from None
         for name in ("nodes", "stages", "micro_batches", "micro_batch_size", "steps", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -130,17 +149,74 @@ class JobConfig:
                               f"{', '.join(REDUNDANCY_MODES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device '{self.device}' is not one of auto, cpu, cuda")
-        if not (self.lr > 0):
-            raise ConfigError(f"--lr must be positive (got {self.lr})")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"--lr must be positive (got {self.lr}): e.g. --lr 3e-3")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be an integer >= 0 (got {self.warmup_steps})")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ConfigError(f"--weight-decay must be a number >= 0 (got {self.weight_decay}): "
+                              f"0 disables it")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ConfigError(f"--grad-clip must be a number >= 0 (got {self.grad_clip}): "
+                              f"0 disables clipping")
         if not (0 < self.lease_s <= 10):
             raise ConfigError(f"--lease must be in (0, 10] seconds (got {self.lease_s})")
-        if not (self.comm_timeout_s > 0):
-            raise ConfigError(f"--comm-timeout must be positive seconds (got {self.comm_timeout_s})")
+        if not (0 < self.comm_timeout_s <= 86400):
+            raise ConfigError(f"--comm-timeout must be positive seconds, at most 86400 (a day) "
+                              f"(got {self.comm_timeout_s})")
+        if (self.time_scale is None or not (self.time_scale > 0)
+                or not math.isfinite(self.time_scale)):
+            raise ConfigError(f"--time-scale must be a positive number of trace seconds per "
+                              f"wall second (got {self.time_scale})")
+        if self.max_nodes is not None and (not isinstance(self.max_nodes, int)
+                                           or self.max_nodes < self.nodes):
+            raise ConfigError(f"--max-nodes must be an integer >= --nodes {self.nodes} "
+                              f"(got {self.max_nodes})")
+        if self.notice_s is not None and not (0 < self.notice_s <= 600):
+            raise ConfigError(f"--notice-s must be in (0, 600] wall seconds (got {self.notice_s})")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be an integer >= 0 (got "
+                              f"{self.checkpoint_every})")
+        if self.recovery not in ("redundancy", "checkpoint-restart"):
+            raise ConfigError(f"--recovery '{self.recovery}' is not one of redundancy, "
+                              f"checkpoint-restart")
+        if self.recovery == "checkpoint-restart" and (self.redundancy != "off"
+                                                      or self.checkpoint_every < 1):
+            raise ConfigError("--recovery checkpoint-restart needs --redundancy off and "
+                              "--checkpoint-every K (K >= 1)")
+        if self.trace is not None and Path(self.trace).is_dir():
+            raise ConfigError(f"--trace '{self.trace}' is a directory: give a trace file "
+                              f"(Bamboo CSV, count rows or JSON rows)")
+        if self.trace is not None and not Path(self.trace).is_file():
+            raise ConfigError(f"--trace file '{self.trace}' does not exist: give a trace file "
+                              f"(Bamboo CSV, count rows or JSON rows)")
+        if self.resume is not None and not Path(self.resume).exists():
+            raise ConfigError(f"--resume '{self.resume}' does not exist: give the --out "
+                              f"directory of a run that saved checkpoints")
+        if self.resume is not None and not Path(self.resume).is_dir():
+            raise ConfigError(f"--resume '{self.resume}' is not a directory: give the --out "
+                              f"directory of a run that saved checkpoints")
+        self._validate_out()
         self._validate_data(p.family)
         self._validate_kills()
         return self
+
+    @property
+    def node_cap(self) -> int:
+        return self.max_nodes if self.max_nodes is not None else self.nodes
+
+    def _validate_out(self) -> None:
+        if self.out is None:
+            return
+        path = Path(self.out)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--out {path} exists and is not a directory: choose another path")
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ConfigError(f"--out {path}: {parent} is a file, not a directory: "
+                                      f"choose another path")
+                break
 
     def _validate_data(self, family: str) -> None:
         if self.data is None:
@@ -148,19 +224,22 @@ class JobConfig:
         if family == "cnn":
             raise ConfigError(f"--data is for token models; {self.model} trains on synthetic images")
         path = Path(self.data)
+        if path.is_dir():
+            raise ConfigError(f"--data '{self.data}' is a directory: give a path to a UTF-8 "
+                              f"text file")
         if not path.is_file():
             raise ConfigError(f"--data file '{self.data}' does not exist: give a path to a "
                               f"UTF-8 text file")
-        need = PRESETS[self.model].context + 1
+        need = preset(self.model).context + 1
         if path.stat().st_size < need:
             raise ConfigError(f"--data file '{self.data}' has {path.stat().st_size} bytes; "
                               f"{self.model} needs at least {need}")
 
     def _validate_kills(self) -> None:
         for k in self.kills:
-            if k.notice:
-                raise ConfigError(f"--kill {k}: preemption notices (+notice) are not supported "
-                                  f"yet; use --kill {k.pipeline}:{k.stage}@{k.step} for a SIGKILL")
+            if k.notice and self.notice_s is None:
+                raise ConfigError(f"--kill {k} needs --notice-s S: how many seconds the notice "
+                                  f"comes before the kill")
             if k.pipeline >= self.data_parallel or k.stage >= self.stages:
                 raise ConfigError(f"--kill {k} names no node: pipelines are 0..{self.data_parallel - 1}"
                                   f" and stages 0..{self.stages - 1}")
@@ -173,7 +252,10 @@ class JobConfig:
                 "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
                 "redundancy": self.redundancy, "frc_offload": self.frc_offload,
                 "model": self.model, "seed": self.seed,
-                "steps": self.steps, "data": self.data}
+                "steps": self.steps, "data": self.data, "trace": self.trace,
+                "time_scale": self.time_scale, "max_nodes": self.node_cap,
+                "notice_s": self.notice_s, "checkpoint_every": self.checkpoint_every,
+                "recovery": self.recovery}
 
     def to_dict(self) -> dict:
         d = asdict(self)

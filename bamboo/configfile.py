@@ -46,7 +46,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "training": ("steps", "seed", "lr", "warmup_steps", "weight_decay", "grad_clip"),
     "runtime": ("threads", "comm_timeout_s", "device"),
     "faults": ("kills",),
-    "checkpointing": ("checkpoint_every", "checkpoint_dir", "resume"),
+    "checkpointing": ("checkpoint_every", "checkpoint_dir", "recovery", "resume"),
     "cluster": ("trace", "time_scale", "max_nodes", "notice_s", "lease_s", "etcd"),
 }
 """Section -> the JobConfig fields it holds (names JobConfig lacks are simply unused)."""
@@ -55,6 +55,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model": tuple(PRESETS),
     "redundancy": REDUNDANCY_MODES,
     "device": ("auto", "cpu", "cuda"),
+    "recovery": ("redundancy", "checkpoint-restart"),
 }
 
 _FLAG_ALIASES = {"kills": "kill"}
@@ -159,8 +160,11 @@ def _show(value: Any) -> str:
 
 def _check_choice(name: str, value: Any, where: str) -> None:
     allowed = _CHOICES.get(name)
+    if name == "model" and isinstance(value, str) and value.startswith("hf:"):
+        return  # a Hugging Face model name: checked by the preset parser
     if allowed and value is not None and value not in allowed:
-        raise ConfigError(f"{where}: '{value}' is not one of {', '.join(allowed)}")
+        more = ", or an hf: model (hf:gpt2, hf:bert, hf:DIR)" if name == "model" else ""
+        raise ConfigError(f"{where}: '{value}' is not one of {', '.join(allowed)}{more}")
 
 
 # -- reading a file -----------------------------------------------------------------------

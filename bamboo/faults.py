@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Fault", "InjectedError", "FaultPlan"]
@@ -27,6 +28,10 @@ class Fault:
     step: int
     after: int | None = None
     """Instruction index within the step; None: after the first forward."""
+    pipeline: int | None = None
+    stage: int | None = None
+    """When set, the fault fires only on the node holding this stage of this pipeline
+    when the step begins (a `--kill D:S@K`, whoever holds the stage by then)."""
 
 
 class FaultPlan:
@@ -35,13 +40,25 @@ class FaultPlan:
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = list(faults)
         self.steps = {f.step for f in self.faults}
+        self.holds: Callable[[int, int], bool] = lambda pipeline, stage: False
+        self._aimed: dict[tuple[int, Fault], bool] = {}
+
+    def _aimed_here(self, step: int, f: Fault) -> bool:
+        if f.pipeline is None or f.stage is None:
+            return True
+        key = (step, f)
+        if key not in self._aimed:  # decided once, at the step's first check
+            self._aimed[key] = self.holds(f.pipeline, f.stage)
+        return self._aimed[key]
 
     def check(self, step: int, index: int, is_forward: bool, seen_forward: bool) -> None:
         if step not in self.steps:
             return
         for f in self.faults:
+            if f.step != step or not self._aimed_here(step, f):
+                continue
             due = (index == f.after) if f.after is not None else (is_forward and not seen_forward)
-            if f.step == step and due:
+            if due:
                 self._fire(f)
 
     @staticmethod

@@ -1,38 +1,94 @@
-"""Progress on stderr: a live line on a terminal, plain log lines otherwise."""
+"""Progress on stderr: a live panel on a terminal, plain log lines otherwise.
+
+The panel shows the step, loss and samples/s, one row per pipeline (which node holds
+which stage; a node holding two stages is a shadow that took over a lost one), and
+the events as they happen.
+"""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-__all__ = ["ProgressDisplay"]
+__all__ = ["ProgressDisplay", "pipeline_rows"]
+
+
+def pipeline_rows(holders: Sequence[Sequence[int]], names: Sequence[str],
+                  dead: Sequence[int] = ()) -> list[str]:
+    """One line per pipeline: `n0:s0  n1:s1  n2:s2+s3 (shadow)`."""
+    rows = []
+    for d, row in enumerate(holders):
+        cells, seen = [], {}
+        for s, rank in enumerate(row):
+            seen.setdefault(rank, []).append(s)
+        for rank, stages in seen.items():
+            label = f"{names[rank]}:" + "+".join(f"s{s}" for s in stages)
+            if rank in dead:
+                label += " (lost)"
+            elif len(stages) > 1:
+                label += " (shadow)"
+            cells.append(label)
+        rows.append(f"pipeline {d}: " + "  ".join(cells))
+    return rows
 
 
 class ProgressDisplay:
-    """Shows step, loss, samples/s and each node's step time; prints events as they happen."""
+    """Shows step, loss, samples/s, the layout per pipeline; prints events as they happen."""
 
     def __init__(self, total_steps: int, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self.console = Console(stderr=True, highlight=False)
         self.live = enabled and self.console.is_terminal
+        self.total = total_steps
+        self._rows: list[str] = []
+        self._standbys = ""
         self._progress: Progress | None = None
+        self._live: Live | None = None
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                console=self.console, transient=False)
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)
             self._task = self._progress.add_task("train", total=total_steps, info="starting")
-            self._progress.start()
-        self.total = total_steps
+            self._live = Live(self._render(), console=self.console, refresh_per_second=8,
+                              transient=False)
+            self._live.start()
+
+    def _render(self) -> Group:
+        table = Table.grid(padding=(0, 2))
+        for row in self._rows:
+            table.add_row(row)
+        if self._standbys:
+            table.add_row(f"[dim]{self._standbys}[/dim]")
+        assert self._progress is not None
+        return Group(self._progress, table)
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._progress is not None:
-            self._progress.console.print(text)
+        if self._live is not None:
+            self._live.console.print(text)
         else:
             print(text, file=sys.stderr, flush=True)
+
+    def layout(self, rows: list[str], standbys: Sequence[str] = ()) -> None:
+        """The current holders, one row per pipeline; printed as lines when not live."""
+        if not self.enabled:
+            return
+        self._rows = rows
+        self._standbys = ("standby: " + " ".join(standbys)) if standbys else ""
+        if self._live is not None:
+            self._refresh()
+        else:
+            for row in rows + ([self._standbys] if self._standbys else []):
+                print(f"  {row}", file=sys.stderr, flush=True)
 
     def step(self, step: int, loss: float, samples_per_s: float, node_ms: list[float]) -> None:
         if not self.enabled:
@@ -41,10 +97,11 @@ class ProgressDisplay:
         info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s  node ms {stages}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, info=info)
+            self._refresh()
         else:
             print(f"step {step + 1}/{self.total}  {info}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

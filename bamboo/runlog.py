@@ -71,8 +71,9 @@ class RunDir:
             raise ConfigError(f"--out {self.path} already holds a run ({taken[0]}): choose a new "
                               f"directory or remove the old run")
 
-    def create(self) -> None:
-        self.check_usable()
+    def create(self, resume: bool = False) -> None:
+        if not resume:  # a resumed run continues its own folder
+            self.check_usable()
         self.path.mkdir(parents=True, exist_ok=True)
 
     def events(self, t0: float) -> EventLog:

@@ -40,8 +40,10 @@ def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Resul
 @pytest.fixture
 def bamboo(tmp_path: Path):
     """`bamboo(args, name)` runs `bamboo train ARGS` with its own run directory."""
-    def run(args: list[str], name: str = "run", timeout: float = 240) -> Result:
-        return run_bamboo(["train", *args], tmp_path / name, timeout)
+    def run(args: list[str], name: str = "run", timeout: float = 240, report: bool = False) -> Result:
+        # The end-of-run report (matplotlib) is skipped unless a test is about it.
+        extra = [] if report else ["--no-report"]
+        return run_bamboo(["train", *args, *extra], tmp_path / name, timeout)
     return run
 
 

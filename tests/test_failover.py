@@ -64,7 +64,7 @@ SCENARIOS = {
     "kill stage 0 (shadow is the last stage)": (dict(steps=8, kills=["0:0@5"]), 1, 0),
     "kill the last stage": (dict(steps=8, kills=["0:3@5"]), 1, 0),
     "two pipelines": (dict(steps=8, nodes=8, micro_batches=2, kills=["0:2@5"]), 1, 0),
-    "two kills in one run": (dict(steps=8, kills=["0:1@3", "0:3@7"]), 2, 0),
+    "two kills in one run": (dict(steps=8, kills=["0:1@3", "0:2@7"]), 2, 0),
     "two non-adjacent kills in one step": (dict(steps=6, kills=["0:0@3", "0:2@3"]), 2, 0),
     "adjacent kills, restored from the peer pipeline": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["0:1@4", "0:2@4"]), 1, 1),

@@ -62,7 +62,8 @@ def test_lost_node_without_failover_stops_with_a_message(bamboo) -> None:
     assert result.code == 3
     assert result.stderr.strip() == (
         "bamboo train: error: node n1 (pipeline 0, stage 1) was lost in step 2 (SIGKILL); "
-        "--redundancy off keeps no copy of its stage, so the run stops here")
+        "--redundancy off keeps no copy of its stage, so the run stops here (with "
+        "--checkpoint-every K it would restart from a checkpoint instead)")
     lost = [e for e in result.events() if e["event"] == "node_lost"]
     assert [(e["node"], e["step"]) for e in lost] == [("n1", 2)]
     assert wait_gone(worker_pids(result)) == []

@@ -4,7 +4,9 @@ Reports go up the worker's own pipe (one writer per pipe, guarded by a lock so t
 heartbeat thread and the training loop never interleave a message). Decisions come
 down through the coordinator's store under well-known keys:
 
-    epoch/<e>          the role map after the e-th change of membership (JSON)
+    gen/<g>            the plan of generation g (bamboo.reconfig.planner, JSON)
+    epoch/<e>          the role map after the e-th change of membership (JSON); epochs
+                       count on across generations, so keys never repeat
     go/<step>/<e>      "go" when every live node finished its micro-batches, else "abort"
     decide/<step>/<e>  "commit" when every live node's commit round succeeded, else "redo"
 """
@@ -83,8 +85,8 @@ class CoordinatorLink:
             out.append(RoleMap.from_json(self.store.get(f"epoch/{current}").decode()))
         return out
 
-    def heartbeat_forever(self, period_s: float, beats: Any) -> None:
-        """Background thread body: stamp this rank's slot of the shared heartbeat array."""
+    def heartbeat_forever(self, period_s: float, beats: Any, slot: int) -> None:
+        """Background thread body: stamp this node's slot of the shared heartbeat array."""
         while True:
-            beats[self.rank] = time.monotonic()
+            beats[slot] = time.monotonic()
             time.sleep(period_s)

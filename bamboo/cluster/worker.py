@@ -1,9 +1,17 @@
 """A worker process: one node of the cluster, playing one spot instance.
 
-It joins the process group through the coordinator's store, runs its stages with
-the engine step after step, and reports to the coordinator over its own pipe (a
-worker killed mid-write corrupts only its own channel). A background thread stamps a
-shared heartbeat slot, so a frozen process (no thread runs) is noticed by its lease.
+A worker lives through *generations* (`bamboo.reconfig`): it waits for the plan of the
+next generation it belongs to, joins that generation's process group, gets the state
+of the layers it lacks from the live nodes that hold them (or from a checkpoint when
+no live copy exists), and runs the engine step after step until the coordinator ends
+the generation at a step boundary (a join, a drain, a new layout) or abandons it
+mid-step (a loss no copy covers in flight). A node that is not in a plan waits as a
+standby; a draining node sends the state it is asked for, then leaves.
+
+It reports to the coordinator over its own pipe (a worker killed mid-write corrupts
+only its own channel). A background thread stamps a shared heartbeat slot, so a
+frozen process (no thread runs) is noticed by its lease. SIGTERM is a preemption
+notice: it is reported, and the coordinator drains the node at the next step boundary.
 Any exception is reported with its traceback before the process exits; the process
 also dies with its parent (the fork server, which dies with the coordinator), so no
 worker outlives the run.
@@ -14,6 +22,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -23,35 +32,52 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bamboo.checkpoint import load_checkpoint
 from bamboo.cluster.link import CoordinatorLink
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
-from bamboo.models import layer_param_counts, preset
-from bamboo.pipeline.comm import PeerLost
-from bamboo.pipeline.engine import NodeEngine, TrainingHyper
+from bamboo.models import preset
+from bamboo.pipeline.comm import RESTORE, PeerLost, tag_for
+from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
 from bamboo.pipeline.layout import Layout
-from bamboo.pipeline.partition import partition
-from bamboo.redundancy.roles import RoleMap
+from bamboo.pipeline.stage import StageState
+from bamboo.reconfig.planner import GenerationPlan
 
-__all__ = ["WorkerSpec", "worker_main", "SHUTDOWN_KEY", "HEARTBEAT_S"]
+__all__ = ["WorkerSpec", "worker_main", "SHUTDOWN_KEY", "HEARTBEAT_S", "plan_key"]
 
 SHUTDOWN_KEY = "shutdown"
 HEARTBEAT_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
+def plan_key(gen: int) -> str:
+    return f"gen/{gen}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSpec:
     """Everything a worker needs to start."""
 
-    rank: int
-    world_size: int
+    node: int
+    """Node id: the worker is `n{node}` for the whole run."""
+    slot: int
+    """Its index in the shared heartbeat and progress arrays."""
+    first_gen: int
+    """The first generation whose plan it waits for."""
     store_host: str
     store_port: int
     config: JobConfig
     faults: tuple[Fault, ...] = ()
     check_replicas: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"n{self.node}"
+
+
+class _TransferFailed(RuntimeError):
+    """A state transfer of a new generation failed (a source or destination was lost)."""
 
 
 def _die_with_parent() -> None:
@@ -59,55 +85,196 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _device(cfg: JobConfig, rank: int) -> tuple[torch.device, str]:
+def _device(cfg: JobConfig, node: int) -> tuple[torch.device, str]:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        index = rank % torch.cuda.device_count()
+        index = node % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index), "nccl"
     return torch.device("cpu"), "gloo"
 
 
-def _wait_for_shutdown(store: dist.Store) -> None:
-    while True:
+def _process_group(backend: str, store: dist.Store, rank: int, size: int,
+                   timeout: timedelta) -> dist.ProcessGroup:
+    """A fresh process group for one generation (never the global default group, so
+    generations can follow one another in one process)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class _Node:
+    """One worker's life: generations one after another."""
+
+    def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
+                 device: torch.device, backend: str, progress: Any) -> None:
+        self.spec, self.link, self.store, self.device, self.backend = spec, link, store, device, backend
+        self.progress = progress
+        cfg = self.cfg = spec.config
+        self.preset = preset(cfg.model)
+        self.task = make_task(self.preset, seed=cfg.seed,
+                              global_micro_batches=cfg.global_micro_batches,
+                              micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
+        self.hyper = TrainingHyper(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                   total_steps=cfg.steps, weight_decay=cfg.weight_decay,
+                                   grad_clip=cfg.grad_clip)
+        self.timeout = timedelta(seconds=cfg.comm_timeout_s)
+        self.holdings: dict[int, torch.Tensor] = {}
+        """Layer -> state vector at the last generation's end (what this node can give)."""
+        self.faults = FaultPlan(list(spec.faults))
+
+    def wait_plan(self, gen: int) -> GenerationPlan | None:
+        """The plan of generation `gen`, or None when the run is over."""
+        key = plan_key(gen)
+        while True:  # polled: a store wait that times out logs a warning each time
+            if self.store.check([key]):
+                return GenerationPlan.from_json(self.store.get(key).decode())
+            if self.store.check([SHUTDOWN_KEY]):
+                return None
+            time.sleep(0.05)
+
+    def live(self) -> None:
+        self.link.send("ready")
+        gen = self.spec.first_gen
+        while True:
+            plan = self.wait_plan(gen)
+            if plan is None:
+                self.link.send("done")
+                return
+            if self.spec.name not in plan.members:
+                if self.spec.name in plan.leavers:
+                    self.link.send("left", gen=plan.gen)
+                    return
+                gen = plan.gen + 1  # a standby in this generation
+                continue
+            if self._generation(plan) == "finished":
+                return
+            gen = plan.gen + 1
+
+    # -- one generation ---------------------------------------------------------------------
+
+    def _generation(self, plan: GenerationPlan) -> str:
+        rank = plan.members.index(self.spec.name)
+        self.link.rank = rank
+        group = _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}", self.store),
+                               rank, len(plan.members), self.timeout)
+        if rank >= plan.active:  # leaving: only a source of state
+            try:
+                self._transfer(plan, rank, group, {})
+            except _TransferFailed:
+                pass
+            self.link.send("left", gen=plan.gen)
+            return "finished"
+        cfg = self.cfg
+        layout = Layout(nodes=len(plan.members), pipelines=plan.pipelines, stages=plan.stages,
+                        global_micro_batches=cfg.global_micro_batches)
+        engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
+                            rank=rank, roles=plan.roles(cfg.redundancy != "off"), task=self.task,
+                            hyper=self.hyper, seed=cfg.seed, device=self.device, link=self.link,
+                            redundancy=cfg.redundancy, group=group, slot=self.spec.slot,
+                            faults=self.faults, progress=self.progress,
+                            check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload)
+        held = list(engine.stages.values()) + ([engine.replica] if engine.replica else [])
         try:
-            store.wait([SHUTDOWN_KEY], timedelta(seconds=5))
+            self._load_state(plan, rank, group, held)
+        except _TransferFailed as e:
+            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings), failed=str(e))
+            return "next"
+        self.link.send("gen_ready", gen=plan.gen, stages=sorted(engine.stages),
+                       replica=engine.replica.stage if engine.replica is not None else None)
+        for step in range(plan.start_step, cfg.steps):
+            try:
+                report = engine.run_step(step)
+            except GenerationEnded:
+                break
+            self.link.send("step", **asdict(report))
+            if "ckpt" in engine.flags:
+                self._send_checkpoint_part(engine, step + 1)
+            if "reconf" in engine.flags:
+                break
+        else:
+            self.link.send("params", layers=engine.parameters_by_layer())
+            self.link.send("done")
+            self.wait_plan(1 << 30)  # returns at shutdown
+            return "finished"
+        self.holdings = {i: st.layer_state(i) for st in self._held(engine) for i in st.layer_indices}
+        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings))
+        return "next"
+
+    @staticmethod
+    def _held(engine: NodeEngine) -> list[StageState]:
+        return list(engine.stages.values()) + ([engine.replica] if engine.replica else [])
+
+    def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
+                    held: list[StageState]) -> None:
+        if plan.checkpoint is not None:
+            ckpt = load_checkpoint(plan.checkpoint)
+            for st in held:
+                for i in st.layer_indices:
+                    st.load_layer_state(i, ckpt.stages[i]["state"])
             return
-        except dist.DistStoreError:
-            continue
+        received = self._transfer(plan, rank, group, {i for st in held for i in st.layer_indices})
+        for st in held:
+            for i in st.layer_indices:
+                vector = received.get(i, self.holdings.get(i))
+                if vector is not None:  # else a fresh start: the layer as built from the seed
+                    st.load_layer_state(i, vector)
+
+    def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
+                  needed: set[int]) -> dict[int, torch.Tensor]:
+        """Post this node's sends and receives of the plan; wait for all of them."""
+        sizes = {i: v.numel() for i, v in self.holdings.items()}
+        works, received = [], {}
+        try:
+            for layer, src, dst in plan.transfers:
+                tag = tag_for(RESTORE, layer, dst)
+                if src == rank:
+                    tensor = self.holdings[layer].to(self.device)
+                    works.append((group.send([tensor], dst, tag), tensor))
+                elif dst == rank:
+                    buf = torch.empty(self._layer_state_size(layer, sizes), dtype=torch.float32,
+                                      device=self.device)
+                    works.append((group.recv([buf], src, tag), buf))
+                    received[layer] = buf
+            for work, _ in works:
+                work.wait()
+        except (RuntimeError, PeerLost) as e:
+            raise _TransferFailed(f"state transfer of generation {plan.gen} failed: "
+                                  f"{str(e).splitlines()[0][:200]}") from e
+        return {i: v for i, v in received.items() if i in needed}
+
+    def _layer_state_size(self, layer: int, known: dict[int, int]) -> int:
+        if layer in known:
+            return known[layer]
+        from bamboo.models import layer_param_counts
+        if not hasattr(self, "_counts"):
+            self._counts = layer_param_counts(self.preset)
+        return 3 * self._counts[layer] + 1
+
+    def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
+        """After a commit marked `ckpt`: the layers of each stage whose first live holder
+        (lowest pipeline) this node is."""
+        roles, dead = engine.roles, set(engine.roles.dead)
+        layers = {}
+        for stage, st in engine.stages.items():
+            first = next(r for r in roles.stage_members(stage) if r not in dead)
+            if first == engine.rank:
+                layers.update({i: st.layer_state(i) for i in st.layer_indices})
+        self.link.send("ckpt", step=step, layers=layers)
 
 
-def _train(spec: WorkerSpec, link: CoordinatorLink, store: dist.Store, device: torch.device,
-           progress: Any) -> None:
-    cfg = spec.config
-    p = preset(cfg.model)
-    layout = Layout(nodes=spec.world_size, pipelines=cfg.data_parallel, stages=cfg.stages,
-                    global_micro_batches=cfg.global_micro_batches)
-    roles = RoleMap.initial(stages=cfg.stages, pipelines=cfg.data_parallel,
-                            redundancy=cfg.redundancy != "off")
-    if roles.pipeline_of(spec.rank) is None:  # a standby
-        link.send("ready")
-        _wait_for_shutdown(store)
-        link.send("done")
-        return
-    parts = partition(layer_param_counts(p), cfg.stages)
-    task = make_task(p, seed=cfg.seed, global_micro_batches=cfg.global_micro_batches,
-                     micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
-    hyper = TrainingHyper(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
-                          weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-    engine = NodeEngine(preset=p, parts=parts, layout=layout, rank=spec.rank, roles=roles,
-                        task=task, hyper=hyper, seed=cfg.seed, device=device, link=link,
-                        redundancy=cfg.redundancy, faults=FaultPlan(list(spec.faults)),
-                        progress=progress, check_replicas=spec.check_replicas,
-                        frc_offload=cfg.frc_offload)
-    link.send("ready", stages=sorted(engine.stages),
-              replica=engine.replica.stage if engine.replica is not None else None)
-    for step in range(cfg.steps):
-        report = engine.run_step(step)
-        link.send("step", **asdict(report))
-    link.send("params", layers=engine.parameters_by_layer())
-    link.send("done")
-    _wait_for_shutdown(store)
+def _notice_handler(link: CoordinatorLink) -> Any:
+    """SIGTERM is a preemption notice (as Kubernetes and most clouds' agents deliver it)."""
+    noticed = threading.Event()
+
+    def report() -> None:
+        noticed.wait()
+        link.send("notice", source="SIGTERM")
+
+    threading.Thread(target=report, daemon=True, name="notice").start()
+    return lambda signum, frame: noticed.set()
 
 
 def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, progress: Any) -> None:
@@ -121,19 +288,18 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, progress: Any) -
         timeout = timedelta(seconds=cfg.comm_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         watch = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
-        link = CoordinatorLink(rank=spec.rank, conn=conn, store=store, timeout_s=cfg.comm_timeout_s,
-                               watch_store=watch)
-        threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, beats),
+        link = CoordinatorLink(rank=spec.node, conn=conn, store=store,
+                               timeout_s=cfg.comm_timeout_s, watch_store=watch)
+        signal.signal(signal.SIGTERM, _notice_handler(link))
+        threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, beats, spec.slot),
                          daemon=True, name="heartbeat").start()
-        device, backend = _device(cfg, spec.rank)
-        dist.init_process_group(backend, store=dist.PrefixStore("gen0", store), rank=spec.rank,
-                                world_size=spec.world_size, timeout=timeout)
-        _train(spec, link, store, device, progress)
+        device, backend = _device(cfg, spec.node)
+        _Node(spec, link, store, device, backend, progress).live()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate
         try:
-            message = {"kind": "error", "rank": spec.rank,
-                       "step": int(progress[2 * spec.rank]) if progress is not None else -1,
+            message = {"kind": "error", "rank": spec.node,
+                       "step": int(progress[2 * spec.slot]) if progress is not None else -1,
                        "peer_lost": isinstance(e, PeerLost),
                        "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
                        "traceback": traceback.format_exc()}

@@ -5,7 +5,8 @@ waits for its receiver); they are completed at the end of the step. Receives wai
 with the process group's timeout, so no call blocks forever. Tags keep transfers
 apart: each (kind, stage, micro-batch) has its own. A failed call raises PeerLost,
 so callers can tell a lost peer from a bug of their own. The default process group
-outlives lost peers: traffic between survivors keeps flowing on it.
+outlives lost peers: traffic between survivors keeps flowing on it. Each generation
+of the job (see `bamboo.reconfig`) has its own process group, passed in here.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def tag_for(kind: int, stage: int, mb: int = 0) -> int:
 class P2P:
     """Posts sends and receives; counts bytes and the seconds spent waiting."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         self.wake = threading.Event()
@@ -58,7 +60,7 @@ class P2P:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
         try:
-            work = dist.isend(tensor, dst=dst, tag=tag)
+            work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
             raise PeerLost(f"send to rank {dst} failed: {e}", dst) from e
         self.pending.append((work, tensor, dst))
@@ -66,7 +68,7 @@ class P2P:
 
     def post_recv(self, buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
         try:
-            return dist.irecv(buffer, src=src, tag=tag)
+            return self.group.recv([buffer], src, tag)
         except RuntimeError as e:
             raise PeerLost(f"receive from rank {src} failed: {e}", src) from e
 

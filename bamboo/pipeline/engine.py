@@ -39,9 +39,14 @@ from bamboo.pipeline.optim import clip_coefficient, learning_rate
 from bamboo.pipeline.stage import StageState
 from bamboo.redundancy.roles import RoleMap
 
-__all__ = ["TrainingHyper", "StepReport", "NodeEngine", "PHASES"]
+__all__ = ["TrainingHyper", "StepReport", "NodeEngine", "GenerationEnded", "PHASES"]
 
 PHASES = ("forward", "backward", "commit", "optimizer")
+
+
+class GenerationEnded(Exception):
+    """The coordinator abandoned this generation mid-step (a loss no copy covers in flight):
+    the step under way is dropped and the node's state is that of the last commit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,11 +119,16 @@ class NodeEngine:
     def __init__(self, *, preset: ModelPreset, parts: Sequence[range], layout: Layout,
                  rank: int, roles: RoleMap, task: Task, hyper: TrainingHyper, seed: int,
                  device: torch.device, link: CoordinatorLink, redundancy: str,
+                 group: Any, slot: int | None = None,
                  faults: FaultPlan | None = None, progress: Any = None,
                  check_replicas: bool = False, frc_offload: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
         self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
         self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
+        self.slot = rank if slot is None else slot
+        self.faults.holds = self._holds
+        self.flags: set[str] = set()
+        """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
         self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
         self.frc_offload = frc_offload
@@ -133,7 +143,7 @@ class NodeEngine:
         self.stages = {s: self._build(s) for s in roles.stages_of(rank)}
         replica = roles.replica_of(rank) if redundancy != "off" else None
         self.replica = self._build(replica) if replica is not None else None
-        self.p2p = P2P()
+        self.p2p = P2P(group)
         link.on_epoch = self.p2p.wake.set
         self._dispatch: dict[type, Callable[[_Step, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
@@ -156,26 +166,30 @@ class NodeEngine:
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
         while True:
+            wait = False
             try:
                 length = self._micro_batches(s)
                 self._mark(step, 2)
                 self.faults.check(step, length, False, True)
                 if self.link.phase_a_done(step, self.roles.epoch) != "go":
-                    self._catch_up(s, wait=False)
+                    self._recover(s, wait=False)
                     continue
                 result = self._commit_round(s, length)
                 self.faults.check(step, length + 2, False, True)
                 losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
-                if self.link.round_done(step, self.roles.epoch, result.ok, losses) == "commit":
+                decision, *flags = self.link.round_done(step, self.roles.epoch, result.ok,
+                                                        losses).split("+")
+                if decision == "commit":
+                    self.flags = set(flags)
                     self._apply(s, result)
                     self.faults.check(step, length + 3, False, True)
                     break
-                self._catch_up(s, wait=False)
             except PeerLost as e:
                 # Wait for the new roles, unless this peer's loss is already in ours.
-                self._catch_up(s, wait=e.peer not in self.roles.dead)
+                wait = e.peer not in self.roles.dead
             except Interrupted:
-                self._catch_up(s, wait=False)
+                pass
+            self._recover(s, wait)
             s.report.attempts += 1
         r = s.report
         r.stages = sorted(self.stages)
@@ -193,8 +207,8 @@ class NodeEngine:
 
     def _mark(self, step: int, phase: int) -> None:
         if self.progress is not None:
-            self.progress[2 * self.rank] = step
-            self.progress[2 * self.rank + 1] = phase
+            self.progress[2 * self.slot] = step
+            self.progress[2 * self.slot + 1] = phase
 
     def _schedule(self) -> list[S.Instruction]:
         frc = self.replica.stage if self.replica is not None and self.eager else None
@@ -377,12 +391,28 @@ class NodeEngine:
 
     # -- failover ---------------------------------------------------------------------------
 
+    def _recover(self, s: _Step, wait: bool) -> None:
+        """Catch up with the roles; a peer lost while applying them (a restore's new holder,
+        say) only means more roles to wait for."""
+        while True:
+            try:
+                self._catch_up(s, wait)
+                return
+            except PeerLost as e:
+                wait = e.peer not in self.roles.dead
+
     def _catch_up(self, s: _Step, wait: bool) -> None:
         """Apply every role map the coordinator published since ours."""
         for roles in self.link.next_epochs(self.roles.epoch, wait):
             self._apply_roles(s, roles)
 
+    def _holds(self, pipeline: int, stage: int) -> bool:
+        return pipeline < self.roles.pipelines and stage < self.P and \
+            self.roles.holders[pipeline][stage] == self.rank
+
     def _apply_roles(self, s: _Step, new: RoleMap) -> None:
+        if new.abandon:
+            raise GenerationEnded()
         self.roles = new
         self.p2p.forget(set(new.dead))
         for t in new.takeovers:

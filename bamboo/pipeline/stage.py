@@ -101,6 +101,53 @@ class StageState:
             self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
                                        "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
 
+    # -- per-layer state (reconfiguration and checkpoints) -----------------------------------
+
+    def _layer_params(self, layer_index: int) -> list[torch.nn.Parameter]:
+        position = self.layer_indices.index(layer_index)
+        return list(self.module[position].parameters())
+
+    def layer_state(self, layer_index: int) -> torch.Tensor:
+        """One layer's parameters, AdamW moments and step count as a float32 CPU vector
+        (the unit a reconfiguration moves and a checkpoint stores: layers, not stages,
+        since the partition may change)."""
+        params = self._layer_params(layer_index)
+        state = self.optimizer.state
+        parts = [torch.cat([p.detach().reshape(-1) for p in params])]
+        for key in ("exp_avg", "exp_avg_sq"):
+            parts.append(torch.cat([state[p][key].reshape(-1) if p in state
+                                    else torch.zeros(p.numel(), device=self.device)
+                                    for p in params]))
+        steps = float(state[params[0]]["step"]) if params[0] in state else 0.0
+        parts.append(torch.tensor([steps], dtype=torch.float32, device=self.device))
+        return torch.cat(parts).to("cpu", torch.float32)
+
+    def load_layer_state(self, layer_index: int, vector: torch.Tensor) -> None:
+        params = self._layer_params(layer_index)
+        n = sum(p.numel() for p in params)
+        if vector.numel() != 3 * n + 1:
+            raise ValueError(f"layer {layer_index}: state of {vector.numel()} values, expected "
+                             f"{3 * n + 1} (a different model or layer)")
+        vector = vector.to(self.device, torch.float32)
+
+        def split(flat: torch.Tensor) -> list[torch.Tensor]:
+            views, offset = [], 0
+            for p in params:
+                views.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            return views
+
+        with torch.no_grad():
+            for view, p in zip(split(vector[:n]), params):
+                p.copy_(view)
+        steps = float(vector[3 * n])
+        for p, a, b in zip(params, split(vector[n:2 * n]), split(vector[2 * n:3 * n])):
+            if steps == 0:
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
+                                           "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+
     def digest(self) -> str:
         """sha256 of the parameters' float32 bytes (replica checks)."""
         import hashlib

@@ -33,6 +33,9 @@ class RoleMap:
     dead: list[int] = field(default_factory=list)
     takeovers: list[dict] = field(default_factory=list)
     """The moves of the latest change: dicts of Takeover's fields, in the order to apply."""
+    abandon: bool = False
+    """The generation ends here: no copy covers the loss in flight, so every node drops the
+    step under way and the coordinator plans a new generation (`bamboo.reconfig`)."""
 
     @classmethod
     def initial(cls, *, stages: int, pipelines: int, redundancy: bool) -> RoleMap:
@@ -74,7 +77,8 @@ class RoleMap:
     def to_json(self) -> str:
         return json.dumps({"stages": self.stages, "pipelines": self.pipelines,
                            "holders": self.holders, "replicas": self.replicas,
-                           "epoch": self.epoch, "dead": self.dead, "takeovers": self.takeovers})
+                           "epoch": self.epoch, "dead": self.dead, "takeovers": self.takeovers,
+                           "abandon": self.abandon})
 
     @classmethod
     def from_json(cls, text: str) -> RoleMap:

@@ -1,0 +1,164 @@
+"""The reconfiguration planner: the next generation's layout, who runs what, and where
+every layer's state comes from. Pure data, no torch.
+
+A *generation* is a stretch of training on one process group with one layout. Inside
+it, lost nodes are failed over in flight (`redundancy.roles`); between two of them,
+at a step boundary, the planner:
+
+1. chooses (D, P) for the live nodes: P stays the configured number of stages while
+   there are nodes for it (fewer stages otherwise, each holding more layers), D is as
+   many whole pipelines as fit, never more than the global batch's micro-batches;
+2. cuts the layers into P stages (the same exact partitioner the job started with);
+3. gives each (pipeline, stage) slot the node that already holds most of the state
+   the slot needs (its stage, plus its successor's as a replica), so as little state
+   as possible moves;
+4. names, for every layer a node lacks, a live node holding it (a primary, a replica
+   or another pipeline's copy: all are identical at a step boundary), spreading the
+   sends; a checkpoint is used only when some layer has no live copy at all.
+
+Nodes beyond D x P wait as standbys outside the process group; draining nodes take
+part only as sources of state, then leave.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from bamboo.pipeline.partition import partition
+from bamboo.redundancy.roles import RoleMap
+
+__all__ = ["NoLiveCopy", "GenerationPlan", "choose_layout", "plan_generation"]
+
+
+class NoLiveCopy(RuntimeError):
+    """Some layer is held by no live node; str() names it."""
+
+    def __init__(self, message: str, layers: list[int]) -> None:
+        super().__init__(message)
+        self.layers = layers
+
+
+@dataclass(kw_only=True)
+class GenerationPlan:
+    """Everything a node needs to enter generation `gen` (published as JSON)."""
+
+    gen: int
+    epoch: int
+    """The role map's epoch at the start of the generation (epochs never repeat)."""
+    members: list[str]
+    """Node names in process-group rank order: D x P active nodes, then sources leaving."""
+    pipelines: int
+    stages: int
+    parts: list[list[int]]
+    """[start, stop) layer range of each stage."""
+    start_step: int
+    transfers: list[list[int]] = field(default_factory=list)
+    """[layer, source rank, destination rank], in the order to post them."""
+    checkpoint: str | None = None
+    """Load every layer from this checkpoint directory instead (nothing live covers some layer)."""
+    leavers: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def active(self) -> int:
+        return self.pipelines * self.stages
+
+    def roles(self, redundancy: bool) -> RoleMap:
+        roles = RoleMap.initial(stages=self.stages, pipelines=self.pipelines,
+                                redundancy=redundancy and self.stages > 1)
+        roles.epoch = self.epoch
+        return roles
+
+    def layer_ranges(self) -> list[range]:
+        return [range(a, b) for a, b in self.parts]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GenerationPlan:
+        return cls(**json.loads(text))
+
+
+def choose_layout(nodes: int, *, stages: int, layers: int, global_micro_batches: int,
+                  max_pipelines: int | None = None) -> tuple[int, int]:
+    """(D, P) for `nodes` live nodes; P is the configured `stages` when it fits, D at most
+    `max_pipelines` (the user's --pipelines, when given)."""
+    if nodes < 1:
+        raise ValueError("no live node to train on")
+    p = min(stages, layers, nodes)
+    d = min(nodes // p, global_micro_batches, max_pipelines or nodes)
+    return d, p
+
+
+def _needs(parts: Sequence[range], stage: int, redundancy: bool) -> list[int]:
+    """Layers slot `stage` needs: its own, plus its successor's as the replica."""
+    need = list(parts[stage])
+    if redundancy and len(parts) > 1:
+        need += list(parts[(stage + 1) % len(parts)])
+    return need
+
+
+def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[str],
+                    holdings: dict[str, set[int]], leaving: Sequence[str] = (),
+                    stages: int, param_counts: Sequence[int], global_micro_batches: int,
+                    redundancy: bool, checkpoint: str | None = None,
+                    max_pipelines: int | None = None, reason: str = "") -> GenerationPlan:
+    """The plan of generation `gen` over `nodes` (live, ready, in order of preference).
+
+    `holdings` maps every live node (`leaving` ones included) to the layers whose state
+    it holds at this step boundary. With `checkpoint` set, every layer comes from it.
+    Raises NoLiveCopy when a layer has no live holder and no checkpoint is given.
+    """
+    layers = len(param_counts)
+    d, p = choose_layout(len(nodes), stages=stages, layers=layers,
+                         global_micro_batches=global_micro_batches, max_pipelines=max_pipelines)
+    parts = partition(list(param_counts), p)
+    rc = redundancy and p > 1
+
+    # Every (slot, node) pair scored by the state the node already holds for the slot; the
+    # best pairs are taken first (greedy matching), so nodes stay where their state is.
+    slots = [(dd, s) for dd in range(d) for s in range(p)]
+    order = {n: i for i, n in enumerate(nodes)}
+    pairs = sorted(((sum(param_counts[i] for i in _needs(parts, s, rc)
+                         if i in holdings.get(n, ())), -order[n], -k, n)
+                    for k, (_, s) in enumerate(slots) for n in nodes), reverse=True)
+    taken: dict[int, str] = {}
+    for score, _, neg_k, n in pairs:
+        k = -neg_k
+        if k not in taken and n not in taken.values() and score > 0:
+            taken[k] = n
+    free = [n for n in nodes if n not in taken.values()]
+    active = [taken[k] if k in taken else free.pop(0) for k in range(len(slots))]
+    sources = [n for n in leaving if n not in active]
+    transfers: list[list[int]] = []
+    if checkpoint is None:
+        missing = sorted(set(range(layers)) - set().union(*(holdings.get(n, set())
+                                                           for n in active + sources)))
+        if missing:
+            raise NoLiveCopy(f"no live node holds layer{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(str, missing))}", missing)
+        candidates = active + sources
+        order = {n: i for i, n in enumerate(candidates)}
+        load = {n: 0 for n in candidates}
+        moves: list[tuple[int, str, str]] = []
+        for r, node in enumerate(active):
+            for layer in _needs(parts, r % p, rc):
+                if layer in holdings.get(node, ()):
+                    continue
+                # Prefer a node that is leaving (it has nothing else to do), then the least loaded.
+                src = min((n for n in candidates if layer in holdings.get(n, ())),
+                          key=lambda n: (n not in leaving, load[n], order[n]))
+                load[src] += param_counts[layer]
+                moves.append((layer, src, node))
+        used = {src for _, src, _ in moves}
+        members = active + [n for n in sources if n in used]
+        rank = {n: i for i, n in enumerate(members)}
+        transfers = [[layer, rank[src], rank[dst]] for layer, src, dst in moves]
+    else:
+        members = active
+    return GenerationPlan(gen=gen, epoch=epoch, members=members, pipelines=d, stages=p,
+                          parts=[[r.start, r.stop] for r in parts], start_step=start_step,
+                          transfers=transfers, checkpoint=checkpoint, leavers=list(leaving),
+                          reason=reason)

@@ -1,0 +1,232 @@
+"""Elastic runs with real processes: drains on notice, joins, new layouts, peer and
+checkpoint restores, trace replay and --resume.
+
+Every run ends with the losses and parameters of the failure-free run (the plain
+single-process loop) within 1e-4 relative (a new layout sums data-parallel gradients
+in another grouping), and accounts for every lost node exactly once.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bamboo.config import JobConfig, parse_kill
+from bamboo.faults import Fault
+from conftest import assert_close, run_bamboo
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_failover import reference, run_in_process  # noqa: E402
+
+REL = 1e-4
+KINDS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses")
+
+
+def config(**flags) -> JobConfig:
+    kills = [parse_kill(k) for k in flags.pop("kills", [])]
+    return JobConfig(kills=kills, **flags).validate()
+
+
+def assert_equal_and_accounted(summary: dict, cfg: JobConfig, lost: int | None = None) -> None:
+    assert summary["status"] == "completed", summary["error"]
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert_close(summary["losses"], losses, rel=REL)
+    assert_close(summary["param_l2"], l2, rel=REL)
+    assert sum(summary[k] for k in KINDS) == summary["preemptions"]
+    if lost is not None:
+        assert summary["preemptions"] == lost, summary
+
+
+def events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_drain_to_a_standby(tmp_path: Path) -> None:
+    """A noticed node hands its stage to the standby at the step boundary and leaves."""
+    cfg = config(nodes=5, stages=4, steps=7, kills=["0:2@3+notice"], notice_s=60.0)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=1)
+    assert summary["drains"] == 1 and summary["failovers"] == 0
+    assert summary["reconfigurations"] == 1
+    moved = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"]
+    assert moved[0]["members"][:4] == ["n0", "n1", "n4", "n3"]  # n4 took stage 2
+    assert moved[0]["step"] == 4
+
+
+@pytest.mark.timeout(180)
+def test_drain_without_a_standby_moves_to_fewer_stages(tmp_path: Path) -> None:
+    cfg = config(nodes=4, stages=4, steps=7, kills=["0:1@2+notice"], notice_s=60.0)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=1)
+    assert summary["drains"] == 1
+    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    assert (plan["pipelines"], plan["stages"]) == (1, 3) and "n1" not in plan["members"][:3]
+
+
+@pytest.mark.timeout(180)
+def test_short_notice_becomes_a_failover_or_a_drain_never_both(tmp_path: Path) -> None:
+    cfg = config(nodes=4, stages=4, steps=6, kills=["0:2@2+notice"], notice_s=0.05)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=1)
+    assert summary["drains"] + summary["failovers"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_failover_then_rebalance_restores_a_replica_for_every_stage(tmp_path: Path) -> None:
+    """With one pipeline, a failover leaves the shadow's stages with one copy; the next
+    boundary spreads the layers over the three survivors."""
+    cfg = config(nodes=4, stages=4, steps=7, kills=["0:2@2"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=1)
+    assert summary["failovers"] == 1 and summary["reconfigurations"] == 1
+    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    assert (plan["pipelines"], plan["stages"], plan["step"]) == (1, 3, 3)
+
+
+@pytest.mark.timeout(240)
+def test_whole_pipeline_lost_continues_on_the_other(tmp_path: Path) -> None:
+    cfg = config(nodes=8, stages=4, micro_batches=2, steps=6,
+                 kills=["1:0@2", "1:1@2", "1:2@2", "1:3@2"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=4)
+    assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
+    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    assert (plan["pipelines"], plan["stages"]) == (1, 4)
+
+
+@pytest.mark.timeout(240)
+def test_adjacent_kills_with_one_pipeline_restore_the_checkpoint(tmp_path: Path) -> None:
+    """No live copy of stage 2 survives: the run restarts from its last checkpoint (step
+    4) on the two survivors and redoes step 4; it still ends equal."""
+    cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=2)
+    assert summary["checkpoint_restores"] >= 1
+    assert summary["redone_steps"] == 1
+    restore = [e for e in events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    assert restore[0]["step"] == 4
+
+
+@pytest.mark.timeout(240)
+def test_shadow_lost_in_the_same_step_restores_the_checkpoint(tmp_path: Path) -> None:
+    """The shadow (holding its own stage and the adopted one) dies in the commit round
+    of the step it took over: nothing live holds those layers."""
+    cfg = config(nodes=4, stages=4, steps=6, checkpoint_every=2)
+    faults = {2: [Fault("kill", 3)], 1: [Fault("kill", 3, after=40)]}
+    summary = run_in_process(cfg, tmp_path / "run", faults)
+    assert_equal_and_accounted(summary, cfg, lost=2)
+    assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_adjacent_kills_without_a_checkpoint_stop_with_the_message(tmp_path: Path) -> None:
+    cfg = config(nodes=4, stages=4, steps=6, kills=["0:1@3", "0:2@3"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert summary["exit_code"] == 3
+    assert "--checkpoint-every" in summary["error"]
+
+
+def _write_trace(path: Path, rows: list[tuple[float, str, str]]) -> Path:
+    path.write_text("".join(f"{ms:.0f},{kind},{node}\n" for ms, kind, node in rows))
+    return path
+
+
+@pytest.mark.timeout(240)
+def test_trace_replay_preempts_and_adds_nodes(tmp_path: Path) -> None:
+    """A trace removes two nodes and adds two; with --time-scale 3600 one trace hour is a
+    wall second."""
+    trace = _write_trace(tmp_path / "t.csv", [
+        (0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (0, "add", "d"),
+        (2_500_000, "remove", "b"), (4_000_000, "add", "e"), (4_000_000, "add", "f"),
+        (9_000_000, "remove", "e"),
+    ])
+    cfg = config(nodes=4, stages=4, steps=14, trace=str(trace), time_scale=3600.0,
+                 max_nodes=4)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg)
+    ev = events(tmp_path / "run")
+    ups = [e["node"] for e in ev if e["event"] == "node_up"]
+    assert ups[:4] == ["n0", "n1", "n2", "n3"] and len(ups) >= 5
+    assert any(e["event"] == "trace_add_ignored" for e in ev)  # f: 4 alive already
+    assert summary["preemptions"] >= 1
+
+
+@pytest.mark.timeout(240)
+def test_standbys_joining_grow_the_layout(tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "t.csv", [
+        (0, "add", "a"), (0, "add", "b"), (1, "add", "c"), (1, "add", "d"),
+        (1, "add", "e"), (1, "add", "f")])
+    cfg = config(nodes=2, stages=2, micro_batches=4, steps=8, trace=str(trace),
+                 time_scale=3600.0, max_nodes=4)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=0)
+    plans = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"]
+    assert plans and (plans[-1]["pipelines"], plans[-1]["stages"]) == (2, 2)
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_a_run_to_the_failure_free_result(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "4",
+                        "--checkpoint-every", "2", "--json", "--quiet"], out)
+    assert first.code == 0, first.stderr
+    second = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "7",
+                         "--resume", str(out), "--json", "--quiet"], None)
+    assert second.code == 0, second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["resumed_from_step"] == 2  # the checkpoint before the last step
+    cfg = config(nodes=2, stages=2, steps=7)
+    assert_equal_and_accounted(summary, cfg, lost=0)
+
+
+@pytest.mark.timeout(300)
+def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "5",
+                        "--checkpoint-every", "2", "--quiet"], out)
+    assert first.code == 0, first.stderr
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    victim = next(newest.glob("stage-*.pt"))
+    victim.write_bytes(victim.read_bytes()[:-7])  # truncated
+    second = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "6",
+                         "--resume", str(out), "--json", "--quiet"], None)
+    assert second.code == 0, second.stderr
+    assert "truncated" in second.stderr and "step-00000002" in second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["resumed_from_step"] == 2
+    assert_equal_and_accounted(summary, config(nodes=2, stages=2, steps=6), lost=0)
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_job_survives_its_trace_and_writes_the_report(tmp_path: Path) -> None:
+    """`make demo`'s job file, shortened: the real p3 trace preempts and adds nodes while
+    8 workers train; the run ends equal to the failure-free run, with its report."""
+    out = tmp_path / "demo"
+    result = run_bamboo(["train", "--config", "examples/demo.yaml", "--steps", "40",
+                         "--time-scale", "400", "--json", "--quiet"], out, timeout=280)
+    assert result.code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    cfg = config(nodes=8, stages=4, steps=40)
+    assert_equal_and_accounted(summary, cfg)
+    assert summary["preemptions"] >= 3
+    assert summary["losses"][-1] <= 0.7 * summary["losses"][0]
+    for name in ("report.txt", "loss.png", "throughput.png", "nodes.png", "cost.png",
+                 "pauses.png"):
+        assert (out / name).stat().st_size > 1000 or name == "report.txt"
+    assert "preemption" in (out / "report.txt").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_restart_baseline_restarts_every_worker_and_ends_equal(tmp_path: Path) -> None:
+    cfg = config(nodes=4, stages=4, steps=7, redundancy="off", recovery="checkpoint-restart",
+                 checkpoint_every=2, kills=["0:2@5"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=1)
+    assert (summary["checkpoint_restores"], summary["redone_steps"]) == (1, 1)
+    ev = events(tmp_path / "run")
+    restart = [e for e in ev if e["event"] == "restart_all"]
+    assert restart and restart[0]["workers"] == 3
+    assert sum(e["event"] == "node_up" for e in ev) == 4 + 3  # three fresh processes

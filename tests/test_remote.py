@@ -1,0 +1,147 @@
+"""`bamboo coordinator` and `bamboo agent` on loopback: one job, its nodes joining over the
+network with the job's token; a wrong token or an unreachable coordinator is one line;
+an agent killed with SIGKILL is a preemption like any other."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BAMBOO, REPO, assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_reconfig import config, reference  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(BAMBOO + args, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def _events(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", _free_port()
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "4", "--stages",
+                    "4", "--steps", "8", "--kill", "0:2@4", "--out", str(out), "--json",
+                    "--quiet", "--no-report"])
+    agents = []
+    try:
+        token_file = out / "join-token"
+        _wait_for(token_file)
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        # A wrong token is refused at the door, in one line; the job is unaffected.
+        bad = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "0" * 32],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0
+        assert bad.stderr.strip().splitlines() == [
+            f"bamboo agent: error: the coordinator at 127.0.0.1:{port} refused the join token: "
+            f"use the token it printed (its run directory's join-token file)"]
+        agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+                          str(token_file)]) for _ in range(4)]
+        stdout, stderr = coord.communicate(timeout=200)
+    finally:
+        for p in [coord, *agents]:
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    cfg = config(nodes=4, stages=4, steps=8)
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert_close(summary["losses"], losses, rel=1e-4)
+    assert_close(summary["param_l2"], l2, rel=1e-4)
+    assert summary["failovers"] == 1 and summary["preemptions"] == 1
+    ups = [e for e in _events(out) if e["event"] == "node_up"]
+    assert len(ups) == 4 and all(e["host"] for e in ups)
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", _free_port()
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
+                    "2", "--pipelines", "1", "--steps", "30", "--checkpoint-every", "5",
+                    "--out", str(out), "--json", "--quiet", "--no-report"])
+    agents = []
+    try:
+        _wait_for(out / "join-token")
+        token = (out / "join-token").read_text().strip()
+        _wait_for(out / "events.jsonl")
+        agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token", token])
+                  for _ in range(3)]  # the third is a standby
+        deadline = time.monotonic() + 150
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+            assert time.monotonic() < deadline and coord.poll() is None
+            time.sleep(0.2)
+        victim = next(p for p in agents if p.poll() is None)
+        victim.send_signal(signal.SIGKILL)  # the machine is gone, worker and all
+        stdout, stderr = coord.communicate(timeout=150)
+    finally:
+        for p in [coord, *agents]:
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    cfg = config(nodes=2, stages=2, steps=30)
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert_close(summary["losses"], losses, rel=1e-4)
+    assert summary["preemptions"] == 1
+    assert summary["failovers"] + summary["standby_losses"] == 1
+
+
+def test_an_unreachable_coordinator_is_one_line() -> None:
+    port = _free_port()
+    result = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "x"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the coordinator" in lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--join", "nowhere", "--token", "x"], "--join 'nowhere' is not ADDRESS:PORT"),
+    (["--join", "127.0.0.1:1"], "exactly one of --token or --token-file"),
+    (["--join", "127.0.0.1:1", "--token-file", "/nonexistent/t"], "--token-file /nonexistent/t"),
+    (["--join", "127.0.0.1:1", "--token", "x", "--notices", "ibm"], "unknown source 'ibm'"),
+])
+def test_agent_usage_errors_are_one_line(args: list[str], message: str) -> None:
+    result = subprocess.run(BAMBOO + ["agent", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_coordinator_rejects_a_bad_bind_and_local_only_flags(tmp_path: Path) -> None:
+    for args, message in ((["--bind", "localhost"], "--bind 'localhost' is not ADDRESS:PORT"),
+                          (["--trace", str(REPO / "traces/aws-p3-2xlarge.csv")],
+                           "need local workers")):
+        result = subprocess.run(BAMBOO + ["coordinator", *args, "--out", str(tmp_path / "x")],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
