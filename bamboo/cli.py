@@ -158,9 +158,11 @@ def _check_trace(cfg: JobConfig) -> None:
     if trace.unsorted_rows:
         print(f"bamboo train: warning: {cfg.trace}: {trace.unsorted_rows} row(s) out of time "
               f"order were sorted", file=sys.stderr)
-    if trace.allocations == 0:
-        raise ConfigError(f"--trace {cfg.trace} adds no node: the replay needs the trace's "
-                          f"first --nodes adds as its initial workers")
+    added = len({n for n, k in zip(trace.nodes, trace.kinds) if k == 1})
+    if added < cfg.nodes:
+        raise ConfigError(f"--trace {cfg.trace} adds {added} distinct node(s) but --nodes is "
+                          f"{cfg.nodes}: the replay's initial workers are the trace's first "
+                          f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
 
 
 def _load_resume(cfg: JobConfig) -> Any:

@@ -43,6 +43,14 @@ class FaultPlan:
         self.holds: Callable[[int, int], bool] = lambda pipeline, stage: False
         self._aimed: dict[tuple[int, Fault], bool] = {}
 
+    def forget(self, fired: list[str]) -> None:
+        """A new generation: drop the kills already carried out (`D:S@K` strings, a redone
+        step must not preempt the stage's new holder again) and decide the rest anew."""
+        self.faults = [f for f in self.faults if f.pipeline is None
+                       or f"{f.pipeline}:{f.stage}@{f.step}" not in fired]
+        self.steps = {f.step for f in self.faults}
+        self._aimed.clear()
+
     def _aimed_here(self, step: int, f: Fault) -> bool:
         if f.pipeline is None or f.stage is None:
             return True

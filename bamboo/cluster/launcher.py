@@ -165,6 +165,8 @@ class LocalCluster:
         self.extra_faults = extra_faults or {}
         self.kill_faults = tuple(Fault("kill", k.step, pipeline=k.pipeline, stage=k.stage)
                                  for k in cfg.kills if not k.notice)
+        self.fired_kills: set[str] = set()
+        """`--kill` specs carried out (each preempts once, even if its step is redone)."""
         self.resume = resume
         self.workers: dict[int, _Worker] = {}
         self.interrupted: int | None = None
@@ -191,6 +193,7 @@ class LocalCluster:
         self.gen_ready: set[int] = set()
         self.trace_t0: float | None = None
         self.step_begins_pending: int | None = self.committed
+        self.restore_step: int | None = None
         self.replay = None
         self.trace_owner: dict[int, int] = {}
         self.next_node = 0
@@ -286,7 +289,9 @@ class LocalCluster:
         # A worker started later gets only the kills still ahead (a step redone after a
         # restore must not preempt its new holder a second time).
         later = first_gen > 0
-        faults = tuple(f for f in self.kill_faults if not later or f.step > self.committed) + \
+        faults = tuple(f for f in self.kill_faults
+                       if f"{f.pipeline}:{f.stage}@{f.step}" not in self.fired_kills
+                       and (not later or f.step >= self.committed)) + \
             tuple(self.extra_faults.get(node, []))
         return WorkerSpec(node=node, slot=slot, first_gen=first_gen, store_host=self.store_host,
                           store_port=self.store.port, config=self.cfg, faults=faults,
@@ -303,11 +308,11 @@ class LocalCluster:
                 self._fail(f"interrupted by {signal.Signals(self.interrupted).name} while "
                            f"waiting for agents", exit_code=128 + self.interrupted)
             try:
-                conn = self.agents.joined.get(timeout=0.2)
+                conn, hello = self.agents.joined.get(timeout=0.2)
             except Exception:  # queue.Empty
                 conn = None
             if conn is not None:
-                self._register_agent(conn, first_gen=0)
+                self._register_agent(conn, hello, first_gen=0)
             if time.monotonic() - last > 2.0:
                 last = time.monotonic()
                 self._say(f"  {len(self.workers)}/{count} agents joined"
@@ -319,14 +324,21 @@ class LocalCluster:
         if self.agents is None:
             return
         while not self.agents.joined.empty():
-            self._register_agent(self.agents.joined.get(), first_gen=self.plan.gen + 1)
+            conn, hello = self.agents.joined.get()
+            self._register_agent(conn, hello, first_gen=self.plan.gen + 1)
 
-    def _register_agent(self, conn: Connection, *, first_gen: int) -> _Worker | None:
+    def _register_agent(self, conn: Connection, hello: dict, *, first_gen: int) -> _Worker | None:
         from bamboo.cluster.remote import RemoteProcess
-        if not conn.poll(5):
-            conn.close()
+        alive = sum(1 for w in self.workers.values() if not w.exited and not w.lost)
+        if alive >= self.cfg.node_cap or not self.free_slots:
+            why = f"{alive} nodes already (--max-nodes {self.cfg.node_cap})"
+            try:
+                conn.send({"kind": "refused", "why": why})
+                conn.close()
+            except OSError:
+                pass
+            self.events.write("agent_refused", host=hello.get("host"), why=why)
             return None
-        hello = conn.recv()
         node, self.next_node = self.next_node, self.next_node + 1
         slot = self.free_slots.pop(0)
         self.beats[slot] = time.monotonic() + _START_GRACE_S
@@ -358,6 +370,7 @@ class LocalCluster:
 
     def _enter(self, plan: GenerationPlan) -> None:
         """Make `plan` the current generation and publish it."""
+        plan.fired_kills = sorted(self.fired_kills)
         self.plan = plan
         self.roles = plan.roles(self.rc)
         names = {w.name: w for w in self.workers.values()}
@@ -485,6 +498,8 @@ class LocalCluster:
             self._on_notice(w, msg.get("source", "SIGTERM"))
         elif kind == "left":
             w.left = True
+            if self.reconf is not None:
+                self.reconf.ending.discard(w.node)
         elif kind == "done":
             w.done = True
         elif kind == "error":
@@ -573,7 +588,7 @@ class LocalCluster:
 
     def _emit_steps(self) -> None:
         """Write step_done for every committed step whose reports are all in, in order."""
-        gone = {w.node for w in self.workers.values() if w.lost}
+        gone = {w.node for w in self.workers.values() if w.lost or w.retired or w.exited}
         while self.pending:
             first = min(self.pending)
             p = self.pending[first]
@@ -639,7 +654,8 @@ class LocalCluster:
 
     def _standbys(self) -> list[_Worker]:
         return [w for w in self.workers.values() if w.ready and w.rank is None and not w.exited
-                and not w.lost and not w.noticed and not w.left and not w.retired]
+                and not (w.lost or w.noticed or w.left or w.retired or w.fenced)
+                and w.kill_at is None]
 
     def _reconfiguration_reason(self) -> str | None:
         """Why the generation should end at this boundary, if it should."""
@@ -680,7 +696,7 @@ class LocalCluster:
                              max_pipelines=self.cfg.pipelines)
 
     def _begin_reconfiguration(self, reason: str, *, abandoned: bool) -> None:
-        ending = {w.node for w in self._live_members()}
+        ending = self._active_members()  # leaving sources send `left`, not `gen_end`
         if self.reconf is not None:  # a loss while one is already under way
             self.reconf.ending &= ending
             self.reconf.abandoned |= abandoned
@@ -716,7 +732,7 @@ class LocalCluster:
         return self.gen_ready >= self._active_members()
 
     def _on_gen_ready(self, w: _Worker, msg: dict) -> None:
-        if msg["gen"] != self.plan.gen:
+        if msg["gen"] != self.plan.gen or self.reconf is not None:
             return
         self.gen_ready.add(w.node)
         if self._generation_running():
@@ -738,7 +754,8 @@ class LocalCluster:
         if self.reconf is None:
             # A transfer failed: the generation cannot start; plan the next one.
             self._abandon(f"state transfer failed ({msg.get('failed')})")
-        self.reconf.holdings[w.node] = set(msg["layers"])
+        if msg.get("step") == self.committed:  # else held at another step: not usable
+            self.reconf.holdings[w.node] = set(msg["layers"])
         self.reconf.ending.discard(w.node)
 
     def _try_plan(self) -> None:
@@ -751,7 +768,8 @@ class LocalCluster:
         if r.restarting is not None and not all(self.workers[n].ready or self.workers[n].exited
                                                 for n in r.restarting):
             return  # checkpoint-restart: wait for the fresh workers
-        staying = [w for w in old_members if not (w.lost or w.left or w.noticed or w.retired)
+        staying = [w for w in old_members
+                   if not (w.lost or w.left or w.noticed or w.retired or w.fenced or w.exited)
                    and w.rank is not None and w.rank < self.plan.active]
         nodes = [w.name for w in staying] + [w.name for w in self._standbys()]
         leaving = [w.name for w in old_members if w.noticed and not w.lost and not w.left]
@@ -898,7 +916,8 @@ class LocalCluster:
                 self._say(f"warning: --kill {k} names no node in step {step}: the layout is "
                           f"now {self.roles.pipelines} x {self.roles.stages}")
                 continue
-            if k.notice:
+            if k.notice and str(k) not in self.fired_kills:
+                self.fired_kills.add(str(k))
                 holder = self._member(self.roles.holders[k.pipeline][k.stage])
                 self._preempt(holder, f"--kill {k}")
 
@@ -934,6 +953,8 @@ class LocalCluster:
         w.exited = True
         self._drain(w)
         self.free_slots.append(w.slot)
+        if self.reconf is not None:
+            self.reconf.ending.discard(w.node)
         code = w.process.exitcode
         if w.retired:
             return
@@ -962,6 +983,11 @@ class LocalCluster:
     def _on_lost(self, w: _Worker, signame: str) -> None:
         w.lost = True
         step = self.committed
+        if w.rank is not None and self.plan.members[w.rank] == w.name:
+            for k in self.cfg.kills:
+                if k.step == step and k.pipeline < self.roles.pipelines and \
+                        k.stage < self.roles.stages and self.roles.holders[k.pipeline][k.stage] == w.rank:
+                    self.fired_kills.add(f"{k.pipeline}:{k.stage}@{k.step}")
         in_gen = w.rank is not None and self.plan.members[w.rank] == w.name
         active = in_gen and w.rank < self.plan.active and w.rank in self._live_active()
         phase = PHASES[self.progress[2 * w.slot + 1]] if self.progress[2 * w.slot] == step \
@@ -977,6 +1003,14 @@ class LocalCluster:
                            handled_as="pending", shadow=None, t=time.monotonic() - self.t0,
                            signal=signame)
         self.failures.append(failure)
+        if step >= self.cfg.steps:
+            # After the last commit: nothing to redo; the final parameters come from the
+            # layers' other copies (every node also reports its replica's parameters).
+            failure.handled_as, failure.phase = "failover", "after the last step"
+            failure.counts = {"frc_reused": 0, "brc": 0, "resent_grads": 0}
+            self.events.write("node_lost", node=w.name, step=step, phase=failure.phase,
+                              handled_as="failover", signal=signame, pause_s=0.0)
+            return
         if self.reconf is not None or not active or not self._generation_running():
             # Between generations: the next plan covers it from live copies or a checkpoint.
             failure.phase = "reconfiguration"
@@ -986,7 +1020,11 @@ class LocalCluster:
                 self._restart_all()
             self._announce(failure, where, "covered by the next generation")
             return
+        restoring = any(t.get("source") == w.rank and t.get("kind") == "peer_restore"
+                        for t in self.roles.takeovers) and self.restore_step == step
         try:
+            if restoring:
+                raise Unrecoverable("it was the source of a peer restore under way")
             if not self.rc or self.roles.stages == 1:
                 why = ("--redundancy off keeps no copy of its stage" if not self.rc
                        else "a one-stage pipeline keeps no replica")
@@ -1011,6 +1049,8 @@ class LocalCluster:
         shadow = plan.takeovers[0].new_holder if plan.takeovers else None
         failure.handled_as = plan.handled_as
         failure.in_flight = True
+        if plan.handled_as == "peer_restore":
+            self.restore_step = step
         failure.shadow = self._rank_name(shadow)
         self.events.write("fault_detected", node=w.name, step=step, phase=phase, signal=signame,
                           handled_as=plan.handled_as, shadow=failure.shadow,
@@ -1031,8 +1071,9 @@ class LocalCluster:
         if r.restarting is None:
             r.restarting = set()
         for w in list(self.workers.values()):
-            if w.exited or w.lost or w.left or w.retired or w.node in r.restarting:
-                continue
+            if w.exited or w.lost or w.left or w.retired or w.fenced or w.noticed or \
+                    w.kill_at is not None or not w.process.is_alive() or w.node in r.restarting:
+                continue  # gone or going: counted when it ends, never restarted
             w.retired = True
             w.process.kill()
             fresh = self._spawn(first_gen=self.plan.gen + 1, trace_node=w.trace_node)
@@ -1079,6 +1120,12 @@ class LocalCluster:
     # -- results ----------------------------------------------------------------------------
 
     def _finish(self) -> dict[str, Any]:
+        missing = sorted(set(range(len(self.param_counts))) - set(self.params))
+        if missing:
+            self._fail(f"every node holding layer {missing[0]} was lost after the last step, "
+                       f"before it sent its parameters: the trained model is incomplete"
+                       + (f"; the last checkpoint is in {checkpoint_root(self.rundir.path)}"
+                          if self.last_checkpoint else ""), exit_code=3)
         summary = self._summary(status="completed", error=None)
         self._save_model()
         self.rundir.write_json("summary.json", summary)

@@ -67,7 +67,7 @@ class AgentListener:
     def __init__(self, address: tuple[str, int], token: str) -> None:
         self.listener = Listener(address, authkey=token.encode())
         self.address = self.listener.address
-        self.joined: queue.Queue[Connection] = queue.Queue()
+        self.joined: queue.Queue[tuple[Connection, dict]] = queue.Queue()
         self.refused = 0
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -80,7 +80,14 @@ class AgentListener:
                 continue
             except OSError:
                 return
-            self.joined.put(conn)
+            try:  # the agent introduces itself at once; one that does not is dropped
+                hello = conn.recv() if conn.poll(10) else None
+            except (EOFError, OSError):
+                hello = None
+            if not isinstance(hello, dict) or hello.get("kind") != "hello":
+                conn.close()
+                continue
+            self.joined.put((conn, hello))
 
     def close(self) -> None:
         self.listener.close()
@@ -175,6 +182,9 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
     if not conn.poll(120):
         raise JoinError("the coordinator accepted the connection but sent no job within 120 s")
     job = conn.recv()
+    if job.get("kind") == "refused":
+        raise JoinError(f"the coordinator at {address[0]}:{address[1]} refused this node: "
+                        f"{job.get('why')}")
     if job.get("kind") != "job":
         raise JoinError(f"unexpected first message from the coordinator: {job.get('kind')}")
     spec = job["spec"]

@@ -123,6 +123,8 @@ class _Node:
         self.timeout = timedelta(seconds=cfg.comm_timeout_s)
         self.holdings: dict[int, torch.Tensor] = {}
         """Layer -> state vector at the last generation's end (what this node can give)."""
+        self.holdings_step = -1
+        """The step `holdings` are at (the first step not yet applied)."""
         self.faults = FaultPlan(list(spec.faults))
 
     def wait_plan(self, gen: int) -> GenerationPlan | None:
@@ -158,8 +160,15 @@ class _Node:
     def _generation(self, plan: GenerationPlan) -> str:
         rank = plan.members.index(self.spec.name)
         self.link.rank = rank
-        group = _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}", self.store),
-                               rank, len(plan.members), self.timeout)
+        self.faults.forget(plan.fired_kills)
+        if self.holdings_step != plan.start_step:
+            self.holdings = {}  # a standby's old state: never current
+        try:
+            group = self._join_group(plan, rank)
+        except _TransferFailed as e:
+            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
+                           step=self.holdings_step, failed=str(e))
+            return "next"
         if rank >= plan.active:  # leaving: only a source of state
             try:
                 self._transfer(plan, rank, group, {})
@@ -180,15 +189,18 @@ class _Node:
         try:
             self._load_state(plan, rank, group, held)
         except _TransferFailed as e:
-            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings), failed=str(e))
+            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
+                           step=self.holdings_step, failed=str(e))
             return "next"
         self.link.send("gen_ready", gen=plan.gen, stages=sorted(engine.stages),
                        replica=engine.replica.stage if engine.replica is not None else None)
+        done_step = plan.start_step
         for step in range(plan.start_step, cfg.steps):
             try:
                 report = engine.run_step(step)
             except GenerationEnded:
                 break
+            done_step = step + 1
             self.link.send("step", **asdict(report))
             if "ckpt" in engine.flags:
                 self._send_checkpoint_part(engine, step + 1)
@@ -200,8 +212,35 @@ class _Node:
             self.wait_plan(1 << 30)  # returns at shutdown
             return "finished"
         self.holdings = {i: st.layer_state(i) for st in self._held(engine) for i in st.layer_indices}
-        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings))
+        self.holdings_step = done_step
+        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
+
+    def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
+        """The generation's process group. Building it waits for every member, so it is
+        built on a helper thread and given up when the coordinator abandons the generation
+        (a member was lost before it connected)."""
+        result: list[Any] = []
+
+        def build() -> None:
+            try:
+                result.append(_process_group(self.backend,
+                                             dist.PrefixStore(f"gen{plan.gen}", self.store),
+                                             rank, len(plan.members), self.timeout))
+            except Exception as e:  # noqa: BLE001 - reported below
+                result.append(e)
+
+        thread = threading.Thread(target=build, daemon=True, name=f"gen{plan.gen}-group")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            if self.link.latest_epoch > plan.epoch and thread.is_alive():
+                raise _TransferFailed(f"generation {plan.gen} was abandoned while its "
+                                      f"process group formed")
+        if isinstance(result[0], Exception):
+            raise _TransferFailed(f"process group of generation {plan.gen} failed: "
+                                  f"{str(result[0]).splitlines()[0][:200]}")
+        return result[0]
 
     @staticmethod
     def _held(engine: NodeEngine) -> list[StageState]:

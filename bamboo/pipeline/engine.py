@@ -436,11 +436,9 @@ class NodeEngine:
         else:
             st = self._build(stage)
             buf = torch.empty(st.state_size(), dtype=torch.float32, device=self.device)
-            try:
-                self.p2p.recv(buf, t["source"], tag_for(RESTORE, stage))
-            except PeerLost as e:
-                raise RuntimeError(f"restoring stage {stage} from node n{t['source']} failed: the "
-                                   f"source was lost too ({e})") from e
+            # A lost source raises PeerLost: the stage is not adopted, and the coordinator,
+            # seeing the source gone mid-restore, abandons the generation.
+            self.p2p.recv(buf, t["source"], tag_for(RESTORE, stage))
             st.load_state_vector(buf)
         self.stages[stage] = st
         s.adopted.add(stage)
@@ -480,7 +478,9 @@ class NodeEngine:
     # -- results ----------------------------------------------------------------------------
 
     def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """Every held layer's parameters, the replica's included (identical to its primary's
+        at a step boundary): the final model survives a primary lost after the last step."""
         out = []
-        for st in self.stages.values():
+        for st in list(self.stages.values()) + ([self.replica] if self.replica else []):
             out += st.parameters_by_layer()
         return sorted(out, key=lambda x: x[0])

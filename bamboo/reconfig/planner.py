@@ -59,6 +59,8 @@ class GenerationPlan:
     """Load every layer from this checkpoint directory instead (nothing live covers some layer)."""
     leavers: list[str] = field(default_factory=list)
     reason: str = ""
+    fired_kills: list[str] = field(default_factory=list)
+    """`--kill D:S@K` specs already carried out (steps may be redone after a restore)."""
 
     @property
     def active(self) -> int:

@@ -1,0 +1,88 @@
+"""Trace soak: 8 local nodes replay the whole AWS p3 trace, several times, and every run
+must end equal to the failure-free run (the plain single-process loop), with no hang.
+
+Each run replays the trace from its start at its own time scale (so preemptions land
+at different points of different steps) for as many steps as the trace lasts. The
+table lists, per run, how every lost node was handled; the runs together must see at
+least `--min-preemptions`.
+
+    .venv/bin/python benchmarks/trace_soak.py --scales 360,300,240 --min-preemptions 100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+KINDS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default="traces/aws-p3-2xlarge.csv")
+    ap.add_argument("--scales", default="360,300,240")
+    ap.add_argument("--step-s", type=float, default=0.65,
+                    help="expected wall seconds per step, to size each run to the trace")
+    ap.add_argument("--min-preemptions", type=int, default=100)
+    ap.add_argument("--notice-s", type=float, default=None)
+    args = ap.parse_args()
+    from bamboo.config import JobConfig
+    from bamboo.sim.traces import load_trace
+    from reference import train_reference
+    duration = load_trace(REPO / args.trace).duration
+    tmp = Path(tempfile.mkdtemp(prefix="bamboo-soak-"))
+    total, rows, references = 0, [], {}
+    for scale in [float(x) for x in args.scales.split(",")]:
+        steps = int(duration / scale / args.step_s) + 10
+        out = tmp / f"x{scale:g}"
+        cmd = [sys.executable, "-m", "bamboo", "train", "--nodes", "8", "--stages", "4",
+               "--steps", str(steps), "--trace", args.trace, "--time-scale", str(scale),
+               "--checkpoint-every", "20", "--out", str(out), "--json", "--quiet", "--no-report"]
+        if args.notice_s:
+            cmd += ["--notice-s", str(args.notice_s)]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                              timeout=steps * args.step_s * 4 + 300)
+        wall = time.monotonic() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"x{scale:g}: run failed: {proc.stderr.strip().splitlines()[-1]}")
+        s = json.loads(proc.stdout)
+        if steps not in references:
+            cfg = JobConfig(nodes=1, stages=1, steps=steps, micro_batches=8).validate()
+            losses, params = train_reference(cfg)
+            l2 = math.sqrt(sum(float(t.double().square().sum()) for t in params.values()))
+            references[steps] = (losses, l2)
+        losses, l2 = references[steps]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(s["losses"], losses))
+        worst = max(worst, abs(s["param_l2"] - l2) / l2)
+        counted = sum(s[k] for k in KINDS)
+        ok = worst <= 1e-4 and counted == s["preemptions"] and len(s["losses"]) == steps
+        total += s["preemptions"]
+        rows.append((scale, steps, wall, s, worst, ok))
+        print(f"x{scale:g}: {steps} steps, {s['preemptions']} preemptions, worst rel diff "
+              f"{worst:.1e}, {'equal' if ok else 'NOT EQUAL'}", file=sys.stderr, flush=True)
+    print("| time scale | steps | wall s | preemptions | failovers | drains | peer restores "
+          "| checkpoint restores | standby losses | reconfigurations | redone steps "
+          "| worst rel. diff vs failure-free |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for scale, steps, wall, s, worst, ok in rows:
+        print(f"| {scale:g} | {steps} | {wall:.0f} | {s['preemptions']} | {s['failovers']} "
+              f"| {s['drains']} | {s['peer_restores']} | {s['checkpoint_restores']} "
+              f"| {s['standby_losses']} | {s['reconfigurations']} | {s['redone_steps']} "
+              f"| {worst:.1e}{'' if ok else ' FAILED'} |")
+    print(f"\n{total} preemptions in {len(rows)} runs; all equal to failure-free: "
+          f"{all(r[-1] for r in rows)}")
+    if total < args.min_preemptions or not all(r[-1] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
