@@ -194,6 +194,8 @@ class LocalCluster:
         self.trace_t0: float | None = None
         self.step_begins_pending: int | None = self.committed
         self.restore_step: int | None = None
+        self._waiting_since: float | None = None
+        self._last_wait_note = 0.0
         self.replay = None
         self.trace_owner: dict[int, int] = {}
         self.next_node = 0
@@ -435,6 +437,7 @@ class LocalCluster:
                 if obj in sentinels:
                     self._on_exit(sentinels[obj])
             self._check_leases()
+            self._note_waits()
             self._accept_agents()
             self._tick_trace()
             self._tick_notices()
@@ -449,6 +452,26 @@ class LocalCluster:
                 self._fail(f"no worker reported progress for {stall_s:.0f} s; stopped the run "
                            f"(raise --comm-timeout if steps are that slow)")
         self.store.set(SHUTDOWN_KEY, "1")
+
+    def _note_waits(self) -> None:
+        """Anything that keeps the job from training for more than 2 s says so, every 2 s."""
+        now = time.monotonic()
+        waiting = None
+        if self.reconf is not None:
+            waiting = (f"reconfiguring: {len(self.reconf.ending)} node(s) still ending the "
+                       f"generation" if self.reconf.ending else "reconfiguring: waiting for nodes")
+        elif not self._generation_running():
+            ready = len(self.gen_ready & self._active_members())
+            waiting = (f"generation {self.plan.gen}: {ready}/{len(self._active_members())} "
+                       f"node(s) ready")
+        if waiting is None:
+            self._waiting_since = None
+            return
+        if self._waiting_since is None:
+            self._waiting_since = self._last_wait_note = now
+        elif now - self._last_wait_note >= 2.0:
+            self._last_wait_note = now
+            self._say(f"{waiting} ({now - self._waiting_since:.0f} s)")
 
     def _check_leases(self) -> None:
         now = time.monotonic()
