@@ -145,3 +145,52 @@ def test_coordinator_rejects_a_bad_bind_and_local_only_flags(tmp_path: Path) -> 
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
+    """The agent of n0 watches an AWS IMDSv2 endpoint (a local server answering as AWS
+    does); when the spot interruption notice appears, n0 drains at the next step boundary:
+    its stage moves to the standby, no redundant backward, nothing redone."""
+    import threading
+    from test_notices import MetadataServer
+    imds = MetadataServer("aws")
+    threading.Thread(target=imds.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    out, port = tmp_path / "run", _free_port()
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
+                    "2", "--pipelines", "1", "--max-nodes", "3", "--steps", "16",
+                    "--out", str(out), "--json", "--quiet", "--no-report"])
+    agents = []
+    try:
+        _wait_for(out / "join-token")
+        _wait_for(out / "events.jsonl")
+        token = (out / "join-token").read_text().strip()
+        join = ["agent", "--join", f"127.0.0.1:{port}", "--token", token]
+        agents.append(_start([*join, "--notices", "aws", "--metadata-url", imds.url]))
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "node_up" for e in _events(out)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        agents += [_start(join), _start(join)]  # n1, and n2 as a standby
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+            assert time.monotonic() < deadline + 90 and coord.poll() is None
+            time.sleep(0.2)
+        imds.notice = True
+        stdout, stderr = coord.communicate(timeout=150)
+        noticed_agent = agents[0].wait(timeout=30)
+    finally:
+        imds.shutdown()
+        for p in [coord, *agents]:
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert (summary["drains"], summary["failovers"], summary["preemptions"]) == (1, 0, 1)
+    assert summary["redone_steps"] == 0 and noticed_agent == 0
+    cfg = config(nodes=2, stages=2, steps=16)
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert_close(summary["losses"], losses, rel=1e-4)
+    assert_close(summary["param_l2"], l2, rel=1e-4)
+    notices = [e for e in _events(out) if e["event"] == "notice"]
+    assert [e["node"] for e in notices] == ["n0"]

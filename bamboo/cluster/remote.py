@@ -9,9 +9,8 @@ permissions in the run directory (`join-token`).
 An agent is one node: it receives the job and its node id, starts the worker process
 (the same `worker_main` the local cluster forks), forwards the worker's reports,
 stamps a heartbeat every half second with the worker's own heartbeat age and
-progress, and turns preemption notices (cloud metadata endpoints, or SIGTERM from
-Kubernetes' preStop / the termination grace period) into a SIGTERM to the worker,
-which reports the notice so the coordinator drains it.
+progress, and reports preemption notices (cloud metadata endpoints, or SIGTERM from
+Kubernetes' preStop / the termination grace period) so the coordinator drains the node.
 
 On the coordinator, `RemoteProcess` makes an agent look like a local worker process
 (pid, sentinel, kill, exit code), so one supervisor serves both.
@@ -210,17 +209,21 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
         with lock:
             conn.send_bytes(data)
 
-    def notice(*_: Any) -> None:
-        if worker.is_alive():
-            os.kill(worker.pid, signal.SIGTERM)
+    # A notice (the cloud's, or SIGTERM from Kubernetes' preStop / termination grace) is
+    # reported to the coordinator, which drains this node at the next step boundary.
+    noticed: list[str] = []
 
-    signal.signal(signal.SIGTERM, notice)  # Kubernetes: preStop / termination grace
+    def on_signal(*_: Any) -> None:
+        noticed.append("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_signal)
     watcher = None
     sources = [s for s in notice_sources if s != "sigterm"]
     if sources:
         from bamboo.cluster.notices import NoticeWatcher, make_source
         watcher = NoticeWatcher([make_source(s, metadata_url) for s in sources],
-                                lambda n: notice()).start()
+                                lambda n: noticed.append(n.source)).start()
+    reported = False
     last_beat = 0.0
     code = None
     finished = False  # the worker reported its last step: the job's end is not a failure
@@ -243,8 +246,8 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
                     return 0 if finished else 1
                 if order.get("kind") == "kill":
                     worker.kill()
-                elif order.get("kind") == "notice":
-                    notice()
+                elif order.get("kind") == "notice":  # a notice relayed by the coordinator
+                    noticed.append("coordinator")
             if worker.sentinel in ready:
                 worker.join()
                 code = worker.exitcode
@@ -255,6 +258,10 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
                     pass
                 send({"kind": "exit", "code": code})
                 return 0 if code == 0 else 1
+            if noticed and not reported:
+                reported = True
+                say(f"preemption notice ({noticed[0]}): draining at the next step boundary")
+                send({"kind": "notice", "source": noticed[0]})
             now = time.monotonic()
             if now - last_beat >= _BEAT_S:
                 last_beat = now
