@@ -207,10 +207,15 @@ def train(argv: list[str], coordinator: bool = False) -> int:
         parser.add_argument("--bind", default="127.0.0.1:29400", metavar="ADDR:PORT",
                             help="where agents join (default 127.0.0.1:29400; 0.0.0.0:PORT "
                             "for other machines)")
+        parser.add_argument("--token-file", metavar="PATH",
+                            help="the job's join token: read from PATH if it exists (e.g. a "
+                            "mounted secret), else generated and written there (mode 0600); "
+                            "default RUN_DIR/join-token")
     args = parser.parse_args(argv)
     if coordinator:  # the job's own flags, for a --config file's overrides
-        argv = [a for i, a in enumerate(argv) if not a.startswith("--bind")
-                and not (i > 0 and argv[i - 1] == "--bind")]
+        own = ("--bind", "--token-file")
+        argv = [a for i, a in enumerate(argv) if not a.startswith(own)
+                and not (i > 0 and argv[i - 1] in own)]
     try:
         if coordinator:
             from bamboo.cluster.remote import parse_address
@@ -237,15 +242,25 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     if coordinator:
         from bamboo.cluster.remote import AgentListener, write_join_token
         run.path.mkdir(parents=True, exist_ok=True)
-        token = write_join_token(run.path / "join-token")
+        token_file = Path(args.token_file) if args.token_file else run.path / "join-token"
+        if token_file.exists():
+            token = token_file.read_text().strip()
+            if len(token) < 16:
+                print(f"{prog}: error: --token-file {token_file} holds a token of "
+                      f"{len(token)} characters: use at least 16 (openssl rand -hex 32)",
+                      file=sys.stderr)
+                return EXIT_USAGE
+        else:
+            token = write_join_token(token_file)
         try:
             agents = AgentListener(bind, token)
         except OSError as e:
             print(f"{prog}: error: cannot listen on {args.bind} ({e.strerror or e}): choose "
                   f"another --bind", file=sys.stderr)
             return EXIT_USAGE
-        print(f"join token: {token} (also in {run.path / 'join-token'}, mode 0600)",
-              file=sys.stderr, flush=True)
+        if not args.token_file:
+            print(f"join token: {token} (also in {token_file}, mode 0600)",
+                  file=sys.stderr, flush=True)
     import os
     # torch's C++ store logs a warning for every client that vanishes: here that is a
     # preemption the coordinator handles and reports itself.

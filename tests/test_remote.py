@@ -83,13 +83,15 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
 @pytest.mark.timeout(240)
 def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
     out, port = tmp_path / "run", _free_port()
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
-                    "2", "--pipelines", "1", "--steps", "30", "--checkpoint-every", "5",
-                    "--out", str(out), "--json", "--quiet", "--no-report"])
+    secret = tmp_path / "secret"  # a token made beforehand, as a mounted secret would be
+    secret.write_text("f" * 64 + "\n")
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--token-file", str(secret),
+                    "--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "30",
+                    "--checkpoint-every", "5", "--out", str(out), "--json", "--quiet",
+                    "--no-report"])
     agents = []
     try:
-        _wait_for(out / "join-token")
-        token = (out / "join-token").read_text().strip()
+        token = "f" * 64
         _wait_for(out / "events.jsonl")
         agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token", token])
                   for _ in range(3)]  # the third is a standby
@@ -194,3 +196,14 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
     assert_close(summary["param_l2"], l2, rel=1e-4)
     notices = [e for e in _events(out) if e["event"] == "notice"]
     assert [e["node"] for e in notices] == ["n0"]
+
+
+def test_coordinator_token_file_too_short_is_one_line(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("short\n")
+    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{_free_port()}",
+                                      "--token-file", str(token), "--out", str(tmp_path / "r")],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "at least 16" in lines[0], lines

@@ -303,7 +303,7 @@ class LocalCluster:
         """The initial nodes: the first `count` agents to join (progress every 2 s)."""
         host, port = self.agents.address
         self._say(f"waiting for {count} agent(s) on {host}:{port}: "
-                  f"bamboo agent --join {host}:{port} --token-file {self.rundir.path / 'join-token'}")
+                  f"bamboo agent --join {host}:{port} --token-file <the job's token file>")
         last = time.monotonic()
         while len(self.workers) < count:
             if self.interrupted is not None:
