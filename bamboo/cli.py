@@ -124,11 +124,7 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
         if k is None or k.notice:
             raise ConfigError(f"--crash '{text}' is malformed: write PIPELINE:STAGE@STEP, "
                               f"e.g. --crash 0:2@5")
-        if k.pipeline >= cfg.data_parallel or k.stage >= cfg.stages:
-            raise ConfigError(f"--crash {text} names no node: pipelines are "
-                              f"0..{cfg.data_parallel - 1} and stages 0..{cfg.stages - 1}")
-        if k.step >= cfg.steps:
-            raise ConfigError(f"--crash {text} is past the run's last step {cfg.steps - 1}")
+        cfg.check_target("--crash", text, k)
         out.setdefault(k.pipeline * cfg.stages + k.stage, []).append(Fault("raise", k.step))
     return out
 

@@ -240,11 +240,15 @@ class JobConfig:
             if k.notice and self.notice_s is None:
                 raise ConfigError(f"--kill {k} needs --notice-s S: how many seconds the notice "
                                   f"comes before the kill")
-            if k.pipeline >= self.data_parallel or k.stage >= self.stages:
-                raise ConfigError(f"--kill {k} names no node: pipelines are 0..{self.data_parallel - 1}"
-                                  f" and stages 0..{self.stages - 1}")
-            if k.step >= self.steps:
-                raise ConfigError(f"--kill {k} is past the run's last step {self.steps - 1}")
+            self.check_target("--kill", str(k), k)
+
+    def check_target(self, flag: str, text: str, k: KillSpec) -> None:
+        """A fault aimed at stage S of pipeline D in step K must name a node and a step."""
+        if k.pipeline >= self.data_parallel or k.stage >= self.stages:
+            raise ConfigError(f"{flag} {text} names no node: pipelines are "
+                              f"0..{self.data_parallel - 1} and stages 0..{self.stages - 1}")
+        if k.step >= self.steps:
+            raise ConfigError(f"{flag} {text} is past the run's last step {self.steps - 1}")
 
     def summary_fields(self) -> dict:
         """The `config` object of summary.json."""

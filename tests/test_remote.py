@@ -40,6 +40,19 @@ def _wait_for(path: Path, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+
+
+def _assert_failure_free(summary: dict, **layout: int) -> None:
+    cfg = config(**layout)
+    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    assert_close(summary["losses"], losses, rel=1e-4)
+    assert_close(summary["param_l2"], l2, rel=1e-4)
+
+
 def _events(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
 
@@ -66,15 +79,10 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
                           str(token_file)]) for _ in range(4)]
         stdout, stderr = coord.communicate(timeout=200)
     finally:
-        for p in [coord, *agents]:
-            if p.poll() is None:
-                p.kill()
+        _stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    cfg = config(nodes=4, stages=4, steps=8)
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
-    assert_close(summary["losses"], losses, rel=1e-4)
-    assert_close(summary["param_l2"], l2, rel=1e-4)
+    _assert_failure_free(summary, nodes=4, stages=4, steps=8)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
     ups = [e for e in _events(out) if e["event"] == "node_up"]
     assert len(ups) == 4 and all(e["host"] for e in ups)
@@ -103,14 +111,10 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
         victim.send_signal(signal.SIGKILL)  # the machine is gone, worker and all
         stdout, stderr = coord.communicate(timeout=150)
     finally:
-        for p in [coord, *agents]:
-            if p.poll() is None:
-                p.kill()
+        _stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    cfg = config(nodes=2, stages=2, steps=30)
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
-    assert_close(summary["losses"], losses, rel=1e-4)
+    _assert_failure_free(summary, nodes=2, stages=2, steps=30)
     assert summary["preemptions"] == 1
     assert summary["failovers"] + summary["standby_losses"] == 1
 
@@ -183,17 +187,12 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
         noticed_agent = agents[0].wait(timeout=30)
     finally:
         imds.shutdown()
-        for p in [coord, *agents]:
-            if p.poll() is None:
-                p.kill()
+        _stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
     assert (summary["drains"], summary["failovers"], summary["preemptions"]) == (1, 0, 1)
     assert summary["redone_steps"] == 0 and noticed_agent == 0
-    cfg = config(nodes=2, stages=2, steps=16)
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
-    assert_close(summary["losses"], losses, rel=1e-4)
-    assert_close(summary["param_l2"], l2, rel=1e-4)
+    _assert_failure_free(summary, nodes=2, stages=2, steps=16)
     notices = [e for e in _events(out) if e["event"] == "notice"]
     assert [e["node"] for e in notices] == ["n0"]
 
