@@ -207,9 +207,12 @@ def train(argv: list[str], coordinator: bool = False) -> int:
                             help="the job's join token: read from PATH if it exists (e.g. a "
                             "mounted secret), else generated and written there (mode 0600); "
                             "default RUN_DIR/join-token")
+        parser.add_argument("--etcd", metavar="URL",
+                            help="keep membership in this etcd (v3, e.g. http://10.0.0.5:2379): "
+                            "agents hold leases there, an expired lease is a lost node")
     args = parser.parse_args(argv)
     if coordinator:  # the job's own flags, for a --config file's overrides
-        own = ("--bind", "--token-file")
+        own = ("--bind", "--token-file", "--etcd")
         argv = [a for i, a in enumerate(argv) if not a.startswith(own)
                 and not (i > 0 and argv[i - 1] in own)]
     try:
@@ -234,11 +237,12 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    agents = None
+    agents = membership = None
     if coordinator:
         from bamboo.cluster.remote import AgentListener, write_join_token
         run.path.mkdir(parents=True, exist_ok=True)
         token_file = Path(args.token_file) if args.token_file else run.path / "join-token"
+        generated = not token_file.exists()
         if token_file.exists():
             token = token_file.read_text().strip()
             if len(token) < 16:
@@ -254,6 +258,20 @@ def train(argv: list[str], coordinator: bool = False) -> int:
             print(f"{prog}: error: cannot listen on {args.bind} ({e.strerror or e}): choose "
                   f"another --bind", file=sys.stderr)
             return EXIT_USAGE
+        if args.etcd:
+            from bamboo.cluster.membership import EtcdMembership, MembershipError
+            job = run.path.resolve().name
+            try:
+                membership = (EtcdMembership.host(args.etcd, token, job=job,
+                                                  ttl_s=min(3.0, cfg.lease_s)), args.etcd, job)
+            except MembershipError as e:
+                agents.close()
+                if generated:  # leave nothing behind for a job that never started
+                    token_file.unlink(missing_ok=True)
+                    if not any(run.path.iterdir()):
+                        run.path.rmdir()
+                print(f"{prog}: error: {e}", file=sys.stderr)
+                return EXIT_USAGE
         if not args.token_file:
             print(f"join token: {token} (also in {token_file}, mode 0600)",
                   file=sys.stderr, flush=True)
@@ -268,7 +286,8 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
     try:
         summary = run_local(cfg, run, display, crash, debug=args.debug,
-                            check_replicas=args.check_replicas, resume=resume, agents=agents)
+                            check_replicas=args.check_replicas, resume=resume, agents=agents,
+                            membership=membership)
     except RunFailed as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         if not args.no_report:

@@ -27,9 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str]) -> subprocess.Popen:
+def _start(args: list[str], session: bool = False) -> subprocess.Popen:
     return subprocess.Popen(BAMBOO + args, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, start_new_session=session,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
@@ -145,7 +145,9 @@ def test_agent_usage_errors_are_one_line(args: list[str], message: str) -> None:
 def test_coordinator_rejects_a_bad_bind_and_local_only_flags(tmp_path: Path) -> None:
     for args, message in ((["--bind", "localhost"], "--bind 'localhost' is not ADDRESS:PORT"),
                           (["--trace", str(REPO / "traces/aws-p3-2xlarge.csv")],
-                           "need local workers")):
+                           "need local workers"),
+                          (["--bind", f"127.0.0.1:{_free_port()}", "--etcd",
+                            "http://127.0.0.1:1"], "etcd at http://127.0.0.1:1 is unreachable")):
         result = subprocess.run(BAMBOO + ["coordinator", *args, "--out", str(tmp_path / "x")],
                                 cwd=REPO, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2
@@ -206,3 +208,50 @@ def test_coordinator_token_file_too_short_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "at least 16" in lines[0], lines
+
+
+from test_membership import etcd_url  # noqa: E402,F401  (a real etcd on loopback)
+
+
+@pytest.mark.timeout(240)
+def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_url: str) -> None:
+    """`--etcd`: agents hold leases in a real etcd. Freezing n0's whole machine (agent,
+    fork server and worker: SIGSTOP to its process group) stops its keep-alives; etcd
+    expires the lease, the coordinator's watch sees it and fences n0, the shadow takes
+    over, and the run ends equal to the failure-free one."""
+    from bamboo.cluster.membership import EtcdMembership
+    out, port = tmp_path / "run", _free_port()
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--etcd", etcd_url,
+                    "--nodes", "2", "--stages", "2", "--pipelines", "1", "--max-nodes", "3",
+                    "--steps", "40", "--out", str(out), "--json", "--quiet", "--no-report"])
+    agents: list[subprocess.Popen] = []
+    try:
+        _wait_for(out / "join-token")
+        _wait_for(out / "events.jsonl")
+        join = ["agent", "--join", f"127.0.0.1:{port}", "--token-file", str(out / "join-token")]
+        agents.append(_start(join, session=True))
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "node_up" for e in _events(out)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        agents += [_start(join), _start(join)]
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+            assert time.monotonic() < deadline + 60 and coord.poll() is None
+            time.sleep(0.2)
+        view = EtcdMembership.connect(etcd_url, job=out.name).alive()
+        assert sorted(view) == ["n0", "n1", "n2"]
+        os.killpg(agents[0].pid, signal.SIGSTOP)  # the whole machine freezes
+        stdout, stderr = coord.communicate(timeout=150)
+    finally:
+        if agents:
+            try:
+                os.killpg(agents[0].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _stop([coord, *agents])
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["failovers"] == 1 and summary["preemptions"] == 1
+    _assert_failure_free(summary, nodes=2, stages=2, steps=40)
+    fenced = [e for e in _events(out) if e["event"] == "fenced"]
+    assert fenced and fenced[0]["node"] == "n0" and fenced[0]["why"] == "etcd lease expired"

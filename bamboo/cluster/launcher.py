@@ -154,9 +154,15 @@ class LocalCluster:
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
                  extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
                  check_replicas: bool = False, resume: Checkpoint | None = None,
-                 agents: Any = None) -> None:
+                 agents: Any = None, membership: Any = None) -> None:
         self.cfg, self.rundir, self.display, self.debug = cfg, run, display, debug
         self.agents = agents
+        self.membership = membership
+        """(EtcdMembership, url, job) with `bamboo coordinator --etcd`: agents hold leases
+        there, and an expired lease is a lost node."""
+        self.expired: list[str] = []
+        if membership is not None:
+            membership[0].watch(lambda ev: ev.kind == "expired" and self.expired.append(ev.node_id))
         """An AgentListener when nodes are agents on other machines (`bamboo coordinator`)."""
         self.check_replicas = check_replicas
         self.rc = cfg.redundancy != "off"
@@ -219,6 +225,8 @@ class LocalCluster:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self._stop_all()
+            if self.membership is not None:
+                self.membership[0].close()
             self.display.close()
             self.events.close()
 
@@ -321,8 +329,21 @@ class LocalCluster:
                           + (f", {self.agents.refused} refused (wrong token)"
                              if self.agents.refused else ""))
 
+    def _check_memberships(self) -> None:
+        """`--etcd`: a node whose lease etcd expired is fenced, like a missed heartbeat."""
+        while self.expired:
+            name = self.expired.pop(0)
+            w = self.workers.get(int(name[1:])) if name[1:].isdigit() else None
+            if w is None or w.exited or w.lost or w.fenced or w.done or w.left:
+                continue
+            w.fenced = True
+            self.events.write("fenced", node=w.name, why="etcd lease expired")
+            self._say(f"node {w.name}'s etcd lease expired; fenced")
+            w.process.kill()
+
     def _accept_agents(self) -> None:
         """Agents that join while the job runs become standbys."""
+        self._check_memberships()
         if self.agents is None:
             return
         while not self.agents.joined.empty():
@@ -345,7 +366,8 @@ class LocalCluster:
         slot = self.free_slots.pop(0)
         self.beats[slot] = time.monotonic() + _START_GRACE_S
         self.progress[2 * slot] = self.progress[2 * slot + 1] = 0
-        conn.send({"kind": "job", "spec": self._worker_spec(node, slot, first_gen)})
+        etcd = {"url": self.membership[1], "job": self.membership[2]} if self.membership else None
+        conn.send({"kind": "job", "spec": self._worker_spec(node, slot, first_gen), "etcd": etcd})
         process = RemoteProcess(conn, hello, slot, self.beats, self.progress)
         w = _Worker(node, slot, process, process.reader)
         self.workers[node] = w
@@ -1205,8 +1227,9 @@ class LocalCluster:
 def run_local(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
               extra_faults: dict[int, list[Fault]] | None = None,
               debug: bool = False, check_replicas: bool = False,
-              resume: Checkpoint | None = None, agents: Any = None) -> dict[str, Any]:
+              resume: Checkpoint | None = None, agents: Any = None,
+              membership: Any = None) -> dict[str, Any]:
     """Train `cfg` on a local cluster (or on agents, when `agents` listens for them);
     the summary, or RunFailed."""
     return LocalCluster(cfg, run, display, extra_faults, debug, check_replicas, resume,
-                        agents).run()
+                        agents, membership).run()

@@ -166,6 +166,48 @@ class RemoteProcess:
 # -- the agent ----------------------------------------------------------------------------
 
 
+class _EtcdPresence:
+    """The node's lease in etcd, renewed by a heartbeat thread (`--etcd` jobs): when this
+    machine freezes or vanishes, etcd expires the lease and the coordinator's watch sees it."""
+
+    def __init__(self, membership: Any, node_id: str, token: str, info: dict) -> None:
+        self.membership, self.node_id = membership, node_id
+        self.lease = membership.join(node_id, info, token)
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True, name="etcd-heartbeat").start()
+
+    def _beat(self) -> None:
+        period = max(0.2, self.lease.ttl_s / 3)
+        while not self._stop.wait(period):
+            try:
+                self.membership.heartbeat(self.node_id)
+            except Exception:  # noqa: BLE001 - expired or unreachable: the coordinator decides
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.membership.leave(self.node_id)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        self.membership.close()
+
+
+def _join_membership(etcd: dict | None, node: int, token: str, say: Any) -> _EtcdPresence | None:
+    if not etcd:
+        return None
+    from bamboo.cluster.membership import EtcdMembership, MembershipError
+    try:
+        m = EtcdMembership.connect(etcd["url"], job=etcd["job"])
+        presence = _EtcdPresence(m, f"n{node}", token, {"host": socket.gethostname(),
+                                                        "pid": os.getpid()})
+    except MembershipError as e:
+        raise JoinError(str(e)) from None
+    say(f"registered in etcd at {etcd['url']} (lease {presence.lease.ttl_s:g} s)")
+    return presence
+
+
+
 def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str],
               metadata_url: str | None, say: Any) -> int:
     """Join the coordinator at `address`, run one worker, relay until it ends."""
@@ -188,6 +230,7 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
         raise JoinError(f"unexpected first message from the coordinator: {job.get('kind')}")
     spec = job["spec"]
     say(f"joined {address[0]}:{address[1]} as node n{spec.node}")
+    membership = _join_membership(job.get("etcd"), spec.node, token, say)
 
     from bamboo.cluster import forkserver
     from bamboo.cluster.worker import worker_main
@@ -274,6 +317,8 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
     finally:
         if watcher is not None:
             watcher.stop()
+        if membership is not None:
+            membership.stop()
         if worker.is_alive():
             worker.kill()
         say("done" if finished else f"stopped (worker exit code {code})")
