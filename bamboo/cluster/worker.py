@@ -37,7 +37,7 @@ from bamboo.cluster.link import CoordinatorLink
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
-from bamboo.models import preset
+from bamboo.models import layer_param_counts, preset
 from bamboo.pipeline.comm import RESTORE, PeerLost, tag_for
 from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
 from bamboo.pipeline.layout import Layout
@@ -126,6 +126,7 @@ class _Node:
         self.holdings_step = -1
         """The step `holdings` are at (the first step not yet applied)."""
         self.faults = FaultPlan(list(spec.faults))
+        self.param_counts = layer_param_counts(self.preset)
 
     def wait_plan(self, gen: int) -> GenerationPlan | None:
         """The plan of generation `gen`, or None when the run is over."""
@@ -264,7 +265,6 @@ class _Node:
     def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
                   needed: set[int]) -> dict[int, torch.Tensor]:
         """Post this node's sends and receives of the plan; wait for all of them."""
-        sizes = {i: v.numel() for i, v in self.holdings.items()}
         works, received = [], {}
         try:
             for layer, src, dst in plan.transfers:
@@ -273,7 +273,7 @@ class _Node:
                     tensor = self.holdings[layer].to(self.device)
                     works.append((group.send([tensor], dst, tag), tensor))
                 elif dst == rank:
-                    buf = torch.empty(self._layer_state_size(layer, sizes), dtype=torch.float32,
+                    buf = torch.empty(3 * self.param_counts[layer] + 1, dtype=torch.float32,
                                       device=self.device)
                     works.append((group.recv([buf], src, tag), buf))
                     received[layer] = buf
@@ -283,14 +283,6 @@ class _Node:
             raise _TransferFailed(f"state transfer of generation {plan.gen} failed: "
                                   f"{str(e).splitlines()[0][:200]}") from e
         return {i: v for i, v in received.items() if i in needed}
-
-    def _layer_state_size(self, layer: int, known: dict[int, int]) -> int:
-        if layer in known:
-            return known[layer]
-        from bamboo.models import layer_param_counts
-        if not hasattr(self, "_counts"):
-            self._counts = layer_param_counts(self.preset)
-        return 3 * self._counts[layer] + 1
 
     def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
         """After a commit marked `ckpt`: the layers of each stage whose first live holder

@@ -70,38 +70,21 @@ class StageState:
         for p in self.params:
             p.grad = None
 
-    # -- state transfer (peer restore) ------------------------------------------------------
+    # -- state transfer (peer restore, reconfiguration, checkpoints) -------------------------
 
     def state_vector(self) -> torch.Tensor:
-        """Parameters, AdamW moments and step count as one float32 vector."""
-        state = self.optimizer.state
-        parts = [torch.cat([p.detach().reshape(-1) for p in self.params])]
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts.append(torch.cat([state[p][key].reshape(-1) if p in state
-                                    else torch.zeros(p.numel(), device=self.device)
-                                    for p in self.params]))
-        steps = float(state[self.params[0]]["step"]) if self.params[0] in state else 0.0
-        parts.append(torch.tensor([steps], dtype=torch.float32, device=self.device))
-        return torch.cat(parts).to(torch.float32)
+        """The whole stage's state: its layers' `layer_state` vectors, in layer order."""
+        return torch.cat([self.layer_state(i).to(self.device) for i in self.layer_indices])
 
     def state_size(self) -> int:
-        return 3 * self.numel + 1
+        return sum(3 * (b - a) + 1 for _, a, b in self.layer_spans)
 
     def load_state_vector(self, vector: torch.Tensor) -> None:
-        n = self.numel
-        with torch.no_grad():
-            for view, p in zip(self._split(vector[:n]), self.params):
-                p.copy_(view)
-        steps = float(vector[3 * n])
-        if steps == 0:
-            self.optimizer.state.clear()
-            return
-        avg, avg_sq = self._split(vector[n:2 * n]), self._split(vector[2 * n:3 * n])
-        for p, a, b in zip(self.params, avg, avg_sq):
-            self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
-                                       "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
-
-    # -- per-layer state (reconfiguration and checkpoints) -----------------------------------
+        offset = 0
+        for i, a, b in self.layer_spans:
+            size = 3 * (b - a) + 1
+            self.load_layer_state(i, vector[offset:offset + size])
+            offset += size
 
     def _layer_params(self, layer_index: int) -> list[torch.nn.Parameter]:
         position = self.layer_indices.index(layer_index)
