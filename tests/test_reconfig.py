@@ -54,6 +54,9 @@ def test_drain_to_a_standby(tmp_path: Path) -> None:
     moved = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"]
     assert moved[0]["members"][:4] == ["n0", "n1", "n4", "n3"]  # n4 took stage 2
     assert moved[0]["step"] == 4
+    roles = [e for e in events(tmp_path / "run") if e["event"] == "role"]
+    assert sorted((e["node"], e["pipeline"], e["stage"]) for e in roles) == [
+        ("n2", None, None), ("n4", 0, 2)]  # n2 leaves its stage, n4 takes it
 
 
 @pytest.mark.timeout(180)

@@ -201,6 +201,7 @@ class LocalCluster:
         self.step_begins_pending: int | None = self.committed
         self.restore_step: int | None = None
         self._waiting_since: float | None = None
+        self.known_roles: dict[int, tuple] = {}
         self._last_wait_note = 0.0
         self.replay = None
         self.trace_owner: dict[int, int] = {}
@@ -411,6 +412,27 @@ class LocalCluster:
     def _show_layout(self) -> None:
         self.display.layout(pipeline_rows(self.roles.holders, self.plan.members, self.roles.dead),
                             [w.name for w in self._standbys()])
+        self._write_roles()
+
+    def _write_roles(self) -> None:
+        """A `role` event for every live node whose role changed (which process holds which
+        stage, for anyone watching the run from outside)."""
+        for w in self.workers.values():
+            if w.exited or w.lost or w.left:
+                continue
+            active = w.rank is not None and w.rank < self.plan.active
+            d = self.roles.pipeline_of(w.rank) if active else None
+            stages = self.roles.stages_of(w.rank) if active else []
+            role = (d, tuple(stages))
+            if self.known_roles.get(w.node) != role:
+                if w.node in self.known_roles or role != self._initial_role_key(w.node):
+                    self.events.write("role", node=w.name, pid=w.process.pid, pipeline=d,
+                                      stage=stages[0] if stages else None, stages=stages)
+                self.known_roles[w.node] = role
+
+    def _initial_role_key(self, node: int) -> tuple:
+        d, s = self._initial_role(node)
+        return (d, (s,) if s is not None else ())
 
     def _stop_all(self) -> None:
         for w in self.workers.values():
