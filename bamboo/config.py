@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bamboo.presets import PRESETS, preset
+from bamboo.presets import preset
 
 __all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES"]
 

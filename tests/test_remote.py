@@ -210,11 +210,11 @@ def test_coordinator_token_file_too_short_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "at least 16" in lines[0], lines
 
 
-from test_membership import etcd_url  # noqa: E402,F401  (a real etcd on loopback)
+from test_membership import etcd_url  # noqa: E402,F401,F811  (a real etcd on loopback)
 
 
 @pytest.mark.timeout(240)
-def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_url: str) -> None:
+def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_url: str) -> None:  # noqa: F811
     """`--etcd`: agents hold leases in a real etcd. Freezing n0's whole machine (agent,
     fork server and worker: SIGSTOP to its process group) stops its keep-alives; etcd
     expires the lease, the coordinator's watch sees it and fences n0, the shadow takes

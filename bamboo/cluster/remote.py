@@ -24,7 +24,6 @@ import queue
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener, wait
