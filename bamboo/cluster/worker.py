@@ -167,9 +167,7 @@ class _Node:
         try:
             group = self._join_group(plan, rank)
         except _TransferFailed as e:
-            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
-                           step=self.holdings_step, failed=str(e))
-            return "next"
+            return self._failed(plan, e)
         if rank >= plan.active:  # leaving: only a source of state
             try:
                 self._transfer(plan, rank, group, {})
@@ -186,13 +184,10 @@ class _Node:
                             redundancy=cfg.redundancy, group=group, slot=self.spec.slot,
                             faults=self.faults, progress=self.progress,
                             check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload)
-        held = list(engine.stages.values()) + ([engine.replica] if engine.replica else [])
         try:
-            self._load_state(plan, rank, group, held)
+            self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:
-            self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
-                           step=self.holdings_step, failed=str(e))
-            return "next"
+            return self._failed(plan, e)
         self.link.send("gen_ready", gen=plan.gen, stages=sorted(engine.stages),
                        replica=engine.replica.stage if engine.replica is not None else None)
         done_step = plan.start_step
@@ -212,7 +207,7 @@ class _Node:
             self.link.send("done")
             self.wait_plan(1 << 30)  # returns at shutdown
             return "finished"
-        self.holdings = {i: st.layer_state(i) for st in self._held(engine) for i in st.layer_indices}
+        self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
         self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
@@ -243,9 +238,11 @@ class _Node:
                                   f"{str(result[0]).splitlines()[0][:200]}")
         return result[0]
 
-    @staticmethod
-    def _held(engine: NodeEngine) -> list[StageState]:
-        return list(engine.stages.values()) + ([engine.replica] if engine.replica else [])
+    def _failed(self, plan: GenerationPlan, error: Exception) -> str:
+        """The generation could not start here: report the state of the last boundary."""
+        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
+                       step=self.holdings_step, failed=str(error))
+        return "next"
 
     def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
                     held: list[StageState]) -> None:

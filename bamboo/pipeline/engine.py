@@ -197,8 +197,7 @@ class NodeEngine:
         r.step_s = time.perf_counter() - start
         r.wait_s = self.p2p.wait_s
         r.bytes_sent = self.p2p.bytes_sent
-        held = list(self.stages.values()) + ([self.replica] if self.replica is not None else [])
-        r.state_bytes = sum(3 * 4 * st.numel for st in held)  # fp32 params + two AdamW moments
+        r.state_bytes = sum(3 * 4 * st.numel for st in self.held())  # fp32 params + two AdamW moments
         if self.check_replicas:
             r.digests = {f"stage{k}": st.digest() for k, st in self.stages.items()}
             if self.replica is not None:
@@ -477,10 +476,14 @@ class NodeEngine:
 
     # -- results ----------------------------------------------------------------------------
 
+    def held(self) -> list[StageState]:
+        """Every stage this node holds state for: its primaries, then its replica."""
+        return list(self.stages.values()) + ([self.replica] if self.replica is not None else [])
+
     def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
         """Every held layer's parameters, the replica's included (identical to its primary's
         at a step boundary): the final model survives a primary lost after the last step."""
         out = []
-        for st in list(self.stages.values()) + ([self.replica] if self.replica else []):
+        for st in self.held():
             out += st.parameters_by_layer()
         return sorted(out, key=lambda x: x[0])

@@ -36,9 +36,11 @@ class StageState:
             self.layer_spans.append((layer_index, offset, offset + size))
             offset += size
 
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _split(self, flat: torch.Tensor,
+               params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """Views of `flat` shaped like `params` (default: all of the stage's), in order."""
         views, offset = [], 0
-        for p in self.params:
+        for p in self.params if params is None else params:
             views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         return views
@@ -112,19 +114,12 @@ class StageState:
             raise ValueError(f"layer {layer_index}: state of {vector.numel()} values, expected "
                              f"{3 * n + 1} (a different model or layer)")
         vector = vector.to(self.device, torch.float32)
-
-        def split(flat: torch.Tensor) -> list[torch.Tensor]:
-            views, offset = [], 0
-            for p in params:
-                views.append(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-            return views
-
         with torch.no_grad():
-            for view, p in zip(split(vector[:n]), params):
+            for view, p in zip(self._split(vector[:n], params), params):
                 p.copy_(view)
         steps = float(vector[3 * n])
-        for p, a, b in zip(params, split(vector[n:2 * n]), split(vector[2 * n:3 * n])):
+        for p, a, b in zip(params, self._split(vector[n:2 * n], params),
+                           self._split(vector[2 * n:3 * n], params)):
             if steps == 0:
                 self.optimizer.state.pop(p, None)
             else:
