@@ -26,12 +26,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+from bamboo.argparsing import EXIT_USAGE, UsageParser
 
 __all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report", "main",
            "PLOT_SIZE_PX"]
 
-EXIT_USAGE = 2
 PLOT_SIZE_PX = (800, 450)
 """Width and height of every PNG, in pixels."""
 _DPI = 100
@@ -548,17 +549,10 @@ def write_report(run_dir: str | Path, prices: Prices | None = None) -> list[Path
 # -- the command --------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
     d = Prices()
-    p = _Parser(prog="bamboo report", description="Rewrite a run's report.txt and PNG plots "
-                "from its summary.json and events.jsonl.")
+    p = UsageParser(prog="bamboo report", description="Rewrite a run's report.txt and PNG "
+                    "plots from its summary.json and events.jsonl.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by bamboo train --out")
     p.add_argument("--spot-price", type=float, default=d.spot,
                    help=f"$ per node-hour on spot (default {d.spot})")

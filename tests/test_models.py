@@ -9,6 +9,7 @@ from bamboo.data import make_task
 from bamboo.models import (PRESETS, boundary_shapes, build_layer, build_layers,
                            layer_param_counts, loss_fn, preset)
 from bamboo.models.gpt2 import GPTBlock
+from bamboo.models.layer import PipelineLayer
 
 SMALL = ["gpt2-tiny", "bert-tiny", "cnn-tiny"]
 
@@ -87,3 +88,21 @@ def test_a_few_steps_of_plain_training_reduce_loss(name: str) -> None:
 def test_every_preset_is_described() -> None:
     for p in PRESETS.values():
         assert p.description and p.layers >= 2
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+def test_transformers_share_one_layer_wrapper_with_the_same_parameter_names(name: str) -> None:
+    """GPT-2 and BERT layers are both `PipelineLayer`: embed (layer 0), block, head (last
+    layer), the names model.pt and checkpoints hold."""
+    p = preset(name)
+    layers = build_layers(p, range(p.layers), seed=0)
+    assert all(type(layer) is PipelineLayer for layer in layers)
+
+    def parts(layer: nn.Module) -> list[str]:
+        return list(dict.fromkeys(n.split(".")[0] for n, _ in layer.named_parameters()))
+    assert parts(layers[0]) == ["embed", "block"]
+    assert all(parts(layer) == ["block"] for layer in layers[1:-1])
+    assert parts(layers[-1]) == ["block", "head"]
+    x = torch.randint(0, p.vocab - 1, (2, p.context))
+    out = layers[0](x)  # the wrapper runs embed, then block: the same as by hand
+    assert torch.equal(out, layers[0].block(layers[0].embed(x)))

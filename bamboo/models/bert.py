@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.models.layer import PipelineLayer
 from bamboo.presets import ModelPreset
 
 __all__ = ["BertBlock", "bert_layer"]
@@ -74,26 +75,8 @@ class MLMHead(nn.Module):
         return self.decoder(self.ln(F.gelu(self.dense(x))))
 
 
-class BertLayer(nn.Module):
-    """One pipeline layer: a block, with the embedding before it or the head after it."""
-
-    def __init__(self, block: nn.Module, embed: nn.Module | None, head: nn.Module | None) -> None:
-        super().__init__()
-        self.embed = embed
-        self.block = block
-        self.head = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        x = self.block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-
 def bert_layer(p: ModelPreset, index: int) -> nn.Module:
     """Layer `index` of preset `p` (parameters drawn from the current RNG)."""
     embed = BertEmbedding(p.vocab, p.context, p.d_model) if index == 0 else None
     head = MLMHead(p.d_model, p.vocab) if index == p.layers - 1 else None
-    return BertLayer(BertBlock(p.d_model, p.heads), embed, head)
+    return PipelineLayer(BertBlock(p.d_model, p.heads), embed, head)

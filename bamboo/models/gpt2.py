@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.models.layer import PipelineLayer
 from bamboo.presets import ModelPreset
 
-__all__ = ["CausalSelfAttention", "GPTBlock", "GPTLayer", "gpt2_layer"]
+__all__ = ["CausalSelfAttention", "GPTBlock", "gpt2_layer"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,28 +106,9 @@ class LMHead(nn.Module):
         return self.out(self.ln(x))
 
 
-class GPTLayer(nn.Module):
-    """One pipeline layer: a block, with the embedding before it or the head after it."""
-
-    def __init__(self, block: nn.Module, embed: nn.Module | None = None,
-                 head: nn.Module | None = None) -> None:
-        super().__init__()
-        self.embed = embed
-        self.block = block
-        self.head = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        x = self.block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-
 def gpt2_layer(p: ModelPreset, index: int) -> nn.Module:
     """Layer `index` of preset `p` (parameters drawn from the current RNG)."""
     embed = Embedding(p.vocab, p.context, p.d_model) if index == 0 else None
     block = GPTBlock(p.d_model, p.heads, p.layers)
     head = LMHead(p.d_model, p.vocab) if index == p.layers - 1 else None
-    return GPTLayer(block, embed, head)
+    return PipelineLayer(block, embed, head)

@@ -17,16 +17,13 @@ import json
 import os
 import sys
 
+from bamboo.argparsing import UsageParser as _Parser  # one-line usage errors, exit 2
+
 __all__ = ["main", "build_parser"]
 
 
 class _UserError(Exception):
     pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
-        raise _UserError(f"{message} (see 'bamboo simulate --help')")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,57 @@
+"""Every bamboo command parses its flags with the one parser of bamboo.argparsing: a usage
+error is the same single line and exit status everywhere, and no command imports another's
+module to get it."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from bamboo.argparsing import EXIT_USAGE, UsageParser
+from conftest import REPO
+
+REQUIRED = {"train": [], "simulate": ["--trace", "x.csv"], "report": ["some-run"],
+            "profile": [], "config": [], "agent": ["--join", "127.0.0.1:1"]}
+"""Each command's required arguments, so that the unknown flag is the only error."""
+
+
+@pytest.mark.parametrize("command", REQUIRED)
+def test_an_unknown_flag_is_one_line_and_exit_2_for_every_command(command: str,
+                                                                  capsys) -> None:
+    from bamboo.cli import main
+    with pytest.raises(SystemExit) as info:
+        main([command, *REQUIRED[command], "--bogus-flag"])
+    assert info.value.code == EXIT_USAGE == 2
+    assert capsys.readouterr().err == (f"bamboo {command}: error: unrecognized arguments: "
+                                       f"--bogus-flag (see bamboo {command} --help)\n")
+
+
+def test_the_parsers_are_the_shared_class() -> None:
+    from bamboo.cli import _train_parser
+    from bamboo.report import _parser as report_parser
+    from bamboo.sim.cli import build_parser
+    for parser in (_train_parser(), report_parser(), build_parser()):
+        assert type(parser) is UsageParser
+
+
+def test_no_other_module_subclasses_argument_parser() -> None:
+    found = []
+    for path in sorted((REPO / "bamboo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                    "ArgumentParser" in ast.unparse(base) for base in node.bases):
+                found.append(f"{path.relative_to(REPO)} {node.name}")
+    assert found == ["bamboo/argparsing.py UsageParser"]
+
+
+@pytest.mark.timeout(60)
+def test_the_commands_do_not_import_the_cli() -> None:
+    """`bamboo profile` took its parser from bamboo.cli, which imports it back: a circle."""
+    code = ("import sys, bamboo.profile, bamboo.report, bamboo.sim.cli; "
+            "print(sorted(m for m in sys.modules if m in ('bamboo.cli', 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
