@@ -12,9 +12,11 @@ Guarantees: a checkpoint is built in a hidden `.tmp-*` directory (every file fsy
 manifest written last), then renamed into place in one step and the directory fsynced,
 then LATEST is replaced atomically; older checkpoints are deleted only after that (the
 newest `keep` stay). A failed save (a full disk) removes its partial files, keeps every
-earlier checkpoint and raises CheckpointError. `load_latest` checks sizes and sha256 of
-every file, loads with `torch.load(weights_only=True)` (no arbitrary code from a file),
-and falls back to the newest whole checkpoint, saying which one it skipped and why.
+earlier checkpoint and raises CheckpointError naming the file it could not write; the
+temporaries of a save that was interrupted (a killed process) are removed by the next save.
+`load_latest` checks that the manifest lacks no layer, sizes and sha256 of every file,
+loads with `torch.load(weights_only=True)` (no arbitrary code from a file), and falls back
+to the newest whole checkpoint, saying which one it skipped and why.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_latest", "load_checkpoint",
-           "list_checkpoints"]
+           "list_checkpoints", "checkpoint_root"]
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +111,57 @@ def _write_stage(path: Path, obj: dict) -> dict:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+_TEMPORARY = re.compile(r"^\.(?:tmp-step-\d{8,}|old-step-\d{8,}|LATEST\.tmp)-(\d+)$")
+"""What a save leaves behind when it is interrupted (killed, power cut) mid-way."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def _remove_stale_temporaries(root: Path) -> list[str]:
+    """Delete the temporary files and folders of earlier saves that never finished (this
+    process's, or a process that is gone); a save in progress elsewhere is left alone."""
+    removed = []
+    for path in root.iterdir():
+        m = _TEMPORARY.match(path.name)
+        if m is None or (int(m[1]) != os.getpid() and _alive(int(m[1]))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    if removed:
+        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), root,
+                 ", ".join(sorted(removed)))
+    return removed
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints: `<run dir>/checkpoints` (or the folder itself,
+    when it is a checkpoints folder)."""
+    path = Path(run_dir)
+    return path if (path / "LATEST").exists() or path.name == "checkpoints" else path / "checkpoints"
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -134,28 +180,38 @@ def save_checkpoint(root: str | Path, step: int, stages: dict[int, dict[str, tor
     root = Path(root)
     name = f"step-{step:08d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
+    writing = str(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_stale_temporaries(root)  # of saves interrupted earlier (this one's included)
+        writing = name
         tmp.mkdir()
         files = {}
         for s in sorted(stages):
             obj = {"params": stages[s], "optim": optimizer_states.get(s, {})}
+            writing = f"{name}/stage-{s}.pt"
             files[f"stage-{s}.pt"] = _write_stage(tmp / f"stage-{s}.pt", obj)
         manifest = {"format": FORMAT, "step": step, "stages": sorted(stages),
                     "files": files, "meta": meta or {}}
+        writing = f"{name}/manifest.json"
         _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+        writing = name
         _publish(root, tmp, root / name)
-        _write_text(root / "LATEST", name + "\n")
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
         kept = next((p.name for p in list_checkpoints(root)), None)
-        raise CheckpointError(f"checkpoint of step {step} not saved in {root}: {why}; "
+        raise CheckpointError(f"checkpoint of step {step} not saved in {root}: could not write "
+                              f"{writing}: {why}; "
                               + (f"{kept} is kept" if kept else "no earlier checkpoint")) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:  # the checkpoint is whole and in place: LATEST only names it for people
+        _write_text(root / "LATEST", name + "\n")
+    except OSError as e:
+        log.warning("checkpoint %s saved but %s/LATEST not updated: %s", name, root,
+                    e.strerror or e)
     _prune(root, keep)
     return root / name
 
@@ -166,7 +222,12 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
     if final.exists():
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # put the earlier same-step checkpoint back
+            os.replace(old, final)
+        raise
     _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -175,6 +236,40 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
 def _prune(root: Path, keep: int) -> None:
     for old in list_checkpoints(root)[max(1, keep):]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _expected_layers(meta: dict) -> int | None:
+    """How many layers a checkpoint of whole layers (meta "unit" "layer") must hold: those
+    of the model it names, when that model is known here."""
+    if not isinstance(meta, dict) or meta.get("unit") != "layer" or "model" not in meta:
+        return None
+    from bamboo.presets import preset
+    try:
+        return preset(str(meta["model"])).layers
+    except (ValueError, OSError, KeyError, TypeError):  # a model this version cannot read
+        return None
+
+
+def _check_complete(manifest: dict) -> None:
+    """CheckpointError naming every layer (or stage) the manifest lacks: one its files
+    list, one below the highest it holds, or one of the model it names."""
+    try:
+        held = {int(s) for s in manifest.get("stages", [])}
+        listed = {int(m[1]) for f in manifest["files"]
+                  if (m := re.match(r"^stage-(\d+)\.pt$", str(f)))}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"manifest.json is unreadable ({e})") from None
+    meta = manifest.get("meta") or {}
+    unit = "layer" if isinstance(meta, dict) and meta.get("unit") == "layer" else "stage"
+    expected = listed | set(range(max(held | listed, default=-1) + 1))
+    count = _expected_layers(meta)
+    if count is not None:
+        expected |= set(range(count))
+    missing = sorted(expected - held)
+    if missing:
+        of = f" of the {count} of {meta['model']}" if count is not None else ""
+        raise CheckpointError(f"manifest.json lacks {unit}{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))}{of}: the checkpoint is incomplete")
 
 
 def _load_one(path: Path) -> Checkpoint:
@@ -186,6 +281,7 @@ def _load_one(path: Path) -> Checkpoint:
         raise CheckpointError("manifest.json is missing (the save did not finish)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"manifest.json is unreadable ({e})") from None
+    _check_complete(manifest)
     stages, optim = {}, {}
     for s in manifest.get("stages", []):
         fname = f"stage-{s}.pt"

@@ -12,9 +12,13 @@ from pathlib import Path
 
 from bamboo.presets import preset
 
-__all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES"]
+__all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES",
+           "HEARTBEAT_S"]
 
-REDUNDANCY_MODES = ("eager", "lazy", "off")
+REDUNDANCY_MODES = ("eager", "lazy", "off", "auto")
+
+HEARTBEAT_S = 0.5
+"""Seconds between two heartbeats of a worker; a --lease must be longer than this."""
 
 
 class ConfigError(ValueError):
@@ -65,7 +69,8 @@ class JobConfig:
     steps: int = 50
     seed: int = 0
     redundancy: str = "eager"
-    """eager | lazy | off: how a node prepares to take over its successor's stage."""
+    """eager | lazy | off: how a node prepares to take over its successor's stage; auto:
+    chosen at every generation from the preemption rate and the costs measured in the run."""
     frc_offload: bool = False
     """Keep what eager FRC saves for a later backward in CPU memory (bounds GPU memory)."""
     data: str | None = None
@@ -161,6 +166,11 @@ class JobConfig:
                               f"0 disables clipping")
         if not (0 < self.lease_s <= 10):
             raise ConfigError(f"--lease must be in (0, 10] seconds (got {self.lease_s})")
+        if self.lease_s <= HEARTBEAT_S:
+            raise ConfigError(f"--lease {self.lease_s:g} s is not longer than a worker's "
+                              f"heartbeat interval ({HEARTBEAT_S:g} s): live nodes would be "
+                              f"fenced between two heartbeats; use --lease {4 * HEARTBEAT_S:g} "
+                              f"or more (default 10)")
         if not (0 < self.comm_timeout_s <= 86400):
             raise ConfigError(f"--comm-timeout must be positive seconds, at most 86400 (a day) "
                               f"(got {self.comm_timeout_s})")

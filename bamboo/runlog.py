@@ -6,6 +6,7 @@ and renamed, so a reader never sees half a file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["RunDir", "EventLog", "write_atomic", "default_run_dir"]
+__all__ = ["RunDir", "RunDirError", "EventLog", "write_atomic", "default_run_dir"]
 
 _RUN_FILES = ("summary.json", "events.jsonl")
 
@@ -29,14 +30,34 @@ def default_run_dir(root: str = "runs") -> Path:
     return path
 
 
+class RunDirError(OSError):
+    """A file of the run directory could not be written; str() is one line that names the
+    file and why, e.g. `could not write runs/x/model.pt: No space left on device`."""
+
+    def __init__(self, path: str | Path, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause) or type(cause).__name__,
+                         str(path))
+
+    def __str__(self) -> str:
+        return f"could not write {self.filename}: {self.strerror}"
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename."""
+    """Write `data` to `path` through a temporary file and a rename; on any failure the
+    temporary file is removed, `path` is as it was, and RunDirError says what failed."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk, an I/O error, or an interrupt mid-write
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise RunDirError(path, e) from e
+        raise
 
 
 class EventLog:
@@ -70,6 +91,34 @@ class RunDir:
         if taken:
             raise ConfigError(f"--out {self.path} already holds a run ({taken[0]}): choose a new "
                               f"directory or remove the old run")
+
+    def check_writable(self, flag: str = "--out") -> None:
+        """ConfigError unless the folder can be created here and a file written in it (a
+        read-only file system, /proc, a full quota...). Leaves nothing behind: the folders
+        it had to create are removed again."""
+        created: list[Path] = []
+        where = self.path
+        try:
+            missing, p = [], self.path
+            while not p.exists() and p != p.parent:
+                missing.append(p)
+                p = p.parent
+            for d in reversed(missing):
+                where = d
+                d.mkdir()
+                created.append(d)
+            where = self.path / f".bamboo-write-test-{os.getpid()}"
+            with open(where, "wb"):
+                pass
+            where.unlink()
+        except OSError as e:
+            raise ConfigError(f"{flag} {self.path}: cannot write {where} "
+                              f"({e.strerror or type(e).__name__}): choose a directory you "
+                              f"can write to") from None
+        finally:
+            for d in reversed(created):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
 
     def create(self, resume: bool = False) -> None:
         if not resume:  # a resumed run continues its own folder

@@ -1,10 +1,12 @@
 """Shared helpers: run the real `bamboo` command in a subprocess and read its results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,3 +57,22 @@ def assert_close(a: list[float] | float, b: list[float] | float, rel: float) -> 
     for x, y in zip(a_list, b_list):
         assert x == x and y == y, "NaN"
         assert abs(x - y) <= rel * max(abs(x), abs(y)), (x, y, a_list, b_list)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at `path` (e.g. options "size=64k" for a disk that fills up, "ro" for a
+    read-only one), unmounted on exit; the test is skipped where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)

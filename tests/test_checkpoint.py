@@ -5,6 +5,9 @@ import errno
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 from bamboo import checkpoint as ck
 from bamboo.checkpoint import CheckpointError, load_latest, save_checkpoint
+from conftest import mounted_tmpfs
 
 
 def trained_state(seed: int) -> tuple[dict, dict]:
@@ -160,3 +164,108 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "step-00000003").mkdir()
     with pytest.raises(CheckpointError, match="no whole checkpoint in .*manifest.json is missing"):
         load_latest(tmp_path)
+
+
+# -- a manifest that lacks a layer ---------------------------------------------------------
+
+LAYER_META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0}
+"""What the launcher writes: one entry per layer of the model (gpt2-tiny has 8)."""
+
+
+def layer_states(seed: int, layers=range(8)) -> dict:
+    torch.manual_seed(seed)
+    return {i: {"state": torch.randn(6)} for i in layers}
+
+
+@pytest.mark.parametrize("damage,missing", [("dropped", "layer 3 of the 8"),
+                                            ("two_dropped", "layers 2, 5 of the 8"),
+                                            ("last_never_saved", "layer 7 of the 8")])
+def test_a_manifest_lacking_a_layer_is_skipped_like_a_corrupt_one(tmp_path, damage, missing,
+                                                                  caplog):
+    old = layer_states(1)
+    save_checkpoint(tmp_path, 10, old, {}, LAYER_META)
+    newest = tmp_path / "step-00000020"
+    if damage == "last_never_saved":
+        save_checkpoint(tmp_path, 20, layer_states(2, range(7)), {}, LAYER_META)
+    else:
+        save_checkpoint(tmp_path, 20, layer_states(2), {}, LAYER_META)
+        manifest = json.loads((newest / "manifest.json").read_text())
+        for layer in ([3] if damage == "dropped" else [2, 5]):
+            manifest["stages"].remove(layer)
+            if layer == 5:  # gone from the files too: only the gap shows it
+                del manifest["files"][f"stage-{layer}.pt"]
+        (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as info:
+        ck.load_checkpoint(newest)  # what a worker loads: an error, never a later KeyError
+    assert f"manifest.json lacks {missing} of gpt2-tiny" in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="bamboo.checkpoint"):
+        got = load_latest(tmp_path)
+    assert got.step == 10 and sorted(got.stages) == list(range(8))
+    assert_same(got.stages, old)
+    assert f"step-00000020: manifest.json lacks {missing}" in got.warning
+    assert "resuming from step-00000010" in got.warning and "\n" not in got.warning
+
+
+def test_a_gap_is_caught_without_knowing_the_model(tmp_path):
+    save_checkpoint(tmp_path, 10, {0: {"w": torch.ones(2)}, 2: {"w": torch.ones(2)}}, {}, {})
+    with pytest.raises(CheckpointError, match=r"no whole checkpoint .*lacks stage 1:"):
+        load_latest(tmp_path)
+
+
+# -- interrupted and failed saves leave nothing behind ------------------------------------
+
+
+def _leftovers(root: Path, pid: int) -> list[str]:
+    """What a save killed mid-way by process `pid` leaves: a partial step folder, a half
+    replaced same-step folder and a half written LATEST."""
+    partial = root / f".tmp-step-00000015-{pid}"
+    partial.mkdir(parents=True)
+    (partial / "stage-0.pt").write_bytes(b"half a file")
+    (root / f".old-step-00000012-{pid}").mkdir()
+    (root / f".LATEST.tmp-{pid}").write_text("step-000")
+    return sorted([partial.name, f".old-step-00000012-{pid}", f".LATEST.tmp-{pid}"])
+
+
+def test_the_next_save_removes_what_interrupted_saves_left(tmp_path):
+    save_checkpoint(tmp_path, 10, *trained_state(1), {})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    _leftovers(tmp_path, dead.pid)
+    _leftovers(tmp_path, os.getpid())  # this process's own, from a save it never finished
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        try:
+            in_progress = _leftovers(tmp_path, alive.pid)  # a save still running elsewhere
+            save_checkpoint(tmp_path, 20, *trained_state(2), {})
+            assert sorted(p.name for p in tmp_path.iterdir()) == \
+                sorted(["LATEST", "step-00000010", "step-00000020", *in_progress])
+        finally:
+            alive.kill()
+    save_checkpoint(tmp_path, 30, *trained_state(3), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000020",
+                                                          "step-00000030"]
+    assert load_latest(tmp_path).step == 30
+
+
+def test_a_full_disk_is_one_error_naming_the_file_and_leaves_no_temporaries(tmp_path):
+    """A real full disk: a 64 kB tmpfs, a checkpoint of 400 kB."""
+    with mounted_tmpfs(tmp_path / "disk", "size=64k") as disk:
+        root = disk / "checkpoints"
+        old = trained_state(1)
+        save_checkpoint(root, 10, *old, {})
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait(timeout=30)
+        _leftovers(root, dead.pid)
+        big = {0: {"w": torch.ones(100_000)}}  # 400 kB
+        with pytest.raises(CheckpointError) as info:
+            save_checkpoint(root, 20, big, {}, {})
+        assert str(info.value) == (f"checkpoint of step 20 not saved in {root}: could not write "
+                                   f"step-00000020/stage-0.pt: no space left on device; "
+                                   f"step-00000010 is kept")
+        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010"]
+        assert sorted(p.name for p in disk.iterdir()) == ["checkpoints"]
+        got = load_latest(root)
+        assert got.step == 10 and got.warning is None
+        assert_same(got.stages, old[0])
+        save_checkpoint(root, 30, *trained_state(3), {})  # the space was given back
+        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010",
+                                                         "step-00000030"]

@@ -1,13 +1,14 @@
 """Bad input: one clear line on stderr, exit code != 0, nothing written to the run directory."""
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, mounted_tmpfs
 
 CASES = {
     "too many stages": (["--stages", "9"], "--stages 9 is more than the 8 layers"),
@@ -112,7 +113,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--micro-batch-size": [(["--micro-batch-size", "-1"], "must be a positive integer")],
     "--steps": [(["--steps", "0"], "must be a positive integer")],
     "--seed": [(["--seed", "-1"], "must be >= 0")],
-    "--redundancy": [(["--redundancy", "foo"], "'foo' is not one of eager, lazy, off")],
+    "--redundancy": [(["--redundancy", "foo"], "'foo' is not one of eager, lazy, off, auto")],
     "--data": [(["--data", "{missing}"], "does not exist"),
                (["--data", "{dir}"], "is a directory"),
                (["--data", "{small}"], "has 3 bytes; gpt2-tiny needs at least 65"),
@@ -127,7 +128,11 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--comm-timeout": [(["--comm-timeout", "-1"], "must be positive seconds"),
                        (["--comm-timeout", "inf"], "at most 86400")],
     "--lease": [(["--lease", "0"], "must be in (0, 10]"), (["--lease", "11"], "(got 11.0)"),
-                (["--lease", "nan"], "must be in (0, 10]")],
+                (["--lease", "nan"], "must be in (0, 10]"),
+                (["--lease", "0.5"], "--lease 0.5 s is not longer than a worker's heartbeat "
+                 "interval (0.5 s): live nodes would be fenced between two heartbeats; use "
+                 "--lease 2 or more"),
+                (["--lease", "0.1"], "is not longer than a worker's heartbeat interval")],
     "--device": [(["--device", "tpu"], "'tpu' is not one of auto, cpu, cuda")],
     "--kill": [(["--kill", "0:1"], "is malformed: write PIPELINE:STAGE@STEP"),
                (["--kill", "0:7@1"], "names no node: pipelines are 0..0 and stages 0..3"),
@@ -158,7 +163,9 @@ FLAG_CASES: dict[str, list[tuple]] = {
                  (["--resume", "{dir}"], "no checkpoint in")],
     "--out": [(["--out", "{small}"], "exists and is not a directory"),
               (["--out", "{small}/run"], "is a file, not a directory"),
-              (["--out", "{finished}"], "already holds a run (summary.json)")],
+              (["--out", "{finished}"], "already holds a run (summary.json)"),
+              (["--out", "/proc/bamboo-run"], "--out /proc/bamboo-run: cannot write "
+               "/proc/bamboo-run (No such file or directory): choose a directory you can write")],
 }
 """Flag -> wrong values; every value-taking flag of `bamboo train` has at least one."""
 
@@ -273,3 +280,96 @@ def test_every_flag_has_a_wrong_value_case() -> None:
     assert set(FLAG_CASES) - takes_value == set(), "FLAG_CASES names flags that do not exist"
     assert switches == set(BOOL_FLAGS), "switches missing from (or stale in) BOOL_FLAGS"
     assert typed == TYPED_FLAGS, "TYPED_FLAGS differs from the parser's int/float flags"
+
+
+# -- faults a user meets: a lease, a place to write, a resumed run, an empty error -----------
+
+
+class _Started(BaseException):
+    """Raised where a run would start: everything before it (all checks) has passed."""
+
+
+@pytest.fixture
+def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bamboo.cluster import forkserver
+
+    def start() -> None:
+        raise _Started
+    monkeypatch.setattr(forkserver, "start", start)
+
+
+def test_the_lease_must_outlast_a_heartbeat() -> None:
+    from bamboo.cluster.worker import HEARTBEAT_S as WORKER_HEARTBEAT_S
+    from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig
+    assert HEARTBEAT_S == WORKER_HEARTBEAT_S
+    JobConfig(lease_s=HEARTBEAT_S + 0.01).validate()
+    with pytest.raises(ConfigError, match="not longer than a worker's heartbeat interval"):
+        JobConfig(lease_s=HEARTBEAT_S).validate()
+
+
+def test_out_on_a_read_only_disk_is_one_line(tmp_path: Path, no_start: None,
+                                             capsys: pytest.CaptureFixture) -> None:
+    from bamboo.cli import main
+    with mounted_tmpfs(tmp_path / "ro", "ro") as ro:
+        assert main(["train", "--steps", "2", "--out", str(ro / "run")]) == 2
+        line = _assert_one_line_error(capsys.readouterr().err, "--out")
+        assert line == (f"bamboo train: error: --out {ro}/run: cannot write {ro}/run (Read-only "
+                        f"file system): choose a directory you can write to")
+        assert list(ro.iterdir()) == []
+
+
+def _checkpointed_run(root: Path, steps: int) -> Path:
+    """A run directory holding a checkpoint at step 4 of a default job of `steps` steps, as
+    the launcher writes it."""
+    import torch
+
+    from bamboo.checkpoint import checkpoint_root, save_checkpoint
+    from bamboo.config import JobConfig
+    cfg = JobConfig(steps=steps)
+    meta = {"unit": "layer", "model": cfg.model, "seed": cfg.seed, "steps": steps,
+            "global_micro_batches": cfg.global_micro_batches,
+            "micro_batch_size": cfg.micro_batch_size, "losses": [5.0, 4.5, 4.0, 3.5]}
+    save_checkpoint(checkpoint_root(root), 4, {i: {"state": torch.zeros(3)} for i in range(8)},
+                    {}, meta)
+    return root
+
+
+@pytest.mark.parametrize("steps,note", [
+    (12, "bamboo train: note: resuming a run planned for 6 steps with --steps 12: the "
+         "learning-rate schedule is stretched to 12 steps (pass --steps 6 to keep it)"),
+    (5, "bamboo train: note: resuming a run planned for 6 steps with --steps 5: the "
+        "learning-rate schedule is shortened to 5 steps (pass --steps 6 to keep it)"),
+    (6, None)])
+def test_resume_with_other_steps_says_the_schedule_changes(steps: int, note: str | None,
+                                                           tmp_path: Path, no_start: None,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    from bamboo.cli import main
+    run = _checkpointed_run(tmp_path / "run", steps=6)
+    with pytest.raises(_Started):
+        main(["train", "--resume", str(run), "--steps", str(steps), "--quiet"])
+    assert capsys.readouterr().err.splitlines() == ([note] if note else [])
+
+
+@pytest.mark.parametrize("error,line", [
+    (MemoryError(), "bamboo: out of memory (MemoryError): reduce --micro-batch-size or the "
+                    "model size, or spread it over more --stages (rerun with --debug for the "
+                    "traceback)"),
+    (KeyError(), "bamboo: internal error: KeyError (it carries no message) (rerun with --debug "
+                 "for the traceback)"),
+    (RuntimeError("first line\nsecond line"), "bamboo: internal error: RuntimeError: first "
+                                              "line (rerun with --debug for the traceback)"),
+    (OSError(errno.ENOSPC, "No space left on device", "runs/x/model.pt"),
+     "bamboo: no space left on device (OSError: runs/x/model.pt): free some space or write "
+     "elsewhere (rerun with --debug for the traceback)")])
+def test_an_unexpected_error_is_one_line_that_names_it(error: Exception, line: str,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    from bamboo import cli
+
+    def fail(argv: list[str]) -> int:
+        raise error
+    monkeypatch.setitem(cli._COMMANDS, "train", fail)
+    assert cli.main(["train"]) == 1
+    assert capsys.readouterr().err == line + "\n"
+    with pytest.raises(type(error)):  # --debug shows the traceback instead
+        cli.main(["train", "--debug"])

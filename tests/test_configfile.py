@@ -112,7 +112,7 @@ def test_every_field_with_a_wrong_value_names_it(tmp_path: Path, name: str) -> N
 
 @pytest.mark.parametrize("dotted,value,expected", [
     ("model", "gpt5", "model: 'gpt5' is not one of gpt2-tiny"),
-    ("redundancy", "sometimes", "redundancy: 'sometimes' is not one of eager, lazy, off"),
+    ("redundancy", "sometimes", "redundancy: 'sometimes' is not one of eager, lazy, off, auto"),
     ("runtime.device", "tpu", "runtime.device: 'tpu' is not one of auto, cpu, cuda"),
     ("layout.nodes", 0, "--nodes must be a positive integer (got 0) (in {path}: layout.nodes)"),
     ("layout.stages", 9, "--stages 9 is more than the 8 layers"),
@@ -177,7 +177,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "micro_batch_size": [(-1, "--micro-batch-size must be a positive integer")],
     "steps": [(0, "--steps must be a positive integer"), ("ten", "expected an integer")],
     "seed": [(-1, "--seed must be >= 0")],
-    "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off")],
+    "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off, auto")],
     "frc_offload": [("sometimes", "expected true or false"), (1, "expected true or false")],
     "data": [(MISSING, "does not exist"), (12, "expected a string, got an integer (12)")],
     "lr": [(0, "--lr must be positive"), (float("nan"), "--lr must be positive")],
@@ -186,7 +186,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "grad_clip": [(float("inf"), "--grad-clip must be a number >= 0")],
     "threads": [(0, "--threads must be a positive integer")],
     "comm_timeout_s": [(0, "--comm-timeout must be positive seconds")],
-    "lease_s": [(11, "--lease must be in (0, 10]")],
+    "lease_s": [(11, "--lease must be in (0, 10]"), (0.25, "heartbeat interval (0.5 s)")],
     "device": [("tpu", "'tpu' is not one of auto, cpu, cuda")],
     "kills": [(["0:7@1"], "names no node"), (["0:1"], "is malformed"), ("0:1@2", "expected a list")],
     "trace": [(MISSING, "does not exist")],
