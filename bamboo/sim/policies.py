@@ -12,7 +12,8 @@
   available (torchrun-style restart, Varuna-like morphing: checkpoint then restart
   when a new pipeline fits).
 * ``on-demand``: a fixed on-demand cluster, closed form.
-* ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks the
+* ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks (with
+  :mod:`bamboo.redundancy.auto`, the decision ``--redundancy auto`` training uses) the
   redundancy mode (eager, lazy, off) and the number of pipelines that maximise
   expected samples per dollar under the preemption rate observed so far, and only
   pays for the instances that layout needs (plus one spare per pipeline).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from ..redundancy import auto
 from .core import CKPT, IDLE, REBALANCE, RESTART, RUN, ClusterPolicy, Policy, RunResult, SimConfig
 from .presets import ModelPreset
 from .traces import Trace
@@ -443,12 +445,18 @@ class OnDemandPolicy(Policy):
 
 
 class AdaptivePolicy(BambooPolicy):
-    """Picks the redundancy mode and pipelines from the observed preemption rate, maximising samples per dollar."""
+    """Picks the redundancy mode and pipelines from the observed preemption rate, maximising samples per dollar.
+
+    The decision is :mod:`bamboo.redundancy.auto`'s, the one ``--redundancy auto`` training
+    runs use: the same rate estimate (:func:`~bamboo.redundancy.auto.posterior_rate`) and the
+    same expected throughput (:func:`~bamboo.redundancy.auto.mode_terms` and
+    :func:`~bamboo.redundancy.auto.value`), evaluated for every (D, mode) of the layout.
+    """
 
     name = "adaptive"
-    PRIOR_RATE = 0.10 / 3600.0
+    PRIOR_RATE = auto.PRIOR_RATE
     """Prior preemption rate per node-second (10% per hour: pessimistic, so it starts protected)."""
-    PRIOR_WEIGHT = 12 * 3600.0
+    PRIOR_WEIGHT = auto.PRIOR_WEIGHT
     """Node-seconds of observation the prior counts for."""
 
     def _reset(self) -> None:
@@ -465,60 +473,51 @@ class AdaptivePolicy(BambooPolicy):
 
     def rate(self) -> float:
         """Posterior mean preemption rate per node-second."""
-        return (self.PRIOR_RATE * self.PRIOR_WEIGHT + self.removals) / (self.PRIOR_WEIGHT + self.exposure)
+        return auto.posterior_rate(self.removals, self.exposure, self.PRIOR_RATE, self.PRIOR_WEIGHT)
 
-    def _terms(self) -> list[tuple]:
-        """Per (D, mode), the constants of :meth:`expected_throughput` (only the rate varies)."""
+    def mode_costs(self, D: int) -> auto.ModeCosts:
+        """The costs of a layout of D pipelines, as :mod:`bamboo.redundancy.auto` takes them."""
         p = self.preset
         every = self.cfg.fallback_every_s
+        plain = p.plain_step_time(D)
+        return auto.ModeCosts(
+            samples_per_step=p.samples_per_step,
+            stages=p.stages,
+            pipelines=D,
+            step_s={mode: plain * (1.0 + self.mode_overhead(mode)) for mode in auto.MODES},
+            failover_pause_s=p.failover_pause_s,
+            reconfiguration_s=p.rebalance_s,
+            restart_s=p.restart_s,
+            shadow_slowdown=p.shadow_slowdown,
+            # a fatal loss with no peer pipeline rolls back to the last fallback checkpoint
+            rollback_s=every / 2 if (self.cfg.fatal_rollback and every > 0 and D == 1) else 0.0,
+        )
+
+    def _terms(self) -> list[auto.ModeTerms]:
+        """Per (D, mode), D ascending then modes in :data:`~bamboo.redundancy.auto.MODES` order,
+        the constants of :meth:`expected_throughput` (only the rate varies)."""
         out = []
-        for D in range(1, p.max_pipelines + 1):
-            plain = p.plain_step_time(D)
-            for mode in ("eager", "lazy", "off"):
-                tau = plain * (1.0 + self.mode_overhead(mode))
-                rollback = every / 2 if (self.cfg.fatal_rollback and every > 0 and D == 1) else 0.0
-                fatal_cost = p.restart_s + tau / 2 + rollback
-                base = p.failover_pause_s + tau * (p.shadow_slowdown - 1.0) + p.rebalance_s
-                lazy = tau / 2 if mode == "lazy" else 0.0  # forwards of the failed stage recomputed
-                out.append((D, mode, p.samples_per_step / tau, p.rebalance_s + tau, fatal_cost, base, lazy))
+        for D in range(1, self.preset.max_pipelines + 1):
+            costs = self.mode_costs(D)
+            out.extend(auto.mode_terms(mode, costs) for mode in auto.MODES)
         return out
 
     def expected_throughput(self, mode: str, D: int, lam: float) -> float:
         """Expected samples per second of layout D in ``mode`` at preemption rate ``lam`` per node."""
         for row in self._terms():
-            if row[0] == D and row[1] == mode:
-                return self._value(row, lam)
+            if row.pipelines == D and row.mode == mode:
+                return auto.value(row, lam)
         raise ValueError(f"no layout D={D} mode={mode!r}")
 
-    def _value(self, row: tuple, lam: float) -> float:
-        D, mode, sps_tau, exposure_s, fatal_cost, base, lazy = row
-        r = lam * D * self.P  # failures per second among working nodes
-        if mode == "off":
-            per_failure = fatal_cost  # every loss restarts
-        else:
-            q = 1.0 - math.exp(-2.0 * lam * exposure_s)  # a neighbour goes before recovery
-            per_failure = base + q * fatal_cost + lazy
-        return sps_tau / (1.0 + r * per_failure)
-
     def choose_layout(self, n_ready: int) -> int:
-        lam = self.rate()
-        best_mode, best_d, best_v = "eager", 0, -1.0
         d_max = min(n_ready // self.P, self.max_d)
-        P = self.P
-        exp = math.exp
-        for row in self.terms:  # _value, inlined (hot)
-            D, mode, sps_tau, exposure_s, fatal_cost, base, lazy = row
-            if D > d_max:
-                break
-            if mode == "off":
-                per_failure = fatal_cost
-            else:
-                per_failure = base + (1.0 - exp(-2.0 * lam * exposure_s)) * fatal_cost + lazy
-            v = sps_tau / (1.0 + lam * D * P * per_failure)  # same instances paid for: value ~ throughput
-            if v > best_v * (1 + 1e-12):
-                best_mode, best_d, best_v = row[1], row[0], v
-        self.rc_mode = best_mode
-        return best_d
+        # same instances paid for whatever the layout: value ~ throughput; ties go to fewer pipelines
+        best, _ = auto.best_terms(self.terms[: d_max * len(auto.MODES)], self.rate())
+        if best is None:
+            self.rc_mode = "eager"
+            return 0
+        self.rc_mode = best.mode
+        return best.pipelines
 
     def _result(self, horizon: float, timeline: list | None) -> RunResult:
         res = super()._result(horizon, timeline)
