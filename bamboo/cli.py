@@ -10,32 +10,25 @@ of a second and prints one line: what is wrong and how to fix it.
 from __future__ import annotations
 
 import argparse
+import errno
 from pathlib import Path
 import json
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
-from bamboo.config import ConfigError, JobConfig, parse_kill
+from bamboo.argparsing import EXIT_USAGE, UsageParser
+from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig, parse_kill
 from bamboo.presets import PRESETS
 
 __all__ = ["main"]
-
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     """The parser of `bamboo train`; with `given_only`, flags the user did not type are absent
     (so a --config file's values are overridden only by flags actually given)."""
     d = JobConfig()
-    p = _Parser(prog="bamboo train", description="Train on a local cluster of worker processes, "
-                "one per node, with a coordinator process holding the store.")
+    p = UsageParser(prog="bamboo train", description="Train on a local cluster of worker "
+                    "processes, one per node, with a coordinator process holding the store.")
 
     def opt(*names: str, default: object = None, **kw: object) -> None:
         p.add_argument(*names, default=argparse.SUPPRESS if given_only else default, **kw)
@@ -52,7 +45,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         help="samples per micro-batch (default 8)")
     opt("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
     opt("--seed", type=int, default=d.seed)
-    opt("--redundancy", default=d.redundancy, help="eager | lazy | off (default eager)")
+    opt("--redundancy", default=d.redundancy, help="eager | lazy | off | auto (default eager; "
+        "auto picks one at every generation from the preemption rate and costs measured)")
     opt("--frc-offload", action="store_true", default=False,
         help="keep eager FRC's saved tensors in CPU memory until a failover needs them")
     opt("--data", help="UTF-8 text file (byte tokens); default synthetic")
@@ -65,7 +59,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     opt("--comm-timeout", type=float, default=d.comm_timeout_s, dest="comm_timeout_s",
         help="seconds any communication call may block (default 60)")
     opt("--lease", type=float, default=d.lease_s, dest="lease_s",
-        help="seconds without a heartbeat before a node is fenced (default 10)")
+        help=f"seconds without a heartbeat before a node is fenced (default 10; more than "
+        f"the {HEARTBEAT_S:g} s between two heartbeats)")
     opt("--device", default=d.device, help="auto | cpu | cuda")
     opt("--kill", action="append", default=[], metavar="D:S@K[+notice]",
         help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
@@ -166,14 +161,13 @@ def _load_resume(cfg: JobConfig) -> Any:
     if cfg.resume is None:
         return None
     # No checkpoint at all is a user error found without importing torch (the layout is
-    # that of bamboo.cluster.launcher.checkpoint_root and bamboo.checkpoint).
+    # that of bamboo.checkpoint.checkpoint_root, which imports torch).
     given = Path(cfg.resume)
     root = given if (given / "LATEST").exists() or given.name == "checkpoints" else given / "checkpoints"
     if not (root.is_dir() and any(p.name.startswith("step-") and p.is_dir() for p in root.iterdir())):
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint in {root}: pass the --out "
                           f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
-    from bamboo.checkpoint import CheckpointError, load_latest
-    from bamboo.cluster.launcher import checkpoint_root
+    from bamboo.checkpoint import CheckpointError, checkpoint_root, load_latest
     try:
         ckpt = load_latest(checkpoint_root(cfg.resume))
     except CheckpointError as e:
@@ -190,6 +184,13 @@ def _load_resume(cfg: JobConfig) -> Any:
     if ckpt.step >= cfg.steps:
         raise ConfigError(f"--resume {cfg.resume}: its checkpoint is at step {ckpt.step}, "
                           f"--steps is {cfg.steps}: ask for more steps")
+    planned = meta.get("steps")
+    if isinstance(planned, int) and planned != cfg.steps:
+        # The learning rate's cosine decay ends at --steps (bamboo.pipeline.optim).
+        how = "stretched" if cfg.steps > planned else "shortened"
+        print(f"bamboo train: note: resuming a run planned for {planned} steps with --steps "
+              f"{cfg.steps}: the learning-rate schedule is {how} to {cfg.steps} steps (pass "
+              f"--steps {planned} to keep it)", file=sys.stderr)
     return ckpt
 
 
@@ -234,6 +235,7 @@ def train(argv: list[str], coordinator: bool = False) -> int:
         if not same_dir:
             run.check_usable()
         resume = _load_resume(cfg)
+        run.check_writable("--resume" if same_dir else "--out")
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -281,13 +283,19 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from bamboo.cluster import forkserver
     forkserver.start()  # imports torch in the background while this process does too
-    from bamboo.cluster.launcher import RunFailed, run_local
+    from bamboo.cluster.coordinator import RunFailed, run_local
     from bamboo.progress import ProgressDisplay
+    from bamboo.runlog import RunDirError
     display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
     try:
         summary = run_local(cfg, run, display, crash, debug=args.debug,
                             check_replicas=args.check_replicas, resume=resume, agents=agents,
                             membership=membership)
+    except RunDirError as e:  # the run's own files could not be written (a full disk)
+        if args.debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     except RunFailed as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         if not args.no_report:
@@ -311,8 +319,8 @@ def _coordinator(argv: list[str]) -> int:
 
 
 def _agent(argv: list[str]) -> int:
-    p = _Parser(prog="bamboo agent", description="Run one node of a job whose coordinator "
-                "(bamboo coordinator) listens at ADDR:PORT.")
+    p = UsageParser(prog="bamboo agent", description="Run one node of a job whose coordinator "
+                    "(bamboo coordinator) listens at ADDR:PORT.")
     p.add_argument("--join", required=True, metavar="ADDR:PORT", help="the coordinator's --bind")
     p.add_argument("--token", help="the job's join token (printed by the coordinator)")
     p.add_argument("--token-file", help="a file holding the join token")
@@ -361,7 +369,7 @@ def _profile(argv: list[str]) -> int:
 
 
 def _config_command(argv: list[str]) -> int:
-    p = _Parser(prog="bamboo config", description="Job files for `bamboo train --config`.")
+    p = UsageParser(prog="bamboo config", description="Job files for `bamboo train --config`.")
     p.add_argument("--example", action="store_true", help="print a commented example job file")
     args = p.parse_args(argv)
     if not args.example:
@@ -399,9 +407,28 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the one place an unexpected error becomes a single line
         if debug:
             raise
-        print(f"bamboo: internal error: {type(e).__name__}: {e} (rerun with --debug for the "
-              f"traceback)", file=sys.stderr)
+        print(f"bamboo: {_unexpected(e, argv[0])} (rerun with --debug for the traceback)",
+              file=sys.stderr)
         return 1
+
+
+def _unexpected(e: BaseException, command: str) -> str:
+    """One line for an exception nobody handled: its type always, its message's first line
+    when it has one, and what to do for the ones a user can act on."""
+    kind = type(e).__name__
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    if isinstance(e, MemoryError) or kind == "OutOfMemoryError":  # torch.cuda's is a RuntimeError
+        what = f"{kind}: {text[:200]}" if text else kind
+        hint = ("reduce --micro-batch-size or the model size, or spread it over more --stages"
+                if command in ("train", "coordinator", "profile") else
+                "free memory or give it a smaller input")
+        return f"out of memory ({what}): {hint}"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = f": {e.filename}" if e.filename else ""
+        return f"no space left on device ({kind}{where}): free some space or write elsewhere"
+    if not text:
+        return f"internal error: {kind} (it carries no message)"
+    return f"internal error: {kind}: {text}"
 
 
 if __name__ == "__main__":

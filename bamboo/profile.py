@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bamboo.argparsing import EXIT_USAGE, UsageParser  # one-line usage errors
+
 __all__ = ["main", "stage_times"]
 
 
@@ -71,7 +73,7 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
 def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
                  steps: int) -> dict[str, float]:
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
-    from bamboo.cluster.launcher import run_local
+    from bamboo.cluster.coordinator import run_local
     from bamboo.config import JobConfig, parse_kill
     from bamboo.progress import ProgressDisplay
     from bamboo.runlog import RunDir
@@ -102,8 +104,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bamboo.cli import _Parser  # one-line usage errors, like every bamboo command
-    parser = _Parser(prog="bamboo profile", description=__doc__.split("\n")[0])
+    parser = UsageParser(prog="bamboo profile", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt2-tiny")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (G)")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {args.out} exists: choose another file or remove it")
     except ConfigError as e:
         print(f"bamboo profile: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     from bamboo.redundancy.timeline import Costs, compare
     from bamboo.sim.costs import StepCosts, save_costs

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bamboo.cluster.launcher import RunFailed, run_local
+from bamboo.cluster.coordinator import RunFailed, run_local
 from bamboo.config import JobConfig, parse_kill
 from bamboo.faults import Fault
 from bamboo.pipeline import schedule as S
@@ -39,11 +39,15 @@ def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> t
     return losses, l2
 
 
-def assert_equals_failure_free(summary: dict, cfg: JobConfig) -> None:
+def assert_equals_failure_free(summary: dict, cfg: JobConfig, rel: float = REL) -> None:
     losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
     assert summary["status"] == "completed", summary["error"]
-    assert_close(summary["losses"], losses, rel=REL)
-    assert_close(summary["param_l2"], l2, rel=REL)
+    assert_close(summary["losses"], losses, rel=rel)
+    assert_close(summary["param_l2"], l2, rel=rel)
+
+
+NEW_LAYOUT_REL = 1e-4
+"""A restore onto a new layout sums data-parallel gradients in another grouping."""
 
 
 def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | None = None,
@@ -111,20 +115,25 @@ def _events(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-def test_adjacent_kills_without_a_peer_pipeline_stop_with_the_message(tmp_path: Path) -> None:
+def test_adjacent_kills_without_a_peer_pipeline_restart_from_the_initial_state(
+        tmp_path: Path) -> None:
+    """No copy of stage 2 survives and there is no checkpoint: the run goes back to the
+    seeded start on the survivors, never stops."""
     cfg = config(dict(steps=6, kills=["0:1@3", "0:2@3"]))
     summary = run_in_process(cfg, tmp_path / "run")
-    assert summary["exit_code"] == 3 and summary["status"] == "failed"
-    assert "lost every copy" in summary["error"] and "--pipelines 2" in summary["error"]
-    assert summary["steps_completed"] == 3
+    assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL)
+    assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3
 
 
 @pytest.mark.timeout(120)
 def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
     cfg = config(dict(steps=4, redundancy="off", kills=["0:2@1"]))
     summary = run_in_process(cfg, tmp_path / "run")
-    assert summary["exit_code"] == 3 and summary["failovers"] == 0
-    assert "--redundancy off keeps no copy" in summary["error"]
+    assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL)
+    assert summary["failovers"] == 0 and summary["checkpoint_restores"] == 1
+    assert summary["redone_steps"] == 1
+    lost = [e for e in _events(tmp_path / "run") if e["event"] == "fault_detected"]
+    assert "--redundancy off keeps no in-flight copy" in lost[0]["error"]
 
 
 @pytest.mark.timeout(120)
@@ -174,16 +183,20 @@ def kill_cases(draw) -> tuple[JobConfig, dict[int, list[Fault]]]:
 @settings(max_examples=CASES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=kill_cases())
-def test_random_kills_end_equal_or_stop_with_the_message(case, tmp_path_factory) -> None:
+def test_random_kills_end_equal_to_the_failure_free_run(case, tmp_path_factory) -> None:
+    """Whatever is killed, the run ends equal (in flight, or from a restore point), unless
+    no node is left at all."""
     cfg, faults = case
     out = tmp_path_factory.mktemp("case") / "run"
     summary = run_in_process(cfg, out, faults)
-    if summary["status"] == "failed":
+    if summary["status"] == "failed":  # only when every node was killed
         assert summary["exit_code"] == 3, summary["error"]
-        assert "lost every copy" in summary["error"], summary["error"]
+        assert "no live node is left" in summary["error"], summary["error"]
+        assert len(faults) == cfg.nodes
         return
-    assert_equals_failure_free(summary, cfg)
-    lost = summary["failovers"] + summary["peer_restores"]
+    assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL if summary["reconfigurations"]
+                               else REL)
+    lost = summary["failovers"] + summary["peer_restores"] + summary["checkpoint_restores"]
     assert summary["preemptions"] == lost
     assert 0 < lost <= len(faults) or all(f.step >= cfg.steps for fs in faults.values() for f in fs)
 

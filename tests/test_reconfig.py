@@ -94,7 +94,10 @@ def test_whole_pipeline_lost_continues_on_the_other(tmp_path: Path) -> None:
     cfg = config(nodes=8, stages=4, micro_batches=2, steps=6,
                  kills=["1:0@2", "1:1@2", "1:2@2", "1:3@2"])
     summary = run_in_process(cfg, tmp_path / "run")
-    assert_equal_and_accounted(summary, cfg, lost=4)
+    assert_equal_and_accounted(summary, cfg)
+    # The last kill may not fire: once pipeline 1 has no node left that can take the
+    # stages over, its survivor is dropped to a standby before it reaches its kill point.
+    assert summary["preemptions"] in (3, 4), summary
     assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
     plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
     assert (plan["pipelines"], plan["stages"]) == (1, 4)
@@ -125,11 +128,15 @@ def test_shadow_lost_in_the_same_step_restores_the_checkpoint(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(120)
-def test_adjacent_kills_without_a_checkpoint_stop_with_the_message(tmp_path: Path) -> None:
+def test_adjacent_kills_without_a_checkpoint_restart_from_the_initial_state(tmp_path: Path) -> None:
+    """No live copy and no checkpoint: the run goes back to its seeded start, redoing the
+    three committed steps, and still ends equal to the failure-free run."""
     cfg = config(nodes=4, stages=4, steps=6, kills=["0:1@3", "0:2@3"])
     summary = run_in_process(cfg, tmp_path / "run")
-    assert summary["exit_code"] == 3
-    assert "--checkpoint-every" in summary["error"]
+    assert_equal_and_accounted(summary, cfg, lost=2)
+    assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3
+    restores = [e for e in events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    assert [(e["checkpoint"], e["step"], e["redone_steps"]) for e in restores] == [(None, 0, 3)]
 
 
 def _write_trace(path: Path, rows: list[tuple[float, str, str]]) -> Path:

@@ -37,7 +37,7 @@ def test_adjacent_losses_without_a_peer_pipeline_are_unrecoverable() -> None:
     first = plan_failover(roles(), 2).roles
     with pytest.raises(Unrecoverable, match="stage 2 of pipeline 0 lost every copy"):
         plan_failover(first, 1)  # n1 shadows stage 2, whose only copy it held
-    with pytest.raises(Unrecoverable, match="--pipelines 2"):
+    with pytest.raises(Unrecoverable, match="stage 2 of pipeline 0 lost every copy with node n2"):
         plan_failover(plan_failover(roles(), 1).roles, 2)  # stage 2's replica was on n1
 
 

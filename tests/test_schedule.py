@@ -16,7 +16,7 @@ def test_schedules_complete_without_deadlock(builder, stages: int, micro_batches
         fwd = [i.mb for i in sched if isinstance(i, S.Forward)]
         bwd = [i.mb for i in sched if isinstance(i, S.Backward)]
         assert sorted(fwd) == list(range(micro_batches)) == sorted(bwd)
-        assert isinstance(sched[-2], S.ReduceGrads) and isinstance(sched[-1], S.OptimizerStep)
+        assert isinstance(sched[-1], (S.Backward, S.SendGrad))  # the commit round follows
         assert all(i.stage == s for i in sched)
     assert len(order) == sum(len(s) for s in schedules)
 

@@ -31,6 +31,9 @@ from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
+from bamboo.cluster.protocol import (Beat, Done, Exit, Hello, Job, KillOrder, Notice, NoticeOrder,
+                                     Progress, Refused)
+
 __all__ = ["JoinError", "parse_address", "write_join_token", "AgentListener", "RemoteProcess",
            "run_agent"]
 
@@ -65,7 +68,7 @@ class AgentListener:
     def __init__(self, address: tuple[str, int], token: str) -> None:
         self.listener = Listener(address, authkey=token.encode())
         self.address = self.listener.address
-        self.joined: queue.Queue[tuple[Connection, dict]] = queue.Queue()
+        self.joined: queue.Queue[tuple[Connection, Hello]] = queue.Queue()
         self.refused = 0
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -82,7 +85,7 @@ class AgentListener:
                 hello = conn.recv() if conn.poll(10) else None
             except (EOFError, OSError):
                 hello = None
-            if not isinstance(hello, dict) or hello.get("kind") != "hello":
+            if not isinstance(hello, Hello):
                 conn.close()
                 continue
             self.joined.put((conn, hello))
@@ -99,10 +102,9 @@ class RemoteProcess:
     worker's), and the end of the connection is the process's exit (`sentinel`).
     """
 
-    def __init__(self, conn: Connection, hello: dict, slot: int, beats: Any, progress: Any) -> None:
-        self.conn, self.slot, self.beats, self.progress = conn, slot, beats, progress
-        self.pid = hello.get("pid", -1)
-        self.host = hello.get("host", "?")
+    def __init__(self, conn: Connection, hello: Hello, slot: int, progress: Progress) -> None:
+        self.conn, self.slot, self.progress = conn, slot, progress
+        self.pid, self.host = hello.pid, hello.host
         self.exitcode: int | None = None
         self.reader, self._writer = mp.Pipe(duplex=False)
         self._sentinel_r, self._sentinel_w = os.pipe()
@@ -115,13 +117,11 @@ class RemoteProcess:
         try:
             while True:
                 msg = pickle.loads(self.conn.recv_bytes())
-                kind = msg.get("kind")
-                if kind == "beat":
-                    self.beats[self.slot] = time.monotonic() - msg["age"]
-                    self.progress[2 * self.slot] = msg["step"]
-                    self.progress[2 * self.slot + 1] = msg["phase"]
-                elif kind == "exit":
-                    code = msg["code"]
+                if isinstance(msg, Beat):
+                    self.progress.beats[self.slot] = time.monotonic() - msg.age
+                    self.progress.mark(self.slot, msg.step, msg.phase)
+                elif isinstance(msg, Exit):
+                    code = msg.code
                     break
                 else:
                     self._writer.send(msg)
@@ -139,7 +139,7 @@ class RemoteProcess:
         machine would never answer (fencing)."""
         with self._lock:
             try:
-                self.conn.send({"kind": "kill"})
+                self.conn.send(KillOrder())
             except (OSError, ValueError):
                 pass
             try:  # wakes the relay's blocked recv with EOF: exit code -9, sentinel ready
@@ -152,7 +152,7 @@ class RemoteProcess:
     def terminate_notice(self) -> None:
         with self._lock:
             try:
-                self.conn.send({"kind": "notice"})
+                self.conn.send(NoticeOrder())
             except (OSError, ValueError):
                 pass
 
@@ -218,33 +218,34 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
     except OSError as e:
         raise JoinError(f"cannot reach the coordinator at {address[0]}:{address[1]} "
                         f"({e.strerror or e}): is `bamboo coordinator` running there?") from None
-    conn.send({"kind": "hello", "pid": os.getpid(), "host": socket.gethostname()})
+    conn.send(Hello(pid=os.getpid(), host=socket.gethostname()))
     if not conn.poll(120):
         raise JoinError("the coordinator accepted the connection but sent no job within 120 s")
     job = conn.recv()
-    if job.get("kind") == "refused":
+    if isinstance(job, Refused):
         raise JoinError(f"the coordinator at {address[0]}:{address[1]} refused this node: "
-                        f"{job.get('why')}")
-    if job.get("kind") != "job":
-        raise JoinError(f"unexpected first message from the coordinator: {job.get('kind')}")
-    spec = job["spec"]
+                        f"{job.why}")
+    if not isinstance(job, Job):
+        raise JoinError(f"unexpected first message from the coordinator: {type(job).__name__}")
+    spec = job.spec
     say(f"joined {address[0]}:{address[1]} as node n{spec.node}")
-    membership = _join_membership(job.get("etcd"), spec.node, token, say)
+    membership = _join_membership(job.etcd, spec.node, token, say)
 
     from bamboo.cluster import forkserver
     from bamboo.cluster.worker import worker_main
     ctx = forkserver.context()
     slots = spec.slot + 1
     beats = RawArray("d", [time.monotonic() + 60.0] * slots)
-    progress = RawArray("i", [0] * (2 * slots))
+    cells = RawArray("i", [0] * Progress.cells_for(slots))
+    progress = Progress(beats, cells)
     reader, writer = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=worker_main, args=(spec, writer, beats, progress),
+    worker = ctx.Process(target=worker_main, args=(spec, writer, beats, cells),
                          name=f"bamboo-n{spec.node}")
     worker.start()
     writer.close()
     lock = threading.Lock()
 
-    def send(msg: dict) -> None:
+    def send(msg: Any) -> None:
         # Plain pickle: tensors travel by value (multiprocessing's own pickler would pass
         # them as shared-memory handles, which only work within one machine).
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -276,7 +277,7 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
                 try:
                     while reader.poll():
                         msg = reader.recv()
-                        finished |= msg.get("kind") == "done"
+                        finished |= isinstance(msg, Done)
                         send(msg)
                 except (EOFError, OSError):
                     pass
@@ -286,9 +287,9 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
                 except (EOFError, OSError):
                     worker.kill()  # the coordinator is gone: so is the job
                     return 0 if finished else 1
-                if order.get("kind") == "kill":
+                if isinstance(order, KillOrder):
                     worker.kill()
-                elif order.get("kind") == "notice":  # a notice relayed by the coordinator
+                elif isinstance(order, NoticeOrder):  # a notice relayed by the coordinator
                     noticed.append("coordinator")
             if worker.sentinel in ready:
                 worker.join()
@@ -298,17 +299,17 @@ def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str]
                         send(reader.recv())
                 except (EOFError, OSError):
                     pass
-                send({"kind": "exit", "code": code})
+                send(Exit(code=code))
                 return 0 if code == 0 else 1
             if noticed and not reported:
                 reported = True
                 say(f"preemption notice ({noticed[0]}): draining at the next step boundary")
-                send({"kind": "notice", "source": noticed[0]})
+                send(Notice(rank=spec.node, source=noticed[0]))
             now = time.monotonic()
             if now - last_beat >= _BEAT_S:
                 last_beat = now
-                send({"kind": "beat", "age": max(0.0, now - beats[spec.slot]),
-                      "step": progress[2 * spec.slot], "phase": progress[2 * spec.slot + 1]})
+                send(Beat(age=max(0.0, now - beats[spec.slot]), step=progress.step_of(spec.slot),
+                          phase=progress.phase_of(spec.slot)))
     except (OSError, EOFError) as e:
         say(f"lost the coordinator ({e!r})")
         worker.kill()

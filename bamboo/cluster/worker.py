@@ -34,25 +34,23 @@ import torch.distributed as dist
 
 from bamboo.checkpoint import load_checkpoint
 from bamboo.cluster.link import CoordinatorLink
+from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
+                                     GenerationEnd, GenerationReady, LayerParams, Left, Notice,
+                                     Progress, Ready, StepReport, WorkerError, plan_key)
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
 from bamboo.models import layer_param_counts, preset
-from bamboo.pipeline.comm import RESTORE, PeerLost, tag_for
+from bamboo.pipeline.comm import P2P, RESTORE, Interrupted, PeerLost, tag_for
 from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.stage import StageState
 from bamboo.reconfig.planner import GenerationPlan
 
-__all__ = ["WorkerSpec", "worker_main", "SHUTDOWN_KEY", "HEARTBEAT_S", "plan_key"]
+__all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
 
-SHUTDOWN_KEY = "shutdown"
-HEARTBEAT_S = 0.5
+from bamboo.config import HEARTBEAT_S  # noqa: E402 - one value for workers and --lease checks
 _PR_SET_PDEATHSIG = 1
-
-
-def plan_key(gen: int) -> str:
-    return f"gen/{gen}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +107,7 @@ class _Node:
     """One worker's life: generations one after another."""
 
     def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
-                 device: torch.device, backend: str, progress: Any) -> None:
+                 device: torch.device, backend: str, progress: Progress) -> None:
         self.spec, self.link, self.store, self.device, self.backend = spec, link, store, device, backend
         self.progress = progress
         cfg = self.cfg = spec.config
@@ -128,6 +126,9 @@ class _Node:
         self.faults = FaultPlan(list(spec.faults))
         self.param_counts = layer_param_counts(self.preset)
 
+    def _mark(self, step: int, phase: int) -> None:
+        self.progress.mark(self.spec.slot, step, phase)
+
     def wait_plan(self, gen: int) -> GenerationPlan | None:
         """The plan of generation `gen`, or None when the run is over."""
         key = plan_key(gen)
@@ -139,16 +140,16 @@ class _Node:
             time.sleep(0.05)
 
     def live(self) -> None:
-        self.link.send("ready")
+        self.link.report(Ready)
         gen = self.spec.first_gen
         while True:
             plan = self.wait_plan(gen)
             if plan is None:
-                self.link.send("done")
+                self.link.report(Done)
                 return
             if self.spec.name not in plan.members:
                 if self.spec.name in plan.leavers:
-                    self.link.send("left", gen=plan.gen)
+                    self.link.report(Left, gen=plan.gen)
                     return
                 gen = plan.gen + 1  # a standby in this generation
                 continue
@@ -162,7 +163,7 @@ class _Node:
         rank = plan.members.index(self.spec.name)
         self.link.rank = rank
         self.faults.forget(plan.fired_kills)
-        if self.holdings_step != plan.start_step:
+        if self.holdings_step != plan.start_step or plan.fresh_start:
             self.holdings = {}  # a standby's old state: never current
         try:
             group = self._join_group(plan, rank)
@@ -173,23 +174,24 @@ class _Node:
                 self._transfer(plan, rank, group, {})
             except _TransferFailed:
                 pass
-            self.link.send("left", gen=plan.gen)
+            self.link.report(Left, gen=plan.gen)
             return "finished"
         cfg = self.cfg
         layout = Layout(nodes=len(plan.members), pipelines=plan.pipelines, stages=plan.stages,
                         global_micro_batches=cfg.global_micro_batches)
         engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
-                            rank=rank, roles=plan.roles(cfg.redundancy != "off"), task=self.task,
+                            rank=rank, roles=plan.roles(plan.redundancy != "off"), task=self.task,
                             hyper=self.hyper, seed=cfg.seed, device=self.device, link=self.link,
-                            redundancy=cfg.redundancy, group=group, slot=self.spec.slot,
-                            faults=self.faults, progress=self.progress,
+                            redundancy=plan.redundancy, group=group, slot=self.spec.slot,
+                            faults=self.faults,
+                            progress=self._mark,
                             check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload)
         try:
             self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:
             return self._failed(plan, e)
-        self.link.send("gen_ready", gen=plan.gen, stages=sorted(engine.stages),
-                       replica=engine.replica.stage if engine.replica is not None else None)
+        self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
+                         replica=engine.replica.stage if engine.replica is not None else None)
         done_step = plan.start_step
         for step in range(plan.start_step, cfg.steps):
             try:
@@ -197,19 +199,19 @@ class _Node:
             except GenerationEnded:
                 break
             done_step = step + 1
-            self.link.send("step", **asdict(report))
-            if "ckpt" in engine.flags:
+            self.link.send(StepReport(**asdict(report)))
+            if BoundaryFlag.CHECKPOINT in engine.flags:
                 self._send_checkpoint_part(engine, step + 1)
-            if "reconf" in engine.flags:
+            if BoundaryFlag.RECONFIGURE in engine.flags:
                 break
         else:
-            self.link.send("params", layers=engine.parameters_by_layer())
-            self.link.send("done")
+            self.link.report(LayerParams, layers=engine.parameters_by_layer())
+            self.link.report(Done)
             self.wait_plan(1 << 30)  # returns at shutdown
             return "finished"
         self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
-        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings), step=done_step)
+        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
 
     def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
@@ -240,8 +242,8 @@ class _Node:
 
     def _failed(self, plan: GenerationPlan, error: Exception) -> str:
         """The generation could not start here: report the state of the last boundary."""
-        self.link.send("gen_end", gen=plan.gen, layers=sorted(self.holdings),
-                       step=self.holdings_step, failed=str(error))
+        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings),
+                         step=self.holdings_step, failed=str(error))
         return "next"
 
     def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
@@ -263,22 +265,32 @@ class _Node:
                   needed: set[int]) -> dict[int, torch.Tensor]:
         """Post this node's sends and receives of the plan; wait for all of them."""
         works, received = [], {}
+        p2p = P2P(group)
+        engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
+        abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731
         try:
             for layer, src, dst in plan.transfers:
                 tag = tag_for(RESTORE, layer, dst)
                 if src == rank:
                     tensor = self.holdings[layer].to(self.device)
-                    works.append((group.send([tensor], dst, tag), tensor))
+                    works.append((group.send([tensor], dst, tag), dst, tensor))
                 elif dst == rank:
                     buf = torch.empty(3 * self.param_counts[layer] + 1, dtype=torch.float32,
                                       device=self.device)
-                    works.append((group.recv([buf], src, tag), buf))
+                    works.append((group.recv([buf], src, tag), src, buf))
                     received[layer] = buf
-            for work, _ in works:
-                work.wait()
+            for work, peer, _ in works:
+                # A peer that waits on a lost node never sends: the abandoned generation's
+                # new epoch, not the communication timeout, ends the wait.
+                p2p.wait_interruptible(work, peer, abandoned)
+        except Interrupted as e:
+            raise _TransferFailed(f"generation {plan.gen} was abandoned during its state "
+                                  f"transfer") from e
         except (RuntimeError, PeerLost) as e:
             raise _TransferFailed(f"state transfer of generation {plan.gen} failed: "
                                   f"{str(e).splitlines()[0][:200]}") from e
+        finally:
+            self.link.on_epoch = engine_wake
         return {i: v for i, v in received.items() if i in needed}
 
     def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
@@ -290,7 +302,7 @@ class _Node:
             first = next(r for r in roles.stage_members(stage) if r not in dead)
             if first == engine.rank:
                 layers.update({i: st.layer_state(i) for i in st.layer_indices})
-        self.link.send("ckpt", step=step, layers=layers)
+        self.link.report(CheckpointPart, step=step, layers=layers)
 
 
 def _notice_handler(link: CoordinatorLink) -> Any:
@@ -299,17 +311,26 @@ def _notice_handler(link: CoordinatorLink) -> Any:
 
     def report() -> None:
         noticed.wait()
-        link.send("notice", source="SIGTERM")
+        link.report(Notice, source="SIGTERM")
 
     threading.Thread(target=report, daemon=True, name="notice").start()
     return lambda signum, frame: noticed.set()
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, progress: Any) -> None:
+def _one_line(e: BaseException) -> str:
+    """An exception as one line that always says something (`MemoryError()` has no text)."""
+    text = str(e).splitlines()[0][:500] if str(e).strip() else ""
+    if isinstance(e, MemoryError):
+        return f"MemoryError: out of memory{': ' + text if text else ''}"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> None:
     """Entry point of a worker process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     link = None
+    progress = Progress(beats, cells)
     try:
         cfg = spec.config
         torch.set_num_threads(cfg.threads)
@@ -319,18 +340,16 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, progress: Any) -
         link = CoordinatorLink(rank=spec.node, conn=conn, store=store,
                                timeout_s=cfg.comm_timeout_s, watch_store=watch)
         signal.signal(signal.SIGTERM, _notice_handler(link))
-        threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, beats, spec.slot),
+        threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, progress, spec.slot),
                          daemon=True, name="heartbeat").start()
         device, backend = _device(cfg, spec.node)
         _Node(spec, link, store, device, backend, progress).live()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate
         try:
-            message = {"kind": "error", "rank": spec.node,
-                       "step": int(progress[2 * spec.slot]) if progress is not None else -1,
-                       "peer_lost": isinstance(e, PeerLost),
-                       "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
-                       "traceback": traceback.format_exc()}
+            message = WorkerError(rank=spec.node, step=progress.step_of(spec.slot),
+                                  peer_lost=isinstance(e, PeerLost),
+                                  error=_one_line(e), traceback=traceback.format_exc())
             if link is not None:
                 with link.lock:
                     conn.send(message)

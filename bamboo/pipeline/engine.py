@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from bamboo.cluster.link import CoordinatorLink
 from bamboo.data import Batch, Task
 from bamboo.faults import FaultPlan
 from bamboo.models import ModelPreset, boundary_shapes, loss_fn
@@ -37,11 +36,13 @@ from bamboo.pipeline.commit import RoundResult, commit_round
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.optim import clip_coefficient, learning_rate
 from bamboo.pipeline.stage import StageState
-from bamboo.redundancy.roles import RoleMap
+from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, Votes
+from bamboo.redundancy.roles import RoleMap, Takeover
 
-__all__ = ["TrainingHyper", "StepReport", "NodeEngine", "GenerationEnded", "PHASES"]
+__all__ = ["TrainingHyper", "StepTally", "NodeEngine", "GenerationEnded"]
 
-PHASES = ("forward", "backward", "commit", "optimizer")
+_FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
+"""Phase indices a node marks its progress with (`bamboo.cluster.protocol.PHASES` names them)."""
 
 
 class GenerationEnded(Exception):
@@ -61,8 +62,8 @@ class TrainingHyper:
 
 
 @dataclass(kw_only=True, slots=True)
-class StepReport:
-    """What one node tells the coordinator after a committed step."""
+class StepTally:
+    """What one node counts during a step; the worker reports it after the commit."""
 
     step: int
     rank: int
@@ -110,7 +111,7 @@ class _Step:
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
     seen_forward: bool = False
-    report: StepReport | None = None
+    report: StepTally | None = None
 
 
 class NodeEngine:
@@ -118,16 +119,17 @@ class NodeEngine:
 
     def __init__(self, *, preset: ModelPreset, parts: Sequence[range], layout: Layout,
                  rank: int, roles: RoleMap, task: Task, hyper: TrainingHyper, seed: int,
-                 device: torch.device, link: CoordinatorLink, redundancy: str,
+                 device: torch.device, link: Votes, redundancy: str,
                  group: Any, slot: int | None = None,
-                 faults: FaultPlan | None = None, progress: Any = None,
+                 faults: FaultPlan | None = None,
+                 progress: Callable[[int, int], None] | None = None,
                  check_replicas: bool = False, frc_offload: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
         self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
         self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
         self.slot = rank if slot is None else slot
         self.faults.holds = self._holds
-        self.flags: set[str] = set()
+        self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
         self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
@@ -159,28 +161,27 @@ class NodeEngine:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run_step(self, step: int) -> StepReport:
+    def run_step(self, step: int) -> StepTally:
         """Run `step` to its commit, surviving lost peers on the way."""
         start = time.perf_counter()
         s = _Step(step)
-        s.report = StepReport(step=step, rank=self.rank, stages=[])
+        s.report = StepTally(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
         while True:
             wait = False
             try:
                 length = self._micro_batches(s)
-                self._mark(step, 2)
+                self._mark(step, _COMMIT)
                 self.faults.check(step, length, False, True)
-                if self.link.phase_a_done(step, self.roles.epoch) != "go":
+                if self.link.phase_a_done(step, self.roles.epoch) is not Go.GO:
                     self._recover(s, wait=False)
                     continue
                 result = self._commit_round(s, length)
                 self.faults.check(step, length + 2, False, True)
                 losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
-                decision, *flags = self.link.round_done(step, self.roles.epoch, result.ok,
-                                                        losses).split("+")
-                if decision == "commit":
-                    self.flags = set(flags)
+                verdict = self.link.round_done(step, self.roles.epoch, result.ok, losses)
+                if verdict.decision is Decision.COMMIT:
+                    self.flags = set(verdict.flags)
                     self._apply(s, result)
                     self.faults.check(step, length + 3, False, True)
                     break
@@ -206,8 +207,7 @@ class NodeEngine:
 
     def _mark(self, step: int, phase: int) -> None:
         if self.progress is not None:
-            self.progress[2 * self.slot] = step
-            self.progress[2 * self.slot + 1] = phase
+            self.progress(step, phase)
 
     def _schedule(self) -> list[S.Instruction]:
         frc = self.replica.stage if self.replica is not None and self.eager else None
@@ -219,7 +219,8 @@ class NodeEngine:
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue
-            self._mark(s.step, 1 if isinstance(instr, (S.Backward, S.SendGrad, S.RecvGrad)) else 0)
+            self._mark(s.step, _BACKWARD if isinstance(instr, (S.Backward, S.SendGrad, S.RecvGrad))
+                       else _FORWARD)
             self._dispatch[type(instr)](s, instr)
             s.done.add(instr)
             is_forward = isinstance(instr, S.Forward)
@@ -250,7 +251,7 @@ class NodeEngine:
 
     def _apply(self, s: _Step, result: RoundResult) -> None:
         """Phase C: one optimizer step on every stage held and on the replica."""
-        self._mark(s.step, 3)
+        self._mark(s.step, _OPTIMIZER)
         start = time.perf_counter()
         h = self.hyper
         coef = clip_coefficient(result.norm, h.grad_clip)
@@ -415,21 +416,21 @@ class NodeEngine:
         self.roles = new
         self.p2p.forget(set(new.dead))
         for t in new.takeovers:
-            if t["pipeline"] == self.pipeline and t["new_holder"] == self.rank:
+            if t.pipeline == self.pipeline and t.new_holder == self.rank:
                 self._adopt(s, t)
-            elif t["pipeline"] == self.pipeline and (t["stage"] + 1) % self.P in self.stages \
-                    and t["stage"] != self.P - 1:
-                self._retarget(s, t["stage"], t["new_holder"])
-            if t["source"] == self.rank:
-                state = self.stages[t["stage"]].state_vector()
-                self.p2p.send(state, t["new_holder"], tag_for(RESTORE, t["stage"]))
+            elif t.pipeline == self.pipeline and (t.stage + 1) % self.P in self.stages \
+                    and t.stage != self.P - 1:
+                self._retarget(s, t.stage, t.new_holder)
+            if t.source == self.rank:
+                state = self.stages[t.stage].state_vector()
+                self.p2p.send(state, t.new_holder, tag_for(RESTORE, t.stage))
         if self.replica is not None and new.replica_of(self.rank) != self.replica.stage:
             self.replica = None
 
-    def _adopt(self, s: _Step, t: dict) -> None:
-        """Take over stage t["stage"] for the rest of this step and after."""
-        stage = t["stage"]
-        if t["kind"] == "failover":
+    def _adopt(self, s: _Step, t: Takeover) -> None:
+        """Take over stage `t.stage` for the rest of this step and after."""
+        stage = t.stage
+        if t.kind == "failover":
             assert self.replica is not None and self.replica.stage == stage
             st, self.replica = self.replica, None
         else:
@@ -437,7 +438,7 @@ class NodeEngine:
             buf = torch.empty(st.state_size(), dtype=torch.float32, device=self.device)
             # A lost source raises PeerLost: the stage is not adopted, and the coordinator,
             # seeing the source gone mid-restore, abandons the generation.
-            self.p2p.recv(buf, t["source"], tag_for(RESTORE, stage))
+            self.p2p.recv(buf, t.source, tag_for(RESTORE, stage))
             st.load_state_vector(buf)
         self.stages[stage] = st
         s.adopted.add(stage)
@@ -446,7 +447,7 @@ class NodeEngine:
             if stage > 0 and (stage - 1, mb) in s.saved_out:
                 s.inputs[key] = s.saved_out[(stage - 1, mb)].detach().requires_grad_()
                 s.done.add(S.RecvActivation(stage, mb))
-            if mb in s.frc and t["kind"] == "failover":
+            if mb in s.frc and t.kind == "failover":
                 x, out, loss = s.frc.pop(mb)
                 s.inputs[key], s.outputs[key] = x, out
                 if loss is not None:

@@ -5,6 +5,10 @@ covering two stages (a shadow after failover). The engine is a dispatcher over
 these lists; `simulate` replays the lists of all stages without any process, with
 the engine's communication semantics (sends never block, a receive waits for its
 matching send), to prove a schedule is complete and deadlock-free.
+
+The gradient all-reduce and the optimizer step are not instructions: they are the
+step's commit round (`bamboo.pipeline.commit`), which runs once after the list, under
+the coordinator's go/commit votes.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Instruction", "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad",
-    "RecvGrad", "ReduceGrads", "OptimizerStep", "RedundantForward", "one_f_one_b", "gpipe",
+    "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe",
     "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
 ]
 
@@ -74,16 +78,6 @@ class RedundantForward(Instruction):
     mb: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReduceGrads(Instruction):
-    """All-reduce the stage's gradients across pipelines."""
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizerStep(Instruction):
-    """Clip by the global norm and apply one optimizer step to the stage."""
-
-
 def _forward_group(stage: int, stages: int, mb: int) -> list[Instruction]:
     group: list[Instruction] = []
     if stage > 0:
@@ -118,7 +112,7 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction
         out += _backward_group(stage, stages, i)
     for mb in range(micro_batches - warmup, micro_batches):
         out += _backward_group(stage, stages, mb)
-    return out + [ReduceGrads(stage), OptimizerStep(stage)]
+    return out
 
 
 def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
@@ -128,7 +122,7 @@ def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
         out += _forward_group(stage, stages, mb)
     for mb in reversed(range(micro_batches)):
         out += _backward_group(stage, stages, mb)
-    return out + [ReduceGrads(stage), OptimizerStep(stage)]
+    return out
 
 
 class ScheduleError(RuntimeError):

@@ -61,6 +61,10 @@ class GenerationPlan:
     reason: str = ""
     fired_kills: list[str] = field(default_factory=list)
     """`--kill D:S@K` specs already carried out (steps may be redone after a restore)."""
+    redundancy: str = "eager"
+    """eager | lazy | off for this generation (`--redundancy auto` changes it between them)."""
+    fresh_start: bool = False
+    """Every layer is built from the seed: the run restarts from its initial state."""
 
     @property
     def active(self) -> int:

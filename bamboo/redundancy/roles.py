@@ -6,18 +6,32 @@ its stages to a surviving copy: the replica's holder (a *failover*: the predeces
 becomes the shadow), or, when the replica died too, the same stage of another
 pipeline, whose copy is identical at every step boundary (a *peer restore*, onto the
 node that took the preceding stage, so every node holds a contiguous run of stages).
-When no copy survives, `Unrecoverable` says so in one line. Pure data, no torch.
+When no copy survives in flight, `Unrecoverable` says so in one line (the coordinator
+then plans a new generation from whatever copies and restore points remain). Pure data,
+no torch.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["RoleMap", "Takeover", "FailoverPlan", "Unrecoverable", "plan_failover"]
 
 
 class Unrecoverable(RuntimeError):
     """Every copy of some stage is gone; str() is the message for the user."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Takeover:
+    """Stage `stage` of pipeline `pipeline` moves from the lost node to `new_holder`."""
+
+    stage: int
+    pipeline: int
+    new_holder: int
+    kind: str
+    """`failover` (from the replica) or `peer_restore` (from `source`, another pipeline)."""
+    source: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -31,8 +45,8 @@ class RoleMap:
     replicas: list[list[int | None]]
     epoch: int = 0
     dead: list[int] = field(default_factory=list)
-    takeovers: list[dict] = field(default_factory=list)
-    """The moves of the latest change: dicts of Takeover's fields, in the order to apply."""
+    takeovers: list[Takeover] = field(default_factory=list)
+    """The moves of the latest change, in the order to apply."""
     abandon: bool = False
     """The generation ends here: no copy covers the loss in flight, so every node drops the
     step under way and the coordinator plans a new generation (`bamboo.reconfig`)."""
@@ -77,24 +91,15 @@ class RoleMap:
     def to_json(self) -> str:
         return json.dumps({"stages": self.stages, "pipelines": self.pipelines,
                            "holders": self.holders, "replicas": self.replicas,
-                           "epoch": self.epoch, "dead": self.dead, "takeovers": self.takeovers,
+                           "epoch": self.epoch, "dead": self.dead,
+                           "takeovers": [asdict(t) for t in self.takeovers],
                            "abandon": self.abandon})
 
     @classmethod
     def from_json(cls, text: str) -> RoleMap:
-        return cls(**json.loads(text))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Takeover:
-    """Stage `stage` of pipeline `pipeline` moves from the lost node to `new_holder`."""
-
-    stage: int
-    pipeline: int
-    new_holder: int
-    kind: str
-    """`failover` (from the replica) or `peer_restore` (from `source`, another pipeline)."""
-    source: int | None = None
+        fields = json.loads(text)
+        fields["takeovers"] = [Takeover(**t) for t in fields.get("takeovers", [])]
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,10 +131,8 @@ def plan_failover(roles: RoleMap, lost: int) -> FailoverPlan:
     P = roles.stages
     lost_stages = [s for s in range(P) if roles.holders[d][s] == lost]
     if len(lost_stages) == P:
-        hint = ("continuing on fewer pipelines needs a reconfiguration, which this version lacks"
-                if roles.pipelines > 1 else "run with --pipelines 2 or more to survive this")
-        raise Unrecoverable(f"stage 0 of pipeline {d} lost every copy with node n{lost}, the "
-                            f"pipeline's last node: the run stops here; {hint}")
+        raise Unrecoverable(f"pipeline {d} lost every copy of its stages with node n{lost}, "
+                            f"its last node")
     if lost_stages:
         # Walk the lost run in pipeline order, starting after a surviving stage.
         start = next(s for s in lost_stages if roles.holders[d][(s - 1) % P] != lost)
@@ -140,8 +143,7 @@ def plan_failover(roles: RoleMap, lost: int) -> FailoverPlan:
         for s, holder in enumerate(row):
             if holder == lost:
                 row[s] = None
-    new.takeovers = [{"stage": t.stage, "pipeline": t.pipeline, "new_holder": t.new_holder,
-                      "kind": t.kind, "source": t.source} for t in takeovers]
+    new.takeovers = list(takeovers)
     return FailoverPlan(roles=new, takeovers=takeovers)
 
 
@@ -158,8 +160,7 @@ def _take_over(old: RoleMap, new: RoleMap, d: int, s: int, lost: int) -> Takeove
         node = f"n{lost}"
         raise Unrecoverable(
             f"stage {s} of pipeline {d} lost every copy with node {node} (its replica's holder "
-            f"is gone too) and no other pipeline holds it: the run stops here; run with "
-            f"--pipelines 2 or more to survive the loss of adjacent nodes")
+            f"is gone too) and no other pipeline can hand it over in flight")
     new.holders[d][s] = prev_holder
     new.replicas[d][s] = None
     return Takeover(stage=s, pipeline=d, new_holder=prev_holder, kind="peer_restore",

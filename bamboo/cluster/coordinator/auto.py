@@ -1,0 +1,132 @@
+"""`--redundancy auto` in a run: the costs and the preemption rate this run has seen, fed to
+the decision function the simulator's `adaptive` policy uses (`bamboo.redundancy.auto`).
+
+Measured here, per run:
+
+- the failure-free step time of each mode run so far (median `wall_s` of steps without a
+  loss, the first step of each generation left out); lazy's is also derived from an eager
+  step by taking out its FRC time (every node reports `frc_s`), and an unmeasured mode is
+  estimated from a measured one by `DEFAULT_OVERHEAD`;
+- the failover pause (median `pause_s` of in-flight losses, else one step), the
+  reconfiguration time (median of the run's reconfigurations, else 1 s), and the restart
+  cost of a loss nothing covers: a reconfiguration plus the steps redone, which is half
+  the checkpoint interval, or every step since the run's start when there is no
+  checkpoint (a run without checkpoints risks all of its progress with `off`);
+- the rate: losses (any kind) over the node-seconds the run held nodes, with the
+  pessimistic prior.
+
+A mode switch needs a new generation, whose cost is charged to every mode but the current
+one (spread over the steps left).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from bamboo.cluster.coordinator.state import RunContext
+from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode
+
+__all__ = ["AutoRedundancy"]
+
+_NOMINAL_STEP_S = 1.0
+"""Only before any step ran: the absolute scale of step times matters only against the rate."""
+
+
+class AutoRedundancy:
+    def __init__(self, ctx: RunContext, nodes: Callable[[], Any], records: Callable[[], list[dict]],
+                 failures: Callable[[], Any], generations: Callable[[], Any]) -> None:
+        self.ctx = ctx
+        self.nodes, self.records, self.failures, self.gens = nodes, records, failures, generations
+        self.rate = RateEstimator()
+        self.last_t: float | None = None
+        self.counted_losses = 0
+        self.mode_of_step: dict[int, str] = {}
+        self.current: str | None = None
+        self.gen_starts: set[int] = set()
+        """First steps of generations (their wall time includes the setup)."""
+
+    def observe(self) -> None:
+        """Accrue the node-seconds held since the last call and the losses seen since."""
+        now = self.ctx.clock()
+        if self.last_t is not None:
+            alive = sum(1 for n in self.nodes() if n.is_alive)
+            self.rate.observe(node_seconds=alive * (now - self.last_t))
+        self.last_t = now
+        failures = self.failures()
+        seen = len(failures.losses) + failures.standby_losses
+        if seen > self.counted_losses:
+            self.rate.observe(removals=seen - self.counted_losses)
+            self.counted_losses = seen
+
+    def step_ran(self, step: int) -> None:
+        if self.current is not None:
+            self.mode_of_step[step] = self.current
+
+    # -- costs ------------------------------------------------------------------------------
+
+    def _clean_steps(self) -> list[dict]:
+        failed = {x.step for x in self.failures().losses}
+        return [r for r in self.records() if r["step"] not in failed
+                and r["step"] not in self.gen_starts and r["step"] in self.mode_of_step]
+
+    def costs(self) -> ModeCosts:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        clean = self._clean_steps()
+        step_s: dict[str, float] = {}
+        for mode in ("eager", "lazy", "off"):
+            walls = [r["wall_s"] for r in clean if self.mode_of_step[r["step"]] == mode]
+            if len(walls) >= 2:
+                step_s[mode] = statistics.median(walls)
+        eager = [r for r in clean if self.mode_of_step[r["step"]] == "eager"]
+        if "lazy" not in step_s and len(eager) >= 2:
+            step_s["lazy"] = statistics.median(
+                r["wall_s"] - max((x["frc_s"] for x in r["nodes"]), default=0.0) for r in eager)
+        if not step_s:
+            step_s["off"] = _NOMINAL_STEP_S
+        tau = min(step_s.values())
+        losses = self.failures().losses
+        pauses = [x.pause_s for x in losses if x.in_flight and x.written]
+        reconf = [t["total_s"] for t in self.gens().times if "total_s" in t]
+        reconf_s = statistics.median(reconf) if reconf else 1.0
+        done = ctx.committed - (ctx.resume_step or 0)
+        every = cfg.checkpoint_every
+        rollback_steps = every / 2 if every else max(done, 1)
+        plan = ctx.plan
+        stages, pipelines = (plan.stages, plan.pipelines) if plan else (cfg.stages,
+                                                                         cfg.data_parallel)
+        return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.micro_batch_size,
+                         stages=stages, pipelines=pipelines, step_s=step_s,
+                         failover_pause_s=statistics.median(pauses) if pauses else tau,
+                         reconfiguration_s=reconf_s, restart_s=reconf_s,
+                         shadow_slowdown=2.0,
+                         rollback_s=rollback_steps * tau if pipelines == 1 else 0.0)
+
+    # -- the choice -------------------------------------------------------------------------
+
+    def choose(self, gen: int) -> str:
+        """The mode of generation `gen` (recorded as a `redundancy_mode` event), or with
+        `gen` < 0, the mode a new generation would get now (no event).
+
+        A switch costs a reconfiguration: the expectation of every mode but the current one
+        is lowered by that time spread over the steps left, so the chosen mode is exactly
+        the best of the expectations recorded."""
+        self.observe()
+        costs = self.costs()
+        choice = choose_mode(costs, self.rate.rate_per_node_s)
+        left_s = max(self.ctx.cfg.steps - self.ctx.committed, 1) * min(choice.step_s.values())
+        keep = left_s / (left_s + costs.reconfiguration_s)
+        expected = {m: v * (1.0 if m == self.current or self.current is None else keep)
+                    for m, v in choice.expected.items()}
+        best = max(expected.values())
+        order = ([self.current] if self.current else []) + list(expected)
+        mode = next(m for m in order if expected[m] == best)
+        if gen >= 0:
+            self.current = mode
+            self.gen_starts.add(self.ctx.committed)
+            self.ctx.events.write("redundancy_mode", gen=gen, step=self.ctx.committed, mode=mode,
+                                  rate_per_node_hour=choice.rate_per_node_hour,
+                                  expected={m: round(v, 4) for m, v in expected.items()},
+                                  step_s={m: round(v, 6) for m, v in choice.step_s.items()},
+                                  estimated=sorted(choice.estimated))
+        return mode

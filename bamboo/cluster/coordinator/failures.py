@@ -1,0 +1,242 @@
+"""Failure handling: a node's process ended, and the run must account for it.
+
+A node that drained and left is a `drain`. A node killed by a signal is a loss, and
+becomes, in this order of preference:
+
+- a **failover** or **peer restore** in flight: a new role map (`plan_failover`) that
+  every survivor applies to the step under way;
+- an **abandoned generation**: no in-flight copy covers it (or it happened while a
+  generation formed), so the next plan restores it from live copies, or from a restore
+  point (a **checkpoint restore**);
+- with `--recovery checkpoint-restart` (the baseline), every worker is restarted and the
+  last checkpoint loaded, as torchrun would.
+
+This module is the only writer of `node_lost`: each loss is written exactly once, when
+its handling is known (for in-flight ones, when its step's records are in).
+"""
+from __future__ import annotations
+
+import signal
+import statistics
+from collections.abc import Callable
+
+from bamboo.cluster.coordinator.generations import Generations
+from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
+from bamboo.cluster.coordinator.state import HandledAs, Loss, RunContext, Stop
+from bamboo.cluster.coordinator.steps import StepProtocol
+from bamboo.cluster.protocol import PHASES, StepReport
+from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover
+
+__all__ = ["FailureHandler", "ZERO_COUNTS"]
+
+ZERO_COUNTS = {"frc_reused": 0, "brc": 0, "resent_grads": 0}
+
+
+class FailureHandler:
+    def __init__(self, ctx: RunContext, nodes: Supervisor, steps: StepProtocol,
+                 generations: Generations, *, kill_fired: Callable[[Node], None],
+                 respawn: Callable[[Node], Node], layout_changed: Callable[[], None]) -> None:
+        self.ctx, self.nodes, self.steps, self.gens = ctx, nodes, steps, generations
+        self.kill_fired = kill_fired
+        """Marks the `--kill` specs a loss of this node carried out."""
+        self.respawn = respawn
+        self.layout_changed = layout_changed
+        self.losses: list[Loss] = []
+        self.standby_losses = 0
+        self.restore_step: int | None = None
+        self.restores: list[Takeover] = []
+        """Peer restores of step `restore_step`: their sources must survive, and their
+        receivers cannot serve as sources until the step commits."""
+
+    # -- a process ended --------------------------------------------------------------------
+
+    def on_exit(self, n: Node) -> None:
+        """`n`'s process is gone (its pipe already drained)."""
+        self.nodes.exited(n)
+        if self.ctx.reconf is not None:
+            self.ctx.reconf.ending.discard(n.node)
+        code = n.process.exitcode
+        if n.state is NodeState.RETIRED:
+            return
+        if n.state is NodeState.LEFT:
+            self._drained(n)
+            return
+        if n.state is NodeState.DONE and code == 0:
+            return
+        if code is not None and code < 0:
+            self.on_lost(n, self._signal_name(n, -code))
+            return
+        if n.state is not NodeState.DONE:
+            raise Stop(f"worker {n.name} ({self.gens.where(n)}) exited with code {code} "
+                       f"before finishing (see events.jsonl)")
+
+    def _signal_name(self, n: Node, signum: int) -> str:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGKILL and not n.kill_sent and self.nodes.oom_kills_grew():
+            return f"{name} (the kernel's OOM killer)"
+        return name
+
+    def _drained(self, n: Node) -> None:
+        """A noticed node handed its state over at a step boundary and left."""
+        self._write(Loss(node=n.name, rank=n.rank, step=self.ctx.committed, phase="boundary",
+                         handled_as=HandledAs.DRAIN, shadow=None, t=self._t(), signal="notice",
+                         counts=dict(ZERO_COUNTS)))
+
+    def _t(self) -> float:
+        return self.ctx.clock() - self.ctx.t0
+
+    # -- a loss -----------------------------------------------------------------------------
+
+    def on_lost(self, n: Node, signame: str) -> None:
+        ctx = self.ctx
+        n.state = NodeState.LOST
+        step = ctx.committed
+        in_gen = n.rank is not None and ctx.plan.members[n.rank] == n.name
+        if in_gen:
+            self.kill_fired(n)
+        if not in_gen:
+            self.standby_losses += 1
+            ctx.events.write("node_lost", node=n.name, step=step, phase="standby",
+                             handled_as=HandledAs.STANDBY, signal=signame)
+            ctx.say(f"standby node {n.name} lost ({signame})")
+            return
+        active = n.rank < ctx.plan.active and n.rank in self.steps.live_active()
+        progress = self.nodes.progress
+        phase = PHASES[progress.phase_of(n.slot)] if progress.step_of(n.slot) == step \
+            else "between steps"
+        where = self.gens.where(n)
+        loss = Loss(node=n.name, rank=n.rank, step=step, phase=phase,
+                    handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame)
+        self.losses.append(loss)
+        if step >= ctx.cfg.steps:
+            # After the last commit: nothing to redo; the final parameters come from the
+            # layers' other copies (every node also reports its replica's parameters).
+            loss.handled_as, loss.phase = HandledAs.FAILOVER, "after the last step"
+            loss.counts = dict(ZERO_COUNTS)
+            self._write(loss)
+            return
+        if ctx.reconf is not None or not active or not self.gens.running():
+            loss.phase = "reconfiguration"
+            self._abandon(f"node {n.name} lost while a generation formed", loss, why="")
+            ctx.say(f"node {n.name} ({where}) lost in step {step} while a generation formed; "
+                    f"the next generation covers it")
+            return
+        try:
+            plan = self._failover_plan(n, step)
+        except Unrecoverable as e:
+            ctx.events.write("fault_detected", node=n.name, step=step, phase=phase,
+                             signal=signame, handled_as="reconfiguration", error=str(e))
+            self._abandon(f"node {n.name} lost in step {step}: {e}", loss,
+                          why=f"node {n.name} ({where}) was lost in step {step} ({signame}); {e}")
+            ctx.say(f"node {n.name} ({where}) lost in step {step} during {phase}; {e}: the next "
+                    f"generation restores it")
+            return
+        old_epoch = ctx.roles.epoch
+        ctx.roles = plan.roles
+        ctx.store.set(f"epoch/{ctx.roles.epoch}", ctx.roles.to_json())
+        self.steps.moot(step, old_epoch)
+        shadow = plan.takeovers[0].new_holder if plan.takeovers else None
+        loss.handled_as = HandledAs(plan.handled_as)
+        loss.in_flight = True
+        if loss.handled_as is HandledAs.PEER_RESTORE:
+            self.restore_step = step
+            self.restores += [t for t in plan.takeovers if t.kind == "peer_restore"]
+        loss.shadow = self.gens.rank_name(shadow)
+        ctx.events.write("fault_detected", node=n.name, step=step, phase=phase, signal=signame,
+                         handled_as=plan.handled_as, shadow=loss.shadow, roles=ctx.roles.holders)
+        ctx.say(f"node {n.name} ({where}) lost in step {step} during {phase}; "
+                f"{plan.handled_as.replace('_', ' ')} by {loss.shadow}")
+        self.layout_changed()
+        self.steps.emit()
+        self.steps.release_waiting_votes()
+
+    def _failover_plan(self, n: Node, step: int) -> FailoverPlan:
+        """The in-flight plan for losing `n` in `step`, or Unrecoverable."""
+        ctx = self.ctx
+        if self.restore_step != step:
+            self.restores = []
+        if any(n.rank in (t.source, t.new_holder) for t in self.restores):
+            raise Unrecoverable("a peer restore it took part in had not finished")
+        if not ctx.rc:
+            raise Unrecoverable("--redundancy off keeps no in-flight copy of its stage")
+        if ctx.roles.stages == 1:
+            raise Unrecoverable("a one-stage pipeline keeps no replica")
+        plan = plan_failover(ctx.roles, n.rank)
+        receiving = {t.new_holder for t in self.restores}
+        if any(t.kind == "peer_restore" and t.source in receiving for t in plan.takeovers):
+            raise Unrecoverable("the surviving copy's holder is itself still receiving its state")
+        return plan
+
+    def _abandon(self, reason: str, loss: Loss, why: str) -> None:
+        ctx = self.ctx
+        old_epoch = ctx.roles.epoch
+        dead = {x.rank for x in self.nodes if x.state is NodeState.LOST and x.rank is not None}
+        r = self.gens.abandon(reason, dead)
+        self.steps.moot(ctx.committed, old_epoch)
+        r.lost.append(loss)
+        if why and not r.why:
+            r.why = why
+        if ctx.cfg.recovery == "checkpoint-restart":
+            self.restart_all()
+
+    def restart_all(self) -> None:
+        """Checkpoint-restart recovery (the baseline, as torchrun does it): stop every worker,
+        start fresh ones in their place, and load the last checkpoint."""
+        r = self.ctx.reconf
+        if r.restarting is None:
+            r.restarting = set()
+        for n in self.nodes:
+            if n.exited or n.state not in (NodeState.STARTING, NodeState.READY) or \
+                    n.kill_at is not None or not n.process.is_alive() or n.node in r.restarting:
+                continue  # gone or going: counted when it ends, never restarted
+            n.state = NodeState.RETIRED
+            n.kill_sent = True
+            n.process.kill()
+            r.restarting.add(self.respawn(n).node)
+        r.ending.clear()
+        r.holdings.clear()
+        self.ctx.events.write("restart_all", step=self.ctx.committed, workers=len(r.restarting))
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def _write(self, loss: Loss) -> None:
+        """The `node_lost` event of `loss` (once)."""
+        if loss not in self.losses:
+            self.losses.append(loss)
+        if loss.written:
+            return
+        loss.written = True
+        fields = dict(node=loss.node, step=loss.step, phase=loss.phase,
+                      handled_as=str(loss.handled_as))
+        if loss.handled_as is not HandledAs.DRAIN:
+            fields.update(shadow=loss.shadow, signal=loss.signal)
+        if loss.handled_as is not HandledAs.STOPPED:
+            fields.update(pause_s=round(loss.pause_s, 4), **loss.counts)
+        self.ctx.events.write("node_lost", **fields)
+
+    def close(self, step: int, reports: list[StepReport], wall_s: float,
+              records: list[dict]) -> None:
+        """Step `step`'s records are in: write the losses that happened in it."""
+        here = [x for x in self.losses if x.step == step and not x.written
+                and x.handled_as is not HandledAs.PENDING]
+        if not here:
+            return
+        totals = {k: sum(getattr(r, k) for r in reports) for k in ZERO_COUNTS}
+        extra = max(0.0, wall_s - self._median_clean_step(records))
+        for x in here:
+            x.counts = totals if x.in_flight else dict(ZERO_COUNTS)
+            x.pause_s = extra / len(here)
+            self._write(x)
+
+    def _median_clean_step(self, records: list[dict]) -> float:
+        failed = {x.step for x in self.losses}
+        clean = [r["wall_s"] for r in records[1:] if r["step"] not in failed]
+        return statistics.median(clean) if clean else 0.0
+
+    def stopped(self) -> None:
+        """The run stops: losses it could not survive are written as `stopped`; losses
+        whose handling was known but whose step never completed are written as they are."""
+        for x in self.losses:
+            if x.handled_as is HandledAs.PENDING:
+                x.handled_as = HandledAs.STOPPED
+            self._write(x)

@@ -1,0 +1,239 @@
+"""Supervision of nodes: worker processes started here and agents on other machines.
+
+Every node is a `Node` record with one `NodeState` and a process handle: a local worker
+from the fork server, or a `RemoteProcess` that makes an agent look like one. Both come in
+through one path (`Supervisor.admit`). The supervisor owns the shared heartbeat/progress
+arrays, fences nodes whose heartbeat lease ran out (or whose etcd lease expired) with
+SIGKILL, and answers the questions the other parts ask: who is a live member of the
+generation, who waits as a standby, who may be planned.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import RawArray
+from typing import Any
+
+from bamboo.cluster.coordinator.state import RunContext
+from bamboo.cluster.protocol import Hello, Job, Progress, Refused
+
+__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S"]
+
+START_GRACE_S = 60.0
+"""A starting worker's heartbeat lease (importing torch on two busy cores takes a while)."""
+
+
+def _oom_kills(path: str = "/sys/fs/cgroup/memory.events") -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class NodeState(enum.Enum):
+    STARTING = "starting"
+    """The process runs; it has not said it is ready."""
+    READY = "ready"
+    """Up: a member of a generation, or a standby."""
+    NOTICED = "noticed"
+    """A preemption notice arrived: it drains at the next step boundary."""
+    FENCED = "fenced"
+    """Silent past its lease: killed by the coordinator; its exit is a loss."""
+    RETIRED = "retired"
+    """Stopped by the coordinator itself (checkpoint-restart restarts every worker)."""
+    LEFT = "left"
+    """Drained: handed its state over and left."""
+    DONE = "done"
+    """Finished the last step."""
+    LOST = "lost"
+    """Its process ended by a signal: preempted (or fenced)."""
+
+
+@dataclass(slots=True)
+class Node:
+    node: int
+    slot: int
+    process: Any
+    conn: Connection
+    trace_node: int | None = None
+    state: NodeState = NodeState.STARTING
+    exited: bool = False
+    """The process is gone (whatever the state says about why)."""
+    rank: int | None = None
+    """Rank in the current generation's process group; None while not a member."""
+    kill_at: float | None = None
+    """A preemption with notice: SIGKILL at this time."""
+    kill_sent: bool = False
+    """The coordinator sent (or ordered) its SIGKILL."""
+
+    @property
+    def name(self) -> str:
+        return f"n{self.node}"
+
+    @property
+    def is_gone(self) -> bool:
+        """No longer part of the run (its last words may still be in its pipe)."""
+        return self.state in (NodeState.LOST, NodeState.LEFT, NodeState.RETIRED)
+
+    @property
+    def is_alive(self) -> bool:
+        """Counts against --max-nodes."""
+        return not self.exited and self.state is not NodeState.LOST
+
+    @property
+    def is_leased(self) -> bool:
+        """Its heartbeat is watched (a silent one is fenced)."""
+        return not self.exited and self.state in (NodeState.STARTING, NodeState.READY,
+                                                  NodeState.NOTICED)
+
+    @property
+    def can_stay(self) -> bool:
+        """May be planned into the next generation."""
+        return not self.exited and self.state in (NodeState.STARTING, NodeState.READY) and \
+            self.kill_at is None
+
+    @property
+    def is_standby(self) -> bool:
+        return self.rank is None and self.state is NodeState.READY and not self.exited and \
+            self.kill_at is None
+
+
+class Supervisor:
+    """The nodes of the run and their processes."""
+
+    def __init__(self, ctx: RunContext, slots: int, spec_for: Callable[[int, int, int], Any]) -> None:
+        self.ctx = ctx
+        self.spec_for = spec_for
+        """(node, slot, first generation) -> the WorkerSpec to start it with."""
+        now = ctx.clock()
+        self.beats = RawArray("d", [now + START_GRACE_S] * slots)
+        self.cells = RawArray("i", [0] * Progress.cells_for(slots))
+        self.progress = Progress(self.beats, self.cells)
+        self.free_slots = list(range(slots))
+        self.nodes: dict[int, Node] = {}
+        self.next_node = 0
+        self.expired: list[str] = []
+        """Node names whose etcd lease expired (filled by the membership watch)."""
+        self._oom_kills = _oom_kills()
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self.nodes.values()))
+
+    def __getitem__(self, node: int) -> Node:
+        return self.nodes[node]
+
+    def by_name(self, name: str) -> Node:
+        return self.nodes[int(name[1:])]
+
+    def alive_count(self) -> int:
+        return sum(1 for n in self.nodes.values() if n.is_alive)
+
+    def standbys(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.is_standby]
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _take_slot(self) -> tuple[int, int]:
+        node, self.next_node = self.next_node, self.next_node + 1
+        slot = self.free_slots.pop(0)
+        self.progress.reset(slot, self.ctx.clock() + START_GRACE_S)
+        return node, slot
+
+    def admit(self, start: Callable[[Any, int], tuple[Any, Connection]], *, first_gen: int,
+              trace_node: int | None = None) -> Node:
+        """Take a node id and a slot, start its process with `start(spec, slot)`."""
+        node, slot = self._take_slot()
+        process, conn = start(self.spec_for(node, slot, first_gen), slot)
+        n = Node(node, slot, process, conn, trace_node=trace_node)
+        self.nodes[node] = n
+        return n
+
+    def spawn_local(self, *, first_gen: int, trace_node: int | None = None) -> Node:
+        """A worker process from the fork server."""
+        from bamboo.cluster import forkserver
+        from bamboo.cluster.worker import worker_main
+
+        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
+            ctx = forkserver.context()
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells),
+                                  name=f"bamboo-{spec.name}")
+            process.start()
+            writer.close()
+            return process, reader
+
+        return self.admit(start, first_gen=first_gen, trace_node=trace_node)
+
+    def admit_agent(self, conn: Connection, hello: Hello, *, first_gen: int,
+                    etcd: dict | None) -> Node | None:
+        """An agent that joined: its worker becomes a node, unless --max-nodes is reached."""
+        from bamboo.cluster.remote import RemoteProcess
+        alive = self.alive_count()
+        if alive >= self.ctx.cfg.node_cap or not self.free_slots:
+            why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
+            try:
+                conn.send(Refused(why=why))
+                conn.close()
+            except OSError:
+                pass
+            self.ctx.events.write("agent_refused", host=hello.host, why=why)
+            return None
+
+        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
+            conn.send(Job(spec=spec, etcd=etcd))
+            process = RemoteProcess(conn, hello, slot, self.progress)
+            return process, process.reader
+
+        return self.admit(start, first_gen=first_gen)
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def check_leases(self) -> None:
+        """Fence every leased node silent for longer than --lease, or whose etcd lease
+        expired: SIGKILL now, and its exit is handled as a loss."""
+        now = self.ctx.clock()
+        for n in self:
+            silent = now - self.beats[n.slot]
+            if n.is_leased and silent > self.ctx.cfg.lease_s and n.process.is_alive():
+                self.fence(n, f"stopped answering for {silent:.1f} s", silent_s=round(silent, 2))
+        while self.expired:
+            name = self.expired.pop(0)
+            n = self.nodes.get(int(name[1:])) if name[1:].isdigit() else None
+            if n is not None and n.is_leased:
+                self.fence(n, "etcd lease expired", why="etcd lease expired")
+
+    def fence(self, n: Node, what: str, **fields: Any) -> None:
+        n.state = NodeState.FENCED
+        n.kill_sent = True
+        self.ctx.events.write("fenced", node=n.name, **fields)
+        self.ctx.say(f"node {n.name} {what}; fenced with SIGKILL")
+        n.process.kill()
+
+    def oom_kills_grew(self) -> bool:
+        """The kernel's OOM killer struck in this cgroup since the last look (cgroup v2's
+        `memory.events`; False where it cannot be read)."""
+        count = _oom_kills()
+        grew = count > self._oom_kills
+        self._oom_kills = count
+        return grew
+
+    def exited(self, n: Node) -> None:
+        """The process of `n` is gone: free its slot."""
+        n.exited = True
+        self.free_slots.append(n.slot)
+
+    def stop_all(self) -> None:
+        for n in self.nodes.values():
+            if n.process.is_alive():
+                n.process.kill()
+        deadline = time.monotonic() + 5
+        for n in self.nodes.values():
+            n.process.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,144 @@
+"""Preemption sources: `--kill`, notices, and trace replay.
+
+- `--kill D:S@K` is carried out inside the holder of (D, S) as step K begins (a fault
+  in its spec); `--kill D:S@K+notice` is a notice sent from here as step K begins, with
+  SIGKILL `--notice-s` seconds later. Each fires once, even when step K is redone.
+- A notice (SIGTERM, a cloud's metadata, or one relayed by an agent) marks the node
+  NOTICED: it drains at the next step boundary, and asks for a checkpoint there.
+- `--trace` replays a preemption trace: its adds start workers that wait as standbys,
+  its removes preempt the worker that plays the removed instance.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
+from bamboo.cluster.coordinator.state import RunContext
+from bamboo.faults import Fault
+
+__all__ = ["Preemptions"]
+
+
+def kill_key(pipeline: int, stage: int, step: int) -> str:
+    """The text form of a `--kill` (also its entry in `fired_kills`)."""
+    return f"{pipeline}:{stage}@{step}"
+
+
+class Preemptions:
+    def __init__(self, ctx: RunContext, nodes: Supervisor, *, where: Callable[[Node], str],
+                 extra_faults: dict[int, list[Fault]] | None = None) -> None:
+        self.ctx, self.nodes, self.where = ctx, nodes, where
+        cfg = ctx.cfg
+        self.extra_faults = extra_faults or {}
+        self.kill_faults = tuple(Fault("kill", k.step, pipeline=k.pipeline, stage=k.stage)
+                                 for k in cfg.kills if not k.notice)
+        self.fired: set[str] = set()
+        """`--kill` specs carried out (each preempts once, even if its step is redone)."""
+        self.replay: Any = None
+        self.trace_t0: float | None = None
+        self.trace_owner: dict[int, int] = {}
+        """Trace node -> the node id that plays it."""
+
+    # -- --kill -----------------------------------------------------------------------------
+
+    def faults_for(self, node: int, first_gen: int) -> tuple[Fault, ...]:
+        """The faults a worker starts with. One started later gets only the kills still
+        ahead (a step redone after a restore must not preempt its new holder again)."""
+        later = first_gen > 0
+        return tuple(f for f in self.kill_faults
+                     if kill_key(f.pipeline, f.stage, f.step) not in self.fired
+                     and (not later or f.step >= self.ctx.committed)) + \
+            tuple(self.extra_faults.get(node, []))
+
+    def fired_kills(self) -> list[str]:
+        return sorted(self.fired)
+
+    def kill_fired(self, n: Node) -> None:
+        """`n` was lost: the `--kill` aimed at its stage in this step is carried out."""
+        ctx, roles = self.ctx, self.ctx.roles
+        for k in ctx.cfg.kills:
+            if k.step == ctx.committed and k.pipeline < roles.pipelines and \
+                    k.stage < roles.stages and roles.holders[k.pipeline][k.stage] == n.rank:
+                self.fired.add(kill_key(k.pipeline, k.stage, k.step))
+
+    def step_begins(self, step: int) -> None:
+        """`--kill D:S@K+notice`: notice the holder of (D, S) as step K begins; a `--kill`
+        naming a stage no node holds by then (the layout changed) is reported."""
+        ctx, roles = self.ctx, self.ctx.roles
+        for k in ctx.cfg.kills:
+            if k.step != step:
+                continue
+            if k.pipeline >= roles.pipelines or k.stage >= roles.stages:
+                ctx.events.write("kill_unmatched", kill=str(k), step=step,
+                                 layout=[roles.pipelines, roles.stages])
+                ctx.say(f"warning: --kill {k} names no node in step {step}: the layout is "
+                        f"now {roles.pipelines} x {roles.stages}")
+                continue
+            if k.notice and str(k) not in self.fired:
+                self.fired.add(str(k))
+                holder = self.nodes.by_name(ctx.plan.members[roles.holders[k.pipeline][k.stage]])
+                self.preempt(holder, f"--kill {k}")
+
+    # -- notices ----------------------------------------------------------------------------
+
+    def on_notice(self, n: Node, source: str) -> bool:
+        """True when this is news (the node was not noticed before)."""
+        if n.state in (NodeState.NOTICED, NodeState.LOST) or n.exited:
+            return False
+        n.state = NodeState.NOTICED
+        self.ctx.events.write("notice", node=n.name, source=source, step=self.ctx.committed,
+                              role=self.where(n))
+        self.ctx.say(f"node {n.name} ({self.where(n)}) got a preemption notice ({source}); it "
+                     f"drains at the next step boundary")
+        return True
+
+    def preempt(self, n: Node, why: str) -> None:
+        """A cloud takes `n` away: SIGKILL now, or a notice (SIGTERM) and SIGKILL later."""
+        if n.exited or n.state is NodeState.LOST:
+            return
+        notice = self.ctx.cfg.notice_s
+        self.ctx.events.write("preempt", node=n.name, why=why, notice_s=notice)
+        n.kill_sent = True
+        if notice is None:
+            n.process.kill()
+            return
+        n.kill_at = self.ctx.clock() + notice
+        if hasattr(n.process, "terminate_notice"):  # an agent on another machine
+            n.process.terminate_notice()
+            return
+        try:
+            os.kill(n.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def tick(self, spawn: Callable[[int], Node]) -> None:
+        """Due kills of noticed nodes, and the trace's due events."""
+        now = self.ctx.clock()
+        for n in self.nodes:
+            if n.kill_at is not None and now >= n.kill_at:
+                n.kill_at = None
+                if not n.exited:
+                    n.process.kill()
+        if self.replay is None or self.trace_t0 is None:
+            return
+        for ev in self.replay.due(now - self.trace_t0):
+            if ev.kind == "add":
+                alive = sum(1 for n in self.nodes if n.is_alive and n.state in
+                            (NodeState.STARTING, NodeState.READY, NodeState.DONE))
+                if alive < self.ctx.cfg.node_cap:
+                    self.trace_owner[ev.node] = spawn(ev.node).node
+                else:
+                    self.ctx.events.write("trace_add_ignored", trace_node=ev.name,
+                                          why=f"{alive} nodes alive "
+                                              f"(--max-nodes {self.ctx.cfg.node_cap})")
+            else:
+                node = self.trace_owner.pop(ev.node, None)
+                if node is not None:
+                    self.preempt(self.nodes[node], f"trace remove {ev.name}")
+
+    def trace_finished(self) -> bool:
+        """No node will ever be added again."""
+        return self.replay is None or self.replay.finished

@@ -1,0 +1,106 @@
+"""Results: step records, the trained model and the run's summary.
+
+Every committed step becomes a `step_done` event (loss, wall time, per-node timers) and a
+line of progress. After the last step every node sends the parameters of the layers it
+holds; they are assembled into `model.pt` (written atomically) and summarised
+(`param_l2`, `param_sha256`) in `summary.json`, the contract's record of the run.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import statistics
+from typing import Any
+
+import torch
+
+from bamboo.cluster.coordinator.state import RunContext
+from bamboo.cluster.coordinator.steps import PendingStep
+from bamboo.cluster.protocol import LayerParams, StepReport
+
+__all__ = ["Results"]
+
+_TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s")
+_COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes")
+
+
+class Results:
+    def __init__(self, ctx: RunContext, display_step: Any) -> None:
+        self.ctx = ctx
+        self.display_step = display_step
+        self.records: list[dict] = []
+        self.params: dict[int, list] = {}
+
+    def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
+        record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
+                  "grad_norm": reports[0].grad_norm if reports else None,
+                  "lr": reports[0].lr if reports else None,
+                  "attempts": max((r.attempts for r in reports), default=1),
+                  "nodes": [self._node_timers(r, node_name(r)) for r in reports]}
+        self.records.append(record)
+        self.ctx.events.write("step_done", **record)
+        cfg = self.ctx.cfg
+        samples = cfg.global_micro_batches * cfg.micro_batch_size
+        self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
+                          [1000 * r.step_s for r in reports])
+        return record
+
+    @staticmethod
+    def _node_timers(r: StepReport, name: str) -> dict:
+        return {"node": name, "stages": r.stages} | \
+            {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS}
+
+    def on_params(self, msg: LayerParams) -> None:
+        for layer_index, tensors in msg.layers:
+            self.params[layer_index] = tensors
+
+    def missing_layers(self) -> list[int]:
+        return sorted(set(range(len(self.ctx.param_counts))) - set(self.params))
+
+    def ordered_params(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for layer_index in sorted(self.params):
+            out += [(f"layers.{layer_index}.{n}", t) for n, t in self.params[layer_index]]
+        return out
+
+    def model_bytes(self) -> bytes | None:
+        params = self.ordered_params()
+        if not params:
+            return None
+        buffer = io.BytesIO()
+        torch.save(dict(params), buffer)
+        return buffer.getvalue()
+
+    def summary(self, *, status: str, error: str | None, losses: list, standby_losses: int,
+                reconfigurations: int, redone_steps: int, reconf_times: list[dict]) -> dict[str, Any]:
+        ctx = self.ctx
+        params = self.ordered_params()
+        l2 = math.sqrt(math.fsum(float(t.double().square().sum()) for _, t in params))
+        sha = hashlib.sha256()
+        for _, t in params:
+            sha.update(t.contiguous().numpy().tobytes())
+        steps = len(ctx.losses)
+        batch = ctx.cfg.global_micro_batches * ctx.cfg.micro_batch_size
+        here = (steps - (ctx.resume_step or 0)) * batch  # this process's share
+        wall = ctx.clock() - ctx.t0
+        kinds = [str(x.handled_as) for x in losses]
+        step_walls = [r["wall_s"] for r in self.records[1:]]
+        return {
+            "status": status, "error": error,
+            "steps_completed": steps, "samples": steps * batch, "losses": ctx.losses,
+            "param_l2": l2 if params else None,
+            "param_sha256": sha.hexdigest() if params else None,
+            "preemptions": len(losses) + standby_losses,
+            "failovers": kinds.count("failover"), "drains": kinds.count("drain"),
+            "peer_restores": kinds.count("peer_restore"),
+            "checkpoint_restores": kinds.count("checkpoint_restore"),
+            "standby_losses": standby_losses, "reconfigurations": reconfigurations,
+            "redone_steps": redone_steps,
+            "pause_s": [round(x.pause_s, 4) for x in losses],
+            "reconfiguration_s": [round(r.get("total_s", float("nan")), 4) for r in reconf_times],
+            "resumed_from_step": ctx.resume_step,
+            "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
+            "median_step_s": statistics.median(step_walls) if step_walls else None,
+            "config": ctx.cfg.summary_fields(),
+        }

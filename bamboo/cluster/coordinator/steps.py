@@ -1,0 +1,156 @@
+"""The step protocol: the two votes of every step, the commit, and the step records.
+
+For step k under role epoch e, every live active node votes `MicroBatchesDone`; when all
+have, the coordinator writes Go.GO to `go/k/e`. Then every node votes `RoundDone`; when
+all succeeded, `decide/k/e` is COMMIT (with boundary flags from the generations part),
+and step k's loss is the sum of the micro-batch losses. A vote under an older epoch is
+answered ABORT/REDO. After the commit each node sends its `StepReport`; when every
+expected report is in, the step's record (`step_done` event) is written in order, the
+replicas' digests are compared, and the losses of that step are closed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bamboo.cluster.coordinator.state import RunContext, Stop
+from bamboo.cluster.protocol import (BoundaryFlag, Decision, Go, MicroBatchesDone, RoundDone,
+                                     StepReport, Verdict, decide_key, go_key)
+
+__all__ = ["StepProtocol", "PendingStep"]
+
+
+@dataclass(slots=True)
+class PendingStep:
+    step: int
+    loss: float
+    wall_s: float
+    expected: set[int]
+    """Node ids whose step report is awaited."""
+    reports: dict[int, StepReport] = field(default_factory=dict)
+
+
+class StepProtocol:
+    """Votes, commits and step records of the current generation."""
+
+    def __init__(self, ctx: RunContext, *, member_node: Callable[[int], int],
+                 gone: Callable[[], set[int]], boundary: Callable[[int], frozenset[BoundaryFlag]],
+                 on_commit: Callable[[int, frozenset[BoundaryFlag]], None],
+                 on_record: Callable[[PendingStep, list[StepReport]], None],
+                 check_replicas: bool = False) -> None:
+        self.ctx = ctx
+        self.member_node = member_node
+        """Rank in the current generation -> node id."""
+        self.gone = gone
+        """Node ids whose reports will never come."""
+        self.boundary = boundary
+        self.on_commit = on_commit
+        self.on_record = on_record
+        self.check_replicas = check_replicas
+        self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
+        self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}
+        self.pending: dict[int, PendingStep] = {}
+        self.round_failed_at: float | None = None
+        self.last_commit_t = ctx.clock()
+
+    def live_active(self) -> set[int]:
+        return set(self.ctx.roles.active_ranks())
+
+    def _stale(self, epoch: int) -> bool:
+        return epoch < self.ctx.roles.epoch or self.ctx.reconf is not None
+
+    def on_micro_batches_done(self, msg: MicroBatchesDone) -> None:
+        key = go_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self.ctx.set_once(key, Go.ABORT.value)
+            return
+        done = self.micro_batches_done.setdefault((msg.step, msg.epoch), set())
+        done.add(msg.rank)
+        if done >= self.live_active():
+            self.ctx.set_once(key, Go.GO.value)
+
+    def release_waiting_votes(self) -> None:
+        """After a role change: a vote that only the lost node was missing is complete."""
+        for (step, epoch), done in list(self.micro_batches_done.items()):
+            if epoch == self.ctx.roles.epoch and done >= self.live_active():
+                self.ctx.set_once(go_key(step, epoch), Go.GO.value)
+
+    def moot(self, step: int, epoch: int) -> None:
+        """Roles changed in `step`: votes under `epoch` are answered abort and redo."""
+        self.ctx.set_once(go_key(step, epoch), Go.ABORT.value)
+        self.ctx.set_once(decide_key(step, epoch), Decision.REDO.value)
+        self.round_failed_at = None
+
+    def on_round_done(self, msg: RoundDone) -> None:
+        key = decide_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self.ctx.set_once(key, Decision.REDO.value)
+            return
+        reports = self.rounds.setdefault((msg.step, msg.epoch), {})
+        reports[msg.rank] = msg
+        if not msg.ok and self.round_failed_at is None:
+            self.round_failed_at = self.ctx.clock()
+        if set(reports) >= self.live_active() and all(r.ok for r in reports.values()):
+            flags = self.boundary(msg.step)
+            self.ctx.set_once(key, Verdict(Decision.COMMIT, flags).encode())
+            self._commit(msg.step, reports)
+            self.on_commit(msg.step, flags)
+
+    def _commit(self, step: int, reports: dict[int, RoundDone]) -> None:
+        ctx = self.ctx
+        self.round_failed_at = None
+        mb_losses = sorted(x for r in reports.values() for x in r.losses)
+        loss = math.fsum(l * w for _, l, w in mb_losses)
+        now = ctx.clock()
+        expected = {self.member_node(r) for r in self.live_active()}
+        self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
+        self.last_commit_t = now
+        ctx.committed = step + 1
+        del ctx.losses[step:]
+        ctx.losses.append(loss)
+        self.emit()
+
+    def on_step_report(self, node: int, msg: StepReport) -> None:
+        pending = self.pending.get(msg.step)
+        if pending is not None:
+            pending.reports[node] = msg
+            self.emit()
+
+    def emit(self) -> None:
+        """Record every committed step whose reports are all in, in order."""
+        gone = self.gone()
+        while self.pending:
+            first = min(self.pending)
+            p = self.pending[first]
+            if not (p.expected - gone) <= set(p.reports):
+                return
+            del self.pending[first]
+            reports = sorted(p.reports.values(), key=lambda r: r.rank)
+            self.on_record(p, reports)
+            self._check_digests(reports, p.step)
+
+    def rewind(self, step: int) -> None:
+        """A restore goes back to `step`: records of later steps will never complete."""
+        self.pending = {k: v for k, v in self.pending.items() if k < step}
+
+    def _check_digests(self, reports: list[StepReport], step: int) -> None:
+        if not self.check_replicas:
+            return
+        roles = self.ctx.roles
+        primaries, replicas = {}, {}
+        for r in reports:
+            for name, digest in r.digests.items():
+                stage = int(name.removeprefix("replica").removeprefix("stage"))
+                target = replicas if name.startswith("replica") else primaries
+                target[(roles.pipeline_of(r.rank), stage)] = digest
+        for key, digest in replicas.items():
+            if key in primaries and primaries[key] != digest:
+                raise Stop(f"replica of stage {key[1]} in pipeline {key[0]} differs from its "
+                           f"primary after step {step}")
+        self.ctx.events.write("replicas_checked", step=step, replicas=len(replicas))
+
+    def stalled_round(self) -> bool:
+        """A node reported a failed round and no loss explains it within the lease."""
+        return self.round_failed_at is not None and \
+            self.ctx.clock() - self.round_failed_at > self.ctx.cfg.lease_s + 5

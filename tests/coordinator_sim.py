@@ -1,0 +1,326 @@
+"""A cluster without processes: the real coordinator parts, driven by scripted workers.
+
+`SimCluster` builds a `Coordinator`'s parts around a dict store, records events in a list,
+and plays every worker by the protocol: vote micro-batches done and the commit round for
+each step under the newest role epoch, report the step, end a generation with the
+layers it holds, enter the next one. Losses, notices, joins and checkpoints are methods,
+so a test can put them anywhere, including while a generation forms. No torch process,
+no sockets: a scenario runs in milliseconds.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bamboo.cluster.coordinator.loop import Coordinator
+from bamboo.cluster.coordinator.nodes import Node, NodeState
+from bamboo.cluster.coordinator.state import Stop
+from bamboo.cluster.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
+                                     LayerParams, Left, MicroBatchesDone, Notice, Ready,
+                                     RoundDone, StepReport, decide_key, go_key)
+from bamboo.config import JobConfig
+from bamboo.reconfig.planner import GenerationPlan
+from bamboo.redundancy.roles import RoleMap
+from bamboo.runlog import RunDir
+
+
+class DictStore:
+    port = 0
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value
+
+
+class ListEvents:
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+
+    def write(self, event: str, **fields: Any) -> dict:
+        record = {"event": event, **json.loads(json.dumps(fields, default=str))}
+        self.items.append(record)
+        return record
+
+    def close(self) -> None:
+        pass
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.items if e["event"] == kind]
+
+
+class QuietDisplay:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+    def layout(self, rows: Any, standbys: Any = ()) -> None:
+        pass
+
+    def step(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    exitcode: int | None = None
+    sentinel: int = -1
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@dataclass
+class SimWorker:
+    """What a worker process would know: its generation, roles and held layers."""
+
+    node: Node
+    gen: float = -1
+    epoch: int = -1
+    layers: set[int] | None = None
+    held_step: int = -1
+
+
+class SimCluster:
+    def __init__(self, cfg: JobConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.clock = FakeClock()
+        self.coord = Coordinator(cfg, RunDir(run_dir), QuietDisplay())
+        c = self.coord
+        c.rundir.path.mkdir(parents=True, exist_ok=True)
+        c.store, c.store_host = DictStore(), "sim"
+        c.events = self.events = ListEvents()
+        c._build_parts(self.clock())
+        c.ctx.clock = self.clock
+        self.workers: dict[int, SimWorker] = {}
+        self.stopped: str | None = None
+        for _ in range(cfg.nodes):
+            self._admit()
+        c.gens.enter(c.gens.first_plan())
+        for w in self.workers.values():
+            self._send(w, Ready(rank=w.node.node))
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _admit(self) -> SimWorker:
+        node = self.coord.nodes.admit(lambda spec, slot: (FakeProcess(pid=10_000 + spec.node),
+                                                          None), first_gen=0)
+        self.workers[node.node] = w = SimWorker(node)
+        return w
+
+    def join(self) -> SimWorker:
+        """A new node starts (a trace add, an agent) and waits as a standby."""
+        w = self._admit()
+        self._send(w, Ready(rank=w.node.node))
+        return w
+
+    def kill(self, node: int) -> None:
+        """SIGKILL from outside: the process is gone."""
+        w = self.workers[node]
+        w.node.process.exitcode = -9
+        self._guard(self.coord.failures.on_exit, w.node)
+
+    def notice(self, node: int) -> None:
+        self._send(self.workers[node], Notice(rank=node, source="test"))
+
+    def _send(self, w: SimWorker, msg: Any) -> None:
+        if not w.node.exited:
+            self._guard(self.coord.handlers[type(msg)], w.node, msg)
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        if self.stopped is not None:
+            return
+        try:
+            fn(*args)
+        except Stop as e:  # as the coordinator's loop does: account, summarise, stop
+            self.stopped = str(e)
+            self.failed = self.coord._failed(str(e), e.exit_code)
+            return
+        self._sync_processes()
+
+    def _sync_processes(self) -> None:
+        """The coordinator's SIGKILLs (fences, restarts) end the processes it names."""
+        for w in list(self.workers.values()):
+            n = w.node
+            if not n.exited and n.process.exitcode is not None:
+                self._guard(self.coord.failures.on_exit, n)
+
+    # -- the protocol, played by every live worker ------------------------------------------
+
+    @property
+    def ctx(self) -> Any:
+        return self.coord.ctx
+
+    def _plan(self, gen: int) -> GenerationPlan | None:
+        text = self.coord.store.data.get(f"gen/{gen}")
+        return GenerationPlan.from_json(text) if text else None
+
+    def _roles(self) -> RoleMap:
+        epochs = [int(k.split("/")[1]) for k in self.coord.store.data if k.startswith("epoch/")]
+        return RoleMap.from_json(self.coord.store.data[f"epoch/{max(epochs)}"])
+
+    def _members(self, plan: GenerationPlan) -> list[SimWorker]:
+        return [self.workers[int(n[1:])] for n in plan.members]
+
+    def _layers_of(self, plan: GenerationPlan, roles: RoleMap, rank: int) -> set[int]:
+        stages = roles.stages_of(rank)
+        replica = roles.replica_of(rank) if plan.redundancy != "off" else None
+        out: set[int] = set()
+        for s in stages + ([replica] if replica is not None else []):
+            out |= set(range(*plan.parts[s]))
+        return out
+
+    def enter_generation(self) -> None:
+        """Members of the newest plan that have not entered it report ready."""
+        plan = self._plan(self.ctx.plan.gen)
+        roles = self._roles()
+        for rank, w in enumerate(self._members(plan)):
+            if w.node.exited or w.gen == plan.gen:
+                continue
+            if rank >= plan.active:
+                self._send(w, Left(rank=rank, gen=plan.gen))
+                w.node.process.exitcode = 0
+                self._guard(self.coord.failures.on_exit, w.node)
+                continue
+            w.gen, w.epoch = plan.gen, plan.epoch
+            w.layers, w.held_step = self._layers_of(plan, roles, rank), plan.start_step
+            self._send(w, GenerationReady(rank=rank, gen=plan.gen, stages=[], replica=None))
+        for name in plan.leavers:
+            w = self.workers[int(name[1:])]
+            if not w.node.exited and name not in plan.members:
+                self._send(w, Left(rank=w.node.node, gen=plan.gen))
+                w.node.process.exitcode = 0
+                self._guard(self.coord.failures.on_exit, w.node)
+
+    def end_generation(self) -> None:
+        """Every live member of the ending generation reports what it holds."""
+        plan = self._plan(self.ctx.plan.gen)
+        for rank, w in enumerate(self._members(plan)):
+            if w.node.exited or w.gen > plan.gen or rank >= plan.active:
+                continue
+            if w.gen < plan.gen:  # still forming: it reports the last boundary's state
+                self._send(w, GenerationEnd(rank=rank, gen=plan.gen, layers=sorted(w.layers or ()),
+                                            step=w.held_step, failed="abandoned while forming"))
+            else:
+                roles = self._roles()
+                layers = self._layers_of(plan, roles, rank) if not roles.abandon else w.layers
+                self._send(w, GenerationEnd(rank=rank, gen=plan.gen, layers=sorted(layers or ()),
+                                            step=self.ctx.committed))
+            w.gen = plan.gen + 0.5  # ended; waits for the next plan
+
+    def settle(self) -> None:
+        """Let the coordinator plan, and the workers follow, until a generation runs."""
+        for _ in range(20):
+            if self.stopped is not None:
+                return
+            if self.ctx.reconf is not None:
+                self.end_generation()
+                self._guard(self.coord._try_plan)
+            if self.ctx.reconf is None:
+                self.enter_generation()
+                if self.coord.gens.running():
+                    return
+
+    def step(self, *, before_round: Any = None) -> None:
+        """Every live active node runs the next step to its commit (`before_round`: a
+        callback between the two votes, e.g. a loss in the commit phase)."""
+        self.settle()
+        if self.stopped is not None or self.ctx.committed >= self.cfg.steps:
+            return
+        step = self.ctx.committed
+        for attempt in range(10):
+            if self.stopped is not None:
+                return
+            roles = self._roles()
+            ranks = [r for r in roles.active_ranks()
+                     if not self.coord.gens.member(r).exited]
+            for r in ranks:
+                self._send(self._worker(r), MicroBatchesDone(rank=r, step=step, epoch=roles.epoch))
+            if self.coord.store.data.get(go_key(step, roles.epoch)) != "go":
+                self.settle()
+                continue
+            if before_round is not None:
+                before_round()
+                before_round = None
+                if self._roles().epoch != roles.epoch or self.stopped:
+                    self.settle()
+                    continue
+            for r in ranks:
+                self._send(self._worker(r), RoundDone(rank=r, step=step, epoch=roles.epoch,
+                                                      ok=True, losses=[(r, 1.0 + step, 0.0)]))
+            verdict = self.coord.store.data.get(decide_key(step, roles.epoch), "")
+            if verdict.startswith("commit"):
+                plan = self._plan(self.ctx.plan.gen)
+                for r in ranks:
+                    w = self._worker(r)
+                    w.layers = self._layers_of(plan, roles, r)
+                    self._send(w, StepReport(rank=r, step=step, stages=[]))
+                if "ckpt" in verdict:
+                    self._checkpoint(step + 1)
+                return
+            self.settle()
+            if self.stopped is not None or self.ctx.committed != step:
+                return
+        raise AssertionError(f"step {step} never committed")
+
+    def _worker(self, rank: int) -> SimWorker:
+        return self.workers[self.coord.gens.member(rank).node]
+
+    def _checkpoint(self, step: int) -> None:
+        parts = {i: torch.zeros(1) for i in range(len(self.ctx.param_counts))}
+        self._send(self._worker(0), CheckpointPart(rank=0, step=step, layers=parts))
+
+    def finish(self) -> None:
+        while self.stopped is None and self.ctx.committed < self.cfg.steps:
+            self.step()
+        self.settle()
+        if self.stopped is not None:
+            return
+        for r in self.ctx.roles.active_ranks():
+            w = self._worker(r)
+            if not w.node.exited:
+                layers = [(i, [("w", torch.zeros(1))]) for i in sorted(w.layers or ())]
+                self._send(w, LayerParams(rank=r, layers=layers))
+                self._send(w, Done(rank=r))
+
+    # -- what the tests check ---------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Roles name only live nodes for every stage while the run goes on."""
+        if self.stopped is not None or self.ctx.reconf is not None:
+            return
+        roles = self.ctx.roles
+        for d in range(roles.pipelines):
+            for s in range(roles.stages):
+                holder = self.coord.gens.member(roles.holders[d][s])
+                assert holder.state is not NodeState.LOST or holder.rank in roles.dead, \
+                    f"stage {s} of pipeline {d} is held by lost {holder.name} outside dead"
+
+    def lost_events(self) -> list[dict]:
+        return self.events.of("node_lost")

@@ -1,0 +1,250 @@
+"""The coordinator's decisions without processes: votes, failure handling, generations.
+
+Each scenario drives the real coordinator parts (`tests/coordinator_sim.py`) through a
+dict store with scripted workers, so the table of named cases and the random event
+sequences run in seconds. The integration tests (test_failover, test_reconfig) run the
+same decisions with real processes and real signals.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bamboo.cluster.protocol import MicroBatchesDone, RoundDone, decide_key, go_key
+from bamboo.config import JobConfig
+from coordinator_sim import SimCluster
+
+HANDLED = {"failover", "peer_restore", "checkpoint_restore", "drain"}
+
+
+def cfg(**kw) -> JobConfig:
+    base = dict(nodes=4, stages=4, steps=6, micro_batches=4)
+    return JobConfig(**(base | kw)).validate()
+
+
+def run(tmp_path: Path, config: JobConfig, script: dict[int, Callable[[SimCluster], None]],
+        *, before_round: dict[int, Callable[[SimCluster], None]] | None = None) -> SimCluster:
+    """Run to the end; `script[k]` acts as step k begins, `before_round[k]` between the
+    votes of step k."""
+    sim = SimCluster(config, tmp_path / "run")
+    done: set[int] = set()
+    for _ in range(200):
+        if sim.stopped is not None or sim.ctx.committed >= config.steps:
+            break
+        k = sim.ctx.committed
+        if k in script and k not in done:
+            done.add(k)
+            script[k](sim)
+        act = (before_round or {}).pop(k, None)
+        sim.step(before_round=(lambda act=act: act(sim)) if act else None)
+        sim.check_invariants()
+    sim.finish()
+    return sim
+
+
+def accounted(sim: SimCluster, killed: set[str]) -> None:
+    """Every lost node has exactly one node_lost event, with a known handling."""
+    lost = sim.lost_events()
+    counts = Counter(e["node"] for e in lost)
+    assert all(c == 1 for c in counts.values()), counts
+    assert set(counts) >= killed, (counts, killed)
+    for e in lost:
+        assert e["handled_as"] in HANDLED | {"standby", "stopped"}, e
+
+
+def node_of(sim: SimCluster, pipeline: int, stage: int) -> int:
+    return sim.coord.gens.member(sim.ctx.roles.holders[pipeline][stage]).node
+
+
+def kill_stage(pipeline: int, stage: int) -> Callable[[SimCluster], None]:
+    return lambda sim: sim.kill(node_of(sim, pipeline, stage))
+
+
+def kill_stages(*targets: tuple[int, int]) -> Callable[[SimCluster], None]:
+    def act(sim: SimCluster) -> None:
+        nodes = [node_of(sim, d, s) for d, s in targets]
+        for n in nodes:
+            sim.kill(n)
+    return act
+
+
+# -- the table of named cases ----------------------------------------------------------------
+
+CASES = {
+    # name: (config, script, expected handled_as counts)
+    "stage 0 lost": (cfg(), {2: kill_stage(0, 0)}, {"failover": 1}),
+    "stage 1 lost": (cfg(), {2: kill_stage(0, 1)}, {"failover": 1}),
+    "stage 2 lost": (cfg(), {2: kill_stage(0, 2)}, {"failover": 1}),
+    "last stage lost": (cfg(), {2: kill_stage(0, 3)}, {"failover": 1}),
+    "adjacent, one pipeline": (cfg(), {3: kill_stages((0, 1), (0, 2))},
+                               {"failover": 1, "checkpoint_restore": 1}),
+    "adjacent, two pipelines": (cfg(nodes=8), {3: kill_stages((0, 1), (0, 2))},
+                                {"failover": 1, "peer_restore": 1}),
+    "two in one step, apart": (cfg(nodes=8), {2: kill_stages((0, 1), (1, 3))},
+                               {"failover": 2}),
+    "a shadow lost later": (cfg(nodes=8), {1: kill_stage(0, 2), 2: kill_stage(0, 1)},
+                            {"failover": 1, "peer_restore": 1}),
+    "whole pipeline lost": (cfg(nodes=8), {2: kill_stages((1, 0), (1, 1), (1, 2), (1, 3))},
+                            None),
+    "four of two pipelines with a checkpoint": (
+        cfg(nodes=8, checkpoint_every=2),
+        {3: kill_stages((0, 1), (0, 2), (1, 1), (1, 2))}, None),
+    "redundancy off": (cfg(redundancy="off"), {2: kill_stage(0, 2)},
+                       {"checkpoint_restore": 1}),
+    "drain on notice": (cfg(nodes=5), {2: lambda sim: sim.notice(node_of(sim, 0, 1))},
+                        {"drain": 1}),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(CASES))
+def test_named_case(tmp_path: Path, name: str) -> None:
+    config, script, expected = CASES[name]
+    sim = run(tmp_path, config, dict(script))
+    assert sim.stopped is None, sim.stopped
+    assert sim.ctx.committed == config.steps
+    assert sim.coord._finished()
+    kinds = Counter(e["handled_as"] for e in sim.lost_events())
+    if expected is not None:
+        assert dict(kinds) == expected, sim.lost_events()
+    accounted(sim, set())
+    summary = sim.coord._summary("completed", None)
+    assert sum(summary[k] for k in ("failovers", "drains", "peer_restores",
+                                    "checkpoint_restores", "standby_losses")) == \
+        summary["preemptions"]
+
+
+@pytest.mark.timeout(60)
+def test_loss_while_generation_zero_forms_restarts_from_the_seed(tmp_path: Path) -> None:
+    """A worker killed before anything trained: the run goes on from step 0 on seven."""
+    sim = SimCluster(cfg(nodes=8), tmp_path / "run")
+    sim.kill(5)  # before any GenerationReady
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert [e["handled_as"] for e in sim.lost_events()] == ["checkpoint_restore"]
+    assert sim.coord.restore.redone_steps == 0
+    assert sim.ctx.plan.fresh_start
+
+
+@pytest.mark.timeout(60)
+def test_loss_during_a_reconfiguration_is_covered_by_the_next_plan(tmp_path: Path) -> None:
+    sim = SimCluster(cfg(nodes=5), tmp_path / "run")
+    sim.step()
+    sim.notice(node_of(sim, 0, 2))
+    sim.step()  # commits with +reconf: the generation ends at this boundary
+    assert sim.ctx.reconf is not None
+    sim.kill(node_of(sim, 0, 1))  # lost before the next plan
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    kinds = sorted(e["handled_as"] for e in sim.lost_events())
+    assert kinds == ["drain", "peer_restore"] or kinds == ["checkpoint_restore", "drain"], kinds
+
+
+@pytest.mark.timeout(60)
+def test_restore_source_lost_mid_restore_replans(tmp_path: Path) -> None:
+    """Pipeline 1's copy of stage 2 is being sent to pipeline 0 when its holder dies."""
+    script = {3: kill_stages((0, 1), (0, 2))}
+    before = {3: kill_stage(1, 2)}
+    sim = run(tmp_path, cfg(nodes=8), script, before_round=before)
+    assert sim.stopped is None, sim.stopped
+    accounted(sim, set())
+    assert sim.ctx.committed == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_vote_is_answered_abort_and_redo(tmp_path: Path) -> None:
+    sim = SimCluster(cfg(), tmp_path / "run")
+    sim.step()
+    old = sim.ctx.roles.epoch
+    sim.kill(node_of(sim, 0, 2))  # epoch old + 1
+    h = sim.coord.handlers
+    n0 = sim.workers[0].node
+    h[MicroBatchesDone](n0, MicroBatchesDone(rank=0, step=1, epoch=old))
+    h[RoundDone](n0, RoundDone(rank=0, step=1, epoch=old, ok=True, losses=[]))
+    store = sim.coord.store.data
+    assert store[go_key(1, old)] == "abort" and store[decide_key(1, old)] == "redo"
+
+
+@pytest.mark.timeout(60)
+def test_every_node_lost_stops_with_one_true_line(tmp_path: Path) -> None:
+    sim = SimCluster(cfg(nodes=2, stages=2), tmp_path / "run")
+    sim.step()
+    sim.kill(0)
+    sim.kill(1)
+    sim.settle()
+    assert sim.stopped is not None and "no live node is left" in sim.stopped
+    assert "--checkpoint-every" not in sim.stopped and "--pipelines" not in sim.stopped
+    accounted(sim, {"n0", "n1"})
+    assert {e["handled_as"] for e in sim.lost_events()} <= {"failover", "stopped"}
+
+
+# -- random event sequences ----------------------------------------------------------------
+
+EVENTS = st.lists(st.tuples(st.integers(0, 7), st.sampled_from(
+    ["kill", "kill2", "notice", "join", "kill_in_round", "kill_forming"])), max_size=6)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(events=EVENTS, nodes=st.sampled_from([4, 6, 8]),
+       checkpoint_every=st.sampled_from([0, 2]))
+def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, nodes,
+                                                    checkpoint_every) -> None:
+    """Any sequence of losses, notices, joins and losses during reconfigurations ends at
+    the last step (or, with no node left, stops), with every lost node accounted once."""
+    config = cfg(nodes=nodes, steps=8, checkpoint_every=checkpoint_every, max_nodes=12)
+    sim = SimCluster(config, tmp_path_factory.mktemp("sim") / "run")
+    by_step: dict[int, list[str]] = {}
+    for step, kind in events:
+        by_step.setdefault(step, []).append(kind)
+    killed: set[str] = set()
+
+    def live_members() -> list[int]:
+        if sim.ctx.reconf is not None:
+            return []
+        return [node_of(sim, d, s) for d in range(sim.ctx.roles.pipelines)
+                for s in range(sim.ctx.roles.stages)
+                if not sim.coord.gens.member(sim.ctx.roles.holders[d][s]).exited]
+
+    def kill_one(i: int) -> None:
+        live = live_members()
+        if live:
+            n = live[i % len(live)]
+            killed.add(f"n{n}")
+            sim.kill(n)
+
+    seen: set[int] = set()
+    for _ in range(100):
+        k = sim.ctx.committed
+        if sim.stopped is not None or k >= config.steps:
+            break
+        before = None
+        if k not in seen:
+            seen.add(k)
+            for i, kind in enumerate(by_step.get(k, [])):
+                if kind == "kill":
+                    kill_one(i)
+                elif kind == "kill2":
+                    kill_one(i), kill_one(i + 1)
+                elif kind == "notice" and live_members():
+                    sim.notice(live_members()[i % len(live_members())])
+                elif kind == "join":
+                    sim.join()
+                elif kind == "kill_in_round":
+                    before = lambda i=i: kill_one(i)  # noqa: E731
+                elif kind == "kill_forming":
+                    sim.kill(sim.join().node.node)  # a standby lost
+        sim.step(before_round=before)
+        sim.check_invariants()
+    sim.finish()
+    accounted(sim, killed)
+    if sim.stopped is not None:
+        assert "no live node is left" in sim.stopped, sim.stopped
+    else:
+        assert sim.ctx.committed == config.steps
