@@ -25,7 +25,10 @@ __all__ = ["main"]
 
 def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     """The parser of `bamboo train`; with `given_only`, flags the user did not type are absent
-    (so a --config file's values are overridden only by flags actually given)."""
+    (so a --config file's values are overridden only by flags actually given).
+
+    Long because it is the flat list of every flag with its help, which reads best in one
+    place (tests/test_cli_errors.py holds a wrong-value case for each)."""
     d = JobConfig()
     p = UsageParser(prog="bamboo train", description="Train on a local cluster of worker "
                     "processes, one per node, with a coordinator process holding the store.")
@@ -196,7 +199,11 @@ def _load_resume(cfg: JobConfig) -> Any:
 
 def train(argv: list[str], coordinator: bool = False) -> int:
     """`bamboo train`; with `coordinator`, `bamboo coordinator`: the same job, its nodes
-    being agents that join over the network instead of local processes."""
+    being agents that join over the network instead of local processes.
+
+    Long because it is the command's whole sequence, each stage a guard that ends in one
+    line and an exit code: parse, job file, checks without torch, resume, run directory,
+    agents and etcd, then the run and its report."""
     prog = "bamboo coordinator" if coordinator else "bamboo train"
     parser = _train_parser()
     if coordinator:

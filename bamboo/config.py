@@ -123,7 +123,8 @@ class JobConfig:
         return self.data_parallel * self.stages
 
     def validate(self) -> JobConfig:
-        """Check every field; raise ConfigError with a one-line fix."""
+        """Check every field; raise ConfigError with a one-line fix. (One check per field,
+        in field order: long, but read top to bottom like the dataclass itself.)"""
         try:
             p = preset(self.model)
         except ValueError as e:  # presets name the model; say which flag gave it

@@ -7,6 +7,11 @@ table lists, per run, how every lost node was handled; the runs together must se
 least `--min-preemptions`.
 
     .venv/bin/python benchmarks/trace_soak.py --scales 360,300,240 --min-preemptions 100
+
+Dense replays (a fixed number of steps, a trace hour every few wall seconds or faster):
+
+    .venv/bin/python benchmarks/trace_soak.py --scales 600,1200,2400,3600 --steps 40 \
+        --checkpoint-every 5 --max-nodes 8 --min-preemptions 0
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ def main() -> None:
                     help="expected wall seconds per step, to size each run to the trace")
     ap.add_argument("--min-preemptions", type=int, default=100)
     ap.add_argument("--notice-s", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps of every run (default: as many as the trace lasts)")
+    ap.add_argument("--checkpoint-every", type=int, default=20)
+    ap.add_argument("--max-nodes", type=int, default=None)
     args = ap.parse_args()
     from bamboo.config import JobConfig
     from bamboo.sim.traces import load_trace
@@ -41,11 +50,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bamboo-soak-"))
     total, rows, references = 0, [], {}
     for scale in [float(x) for x in args.scales.split(",")]:
-        steps = int(duration / scale / args.step_s) + 10
+        steps = args.steps or int(duration / scale / args.step_s) + 10
         out = tmp / f"x{scale:g}"
         cmd = [sys.executable, "-m", "bamboo", "train", "--nodes", "8", "--stages", "4",
                "--steps", str(steps), "--trace", args.trace, "--time-scale", str(scale),
-               "--checkpoint-every", "20", "--out", str(out), "--json", "--quiet", "--no-report"]
+               "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--json",
+               "--quiet", "--no-report"]
+        if args.max_nodes:
+            cmd += ["--max-nodes", str(args.max_nodes)]
         if args.notice_s:
             cmd += ["--notice-s", str(args.notice_s)]
         start = time.monotonic()

@@ -5,7 +5,7 @@ workers from the last checkpoint, as torchrun does).
 All runs replay the same trace at the same time scale with the same job; only the
 recovery differs:
 
-  bamboo:             --redundancy eager (and lazy)
+  bamboo:             --redundancy eager (and lazy, off, and auto: chosen per generation)
   checkpoint-restart: --redundancy off --recovery checkpoint-restart --checkpoint-every K
 
 Throughput = samples of the run's steps / wall seconds (redone steps count once, so the
@@ -47,17 +47,28 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--max-nodes", type=int, default=None)
+    ap.add_argument("--only", default=None, help="comma-separated policy names to run")
     args = ap.parse_args()
     common = ["--nodes", str(args.nodes), "--stages", "4", "--steps", str(args.steps),
               "--trace", args.trace, "--time-scale", str(args.time_scale)]
+    if args.max_nodes:
+        common += ["--max-nodes", str(args.max_nodes)]
     policies = {
         "bamboo (eager RC)": ["--redundancy", "eager", "--checkpoint-every",
                               str(args.checkpoint_every)],
         "bamboo (lazy RC)": ["--redundancy", "lazy", "--checkpoint-every",
                              str(args.checkpoint_every)],
+        "bamboo (no RC)": ["--redundancy", "off", "--checkpoint-every",
+                           str(args.checkpoint_every)],
+        "bamboo (auto)": ["--redundancy", "auto", "--checkpoint-every",
+                          str(args.checkpoint_every)],
         "checkpoint-restart": ["--redundancy", "off", "--recovery", "checkpoint-restart",
                                "--checkpoint-every", str(args.checkpoint_every)],
     }
+    if args.only:
+        policies = {k: v for k, v in policies.items() if k in args.only.split(",")
+                    or k == "checkpoint-restart"}
     tmp = Path(tempfile.mkdtemp(prefix="bamboo-tput-"))
     results: dict[str, list[dict]] = {name: [] for name in policies}
     for rep in range(args.reps):  # interleaved, so both see the same machine state

@@ -254,6 +254,7 @@ class SimCluster:
         if self.stopped is not None or self.ctx.committed >= self.cfg.steps:
             return
         step = self.ctx.committed
+        self.clock.t += 0.25  # every step takes a quarter of a second
         for attempt in range(10):
             if self.stopped is not None:
                 return

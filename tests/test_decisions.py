@@ -183,6 +183,22 @@ def test_every_node_lost_stops_with_one_true_line(tmp_path: Path) -> None:
     assert {e["handled_as"] for e in sim.lost_events()} <= {"failover", "stopped"}
 
 
+@pytest.mark.timeout(60)
+def test_redundancy_auto_records_a_choice_per_generation(tmp_path: Path) -> None:
+    """Every generation's mode is the best of the expectations it records; a loss raises
+    the observed rate, and the run still ends with every loss accounted."""
+    sim = run(tmp_path, cfg(nodes=5, steps=12, redundancy="auto"),
+              {3: kill_stage(0, 1), 7: kill_stage(0, 2)})
+    assert sim.stopped is None, sim.stopped
+    modes = sim.events.of("redundancy_mode")
+    assert [e["gen"] for e in modes] == list(range(sim.ctx.plan.gen + 1))
+    for e in modes:
+        assert e["expected"][e["mode"]] == max(e["expected"].values()), e
+    assert modes[-1]["rate_per_node_hour"] > modes[0]["rate_per_node_hour"]
+    assert "eager" in modes[0]["estimated"]  # nothing measured before the first step
+    accounted(sim, set())
+
+
 # -- random event sequences ----------------------------------------------------------------
 
 EVENTS = st.lists(st.tuples(st.integers(0, 7), st.sampled_from(

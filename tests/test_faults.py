@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +142,46 @@ def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
             if '"node_lost"' in line]
     assert [(e["node"], e["handled_as"], e["signal"]) for e in lost] == [
         ("n2", "checkpoint_restore", "SIGKILL")]
+
+@pytest.mark.timeout(180)
+def test_a_full_disk_at_the_end_is_one_line_with_the_summary(tmp_path: Path, bamboo) -> None:
+    """model.pt does not fit: one line naming it, exit 1, the summary still on stdout with
+    --json, and no temporary file left behind."""
+    from conftest import mounted_tmpfs, run_bamboo
+    with mounted_tmpfs(tmp_path / "disk", "size=600k") as disk:
+        out = disk / "run"
+        result = run_bamboo(["train", "--steps", "3", "--quiet", "--json", "--no-report"], out)
+        assert result.code == 1, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "model.pt" in lines[0] and "No space left" in lines[0], lines
+        assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+        summary = json.loads(result.stdout)
+        assert summary["status"] == "failed" and summary["steps_completed"] == 3
+        assert [p.name for p in out.iterdir() if "tmp" in p.name] == []
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> None:
+    """Killed while generation 0 forms (nothing trained yet): the seven others train on
+    from the seeded start and end equal to the failure-free run."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*BAMBOO, "train", "--nodes", "8", "--stages", "4", "--steps", "5",
+                             "--quiet", "--json", "--no-report", "--out", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = out / "events.jsonl"
+    deadline = time.monotonic() + 60
+    while not (events.exists() and '"node": "n7"' in events.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    pid = next(json.loads(line)["pid"] for line in events.read_text().splitlines()
+               if '"node": "n7"' in line)
+    os.kill(pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["steps_completed"] == 5 and summary["preemptions"] == 1
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_failover import reference
+    losses, l2 = reference(5, 8, 8)
+    assert_close(summary["losses"], losses, rel=1e-4)
+    assert_close(summary["param_l2"], l2, rel=1e-4)

@@ -240,3 +240,35 @@ def test_checkpoint_restart_baseline_restarts_every_worker_and_ends_equal(tmp_pa
     restart = [e for e in ev if e["event"] == "restart_all"]
     assert restart and restart[0]["workers"] == 3
     assert sum(e["event"] == "node_up" for e in ev) == 4 + 3  # three fresh processes
+
+
+@pytest.mark.timeout(240)
+def test_redundancy_auto_chooses_per_generation_and_ends_equal(tmp_path: Path) -> None:
+    """`--redundancy auto` with two losses: each generation records its mode (the best of
+    its own expectations) and the run ends equal to the failure-free run."""
+    cfg = config(nodes=5, stages=4, steps=10, redundancy="auto", kills=["0:1@3", "0:2@6"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=2)
+    ev = events(tmp_path / "run")
+    modes = [e for e in ev if e["event"] == "redundancy_mode"]
+    assert [e["gen"] for e in modes] == list(range(summary["reconfigurations"] + 1))
+    for e in modes:
+        assert e["mode"] in ("eager", "lazy", "off")
+        assert e["expected"][e["mode"]] == max(e["expected"].values()), e
+    planned = [e["redundancy"] for e in ev if e["event"] == "reconfigured"]
+    assert planned == [e["mode"] for e in modes[1:]]
+    from bamboo.report import load_run, report_text
+    assert "redundancy over time:" in report_text(load_run(tmp_path / "run"))
+
+
+@pytest.mark.timeout(240)
+def test_four_nodes_of_two_pipelines_in_one_step_restore_and_end_equal(tmp_path: Path) -> None:
+    """Two adjacent nodes of each pipeline in the same step: no in-flight copy of stage 2
+    survives anywhere, so the run goes back to its checkpoint (a node asked to serve a
+    restore while it still waits for its own state is never chosen)."""
+    cfg = config(nodes=8, stages=4, steps=8, checkpoint_every=2,
+                 kills=["0:1@5", "0:2@5", "1:1@5", "1:2@5"])
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg)
+    assert 2 <= summary["preemptions"] <= 4
+    assert summary["checkpoint_restores"] + summary["peer_restores"] >= 1

@@ -209,7 +209,9 @@ def _join_membership(etcd: dict | None, node: int, token: str, say: Any) -> _Etc
 
 def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str],
               metadata_url: str | None, say: Any) -> int:
-    """Join the coordinator at `address`, run one worker, relay until it ends."""
+    """Join the coordinator at `address`, run one worker, relay until it ends. (One loop
+    over the worker's pipe, the coordinator's connection and the worker's exit, whose
+    local state the signal handler and the notice watcher share.)"""
     try:
         conn = Client(address, authkey=token.encode())
     except mp.AuthenticationError:

@@ -116,6 +116,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
     `holdings` maps every live node (`leaving` ones included) to the layers whose state
     it holds at this step boundary. With `checkpoint` set, every layer comes from it.
     Raises NoLiveCopy when a layer has no live holder and no checkpoint is given.
+    Its sections are the four steps of the module docstring, in order.
     """
     layers = len(param_counts)
     d, p = choose_layout(len(nodes), stages=stages, layers=layers,

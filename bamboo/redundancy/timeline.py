@@ -163,6 +163,10 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                   frc_policy: str = "engine") -> Timeline:
     """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each).
 
+    One event loop over every node's instruction list; kept in one piece because its
+    local state (clocks per node and per core, ready times of every transfer) is shared by
+    every branch.
+
     `frc_policy` (eager): "engine" runs each FRC forward where `node_schedule` puts it
     (right after sending the replica's input); "greedy" is a what-if for a dynamic
     scheduler: a node runs a pending FRC forward only when it would otherwise block on
@@ -324,7 +328,8 @@ def _read_events(path: str | Path) -> list[dict]:
 
 def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float = 2.0,
                       latency: float = 0.0) -> tuple[int, int, Costs, dict]:
-    """(P, M, costs, notes) from a run's events.jsonl.
+    """(P, M, costs, notes) from a run's events.jsonl. (One pass over the events with one
+    median per measured figure; splitting it would only pass the same lists around.)
 
     Per stage, the median over clean steps (after `skip` warm-up steps; steps with a
     lost node or a redone round are left out) of the node timers, divided by the

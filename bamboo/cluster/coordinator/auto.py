@@ -3,8 +3,9 @@ the decision function the simulator's `adaptive` policy uses (`bamboo.redundancy
 
 Measured here, per run:
 
-- the failure-free step time of each mode run so far (median `wall_s` of steps without a
-  loss, the first step of each generation left out); lazy's is also derived from an eager
+- the step time of each mode run so far (median `wall_s` of steps without a loss, or of
+  all its steps when it had fewer than two clean ones; the first step of each generation
+  left out); lazy's is also derived from an eager
   step by taking out its FRC time (every node reports `frc_s`), and an unmeasured mode is
   estimated from a measured one by `DEFAULT_OVERHEAD`;
 - the failover pause (median `pause_s` of in-flight losses, else one step), the
@@ -12,8 +13,8 @@ Measured here, per run:
   cost of a loss nothing covers: a reconfiguration plus the steps redone, which is half
   the checkpoint interval, or every step since the run's start when there is no
   checkpoint (a run without checkpoints risks all of its progress with `off`);
-- the rate: losses (any kind) over the node-seconds the run held nodes, with the
-  pessimistic prior.
+- the rate: losses (any kind) over the node-seconds the run held nodes, with the prior
+  rate of `bamboo.redundancy.auto` weighted as `PRIOR_WEIGHT_S` node-seconds.
 
 A mode switch needs a new generation, whose cost is charged to every mode but the current
 one (spread over the steps left).
@@ -29,6 +30,9 @@ from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode
 
 __all__ = ["AutoRedundancy"]
 
+PRIOR_WEIGHT_S = 600.0
+"""The prior rate counts for ten node-minutes here (the simulator's twelve node-hours would
+outweigh everything a run of minutes observes)."""
 _NOMINAL_STEP_S = 1.0
 """Only before any step ran: the absolute scale of step times matters only against the rate."""
 
@@ -38,7 +42,7 @@ class AutoRedundancy:
                  failures: Callable[[], Any], generations: Callable[[], Any]) -> None:
         self.ctx = ctx
         self.nodes, self.records, self.failures, self.gens = nodes, records, failures, generations
-        self.rate = RateEstimator()
+        self.rate = RateEstimator(prior_weight=PRIOR_WEIGHT_S)
         self.last_t: float | None = None
         self.counted_losses = 0
         self.mode_of_step: dict[int, str] = {}
@@ -65,23 +69,29 @@ class AutoRedundancy:
 
     # -- costs ------------------------------------------------------------------------------
 
-    def _clean_steps(self) -> list[dict]:
+    def _timed_steps(self, mode: str) -> list[dict]:
+        """Steps run in `mode`, without a generation's first step; without the steps that
+        lost a node too, unless fewer than two are left (a run that loses a node every
+        step has no clean step: its typical step is what it pays)."""
         failed = {x.step for x in self.failures().losses}
-        return [r for r in self.records() if r["step"] not in failed
-                and r["step"] not in self.gen_starts and r["step"] in self.mode_of_step]
+        steps = [r for r in self.records() if r["wall_s"] > 0 and r["step"] not in
+                 self.gen_starts and self.mode_of_step.get(r["step"]) == mode]
+        clean = [r for r in steps if r["step"] not in failed]
+        return clean if len(clean) >= 2 else steps
 
     def costs(self) -> ModeCosts:
         ctx, cfg = self.ctx, self.ctx.cfg
-        clean = self._clean_steps()
         step_s: dict[str, float] = {}
         for mode in ("eager", "lazy", "off"):
-            walls = [r["wall_s"] for r in clean if self.mode_of_step[r["step"]] == mode]
+            walls = [r["wall_s"] for r in self._timed_steps(mode)]
             if len(walls) >= 2:
                 step_s[mode] = statistics.median(walls)
-        eager = [r for r in clean if self.mode_of_step[r["step"]] == "eager"]
+        eager = self._timed_steps("eager")
         if "lazy" not in step_s and len(eager) >= 2:
-            step_s["lazy"] = statistics.median(
+            lazy = statistics.median(
                 r["wall_s"] - max((x["frc_s"] for x in r["nodes"]), default=0.0) for r in eager)
+            if lazy > 0:
+                step_s["lazy"] = lazy
         if not step_s:
             step_s["off"] = _NOMINAL_STEP_S
         tau = min(step_s.values())

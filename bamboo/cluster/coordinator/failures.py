@@ -88,6 +88,8 @@ class FailureHandler:
     # -- a loss -----------------------------------------------------------------------------
 
     def on_lost(self, n: Node, signame: str) -> None:
+        """`n` was preempted. The cases, in the order tried: a standby; after the last step;
+        while a generation forms; in flight (failover, peer restore); else abandon."""
         ctx = self.ctx
         n.state = NodeState.LOST
         step = ctx.committed
