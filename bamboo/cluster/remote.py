@@ -127,6 +127,8 @@ class RemoteProcess:
                     self._writer.send(msg)
         except (EOFError, OSError):
             pass
+        except Exception:  # noqa: BLE001 - a message this side cannot read: the agent is lost
+            pass
         self.exitcode = code
         self._writer.close()
         os.close(self._sentinel_w)

@@ -43,10 +43,10 @@ class FailureHandler:
         self.layout_changed = layout_changed
         self.losses: list[Loss] = []
         self.standby_losses = 0
-        self.restore_step: int | None = None
+        self.restore_step: tuple[int, int] | None = None
         self.restores: list[Takeover] = []
-        """Peer restores of step `restore_step`: their sources must survive, and their
-        receivers cannot serve as sources until the step commits."""
+        """Peer restores of (generation, step) `restore_step`: their sources must survive,
+        and their receivers cannot serve as sources until the step commits."""
 
     # -- a process ended --------------------------------------------------------------------
 
@@ -72,7 +72,7 @@ class FailureHandler:
 
     def _signal_name(self, n: Node, signum: int) -> str:
         name = signal.Signals(signum).name
-        if signum == signal.SIGKILL and not n.kill_sent and self.nodes.oom_kills_grew():
+        if signum == signal.SIGKILL and not n.kill_sent and self.nodes.oom_killed(n):
             return f"{name} (the kernel's OOM killer)"
         return name
 
@@ -141,7 +141,7 @@ class FailureHandler:
         loss.handled_as = HandledAs(plan.handled_as)
         loss.in_flight = True
         if loss.handled_as is HandledAs.PEER_RESTORE:
-            self.restore_step = step
+            self.restore_step = (ctx.plan.gen, step)
             self.restores += [t for t in plan.takeovers if t.kind == "peer_restore"]
         loss.shadow = self.gens.rank_name(shadow)
         ctx.events.write("fault_detected", node=n.name, step=step, phase=phase, signal=signame,
@@ -155,7 +155,7 @@ class FailureHandler:
     def _failover_plan(self, n: Node, step: int) -> FailoverPlan:
         """The in-flight plan for losing `n` in `step`, or Unrecoverable."""
         ctx = self.ctx
-        if self.restore_step != step:
+        if self.restore_step != (ctx.plan.gen, step):  # ranks and steps of another generation
             self.restores = []
         if any(n.rank in (t.source, t.new_holder) for t in self.restores):
             raise Unrecoverable("a peer restore it took part in had not finished")

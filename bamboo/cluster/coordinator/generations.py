@@ -241,7 +241,8 @@ class Generations:
         staying = [n for n in old if n.can_stay and n.rank is not None
                    and n.rank < ctx.plan.active]
         names = [n.name for n in staying] + [n.name for n in self.nodes.standbys()]
-        leaving = [n.name for n in old if n.state is NodeState.NOTICED and not n.exited]
+        leaving = [n.name for n in old if not n.exited and
+                   (n.state is NodeState.NOTICED or n.kill_at is not None)]
         holdings = {self.nodes[k].name: layers for k, layers in r.holdings.items()
                     if self.nodes[k].state is not NodeState.LOST}
         if not names:

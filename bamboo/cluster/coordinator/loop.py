@@ -250,7 +250,12 @@ class Coordinator:
         try:
             while n.conn.poll():
                 msg: WorkerMessage = n.conn.recv()
-                self.handlers[type(msg)](n, msg)
+                handler = self.handlers.get(type(msg))
+                if handler is None:
+                    raise Stop(f"node {n.name} sent a message this coordinator does not know "
+                               f"({type(msg).__name__}): are the worker and the coordinator "
+                               f"the same version of bamboo?")
+                handler(n, msg)
         except (EOFError, OSError):
             pass
 
@@ -345,10 +350,11 @@ class Coordinator:
                           faults=self.preemptions.faults_for(node, first_gen),
                           check_replicas=self.check_replicas)
 
-    def _spawn(self, *, first_gen: int, trace_node: int | None = None) -> Node:
+    def _spawn(self, *, first_gen: int, trace_node: int | None = None,
+               owns_trace_node: bool = True) -> Node:
         n = self.nodes.spawn_local(first_gen=first_gen, trace_node=trace_node)
         replay = self.preemptions.replay
-        if trace_node is not None:
+        if trace_node is not None and owns_trace_node:
             self.preemptions.trace_owner[trace_node] = n.node
         role = self.gens.initial_role(n.node) if first_gen == 0 else (None, None)
         self.events.write("node_up", node=n.name, pid=n.process.pid, pipeline=role[0],
@@ -358,13 +364,10 @@ class Coordinator:
 
     def _respawn(self, old: Node) -> Node:
         """Checkpoint-restart: a fresh worker in place of `old` (same trace node)."""
-        fresh = self._spawn(first_gen=self.ctx.plan.gen + 1, trace_node=old.trace_node)
-        if old.trace_node is None:
-            return fresh
         owner = self.preemptions.trace_owner
-        if owner.get(old.trace_node) != fresh.node:
-            owner[old.trace_node] = fresh.node
-        return fresh
+        owned = old.trace_node is not None and owner.get(old.trace_node) == old.node
+        return self._spawn(first_gen=self.ctx.plan.gen + 1, trace_node=old.trace_node,
+                           owns_trace_node=owned)
 
     # -- glue between the parts -------------------------------------------------------------
 
@@ -384,8 +387,8 @@ class Coordinator:
             self.preemptions.step_begins(step + 1)
 
     def _on_record(self, p: PendingStep, reports: list[StepReport]) -> None:
-        record = self.results.record(p, reports, lambda r: self.gens.member(r.rank).name
-                                     if r.rank < len(self.ctx.plan.members) else f"r{r.rank}")
+        names = {id(r): self.nodes[node].name for node, r in p.reports.items()}
+        record = self.results.record(p, reports, lambda r: names[id(r)])
         self.failures.close(p.step, reports, record["wall_s"], self.results.records)
 
     def _rewind(self, step: int) -> None:

@@ -10,6 +10,7 @@ generation, who waits as a standby, who may be planned.
 from __future__ import annotations
 
 import enum
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,16 +27,27 @@ START_GRACE_S = 60.0
 """A starting worker's heartbeat lease (importing torch on two busy cores takes a while)."""
 
 
-def _oom_kills(path: str = "/sys/fs/cgroup/memory.events") -> int:
+def _oom_killed(pid: int, path: str = "/dev/kmsg") -> bool:
+    """Whether the kernel log has the OOM killer's "Killed process PID" line."""
+    needle = f"Killed process {pid} ".encode()
     try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                return False
+            except OSError:  # EPIPE: a record was overwritten while reading; go on
+                continue
+            if not record:
+                return False
+            if needle in record:
+                return True
+    finally:
+        os.close(fd)
 
 
 class NodeState(enum.Enum):
@@ -77,6 +89,11 @@ class Node:
     @property
     def name(self) -> str:
         return f"n{self.node}"
+
+    @property
+    def pid_local(self) -> int | None:
+        """The pid of a worker process on this machine (None for an agent's)."""
+        return None if hasattr(self.process, "host") else self.process.pid
 
     @property
     def is_gone(self) -> bool:
@@ -122,7 +139,7 @@ class Supervisor:
         self.next_node = 0
         self.expired: list[str] = []
         """Node names whose etcd lease expired (filled by the membership watch)."""
-        self._oom_kills = _oom_kills()
+
 
     def __iter__(self) -> Iterator[Node]:
         return iter(list(self.nodes.values()))
@@ -217,13 +234,11 @@ class Supervisor:
         self.ctx.say(f"node {n.name} {what}; fenced with SIGKILL")
         n.process.kill()
 
-    def oom_kills_grew(self) -> bool:
-        """The kernel's OOM killer struck in this cgroup since the last look (cgroup v2's
-        `memory.events`; False where it cannot be read)."""
-        count = _oom_kills()
-        grew = count > self._oom_kills
-        self._oom_kills = count
-        return grew
+    @staticmethod
+    def oom_killed(n: Node) -> bool:
+        """The kernel log says its OOM killer killed `n`'s process (a local worker; False
+        where the log cannot be read)."""
+        return isinstance(n.pid_local, int) and _oom_killed(n.pid_local)
 
     def exited(self, n: Node) -> None:
         """The process of `n` is gone: free its slot."""

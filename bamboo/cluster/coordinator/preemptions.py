@@ -85,8 +85,9 @@ class Preemptions:
     # -- notices ----------------------------------------------------------------------------
 
     def on_notice(self, n: Node, source: str) -> bool:
-        """True when this is news (the node was not noticed before)."""
-        if n.state in (NodeState.NOTICED, NodeState.LOST) or n.exited:
+        """True when this is news: a node that finished, left, was fenced or retired, or was
+        noticed before, keeps its state (a late notice changes nothing)."""
+        if n.exited or n.state not in (NodeState.STARTING, NodeState.READY):
             return False
         n.state = NodeState.NOTICED
         self.ctx.events.write("notice", node=n.name, source=source, step=self.ctx.committed,
