@@ -96,3 +96,36 @@ def test_messages_survive_pickling() -> None:
     """What an agent relays: every message is plain data, equal after a round trip."""
     report = StepReport(rank=1, step=3, stages=[1], losses=[(0, 1.0, 0.5)], digests={"a": "b"})
     assert pickle.loads(pickle.dumps(report)) == report
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
+    """A generation abandoned while its process group forms (a member never connects):
+    the node gives it up at once, and its next store calls (the next plan, its votes) are
+    not stuck behind the formation, which waits in the store until its own timeout."""
+    from multiprocessing.sharedctypes import RawArray
+
+    import torch
+
+    from bamboo.cluster.protocol import Progress
+    from bamboo.cluster.worker import WorkerSpec, _Node, _TransferFailed
+    from bamboo.config import JobConfig
+    from bamboo.reconfig.planner import GenerationPlan
+
+    cfg = JobConfig(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()
+    spec = WorkerSpec(node=0, slot=0, first_gen=0, store_host="127.0.0.1",
+                      store_port=store.port, config=cfg)
+    link, _ = link_for(store)
+    progress = Progress(RawArray("d", [0.0]), RawArray("i", [0, 0]))
+    node = _Node(spec, link, link.store, torch.device("cpu"), "gloo", progress)
+    plan = GenerationPlan(gen=3, epoch=0, members=["n0", "n1"], pipelines=1, stages=2,
+                          parts=[[0, 4], [4, 8]], start_step=0)
+    threading.Timer(0.5, publish_epoch, args=(store, 1)).start()  # the coordinator abandons
+    start = time.monotonic()
+    with pytest.raises(_TransferFailed, match="abandoned"):
+        node._join_group(plan, 0)  # n1 never connects
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    store.set("gen/4", "x")
+    assert node.store.check(["gen/4"]) and node.store.get("gen/4") == b"x"
+    assert time.monotonic() - start < 2

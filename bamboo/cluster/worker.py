@@ -217,13 +217,19 @@ class _Node:
     def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
         """The generation's process group. Building it waits for every member, so it is
         built on a helper thread and given up when the coordinator abandons the generation
-        (a member was lost before it connected)."""
+        (a member was lost before it connected).
+
+        The group gets a store connection of its own: an abandoned formation keeps waiting
+        in the store until its timeout, and on a shared connection that wait would hold up
+        this node's every later store call (its next plan, its votes) for as long."""
         result: list[Any] = []
 
         def build() -> None:
             try:
+                own = dist.TCPStore(self.spec.store_host, self.spec.store_port,
+                                    is_master=False, timeout=self.timeout)
                 result.append(_process_group(self.backend,
-                                             dist.PrefixStore(f"gen{plan.gen}", self.store),
+                                             dist.PrefixStore(f"gen{plan.gen}", own),
                                              rank, len(plan.members), self.timeout))
             except Exception as e:  # noqa: BLE001 - reported below
                 result.append(e)
