@@ -10,8 +10,9 @@ Measured here, per run:
   estimated from a measured one by `DEFAULT_OVERHEAD`;
 - the failover pause (median `pause_s` of in-flight losses, else one step), the
   reconfiguration time (median of the run's reconfigurations, else 1 s), and the restart
-  cost of a loss nothing covers: a reconfiguration plus the steps redone, which is half
-  the checkpoint interval, or every step since the run's start when there is no
+  cost of a loss nothing covers in flight (median `pause_s` of such losses, else a
+  reconfiguration and two steps), plus, with one pipeline, the steps a restore redoes:
+  half the checkpoint interval, or every step since the run's start when there is no
   checkpoint (a run without checkpoints risks all of its progress with `off`);
 - the rate: losses (any kind) over the node-seconds the run held nodes, with the prior
   rate of `bamboo.redundancy.auto` weighted as `PRIOR_WEIGHT_S` node-seconds.
@@ -95,10 +96,16 @@ class AutoRedundancy:
         if not step_s:
             step_s["off"] = _NOMINAL_STEP_S
         tau = min(step_s.values())
-        losses = self.failures().losses
-        pauses = [x.pause_s for x in losses if x.in_flight and x.written]
+        losses = [x for x in self.failures().losses if x.written]
+        in_flight = [x.pause_s for x in losses if x.in_flight]
+        restarted = [x.pause_s for x in losses if not x.in_flight and
+                     str(x.handled_as) in ("peer_restore", "checkpoint_restore")]
         reconf = [t["total_s"] for t in self.gens().times if "total_s" in t]
         reconf_s = statistics.median(reconf) if reconf else 1.0
+        # A loss nothing covers in flight costs what such losses cost this run (the step
+        # thrown away, the new generation, the state moved); before one was seen: a
+        # reconfiguration plus two steps (the one thrown away and the new generation's first).
+        restart_s = statistics.median(restarted) if restarted else reconf_s + 2 * tau
         done = ctx.committed - (ctx.resume_step or 0)
         every = cfg.checkpoint_every
         rollback_steps = every / 2 if every else max(done, 1)
@@ -107,8 +114,8 @@ class AutoRedundancy:
                                                                          cfg.data_parallel)
         return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.micro_batch_size,
                          stages=stages, pipelines=pipelines, step_s=step_s,
-                         failover_pause_s=statistics.median(pauses) if pauses else tau,
-                         reconfiguration_s=reconf_s, restart_s=reconf_s,
+                         failover_pause_s=statistics.median(in_flight) if in_flight else tau,
+                         reconfiguration_s=reconf_s, restart_s=restart_s,
                          shadow_slowdown=2.0,
                          rollback_s=rollback_steps * tau if pipelines == 1 else 0.0)
 

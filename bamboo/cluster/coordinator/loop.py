@@ -12,6 +12,7 @@ second, and hands each typed message to the part that owns it:
     preemptions.Preemptions   --kill, notices, trace replay
     checkpoints.CheckpointAssembly
     results.Results           step records, model, summary
+    display.RunView           layout panel, `role` events, notes on long waits
 
 A worker's software error stops the run with that error (never failed over: a
 deterministic bug would only cascade through the shadows).
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from bamboo.checkpoint import Checkpoint, checkpoint_root
 from bamboo.cluster.coordinator.checkpoints import CheckpointAssembly
+from bamboo.cluster.coordinator.display import RunView
 from bamboo.cluster.coordinator.failures import FailureHandler
 from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
@@ -134,15 +136,14 @@ class Coordinator:
         self.restore = RestorePoints(ctx, rewind=self._rewind)
         self.gens = Generations(ctx, self.nodes, self.restore,
                                 fired_kills=self.preemptions.fired_kills,
-                                layout_shown=self._show_layout,
+                                layout_shown=lambda: self.view.layout_changed(),
                                 choose_redundancy=self._redundancy_chooser())
         self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens,
                                        kill_fired=self.preemptions.kill_fired,
-                                       respawn=self._respawn, layout_changed=self._show_layout)
+                                       respawn=self._respawn,
+                                       layout_changed=lambda: self.view.layout_changed())
         self.results = Results(ctx, self.display.step)
-        self.roles_seen: dict[int, tuple] = {}
-        self._waiting_since: float | None = None
-        self._last_wait_note = 0.0
+        self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.handlers: dict[type, Callable[[Node, Any], None]] = {
             MicroBatchesDone: lambda n, m: self.steps.on_micro_batches_done(m),
             RoundDone: lambda n, m: self.steps.on_round_done(m),
@@ -203,7 +204,7 @@ class Coordinator:
                            f"workers stopped", exit_code=128 + self.interrupted)
             self._wait_and_read()
             self.nodes.check_leases()
-            self._note_waits()
+            self.view.note_waits()
             self._accept_agents()
             self.preemptions.tick(lambda trace_node: self._spawn(
                 first_gen=self.ctx.plan.gen + 1, trace_node=trace_node))
@@ -422,50 +423,6 @@ class Coordinator:
         if now - self.last_news > stall_s:
             raise Stop(f"no worker reported progress for {stall_s:.0f} s; stopped the run "
                        f"(raise --comm-timeout if steps are that slow)")
-
-    # -- display ----------------------------------------------------------------------------
-
-    def _show_layout(self) -> None:
-        self.display.layout(self.gens.rows(), [n.name for n in self.nodes.standbys()])
-        self._write_roles()
-
-    def _write_roles(self) -> None:
-        """A `role` event for every live node whose role changed (which process holds which
-        stage, for anyone watching the run from outside)."""
-        roles, plan = self.ctx.roles, self.ctx.plan
-        for n in self.nodes:
-            if n.exited or n.is_gone:
-                continue
-            active = n.rank is not None and n.rank < plan.active
-            d = roles.pipeline_of(n.rank) if active else None
-            stages = roles.stages_of(n.rank) if active else []
-            role = (d, tuple(stages))
-            if self.roles_seen.get(n.node) != role:
-                d0, s0 = self.gens.initial_role(n.node)
-                if n.node in self.roles_seen or role != (d0, (s0,) if s0 is not None else ()):
-                    self.events.write("role", node=n.name, pid=n.process.pid, pipeline=d,
-                                      stage=stages[0] if stages else None, stages=stages)
-                self.roles_seen[n.node] = role
-
-    def _note_waits(self) -> None:
-        """Anything that keeps the job from training for more than 2 s says so, every 2 s."""
-        now, r = time.monotonic(), self.ctx.reconf
-        waiting = None
-        if r is not None:
-            waiting = (f"reconfiguring: {len(r.ending)} node(s) still ending the generation"
-                       if r.ending else "reconfiguring: waiting for nodes")
-        elif not self.gens.running():
-            active = self.gens.active_members()
-            waiting = (f"generation {self.ctx.plan.gen}: {len(self.gens.ready & active)}/"
-                       f"{len(active)} node(s) ready")
-        if waiting is None:
-            self._waiting_since = None
-            return
-        if self._waiting_since is None:
-            self._waiting_since = self._last_wait_note = now
-        elif now - self._last_wait_note >= 2.0:
-            self._last_wait_note = now
-            self.ctx.say(f"{waiting} ({now - self._waiting_since:.0f} s)")
 
     # -- the end ----------------------------------------------------------------------------
 
