@@ -206,7 +206,7 @@ EVENTS = st.lists(st.tuples(st.integers(0, 7), st.sampled_from(
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=300, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(events=EVENTS, nodes=st.sampled_from([4, 6, 8]),
        checkpoint_every=st.sampled_from([0, 2]))

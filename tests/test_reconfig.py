@@ -246,7 +246,7 @@ def test_checkpoint_restart_baseline_restarts_every_worker_and_ends_equal(tmp_pa
 def test_redundancy_auto_chooses_per_generation_and_ends_equal(tmp_path: Path) -> None:
     """`--redundancy auto` with two losses: each generation records its mode (the best of
     its own expectations) and the run ends equal to the failure-free run."""
-    cfg = config(nodes=5, stages=4, steps=10, redundancy="auto", kills=["0:1@3", "0:2@6"])
+    cfg = config(nodes=5, stages=4, steps=8, redundancy="auto", kills=["0:1@3", "0:2@6"])
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=2)
     ev = events(tmp_path / "run")
@@ -266,8 +266,8 @@ def test_four_nodes_of_two_pipelines_in_one_step_restore_and_end_equal(tmp_path:
     """Two adjacent nodes of each pipeline in the same step: no in-flight copy of stage 2
     survives anywhere, so the run goes back to its checkpoint (a node asked to serve a
     restore while it still waits for its own state is never chosen)."""
-    cfg = config(nodes=8, stages=4, steps=8, checkpoint_every=2,
-                 kills=["0:1@5", "0:2@5", "1:1@5", "1:2@5"])
+    cfg = config(nodes=8, stages=4, steps=6, checkpoint_every=2,
+                 kills=["0:1@3", "0:2@3", "1:1@3", "1:2@3"])
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg)
     assert 2 <= summary["preemptions"] <= 4
