@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from bamboo.runlog import checkpoint_root, write_atomic
+
 __all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_latest", "load_checkpoint",
            "list_checkpoints", "checkpoint_root"]
 
@@ -111,16 +113,7 @@ def _write_stage(path: Path, obj: dict) -> dict:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, text.encode("utf-8"))  # its temporary is `.NAME.tmp-PID`
     _fsync_dir(path.parent)
 
 
@@ -155,13 +148,6 @@ def _remove_stale_temporaries(root: Path) -> list[str]:
         log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), root,
                  ", ".join(sorted(removed)))
     return removed
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    """Where a run keeps its checkpoints: `<run dir>/checkpoints` (or the folder itself,
-    when it is a checkpoints folder)."""
-    path = Path(run_dir)
-    return path if (path / "LATEST").exists() or path.name == "checkpoints" else path / "checkpoints"
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

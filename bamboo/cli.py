@@ -163,16 +163,15 @@ def _load_resume(cfg: JobConfig) -> Any:
     """The checkpoint `--resume` continues from, checked against this job."""
     if cfg.resume is None:
         return None
-    # No checkpoint at all is a user error found without importing torch (the layout is
-    # that of bamboo.checkpoint.checkpoint_root, which imports torch).
-    given = Path(cfg.resume)
-    root = given if (given / "LATEST").exists() or given.name == "checkpoints" else given / "checkpoints"
+    # No checkpoint at all is a user error found without importing torch.
+    from bamboo.runlog import checkpoint_root
+    root = checkpoint_root(cfg.resume)
     if not (root.is_dir() and any(p.name.startswith("step-") and p.is_dir() for p in root.iterdir())):
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint in {root}: pass the --out "
                           f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
-    from bamboo.checkpoint import CheckpointError, checkpoint_root, load_latest
+    from bamboo.checkpoint import CheckpointError, load_latest
     try:
-        ckpt = load_latest(checkpoint_root(cfg.resume))
+        ckpt = load_latest(root)
     except CheckpointError as e:
         raise ConfigError(f"--resume {cfg.resume}: {e}") from None
     meta = ckpt.meta

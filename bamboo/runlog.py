@@ -15,7 +15,8 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["RunDir", "RunDirError", "EventLog", "write_atomic", "default_run_dir"]
+__all__ = ["RunDir", "RunDirError", "EventLog", "write_atomic", "default_run_dir",
+           "checkpoint_root"]
 
 _RUN_FILES = ("summary.json", "events.jsonl")
 
@@ -28,6 +29,13 @@ def default_run_dir(root: str = "runs") -> Path:
         n += 1
         path = Path(root) / f"{stamp}-{n}"
     return path
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints: `<run dir>/checkpoints` (or the folder itself,
+    when it is a checkpoints folder)."""
+    path = Path(run_dir)
+    return path if (path / "LATEST").exists() or path.name == "checkpoints" else path / "checkpoints"
 
 
 class RunDirError(OSError):

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bamboo.cluster.protocol import (Decision, Go, MicroBatchesDone, Progress, RoundDone, Verdict,
-                                     WorkerMessage, decide_key, epoch_key, go_key)
+                                     StepReport, WorkerMessage, decide_key, epoch_key, go_key)
 from bamboo.redundancy.roles import RoleMap
 
 __all__ = ["CoordinatorLink", "CoordinatorGone"]
@@ -73,7 +73,7 @@ class CoordinatorLink:
         if vote is not None and vote.epoch < self.latest_epoch:
             store.compare_set(vote.key, "", vote.moot)
 
-    def send(self, message: WorkerMessage) -> None:
+    def send(self, message: WorkerMessage | StepReport) -> None:
         with self.lock:
             self.conn.send(message)
 

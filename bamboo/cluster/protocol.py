@@ -1,7 +1,8 @@
 """Every message between workers, agents and the coordinator, and every shared name.
 
 Workers report up their own pipe (an agent relays them over its connection); each report
-is one of the frozen dataclasses below, so the coordinator dispatches on the type, never on
+is one of the frozen dataclasses below (or the engine's `StepReport`, defined with the
+engine's votes in `bamboo.pipeline.votes`), so the coordinator dispatches on the type, never on
 a string. Decisions come down through the coordinator's store under the keys defined here
 (values: `bamboo.pipeline.votes`' enums in their text form, plans and role maps as JSON).
 Liveness and progress go through two shared arrays whose layout is defined here too.
@@ -15,10 +16,10 @@ Liveness and progress go through two shared arrays whose layout is defined here 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, Verdict
+from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Verdict
 
 __all__ = [
     "Go", "Decision", "BoundaryFlag", "Verdict",
@@ -115,36 +116,6 @@ class RoundDone(WorkerMessage):
     ok: bool
     losses: list[tuple[int, float, float]]
     """(global micro-batch, loss, weight) of every micro-batch whose loss this node computed."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepReport(WorkerMessage):
-    """What one node tells the coordinator after a committed step."""
-
-    step: int
-    stages: list[int]
-    losses: list[tuple[int, float, float]] = field(default_factory=list)
-    grad_norm: float = 0.0
-    lr: float = 0.0
-    compute_s: float = 0.0
-    frc_s: float = 0.0
-    wait_s: float = 0.0
-    reduce_s: float = 0.0
-    optim_s: float = 0.0
-    step_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_replica: int = 0
-    frc_reused: int = 0
-    brc: int = 0
-    resent_grads: int = 0
-    attempts: int = 1
-    saved_bytes: int = 0
-    """Bytes autograd saved for backward in this step's forwards (activation memory)."""
-    frc_saved_bytes: int = 0
-    """The same, for the eager FRC forwards of the replica stage (kept the whole step)."""
-    state_bytes: int = 0
-    """Parameters and optimizer state held: every stage and the replica."""
-    digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -36,7 +36,7 @@ from bamboo.checkpoint import load_checkpoint
 from bamboo.cluster.link import CoordinatorLink
 from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
-                                     Progress, Ready, StepReport, WorkerError, plan_key)
+                                     Progress, Ready, WorkerError, plan_key)
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
@@ -199,7 +199,7 @@ class _Node:
             except GenerationEnded:
                 break
             done_step = step + 1
-            self.link.send(StepReport(**asdict(report)))
+            self.link.send(report)
             if BoundaryFlag.CHECKPOINT in engine.flags:
                 self._send_checkpoint_part(engine, step + 1)
             if BoundaryFlag.RECONFIGURE in engine.flags:
@@ -209,6 +209,7 @@ class _Node:
             self.link.report(Done)
             self.wait_plan(1 << 30)  # returns at shutdown
             return "finished"
+        engine.p2p.close()
         self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
@@ -297,6 +298,7 @@ class _Node:
                                   f"{str(e).splitlines()[0][:200]}") from e
         finally:
             self.link.on_epoch = engine_wake
+            p2p.close()
         return {i: v for i, v in received.items() if i in needed}
 
     def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:

@@ -66,6 +66,11 @@ class P2P:
         self.pending.append((work, tensor, dst))
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
+    def close(self) -> None:
+        """Let the helper threads go once idle (a worker builds a P2P per generation; a
+        transfer still blocked in gloo ends with its group's timeout)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def post_recv(self, buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
         try:
             return self.group.recv([buffer], src, tag)

@@ -36,10 +36,10 @@ from bamboo.pipeline.commit import RoundResult, commit_round
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.optim import clip_coefficient, learning_rate
 from bamboo.pipeline.stage import StageState
-from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, Votes
+from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 from bamboo.redundancy.roles import RoleMap, Takeover
 
-__all__ = ["TrainingHyper", "StepTally", "NodeEngine", "GenerationEnded"]
+__all__ = ["TrainingHyper", "NodeEngine", "GenerationEnded"]
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
 """Phase indices a node marks its progress with (`bamboo.cluster.protocol.PHASES` names them)."""
@@ -61,37 +61,6 @@ class TrainingHyper:
     grad_clip: float
 
 
-@dataclass(kw_only=True, slots=True)
-class StepTally:
-    """What one node counts during a step; the worker reports it after the commit."""
-
-    step: int
-    rank: int
-    stages: list[int]
-    losses: list[tuple[int, float, float]] = field(default_factory=list)
-    grad_norm: float = 0.0
-    lr: float = 0.0
-    compute_s: float = 0.0
-    frc_s: float = 0.0
-    wait_s: float = 0.0
-    reduce_s: float = 0.0
-    optim_s: float = 0.0
-    step_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_replica: int = 0
-    frc_reused: int = 0
-    brc: int = 0
-    resent_grads: int = 0
-    attempts: int = 1
-    saved_bytes: int = 0
-    """Bytes autograd saved for backward in this step's forwards (activation memory)."""
-    frc_saved_bytes: int = 0
-    """The same, for the eager FRC forwards of the replica stage (kept the whole step)."""
-    state_bytes: int = 0
-    """Parameters and optimizer state held: every stage and the replica."""
-    digests: dict[str, str] = field(default_factory=dict)
-
-
 @dataclass(slots=True)
 class _Step:
     """Everything a node keeps during one step (dropped at the commit)."""
@@ -111,7 +80,7 @@ class _Step:
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
     seen_forward: bool = False
-    report: StepTally | None = None
+    report: StepReport | None = None
 
 
 class NodeEngine:
@@ -161,11 +130,11 @@ class NodeEngine:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run_step(self, step: int) -> StepTally:
+    def run_step(self, step: int) -> StepReport:
         """Run `step` to its commit, surviving lost peers on the way."""
         start = time.perf_counter()
         s = _Step(step)
-        s.report = StepTally(step=step, rank=self.rank, stages=[])
+        s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
         while True:
             wait = False

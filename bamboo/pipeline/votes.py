@@ -5,18 +5,19 @@ for `Go.GO` (or `Go.ABORT`: the roles changed, redo the step's remaining work); 
 commit round it votes whether the round succeeded and waits for a `Verdict`: `COMMIT`
 (apply the update, possibly with boundary flags: write a checkpoint, end the generation)
 or `REDO`. Role maps arrive as epochs. The engine depends only on this interface; the
-cluster's `CoordinatorLink` implements it over the coordinator's store.
+cluster's `CoordinatorLink` implements it over the coordinator's store. After a commit the
+engine's `StepReport` goes up as a message of its own.
 """
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from bamboo.redundancy.roles import RoleMap
 
-__all__ = ["Go", "Decision", "BoundaryFlag", "Verdict", "Votes"]
+__all__ = ["Go", "Decision", "BoundaryFlag", "Verdict", "Votes", "StepReport"]
 
 
 class Go(enum.Enum):
@@ -56,6 +57,39 @@ class Verdict:
     def decode(cls, text: str) -> Verdict:
         decision, *flags = text.split("+")
         return cls(Decision(decision), frozenset(BoundaryFlag(f) for f in flags))
+
+
+@dataclass(kw_only=True, slots=True)
+class StepReport:
+    """What one node tells the coordinator after a committed step. The engine fills it in
+    during the step (the one message built up in place); it is sent once and not changed
+    after."""
+
+    step: int
+    rank: int
+    stages: list[int]
+    losses: list[tuple[int, float, float]] = field(default_factory=list)
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    compute_s: float = 0.0
+    frc_s: float = 0.0
+    wait_s: float = 0.0
+    reduce_s: float = 0.0
+    optim_s: float = 0.0
+    step_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_replica: int = 0
+    frc_reused: int = 0
+    brc: int = 0
+    resent_grads: int = 0
+    attempts: int = 1
+    saved_bytes: int = 0
+    """Bytes autograd saved for backward in this step's forwards (activation memory)."""
+    frc_saved_bytes: int = 0
+    """The same, for the eager FRC forwards of the replica stage (kept the whole step)."""
+    state_bytes: int = 0
+    """Parameters and optimizer state held: every stage and the replica."""
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 class Votes(Protocol):

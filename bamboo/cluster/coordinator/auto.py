@@ -23,9 +23,11 @@ one (spread over the steps left).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from typing import Any
 
+from bamboo.cluster.coordinator.failures import FailureHandler
+from bamboo.cluster.coordinator.generations import Generations
+from bamboo.cluster.coordinator.nodes import Supervisor
+from bamboo.cluster.coordinator.results import Results
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode
 
@@ -39,10 +41,10 @@ _NOMINAL_STEP_S = 1.0
 
 
 class AutoRedundancy:
-    def __init__(self, ctx: RunContext, nodes: Callable[[], Any], records: Callable[[], list[dict]],
-                 failures: Callable[[], Any], generations: Callable[[], Any]) -> None:
+    def __init__(self, ctx: RunContext, nodes: Supervisor, results: Results,
+                 failures: FailureHandler, generations: Generations) -> None:
         self.ctx = ctx
-        self.nodes, self.records, self.failures, self.gens = nodes, records, failures, generations
+        self.nodes, self.results, self.failures, self.gens = nodes, results, failures, generations
         self.rate = RateEstimator(prior_weight=PRIOR_WEIGHT_S)
         self.last_t: float | None = None
         self.counted_losses = 0
@@ -55,10 +57,10 @@ class AutoRedundancy:
         """Accrue the node-seconds held since the last call and the losses seen since."""
         now = self.ctx.clock()
         if self.last_t is not None:
-            alive = sum(1 for n in self.nodes() if n.is_alive)
+            alive = self.nodes.alive_count()
             self.rate.observe(node_seconds=alive * (now - self.last_t))
         self.last_t = now
-        failures = self.failures()
+        failures = self.failures
         seen = len(failures.losses) + failures.standby_losses
         if seen > self.counted_losses:
             self.rate.observe(removals=seen - self.counted_losses)
@@ -74,8 +76,8 @@ class AutoRedundancy:
         """Steps run in `mode`, without a generation's first step; without the steps that
         lost a node too, unless fewer than two are left (a run that loses a node every
         step has no clean step: its typical step is what it pays)."""
-        failed = {x.step for x in self.failures().losses}
-        steps = [r for r in self.records() if r["wall_s"] > 0 and r["step"] not in
+        failed = {x.step for x in self.failures.losses}
+        steps = [r for r in self.results.records if r["wall_s"] > 0 and r["step"] not in
                  self.gen_starts and self.mode_of_step.get(r["step"]) == mode]
         clean = [r for r in steps if r["step"] not in failed]
         return clean if len(clean) >= 2 else steps
@@ -96,11 +98,11 @@ class AutoRedundancy:
         if not step_s:
             step_s["off"] = _NOMINAL_STEP_S
         tau = min(step_s.values())
-        losses = [x for x in self.failures().losses if x.written]
+        losses = [x for x in self.failures.losses if x.written]
         in_flight = [x.pause_s for x in losses if x.in_flight]
         restarted = [x.pause_s for x in losses if not x.in_flight and
                      str(x.handled_as) in ("peer_restore", "checkpoint_restore")]
-        reconf = [t["total_s"] for t in self.gens().times if "total_s" in t]
+        reconf = [t["total_s"] for t in self.gens.times if "total_s" in t]
         reconf_s = statistics.median(reconf) if reconf else 1.0
         # A loss nothing covers in flight costs what such losses cost this run (the step
         # thrown away, the new generation, the state moved); before one was seen: a

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
-from bamboo.cluster.coordinator.state import HandledAs, Loss, RunContext, Stop
+from bamboo.cluster.coordinator.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.cluster.coordinator.steps import StepProtocol
 from bamboo.cluster.protocol import PHASES, StepReport
 from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover
@@ -78,9 +78,11 @@ class FailureHandler:
 
     def _drained(self, n: Node) -> None:
         """A noticed node handed its state over at a step boundary and left."""
-        self._write(Loss(node=n.name, rank=n.rank, step=self.ctx.committed, phase="boundary",
-                         handled_as=HandledAs.DRAIN, shadow=None, t=self._t(), signal="notice",
-                         counts=dict(ZERO_COUNTS)))
+        loss = Loss(node=n.name, rank=n.rank, step=self.ctx.committed, phase="boundary",
+                    handled_as=HandledAs.DRAIN, shadow=None, t=self._t(), signal="notice",
+                    counts=dict(ZERO_COUNTS))
+        self.losses.append(loss)
+        self._write(loss)
 
     def _t(self) -> float:
         return self.ctx.clock() - self.ctx.t0
@@ -169,12 +171,19 @@ class FailureHandler:
             raise Unrecoverable("the surviving copy's holder is itself still receiving its state")
         return plan
 
-    def _abandon(self, reason: str, loss: Loss, why: str) -> None:
+    def abandon(self, reason: str) -> Reconfiguration:
+        """End the generation mid-step (a loss no in-flight copy covers, or a state transfer
+        that failed): the new epoch marks it abandoned and the step's votes are answered."""
         ctx = self.ctx
         old_epoch = ctx.roles.epoch
         dead = {x.rank for x in self.nodes if x.state is NodeState.LOST and x.rank is not None}
         r = self.gens.abandon(reason, dead)
         self.steps.moot(ctx.committed, old_epoch)
+        return r
+
+    def _abandon(self, reason: str, loss: Loss, why: str) -> None:
+        ctx = self.ctx
+        r = self.abandon(reason)
         r.lost.append(loss)
         if why and not r.why:
             r.why = why
@@ -203,8 +212,6 @@ class FailureHandler:
 
     def _write(self, loss: Loss) -> None:
         """The `node_lost` event of `loss` (once)."""
-        if loss not in self.losses:
-            self.losses.append(loss)
         if loss.written:
             return
         loss.written = True

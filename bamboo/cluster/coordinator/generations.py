@@ -205,8 +205,8 @@ class Generations:
         return ctx.reconf
 
     def abandon(self, reason: str, dead: set[int]) -> Reconfiguration:
-        """End the generation mid-step: every survivor drops the step under way. Returns
-        the old epoch's votes' (step, epoch) for the step protocol to answer."""
+        """End the generation mid-step: publish a role map marked `abandon` (every survivor
+        drops the step under way) and begin the reconfiguration. `dead`: ranks known lost."""
         ctx = self.ctx
         new = RoleMap.from_json(ctx.roles.to_json())
         new.epoch += 1
@@ -217,7 +217,7 @@ class Generations:
         ctx.store.set(epoch_key(new.epoch), new.to_json())
         return self.begin(reason, abandoned=True)
 
-    def on_end(self, n: Node, msg: GenerationEnd, abandon: Callable[[str], None]) -> None:
+    def on_end(self, n: Node, msg: GenerationEnd, abandon: Callable[[str], object]) -> None:
         ctx = self.ctx
         if msg.gen != ctx.plan.gen:
             return

@@ -136,13 +136,17 @@ class Coordinator:
         self.restore = RestorePoints(ctx, rewind=self._rewind)
         self.gens = Generations(ctx, self.nodes, self.restore,
                                 fired_kills=self.preemptions.fired_kills,
-                                layout_shown=lambda: self.view.layout_changed(),
-                                choose_redundancy=self._redundancy_chooser())
+                                layout_shown=lambda: self.view.layout_changed())
         self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens,
                                        kill_fired=self.preemptions.kill_fired,
                                        respawn=self._respawn,
                                        layout_changed=lambda: self.view.layout_changed())
         self.results = Results(ctx, self.display.step)
+        self.auto = None
+        if cfg.redundancy == "auto":
+            from bamboo.cluster.coordinator.auto import AutoRedundancy
+            self.auto = AutoRedundancy(ctx, self.nodes, self.results, self.failures, self.gens)
+            self.gens.choose_redundancy = self.auto.choose
         self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.handlers: dict[type, Callable[[Node, Any], None]] = {
             MicroBatchesDone: lambda n, m: self.steps.on_micro_batches_done(m),
@@ -151,22 +155,13 @@ class Coordinator:
             LayerParams: lambda n, m: self.results.on_params(m),
             Ready: self._on_ready,
             GenerationReady: self._on_generation_ready,
-            GenerationEnd: lambda n, m: self.gens.on_end(n, m, self._abandon_transfer),
+            GenerationEnd: lambda n, m: self.gens.on_end(n, m, self.failures.abandon),
             CheckpointPart: lambda n, m: self.checkpoints.on_part(m),
             Notice: self._on_notice,
             Left: self._on_left,
             Done: self._on_done,
             WorkerError: self._on_worker_error,
         }
-
-    def _redundancy_chooser(self) -> Callable[[int], str] | None:
-        self.auto = None
-        if self.cfg.redundancy != "auto":
-            return None
-        from bamboo.cluster.coordinator.auto import AutoRedundancy
-        self.auto = AutoRedundancy(self.ctx, lambda: self.nodes, lambda: self.results.records,
-                                   lambda: self.failures, lambda: self.gens)
-        return self.auto.choose
 
     def _load_trace(self) -> None:
         if self.cfg.trace is None:
@@ -395,12 +390,6 @@ class Coordinator:
     def _rewind(self, step: int) -> None:
         self.steps.rewind(step)
         self.checkpoints.forget_after(step)
-
-    def _abandon_transfer(self, reason: str) -> None:
-        old_epoch = self.ctx.roles.epoch
-        self.gens.abandon(reason, {n.rank for n in self.nodes
-                                   if n.state is NodeState.LOST and n.rank is not None})
-        self.steps.moot(self.ctx.committed, old_epoch)
 
     def _try_plan(self) -> None:
         if self.gens.try_plan(trace_finished=self.preemptions.trace_finished()) is not None:
