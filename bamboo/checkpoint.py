@@ -1,85 +1,145 @@
-"""Durable checkpoints: the last resort, used only when every copy of some stage is gone.
+"""Durable checkpoints, written by the nodes that hold the state: the last resort, used only
+when every copy of some layer is gone.
 
-Layout of a checkpoint directory:
+Layout under a checkpoint root: a local directory, or an fsspec URL (file:///mnt/ckpt,
+s3://bucket/run/checkpoints, ...) that every machine reaches at the same address:
 
-    DIR/step-00000120/stage-0.pt      {"params": {name: tensor}, "optim": optimizer state}
-    DIR/step-00000120/stage-1.pt
-    DIR/step-00000120/manifest.json   {"format": 1, "step": 120, "stages": [0, 1],
-                                       "files": {"stage-0.pt": {"sha256", "bytes"}}, "meta"}
-    DIR/LATEST                        "step-00000120"
+    ROOT/step-00000120/layer-0003/       one torch.distributed.checkpoint (DCP) folder per
+        .metadata  __0_0.distcp          layer, key `layer.3.state`: the layer's parameters,
+        layer.json                       AdamW moments and step count (3n+1 floats); and
+                                         layer.json: the keys in order with shape, dtype
+                                         and sha256, the size of every file
+    ROOT/step-00000120/manifest.json     {"format": 2, "step": 120, "layers": [0, .., 11],
+                                          "meta": {...}}, written last, by the coordinator
+    ROOT/LATEST                          "step-00000120"
+    ROOT/final-00000200/layer-0003/      the trained model after the last step, keys
+                                         `layer.3.param.<name>`: model.pt is built from these
 
-Guarantees: a checkpoint is built in a hidden `.tmp-*` directory (every file fsynced, the
-manifest written last), then renamed into place in one step and the directory fsynced,
-then LATEST is replaced atomically; older checkpoints are deleted only after that (the
-newest `keep` stay). A failed save (a full disk) removes its partial files, keeps every
-earlier checkpoint and raises CheckpointError naming the file it could not write; the
-temporaries of a save that was interrupted (a killed process) are removed by the next save.
-`load_latest` checks that the manifest lacks no layer, sizes and sha256 of every file,
-loads with `torch.load(weights_only=True)` (no arbitrary code from a file), and falls back
-to the newest whole checkpoint, saying which one it skipped and why.
+Who writes what: each stage's first live holder writes its own layers (`write_layers`, in
+the worker, on a background thread, from a copy of the state) and reports them durable;
+when every layer of a step is reported, the coordinator checks that it sees them, writes
+the manifest and LATEST (`publish`) and prunes to the newest `keep` whole checkpoints. No
+tensor passes through the coordinator. Each layer being its own folder, a later layout
+with another partition loads any subset (`load_layers`).
+
+Guarantees: a layer is written into a hidden `.tmp-layer-NNNN-PID-HOST` folder (files
+fsynced) and renamed into place in one step (replacing a same-step copy); the manifest and
+LATEST are replaced atomically; a step folder without its manifest is never whole. The
+temporaries of writes that never finished (a process of this machine that was killed) are
+removed by the next write into the same folder. `load_latest` takes the newest whole
+checkpoint (manifest readable, every layer of the model listed, present, and every file at
+its recorded size), falls back past broken ones saying which it skipped and why, and needs
+no torch. `load_layers` checks every tensor's sha256 and unpickles nothing but DCP's own
+metadata classes (tensors load with `weights_only`): no code runs from a file.
 """
 from __future__ import annotations
 
-import errno
+import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
+import pickle
+import posixpath
 import re
 import shutil
+import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bamboo.runlog import checkpoint_root, write_atomic
 
-__all__ = ["CheckpointError", "Checkpoint", "save_checkpoint", "load_latest", "load_checkpoint",
-           "list_checkpoints", "checkpoint_root"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CheckpointError", "Checkpoint", "FORMAT", "write_layers", "publish", "load_latest",
+           "load_checkpoint", "load_layers", "load_layer_tensors", "list_checkpoints",
+           "has_whole_checkpoint", "checkpoint_root", "checkpoint_location", "step_dir",
+           "final_dir"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+"""1: one torch.save file per stage, written by the coordinator. 2: one DCP folder per
+layer, written by the layer's holder."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_SIDECAR = "layer.json"
+_MANIFEST = "manifest.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or none could be loaded; str() is one line."""
+    """A checkpoint could not be written or none could be loaded; str() is one line."""
 
 
 @dataclass(kw_only=True, slots=True)
 class Checkpoint:
-    """A whole checkpoint, loaded."""
+    """A whole checkpoint, verified; its tensors stay on storage (`load_layers(path, ...)`)."""
 
     step: int
-    stages: dict[int, dict[str, torch.Tensor]]
-    optimizer_states: dict[int, dict]
+    layers: list[int]
     meta: dict
-    path: Path
+    path: Path | str
+    """Its step folder: a Path under a local root, a URL under a URL root."""
     warning: str | None = None
     """Set when a newer checkpoint was unusable and this older one was taken instead."""
     skipped: list[str] = field(default_factory=list)
 
 
-class _HashingWriter:
-    """A binary file that hashes and counts what is written through it."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        n = self.f.write(data)
-        self.sha.update(memoryview(data)[:n])
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
+# -- where ----------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
+def _is_url(location: str | Path) -> bool:
+    return isinstance(location, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None
+
+
+def _located(root: str | Path, text: str) -> Path | str:
+    """A location under `root` as the caller gave it: a Path for a folder, a str for a URL."""
+    return text if _is_url(root) else Path(text)
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _layer_name(layer: int) -> str:
+    return f"layer-{layer:04d}"
+
+
+def step_dir(root: str | Path, step: int) -> Path | str:
+    """The folder of step `step`'s checkpoint under `root`."""
+    return _located(root, _storage(root).join(str(root), _step_name(step)))
+
+
+def final_dir(root: str | Path, steps: int) -> Path | str:
+    """The folder the trained model's layers are written to after the run's last step."""
+    return _located(root, _storage(root).join(str(root), f"final-{steps:08d}"))
+
+
+def checkpoint_location(cfg: Any) -> Path | str:
+    """Where a job's checkpoints go: its --checkpoint-dir (a path or a URL), else the
+    checkpoints/ folder of its run directory (`cfg.out`, made absolute by the coordinator
+    before any worker starts)."""
+    if getattr(cfg, "checkpoint_dir", None):
+        return cfg.checkpoint_dir if _is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
+    if cfg.out is None:
+        raise CheckpointError("the job names no run directory (--out) and no --checkpoint-dir: "
+                              "nowhere to write checkpoints")
+    return checkpoint_root(cfg.out)
+
+
+# -- storage: a local folder or an fsspec URL -----------------------------------------------
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _tag() -> str:
+    """Who writes a temporary: this process on this machine."""
+    return f"{os.getpid()}-{_HOST}"
+
+
+def _fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -87,38 +147,201 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _os_error_in(error: BaseException | None) -> OSError | None:
-    """The OSError (e.g. ENOSPC) somewhere in an exception's chain, if any."""
-    seen = 0
-    while error is not None and seen < 10:
-        if isinstance(error, OSError):
-            return error
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
+class _Local:
+    """A local (or mounted) folder: os calls, fsynced renames."""
 
+    url = False
 
-def _write_stage(path: Path, obj: dict) -> dict:
-    with open(path, "wb") as f:
-        writer = _HashingWriter(f)
+    def join(self, base: str, *names: str) -> str:
+        return os.path.join(base, *names)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def ls(self, path: str) -> list[str]:
         try:
-            torch.save(obj, writer)
-        except RuntimeError as e:  # torch's zip writer hides a failed write behind its own
-            cause = _os_error_in(e)
-            if cause is None:
-                raise
-            raise cause from None
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": writer.sha.hexdigest(), "bytes": writer.size}
+            return os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        write_atomic(Path(path), data)  # its temporary is `.NAME.tmp-PID`
+        _fsync_dir(os.path.dirname(path) or ".")
+
+    def sync_dir(self, path: str) -> None:
+        _fsync_dir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+        _fsync_dir(os.path.dirname(dst) or ".")
+
+    def rmtree(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def writer(self, path: str) -> Any:
+        from torch.distributed.checkpoint import FileSystemWriter
+        return FileSystemWriter(path, sync_files=True)
+
+    def reader(self, path: str) -> Any:
+        from torch.distributed.checkpoint import FileSystemReader
+        return _safe_reader(FileSystemReader)(path)
 
 
-def _write_text(path: Path, text: str) -> None:
-    write_atomic(path, text.encode("utf-8"))  # its temporary is `.NAME.tmp-PID`
-    _fsync_dir(path.parent)
+class _Fsspec:
+    """A URL: fsspec calls (an object store renames by copying: the manifest, written
+    last, is what makes a checkpoint whole)."""
+
+    url = True
+
+    def __init__(self, url: str) -> None:
+        from fsspec.core import url_to_fs
+        self.fs, _ = url_to_fs(url)
+
+    def join(self, base: str, *names: str) -> str:
+        return posixpath.join(base.rstrip("/"), *names)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def ls(self, path: str) -> list[str]:
+        try:
+            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def write_file(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        head, name = posixpath.split(path.rstrip("/"))
+        tmp = posixpath.join(head, f".{name}.tmp-{_tag()}")
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+
+    def sync_dir(self, path: str) -> None:
+        pass
+
+    def rename(self, src: str, dst: str) -> None:
+        self.fs.mv(src, dst, recursive=True)
+
+    def rmtree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+    def writer(self, path: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(path, sync_files=True)
+
+    def reader(self, path: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return _safe_reader(FsspecReader)(path)
 
 
-_TEMPORARY = re.compile(r"^\.(?:tmp-step-\d{8,}|old-step-\d{8,}|LATEST\.tmp)-(\d+)$")
-"""What a save leaves behind when it is interrupted (killed, power cut) mid-way."""
+def _storage(location: str | Path) -> _Local | _Fsspec:
+    return _Fsspec(str(location)) if _is_url(location) else _Local()
+
+
+# -- safe reading of DCP metadata ---------------------------------------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"), ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; only DCP's metadata classes, torch sizes and dtypes
+    may be named in it (anything else could run code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+        allowed = (module, name) in _ALLOWED or module in _DCP_MODULES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        return super().find_class(module, name)
+
+
+_safe_readers: dict[type, type] = {}
+
+
+def _safe_reader(base: type) -> type:
+    """`base` (a DCP reader) with its metadata read by `_MetadataUnpickler`."""
+    if base not in _safe_readers:
+        def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+        _safe_readers[base] = type(f"Safe{base.__name__}", (base,), {"read_metadata": read_metadata})
+    return _safe_readers[base]
+
+
+@contextlib.contextmanager
+def _single_process() -> Any:
+    """DCP without a process group warns that it assumes one process: that is the intent.
+    (A filter added once, not `catch_warnings`, which is not thread-safe: writes run on a
+    background thread.)"""
+    import warnings
+    if not any(f[1] is not None and f[1].pattern.startswith("torch.distributed is disabled")
+               for f in warnings.filters if f[0] == "ignore"):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+    yield
+
+
+# -- temporaries --------------------------------------------------------------------------
+
+_TEMPORARY = re.compile(r"^\.(?:tmp-layer-\d+|old-layer-\d+|tmp-step-\d+|old-step-\d+|"
+                        r"LATEST\.tmp|manifest\.json\.tmp)-(\d+)(?:-(.+))?$")
+"""What a write leaves behind when it is interrupted (killed, power cut) mid-way: the pid
+of the writer, and its host when the name says (a name without one is this machine's)."""
 
 
 def _alive(pid: int) -> bool:
@@ -131,97 +354,201 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temporaries(root: Path) -> list[str]:
-    """Delete the temporary files and folders of earlier saves that never finished (this
-    process's, or a process that is gone); a save in progress elsewhere is left alone."""
+def _remove_stale_temporaries(store: _Local | _Fsspec, folder: str) -> list[str]:
+    """Delete the temporaries in `folder` of earlier writes that never finished (this
+    process's, or a process of this machine that is gone); a write in progress elsewhere,
+    or one of another machine (whose processes cannot be seen from here), is left alone."""
     removed = []
-    for path in root.iterdir():
-        m = _TEMPORARY.match(path.name)
-        if m is None or (int(m[1]) != os.getpid() and _alive(int(m[1]))):
+    for name in store.ls(folder):
+        m = _TEMPORARY.match(name)
+        if m is None or (m[2] is not None and m[2] != _HOST):
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        removed.append(path.name)
+        if int(m[1]) != os.getpid() and _alive(int(m[1])):
+            continue
+        store.rmtree(store.join(folder, name))
+        removed.append(name)
     if removed:
-        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), root,
+        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), folder,
                  ", ".join(sorted(removed)))
     return removed
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoint directories under `root`, newest step first (whole or not)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
+# -- errors -------------------------------------------------------------------------------
 
 
-def save_checkpoint(root: str | Path, step: int, stages: dict[int, dict[str, torch.Tensor]],
-                    optimizer_states: dict[int, dict], meta: dict | None = None,
-                    *, keep: int = 2) -> Path:
-    """Write step `step`'s checkpoint under `root`; returns its directory."""
-    root = Path(root)
-    name = f"step-{step:08d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    writing = str(root)
+def _os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError (e.g. ENOSPC) somewhere in an exception's chain (or in a DCP
+    CheckpointException's failures), if any."""
+    seen, todo = 0, [error]
+    while todo and seen < 20:
+        e = todo.pop(0)
+        seen += 1
+        if e is None:
+            continue
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's wrapped ones
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _failed(e: BaseException) -> bool:
+    """A failure to report (an Exception, or DCP's CheckpointException, which is a
+    BaseException), not an interrupt."""
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The first exception a DCP CheckpointException wraps (else `e`)."""
+    for failure in (getattr(e, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def _why(e: BaseException) -> str:
+    cause = _os_error_in(e)
+    if cause is not None:  # as the OS says it: "No space left on device"
+        return cause.strerror or str(cause) or type(cause).__name__
+    e = _unwrap(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+# -- writing (the holders) ----------------------------------------------------------------
+
+
+def _sha256(t: torch.Tensor) -> str:
+    import torch
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+def write_layers(directory: str | Path, layers: dict[int, dict[str, torch.Tensor]]) -> list[int]:
+    """Write each layer's tensors (name -> tensor, stored as `layer.{i}.{name}`) as its own
+    DCP folder `directory/layer-NNNN`, atomically per layer (a same-step copy there is
+    replaced). Returns the layers written; CheckpointError names the layer and why."""
+    store, d = _storage(directory), str(directory)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)  # of saves interrupted earlier (this one's included)
-        writing = name
-        tmp.mkdir()
-        files = {}
-        for s in sorted(stages):
-            obj = {"params": stages[s], "optim": optimizer_states.get(s, {})}
-            writing = f"{name}/stage-{s}.pt"
-            files[f"stage-{s}.pt"] = _write_stage(tmp / f"stage-{s}.pt", obj)
-        manifest = {"format": FORMAT, "step": step, "stages": sorted(stages),
-                    "files": files, "meta": meta or {}}
-        writing = f"{name}/manifest.json"
-        _write_text(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
-        writing = name
-        _publish(root, tmp, root / name)
+        store.makedirs(d)
+        _remove_stale_temporaries(store, d)  # of writes interrupted earlier
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        kept = next((p.name for p in list_checkpoints(root)), None)
-        raise CheckpointError(f"checkpoint of step {step} not saved in {root}: could not write "
-                              f"{writing}: {why}; "
-                              + (f"{kept} is kept" if kept else "no earlier checkpoint")) from None
+        raise CheckpointError(f"could not write checkpoint folder {d}: {_why(e)}") from None
+    for i in sorted(layers):
+        _write_layer(store, d, i, layers[i])
+    return sorted(layers)
+
+
+def _write_layer(store: _Local | _Fsspec, d: str, i: int, tensors: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+    name = _layer_name(i)
+    tmp = store.join(d, f".tmp-{name}-{_tag()}")
+    try:
+        state = {f"layer.{i}.{k}": t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+        entries = [{"key": k, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                    "sha256": _sha256(t)} for k, t in state.items()]
+        with _single_process():
+            dcp.save(state, storage_writer=store.writer(tmp), no_dist=True)
+        files = {f: store.size(store.join(tmp, f)) for f in sorted(store.ls(tmp))}
+        sidecar = {"format": FORMAT, "layer": i, "tensors": entries, "files": files}
+        store.write_file(store.join(tmp, _SIDECAR), json.dumps(sidecar, indent=1).encode())
+        store.sync_dir(tmp)
+        _replace_dir(store, d, tmp, name)
+    except BaseException as e:
+        store.rmtree(tmp)
+        if _failed(e):
+            raise CheckpointError(f"could not write layer {i} to {d}: {_why(e)}") from None
+        raise
+
+
+def _replace_dir(store: _Local | _Fsspec, d: str, tmp: str, name: str) -> None:
+    """Rename the finished folder into place, replacing a same-named one."""
+    final, old = store.join(d, name), None
+    if store.exists(final):
+        old = store.join(d, f".old-{name}-{_tag()}")
+        store.rename(final, old)
+    try:
+        store.rename(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:  # put the earlier copy back
+            store.rename(old, final)
         raise
-    try:  # the checkpoint is whole and in place: LATEST only names it for people
-        _write_text(root / "LATEST", name + "\n")
-    except OSError as e:
-        log.warning("checkpoint %s saved but %s/LATEST not updated: %s", name, root,
-                    e.strerror or e)
-    _prune(root, keep)
-    return root / name
-
-
-def _publish(root: Path, tmp: Path, final: Path) -> None:
-    """Rename the finished directory into place (replacing a same-step one) and fsync."""
-    old = None
-    if final.exists():
-        old = root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if old is not None:  # put the earlier same-step checkpoint back
-            os.replace(old, final)
-        raise
-    _fsync_dir(root)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        store.rmtree(old)
 
 
-def _prune(root: Path, keep: int) -> None:
-    for old in list_checkpoints(root)[max(1, keep):]:
-        shutil.rmtree(old, ignore_errors=True)
+# -- publishing (the coordinator) ---------------------------------------------------------
+
+
+def _steps(store: _Local | _Fsspec, root: str) -> list[tuple[int, str]]:
+    """(step, folder name) of every step folder under `root`, newest first."""
+    found = [(int(m[1]), n) for n in store.ls(root) if (m := _STEP_DIR.match(n))]
+    return sorted(found, reverse=True)
+
+
+def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | None = None,
+            *, keep: int = 2) -> Path | str:
+    """Make step `step`'s checkpoint whole: check that every one of `layers` is in place,
+    write its manifest (last) and LATEST, and prune to the newest `keep` whole checkpoints.
+    Returns its folder; CheckpointError when it could not be made whole (earlier ones are
+    kept)."""
+    store, r = _storage(root), str(root)
+    name = _step_name(step)
+    d = store.join(r, name)
+    layers = sorted(set(layers))
+    writing = f"{name}/{_MANIFEST}"
+    try:
+        missing = [i for i in layers
+                   if not store.exists(store.join(d, _layer_name(i), _SIDECAR))]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint of step {step} not published: layer{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} reported written but not found in {d} (every "
+                f"machine must reach the checkpoint directory at the same path: give a shared "
+                f"--checkpoint-dir)")
+        _remove_stale_temporaries(store, r)
+        manifest = {"format": FORMAT, "step": step, "layers": layers, "meta": meta or {}}
+        store.write_atomic(store.join(d, _MANIFEST),
+                           json.dumps(manifest, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        kept = next((n for s, n in _steps(store, r)
+                     if s != step and store.exists(store.join(r, n, _MANIFEST))), None)
+        raise CheckpointError(f"checkpoint of step {step} not published in {root}: could not "
+                              f"write {writing}: {_why(e)}; "
+                              + (f"{kept} is kept" if kept else "no earlier checkpoint")) from None
+    try:  # the checkpoint is whole: LATEST only names it for people
+        store.write_atomic(store.join(r, "LATEST"), (name + "\n").encode())
+    except OSError as e:
+        log.warning("checkpoint %s saved but %s/LATEST not updated: %s", name, r, _why(e))
+    _prune(store, r, keep, step)
+    return _located(root, d)
+
+
+def _prune(store: _Local | _Fsspec, root: str, keep: int, newest: int) -> None:
+    """Delete every step folder up to `newest` but the newest `keep` whole ones (later
+    folders may still be being written)."""
+    kept = 0
+    for step, name in _steps(store, root):
+        if step > newest:
+            continue
+        if kept < max(1, keep) and store.exists(store.join(root, name, _MANIFEST)):
+            kept += 1
+            continue
+        store.rmtree(store.join(root, name))
+
+
+# -- finding and checking -----------------------------------------------------------------
+
+
+def list_checkpoints(root: str | Path) -> list[Path | str]:
+    """Checkpoint folders under `root`, newest step first (whole or not)."""
+    store, r = _storage(root), str(root)
+    if not store.isdir(r):
+        return []
+    return [_located(root, store.join(r, n)) for _, n in _steps(store, r)
+            if store.isdir(store.join(r, n))]
 
 
 def _expected_layers(meta: dict) -> int | None:
@@ -236,85 +563,169 @@ def _expected_layers(meta: dict) -> int | None:
         return None
 
 
-def _check_complete(manifest: dict) -> None:
-    """CheckpointError naming every layer (or stage) the manifest lacks: one its files
-    list, one below the highest it holds, or one of the model it names."""
+def _read_manifest(store: _Local | _Fsspec, d: str) -> dict:
     try:
-        held = {int(s) for s in manifest.get("stages", [])}
-        listed = {int(m[1]) for f in manifest["files"]
-                  if (m := re.match(r"^stage-(\d+)\.pt$", str(f)))}
-    except (ValueError, TypeError, AttributeError) as e:
+        manifest = json.loads(store.read_bytes(store.join(d, _MANIFEST)).decode("utf-8"))
+        fmt = manifest.get("format")
+        if fmt != FORMAT:
+            raise CheckpointError(f"manifest.json is of format {fmt}; this version of bamboo "
+                                  f"reads format {FORMAT}")
+        step, layers = int(manifest["step"]), [int(x) for x in manifest["layers"]]
+    except FileNotFoundError:
+        raise CheckpointError("manifest.json is missing (the save did not finish)") from None
+    except OSError as e:
+        raise CheckpointError(f"manifest.json cannot be read ({_why(e)})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"manifest.json is unreadable ({e})") from None
     meta = manifest.get("meta") or {}
-    unit = "layer" if isinstance(meta, dict) and meta.get("unit") == "layer" else "stage"
-    expected = listed | set(range(max(held | listed, default=-1) + 1))
+    expected = set(range(max(layers, default=-1) + 1))
     count = _expected_layers(meta)
     if count is not None:
         expected |= set(range(count))
-    missing = sorted(expected - held)
+    missing = sorted(expected - set(layers))
     if missing:
         of = f" of the {count} of {meta['model']}" if count is not None else ""
-        raise CheckpointError(f"manifest.json lacks {unit}{'s' if len(missing) > 1 else ''} "
+        raise CheckpointError(f"manifest.json lacks layer{'s' if len(missing) > 1 else ''} "
                               f"{', '.join(map(str, missing))}{of}: the checkpoint is incomplete")
+    if not layers:
+        raise CheckpointError("manifest.json lists no layer")
+    return {"step": step, "layers": sorted(layers), "meta": meta}
 
 
-def _load_one(path: Path) -> Checkpoint:
-    """Load and verify one checkpoint directory; CheckpointError says what is wrong."""
+def _read_sidecar(store: _Local | _Fsspec, d: str, layer: int) -> dict:
+    """A layer folder's layer.json, with every file it lists present at its size."""
+    name = _layer_name(layer)
+    ld = store.join(d, name)
     try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        files, step = manifest["files"], int(manifest["step"])
+        sidecar = json.loads(store.read_bytes(store.join(ld, _SIDECAR)).decode("utf-8"))
+        files, entries = dict(sidecar["files"]), list(sidecar["tensors"])
+        for e in entries:
+            str(e["key"]), list(e["shape"]), str(e["dtype"]), str(e["sha256"])
     except FileNotFoundError:
-        raise CheckpointError("manifest.json is missing (the save did not finish)") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"manifest.json is unreadable ({e})") from None
-    _check_complete(manifest)
-    stages, optim = {}, {}
-    for s in manifest.get("stages", []):
-        fname = f"stage-{s}.pt"
-        entry = files.get(fname)
-        if entry is None:
-            raise CheckpointError(f"{fname} is not in the manifest")
+        what = name if not store.exists(ld) else f"{name}/{_SIDECAR}"
+        raise CheckpointError(f"{what} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{name}/{_SIDECAR} cannot be read ({_why(e)})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{name}/{_SIDECAR} is unreadable ({e})") from None
+    for f, size in files.items():
         try:
-            data = (path / fname).read_bytes()
+            actual = store.size(store.join(ld, f))
+        except FileNotFoundError:
+            raise CheckpointError(f"{name}/{f} is missing") from None
         except OSError as e:
-            raise CheckpointError(f"{fname} cannot be read ({e.strerror or e})") from None
-        if len(data) != entry["bytes"]:
-            raise CheckpointError(f"{fname} is truncated ({len(data)} of {entry['bytes']} bytes)")
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{fname} is corrupt (sha256 mismatch)")
-        try:
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:  # noqa: BLE001 - refuse anything weights_only refuses
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"{fname} does not load safely ({first[:160]})") from None
-        stages[int(s)], optim[int(s)] = obj["params"], obj["optim"]
-    return Checkpoint(step=step, stages=stages, optimizer_states=optim,
-                      meta=manifest.get("meta", {}), path=path)
+            raise CheckpointError(f"{name}/{f} cannot be read ({_why(e)})") from None
+        if actual != size:
+            raise CheckpointError(f"{name}/{f} is truncated ({actual} of {size} bytes)"
+                                  if actual < size else
+                                  f"{name}/{f} has {actual} bytes, {size} were written")
+    return sidecar
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """One checkpoint directory, verified (CheckpointError says what is wrong)."""
-    return _load_one(Path(path))
+def _check(store: _Local | _Fsspec, d: str, *, verify_data: bool) -> dict:
+    manifest = _read_manifest(store, d)
+    for i in manifest["layers"]:
+        _read_sidecar(store, d, i)
+        if verify_data:
+            _load_layer(store, d, i)
+    return manifest
 
 
-def load_latest(root: str | Path) -> Checkpoint:
-    """The newest whole checkpoint under `root`; falls back past broken ones, saying so."""
-    root = Path(root)
+def load_checkpoint(path: str | Path, *, verify_data: bool = False) -> Checkpoint:
+    """One checkpoint folder, verified (CheckpointError says what is wrong); with
+    `verify_data`, every tensor is read and its sha256 checked too."""
+    manifest = _check(_storage(path), str(path), verify_data=verify_data)
+    return Checkpoint(step=manifest["step"], layers=manifest["layers"], meta=manifest["meta"],
+                      path=path)
+
+
+def _newest_whole(root: str | Path, verify_data: bool) -> Checkpoint:
     candidates = list_checkpoints(root)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {root}: pass the --out directory of an "
                               f"earlier run that saved checkpoints (--checkpoint-every)")
     skipped = []
     for path in candidates:
+        name = posixpath.basename(str(path).rstrip("/"))
         try:
-            ckpt = _load_one(path)
+            ckpt = load_checkpoint(path, verify_data=verify_data)
         except CheckpointError as e:
-            skipped.append(f"{path.name}: {e}")
+            skipped.append(f"{name}: {e}")
             continue
         if skipped:
             ckpt.skipped = skipped
-            ckpt.warning = (f"checkpoint {'; '.join(skipped)}; "
-                            f"resuming from {path.name} instead")
-            log.warning("%s", ckpt.warning)
+            ckpt.warning = f"checkpoint {'; '.join(skipped)}; resuming from {name} instead"
         return ckpt
     raise CheckpointError(f"no whole checkpoint in {root}: {'; '.join(skipped)}")
+
+
+def load_latest(root: str | Path, *, verify_data: bool = False) -> Checkpoint:
+    """The newest whole checkpoint under `root`; falls back past broken ones, saying so.
+    Reads manifests and sizes only (no torch), unless `verify_data`."""
+    ckpt = _newest_whole(root, verify_data)
+    if ckpt.warning:
+        log.warning("%s", ckpt.warning)
+    return ckpt
+
+
+def has_whole_checkpoint(root: str | Path) -> bool:
+    """Whether `root` holds a whole checkpoint (as `load_latest` judges it, without torch
+    and without a word)."""
+    try:
+        _newest_whole(root, verify_data=False)
+    except CheckpointError:
+        return False
+    return True
+
+
+# -- reading layers (the nodes) -----------------------------------------------------------
+
+
+def _load_layer(store: _Local | _Fsspec, d: str, layer: int) -> list[tuple[str, torch.Tensor]]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    name = _layer_name(layer)
+    sidecar = _read_sidecar(store, d, layer)
+    state = {}
+    for e in sidecar["tensors"]:
+        dtype = getattr(torch, e["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{name}/{_SIDECAR} names an unknown dtype {e['dtype']!r}")
+        state[e["key"]] = torch.empty([int(x) for x in e["shape"]], dtype=dtype)
+    try:
+        with _single_process():
+            dcp.load(state, storage_reader=store.reader(store.join(d, name)), no_dist=True)
+    except BaseException as e:  # a damaged folder, whatever DCP makes of it
+        if not _failed(e):
+            raise
+        raise CheckpointError(f"{name} cannot be read ({_why(e)})") from None
+    prefix = f"layer.{layer}."
+    out = []
+    for e in sidecar["tensors"]:
+        if _sha256(state[e["key"]]) != e["sha256"]:
+            raise CheckpointError(f"{name}: {e['key']} is corrupt (sha256 mismatch)")
+        key = e["key"]
+        out.append((key[len(prefix):] if key.startswith(prefix) else key, state[key]))
+    return out
+
+
+def load_layer_tensors(path: str | Path, layer: int) -> list[tuple[str, torch.Tensor]]:
+    """Layer `layer`'s tensors from the checkpoint (or final) folder `path`, as (name,
+    tensor) in the order they were written, names without the `layer.{i}.` prefix."""
+    store = _storage(path)
+    try:
+        return _load_layer(store, str(path), layer)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def load_layers(path: str | Path, layers: Iterable[int]) -> dict[int, torch.Tensor]:
+    """The state vectors (`layer.{i}.state`) of only `layers` from the checkpoint folder
+    `path` (any subset: each layer is its own folder)."""
+    out = {}
+    for i in sorted(set(layers)):
+        tensors = dict(load_layer_tensors(path, i))
+        if "state" not in tensors:
+            raise CheckpointError(f"{path}: {_layer_name(i)} holds no state vector")
+        out[i] = tensors["state"]
+    return out

@@ -15,9 +15,10 @@ In one invocation, on the same machine state:
         `step_done` (new processes, torch import, store, process groups, model build,
         and the first step, which is the redo of step K), timed from outside by
         watching events.jsonl;
-      - loading the checkpoint: `bamboo.checkpoint.load_latest` of the whole model's
-        parameters and AdamW state, and loading them into the stages (in this process,
-        all stages one after the other; the workers would load their own in parallel).
+      - loading the checkpoint: `bamboo.checkpoint.load_latest` and `load_layers` of the
+        whole model's parameters and AdamW state (one DCP folder per layer), and loading
+        them into the stages (in this process, all stages one after the other; the
+        workers would load their own in parallel).
     Restart pause = that, minus the median step.
     Left out (stated, not added): waiting for a replacement instance (about 45 s on
     EC2), re-reading the dataset, the periodic checkpoint saves a restart policy pays
@@ -106,7 +107,7 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     """Save and load the whole model + AdamW state with bamboo.checkpoint, timed."""
     import torch
 
-    from bamboo.checkpoint import load_latest, save_checkpoint
+    from bamboo.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
     from bamboo.models import layer_param_counts, preset
     from bamboo.pipeline.partition import partition
     from bamboo.pipeline.stage import StageState
@@ -120,18 +121,22 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     for st in stages:  # one step, so AdamW has its moments
         st.apply(torch.full((st.numel,), 1e-3), 1.0, 1e-3)
     saves, loads = [], []
+    layers = [i for st in stages for i in st.layer_indices]
     for i in range(args.ckpt_reps):
-        t0 = time.perf_counter()
-        save_checkpoint(root, i, {s: st.module.state_dict() for s, st in enumerate(stages)},
-                        {s: st.optimizer.state_dict() for s, st in enumerate(stages)})
+        t0 = time.perf_counter()  # every holder's write, one after another, then the manifest
+        for st in stages:
+            write_layers(step_dir(root, i), {j: {"state": st.layer_state(j)}
+                                             for j in st.layer_indices})
+        publish(root, i, layers, keep=args.ckpt_reps)
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ck = load_latest(root)
-        for s, st in enumerate(stages):
-            st.module.load_state_dict(ck.stages[s])
-            st.optimizer.load_state_dict(ck.optimizer_states[s])
+        for st in stages:
+            for j, vector in load_layers(ck.path, st.layer_indices).items():
+                st.load_layer_state(j, vector)
         loads.append(time.perf_counter() - t0)
-    size = sum(f.stat().st_size for f in (root / f"step-{args.ckpt_reps - 1:08d}").iterdir())
+    size = sum(f.stat().st_size for f in (root / f"step-{args.ckpt_reps - 1:08d}").rglob("*")
+               if f.is_file())
     return {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
             "bytes": size, "params": sum(st.numel for st in stages)}
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from bamboo.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
 from bamboo.cluster.coordinator.loop import Coordinator
 from bamboo.cluster.coordinator.nodes import Node, NodeState
 from bamboo.cluster.coordinator.state import Stop
@@ -294,8 +295,11 @@ class SimCluster:
         return self.workers[self.coord.gens.member(rank).node]
 
     def _checkpoint(self, step: int) -> None:
-        parts = {i: torch.zeros(1) for i in range(len(self.ctx.param_counts))}
-        self._send(self._worker(0), CheckpointPart(rank=0, step=step, layers=parts))
+        """Rank 0 plays every holder: it writes every layer, then reports them durable."""
+        layers = range(len(self.ctx.param_counts))
+        write_layers(step_dir(checkpoint_location(self.ctx.cfg), step),
+                     {i: {"state": torch.zeros(1)} for i in layers})
+        self._send(self._worker(0), CheckpointPart(rank=0, step=step, layers=list(layers)))
 
     def finish(self) -> None:
         while self.stopped is None and self.ctx.committed < self.cfg.steps:
@@ -303,11 +307,16 @@ class SimCluster:
         self.settle()
         if self.stopped is not None:
             return
+        written: set[int] = set()  # each layer's final copy is written once, by one node
+        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.steps)
         for r in self.ctx.roles.active_ranks():
             w = self._worker(r)
             if not w.node.exited:
-                layers = [(i, [("w", torch.zeros(1))]) for i in sorted(w.layers or ())]
-                self._send(w, LayerParams(rank=r, layers=layers))
+                mine = sorted(set(w.layers or ()) - written)
+                if mine:
+                    write_layers(final, {i: {"param.w": torch.zeros(1)} for i in mine})
+                written |= set(mine)
+                self._send(w, LayerParams(rank=r, layers=mine))
                 self._send(w, Done(rank=r))
 
     # -- what the tests check ---------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path) -> None:
                         "--checkpoint-every", "2", "--quiet"], out)
     assert first.code == 0, first.stderr
     newest = sorted((out / "checkpoints").glob("step-*"))[-1]
-    victim = next(newest.glob("stage-*.pt"))
+    victim = next(newest.glob("layer-*/__0_0.distcp"))
     victim.write_bytes(victim.read_bytes()[:-7])  # truncated
     second = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "6",
                          "--resume", str(out), "--json", "--quiet"], None)

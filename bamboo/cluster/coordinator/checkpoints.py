@@ -1,18 +1,19 @@
-"""Checkpoint assembly: the layers that the stages' holders send after a commit marked
-`ckpt`, written as one durable checkpoint once every layer is in.
+"""Checkpoint publication: the holders write their layers themselves; the coordinator makes
+a checkpoint whole once every layer is durable.
 
-Each stage's first live holder sends its layers; when all layers of step k have arrived,
-they are written with the atomic, checksummed writer of `bamboo.checkpoint` (per layer,
-so that a later layout with another partition can load them). A write that fails (a full
-disk) is a warning: the previous checkpoint stays the newest.
+After a commit marked `ckpt`, each stage's first live holder writes its layers of that step
+under the job's checkpoint location (`bamboo.checkpoint.write_layers`, on a background
+thread) and reports a `CheckpointPart` naming them. When every layer of step k is
+reported, the coordinator writes the manifest and LATEST (`bamboo.checkpoint.publish`,
+atomically, the manifest last) and prunes to --keep-checkpoints. No tensor comes here.
+A part that failed (a full disk) or a publication that failed is a warning: that
+checkpoint is never published, and the previous one stays the newest.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from bamboo.checkpoint import CheckpointError, checkpoint_root, save_checkpoint
+from bamboo.checkpoint import CheckpointError, checkpoint_location, publish
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.cluster.protocol import CheckpointPart
 
@@ -22,14 +23,34 @@ __all__ = ["CheckpointAssembly"]
 class CheckpointAssembly:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.parts: dict[int, dict[int, torch.Tensor]] = {}
-        self.last: Path | None = ctx.resume_path
+        self.parts: dict[int, set[int]] = {}
+        """Step -> the layers reported durable so far."""
+        self.failed: set[int] = set()
+        """Steps a part of which could not be written: never published."""
+        self.last: Path | str | None = ctx.resume_path
+        self.last_step = -1
+        """The newest step published in this run: an older one coming whole later (a slow
+        writer of a node that left) is not published over it."""
 
     def on_part(self, msg: CheckpointPart) -> None:
         ctx = self.ctx
-        parts = self.parts.setdefault(msg.step, {})
+        if msg.error is not None:
+            if msg.step not in self.failed:
+                self.failed.add(msg.step)
+                self.parts.pop(msg.step, None)
+                ctx.events.write("checkpoint_failed", step=msg.step, node_rank=msg.rank,
+                                 error=msg.error)
+                ctx.say(f"warning: checkpoint of step {msg.step} not saved: {msg.error}")
+            return
+        if msg.step in self.failed or msg.step <= self.last_step:
+            return
+        if msg.bytes:
+            ctx.events.write("checkpoint_part", step=msg.step, node_rank=msg.rank,
+                             layers=msg.layers, bytes=msg.bytes, seconds=msg.seconds,
+                             mb_per_s=round(msg.bytes / 1e6 / max(msg.seconds, 1e-9), 2))
+        parts = self.parts.setdefault(msg.step, set())
         parts.update(msg.layers)
-        if len(parts) < len(ctx.param_counts):
+        if not parts >= set(range(len(ctx.param_counts))):
             return
         del self.parts[msg.step]
         cfg = ctx.cfg
@@ -39,16 +60,19 @@ class CheckpointAssembly:
                 "losses": ctx.losses[:msg.step]}
         start = ctx.clock()
         try:
-            path = save_checkpoint(checkpoint_root(ctx.run_path), msg.step,
-                                   {i: {"state": v} for i, v in parts.items()}, {}, meta)
+            path = publish(checkpoint_location(cfg), msg.step, sorted(parts), meta,
+                           keep=cfg.keep_checkpoints)
         except CheckpointError as e:
             ctx.events.write("checkpoint_failed", step=msg.step, error=str(e))
             ctx.say(f"warning: {e}")
             return
-        self.last = path
+        self.last, self.last_step = path, msg.step
         ctx.events.write("checkpoint", step=msg.step, path=str(path),
                          took_s=round(ctx.clock() - start, 4))
 
     def forget_after(self, step: int) -> None:
-        """A restore went back to `step`: parts of later steps will never complete."""
+        """A restore went back to `step`: parts of later steps will never complete, and those
+        steps are checkpointed afresh when they are redone."""
         self.parts = {k: v for k, v in self.parts.items() if k <= step}
+        self.failed = {k for k in self.failed if k <= step}
+        self.last_step = min(self.last_step, step)

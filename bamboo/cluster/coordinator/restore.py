@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bamboo.checkpoint import CheckpointError, checkpoint_root, load_latest
+from bamboo.checkpoint import CheckpointError, checkpoint_location, load_latest
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.reconfig.planner import GenerationPlan, plan_generation
 
@@ -25,22 +25,22 @@ class RestorePoints:
         self.rewind = rewind
         """Drop what the coordinator keeps about steps at or after the given one."""
         self.redone_steps = 0
-        self.last_checkpoint: Path | None = ctx.resume_path
+        self.last_checkpoint: Path | str | None = ctx.resume_path
 
     def plan(self, kwargs: dict[str, Any], why: str) -> GenerationPlan:
         """The next generation's plan from the newest restore point (`kwargs` as for
         `plan_generation`); `why`: which layers have no live copy."""
         ctx = self.ctx
-        root = checkpoint_root(ctx.run_path)
-        if not root.exists() and ctx.resume_path is not None:
-            root = ctx.resume_path.parent
-        try:
-            ckpt = load_latest(root)
-        except CheckpointError as e:
+        try:  # manifests and file sizes only: the nodes read the layers they need
+            ckpt = load_latest(checkpoint_location(ctx.cfg))
+        except CheckpointError as e:  # none yet: this run's own initial state
             return self._initial_state(kwargs, f"{why}, and {e}")
         if ckpt.step < (ctx.resume_step or 0):
             return self._initial_state(kwargs, f"{why}, and the newest checkpoint is older "
                                                f"than the one this run resumed from")
+        if ckpt.step > ctx.committed:  # a shared --checkpoint-dir: never this run's
+            return self._initial_state(kwargs, f"{why}, and the newest checkpoint ({ckpt.step}) "
+                                               f"is ahead of this run (step {ctx.committed})")
         if ckpt.warning:
             ctx.say(ckpt.warning)
             ctx.events.write("checkpoint_fallback", warning=ckpt.warning)

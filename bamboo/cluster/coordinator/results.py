@@ -1,8 +1,10 @@
 """Results: step records, the trained model and the run's summary.
 
 Every committed step becomes a `step_done` event (loss, wall time, per-node timers) and a
-line of progress. After the last step every node sends the parameters of the layers it
-holds; they are assembled into `model.pt` (written atomically) and summarised
+line of progress. After the last step each stage's first live holder writes its layers'
+parameters to the job's checkpoint storage (`final-<steps>/`, one DCP folder per layer) and
+reports them (`LayerParams`); once every layer is reported, they are read back from storage
+(never sent here), assembled into `model.pt` (written atomically) and summarised
 (`param_l2`, `param_sha256`) in `summary.json`, the contract's record of the run.
 """
 from __future__ import annotations
@@ -14,8 +16,10 @@ import statistics
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint  # noqa: F401 - imported (1.5 s) while the workers start
 
-from bamboo.cluster.coordinator.state import RunContext
+from bamboo.checkpoint import CheckpointError, checkpoint_location, final_dir, load_layer_tensors
+from bamboo.cluster.coordinator.state import RunContext, Stop
 from bamboo.cluster.coordinator.steps import PendingStep
 from bamboo.cluster.protocol import LayerParams, StepReport
 
@@ -30,7 +34,10 @@ class Results:
         self.ctx = ctx
         self.display_step = display_step
         self.records: list[dict] = []
-        self.params: dict[int, list] = {}
+        self.final: set[int] = set()
+        """Layers whose final parameters a node reported written."""
+        self.params: dict[int, list] | None = None
+        """Layer -> [(name, tensor)], read back from storage once every layer is in."""
 
     def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
@@ -51,14 +58,38 @@ class Results:
         return {"node": name, "stages": r.stages} | \
             {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS}
 
+    def final_dir(self) -> Any:
+        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.steps)
+
     def on_params(self, msg: LayerParams) -> None:
-        for layer_index, tensors in msg.layers:
-            self.params[layer_index] = tensors
+        if msg.error is not None:  # no other node writes those layers: the model is lost
+            raise Stop(f"the trained model was not saved (model.pt not written): {msg.error}")
+        self.final.update(msg.layers)
 
     def missing_layers(self) -> list[int]:
-        return sorted(set(range(len(self.ctx.param_counts))) - set(self.params))
+        """Layers whose final copy no node reported; once none is missing, every layer is
+        read back (Stop when one cannot be: the run's result would be wrong)."""
+        missing = sorted(set(range(len(self.ctx.param_counts))) - self.final)
+        if not missing and self.params is None:
+            try:
+                self.params = self._read_final()
+            except CheckpointError as e:
+                raise Stop(f"the trained model cannot be read back: {e}") from None
+        return missing
+
+    def _read_final(self) -> dict[int, list]:
+        where = self.final_dir()
+        params = {}
+        for i in range(len(self.ctx.param_counts)):
+            tensors = load_layer_tensors(where, i)
+            if not tensors or not all(n.startswith("param.") for n, _ in tensors):
+                raise CheckpointError(f"{where}: layer-{i:04d} holds no parameters")
+            params[i] = [(n.removeprefix("param."), t) for n, t in tensors]
+        return params
 
     def ordered_params(self) -> list[tuple[str, torch.Tensor]]:
+        if self.params is None:  # the run did not get to every final layer
+            return []
         out = []
         for layer_index in sorted(self.params):
             out += [(f"layers.{layer_index}.{n}", t) for n, t in self.params[layer_index]]
