@@ -76,3 +76,50 @@ def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode:
             subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)
+
+
+# -- a lab of real hosts (network namespaces): tests/lab/ ----------------------------------
+
+
+def assert_no_lab_namespaces(prefix: str | None = None) -> None:
+    """No network namespace of this process's labs (or of `prefix`) is left on the machine."""
+    from bamboo.lab import lab_prefix, leftover_namespaces
+    left = leftover_namespaces(prefix or lab_prefix())
+    assert not left, f"lab namespaces left behind: {left} (remove with `ip netns del NAME`)"
+
+
+@pytest.fixture(scope="session")
+def lab_session_check():
+    """Not autouse: `lab_factory` requests it, so only sessions that built labs check, at
+    their end, that every namespace those labs made is gone."""
+    yield
+    from bamboo.lab import unsupported_reason
+    if unsupported_reason() is None:
+        assert_no_lab_namespaces()
+
+
+@pytest.fixture
+def lab_factory(lab_session_check):
+    """`make(hosts) -> Lab`: a lab of `hosts` network-namespace hosts ("coord", "a1", ...),
+    every one closed (and checked gone) at teardown. Skipped only where labs cannot be
+    built at all: not root, or no `ip` command."""
+    from bamboo.lab import Lab, LabError, leftover_namespaces, unsupported_reason
+    reason = unsupported_reason()
+    if reason is not None:
+        pytest.skip(f"a lab of network namespaces cannot be built here: {reason}")
+    labs: list[Lab] = []
+
+    def make(hosts: int) -> Lab:
+        lab = Lab(hosts)
+        labs.append(lab)
+        return lab
+
+    yield make
+    errors = []
+    for lab in labs:
+        try:
+            lab.close()
+        except LabError as e:
+            errors.append(str(e))
+        errors += [f"{n} left behind" for n in leftover_namespaces(lab.prefix)]
+    assert not errors, errors
