@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser
-from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig, parse_kill
+from bamboo.config import (HEARTBEAT_S, JOIN_PORT, JOIN_TIMEOUT_S, REJOIN_S, ConfigError,
+                           JobConfig, parse_kill)
 from bamboo.presets import PRESETS
 
 __all__ = ["main"]
@@ -81,7 +82,17 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     opt("--recovery", default=d.recovery,
         help="redundancy (default) | checkpoint-restart: the baseline that restarts every "
         "worker from the last checkpoint on each preemption (needs --redundancy off)")
-    opt("--resume", metavar="DIR", help="continue the run in DIR from its latest whole checkpoint")
+    opt("--resume", metavar="DIR|auto", help="continue the run in DIR from its latest whole "
+        "checkpoint; auto: continue the --out directory's run if it has a whole checkpoint, "
+        "else start it (one command line for the first start and every restart)")
+    opt("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+        help=f"whole checkpoints kept; older ones are pruned (default {d.keep_checkpoints})")
+    opt("--checkpoint-dir", metavar="PATH|URL",
+        help="where the nodes write checkpoints and the trained model's layers: an absolute "
+        "path or a URL (s3://..., file:///...) every machine reaches at the same address "
+        "(default RUN_DIR/checkpoints)")
+    opt("--http", metavar="ADDR:PORT", help="serve /healthz and Prometheus /metrics there "
+        "(e.g. 0.0.0.0:29402)")
     opt("--no-report", action="store_true", default=False,
         help="skip writing report.txt and the PNG plots at the end of the run")
     opt("--check-replicas", action="store_true", default=False,
@@ -96,7 +107,60 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
            "seed", "redundancy", "frc_offload", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
            "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
-           "notice_s", "checkpoint_every", "recovery", "resume", "out")
+           "notice_s", "checkpoint_every", "recovery", "resume", "out", "keep_checkpoints",
+           "checkpoint_dir")
+
+
+_COORDINATOR_FLAGS = ("--bind", "--advertise", "--store-port", "--token-file", "--etcd",
+                      "--join-timeout")
+
+
+def coordinator_parser() -> argparse.ArgumentParser:
+    """`bamboo coordinator`: the job's flags (as `bamboo train`) and where agents join."""
+    p = _train_parser()
+    p.prog = "bamboo coordinator"
+    p.description = ("Run a job whose nodes are agents (bamboo agent) on other machines; "
+                     "this process holds the store and takes every decision.")
+    p.add_argument("--bind", default=f"127.0.0.1:{JOIN_PORT}", metavar="ADDR:PORT",
+                   help=f"where agents join (default 127.0.0.1:{JOIN_PORT}; 0.0.0.0:PORT for "
+                   f"other machines)")
+    p.add_argument("--advertise", metavar="HOST",
+                   help="the host name or address workers reach this machine's store at "
+                   "(default: the --bind address, or with a wildcard bind the address each "
+                   "agent joined on)")
+    p.add_argument("--store-port", type=int, metavar="P",
+                   help="the store's fixed port (default: the --bind port + 1)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="the job's join token: read from PATH if it exists (e.g. a mounted "
+                   "secret), else generated and written there (mode 0600); default "
+                   "RUN_DIR/join-token")
+    p.add_argument("--etcd", metavar="URL",
+                   help="keep membership in this etcd (v3, e.g. http://10.0.0.5:2379): "
+                   "agents hold leases there, an expired lease is a lost node")
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S, metavar="S",
+                   help=f"seconds to wait for the job's --nodes agents before giving up with "
+                   f"exit code 1 (default {JOIN_TIMEOUT_S:g})")
+    return p
+
+
+def agent_parser() -> argparse.ArgumentParser:
+    p = UsageParser(prog="bamboo agent", description="Run one machine's workers for a job "
+                    "whose coordinator (bamboo coordinator) listens at ADDR:PORT.")
+    p.add_argument("--join", required=True, metavar="ADDR:PORT", help="the coordinator's --bind")
+    p.add_argument("--token", help="the job's join token (printed by the coordinator)")
+    p.add_argument("--token-file", help="a file holding the join token")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="worker processes on this machine, one per GPU (worker k uses GPU k; "
+                   "default 1)")
+    p.add_argument("--rejoin-s", type=float, default=REJOIN_S, metavar="S",
+                   help=f"when the coordinator goes away, keep trying to rejoin it for this "
+                   f"many seconds before exiting (default {REJOIN_S:g})")
+    p.add_argument("--notices", default="", help="preemption notice sources to watch besides "
+                   "SIGTERM: a comma list of aws, gcp, azure")
+    p.add_argument("--metadata-url", help="base URL of the notice source's metadata endpoint")
+    p.add_argument("--http", metavar="ADDR:PORT", help="serve /healthz there (for probes)")
+    p.add_argument("--quiet", action="store_true")
+    return p
 
 
 def _config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
@@ -159,17 +223,48 @@ def _check_trace(cfg: JobConfig) -> None:
                           f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
 
 
+def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, bool]:
+    """`--resume auto`: the --out run continues from its newest whole checkpoint when it has
+    one, else starts there afresh (a restart before the first checkpoint starts over). None
+    when that run already finished (a restarted job has nothing left to do)."""
+    import dataclasses
+    out = Path(cfg.out)
+    summary = out / "summary.json"
+    if summary.is_file():
+        try:
+            done = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            done = {}
+        if done.get("status") == "completed" and done.get("steps_completed", -1) >= cfg.steps:
+            print(f"{prog}: the run in {out} already completed {cfg.steps} steps; nothing to "
+                  f"do (pass more --steps, or another --out for a new run)", file=sys.stderr)
+            return None, False
+    from bamboo.checkpoint import has_whole_checkpoint
+    from bamboo.runlog import checkpoint_root
+    if has_whole_checkpoint(cfg.checkpoint_dir or checkpoint_root(out)):
+        return dataclasses.replace(cfg, resume=str(out)), False
+    return dataclasses.replace(cfg, resume=None), out.exists()
+
+
 def _load_resume(cfg: JobConfig) -> Any:
     """The checkpoint `--resume` continues from, checked against this job."""
     if cfg.resume is None:
+        if cfg.checkpoint_dir is not None:
+            from bamboo.checkpoint import has_whole_checkpoint
+            if has_whole_checkpoint(cfg.checkpoint_dir):  # a restore would take another run's
+                raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir} holds the checkpoints "
+                                  f"of an earlier run: continue it with --resume, or choose an "
+                                  f"empty --checkpoint-dir")
         return None
-    # No checkpoint at all is a user error found without importing torch.
+    # No checkpoint at all is a user error found without importing torch (nor is torch
+    # needed to find the newest whole one: its tensors stay where they are).
+    from bamboo.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.runlog import checkpoint_root
-    root = checkpoint_root(cfg.resume)
-    if not (root.is_dir() and any(p.name.startswith("step-") and p.is_dir() for p in root.iterdir())):
+    # A run that wrote to --checkpoint-dir is resumed from there.
+    root = cfg.checkpoint_dir or checkpoint_root(cfg.resume)
+    if not list_checkpoints(root):
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint in {root}: pass the --out "
                           f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
-    from bamboo.checkpoint import CheckpointError, load_latest
     try:
         ckpt = load_latest(root)
     except CheckpointError as e:
@@ -204,22 +299,10 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     line and an exit code: parse, job file, checks without torch, resume, run directory,
     agents and etcd, then the run and its report."""
     prog = "bamboo coordinator" if coordinator else "bamboo train"
-    parser = _train_parser()
-    if coordinator:
-        parser.prog = prog
-        parser.add_argument("--bind", default="127.0.0.1:29400", metavar="ADDR:PORT",
-                            help="where agents join (default 127.0.0.1:29400; 0.0.0.0:PORT "
-                            "for other machines)")
-        parser.add_argument("--token-file", metavar="PATH",
-                            help="the job's join token: read from PATH if it exists (e.g. a "
-                            "mounted secret), else generated and written there (mode 0600); "
-                            "default RUN_DIR/join-token")
-        parser.add_argument("--etcd", metavar="URL",
-                            help="keep membership in this etcd (v3, e.g. http://10.0.0.5:2379): "
-                            "agents hold leases there, an expired lease is a lost node")
+    parser = coordinator_parser() if coordinator else _train_parser()
     args = parser.parse_args(argv)
     if coordinator:  # the job's own flags, for a --config file's overrides
-        own = ("--bind", "--token-file", "--etcd")
+        own = _COORDINATOR_FLAGS
         argv = [a for i, a in enumerate(argv) if not a.startswith(own)
                 and not (i > 0 and argv[i - 1] in own)]
     try:
@@ -229,6 +312,23 @@ def train(argv: list[str], coordinator: bool = False) -> int:
                 bind = parse_address(args.bind, "--bind")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            if args.store_port is not None and not 0 < args.store_port < 65536:
+                raise ConfigError(f"--store-port {args.store_port} is not a TCP port (1-65535)")
+            if args.store_port is not None and args.store_port == bind[1]:
+                raise ConfigError(f"--store-port {args.store_port} is the --bind port: the "
+                                  f"store needs a port of its own (default: bind port + 1)")
+            if not args.join_timeout > 0:
+                raise ConfigError(f"--join-timeout must be > 0 seconds (got {args.join_timeout:g})")
+            if args.advertise is not None and not args.advertise.strip():
+                raise ConfigError("--advertise is empty: give the host name or address the "
+                                  "agents reach this machine at")
+        http = None
+        if args.http is not None:
+            from bamboo.cluster.remote import parse_address
+            try:
+                http = parse_address(args.http, "--http")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         cfg = _config(args, argv)
         if coordinator and (cfg.trace is not None or cfg.recovery != "redundancy"):
             raise ConfigError("--trace and --recovery checkpoint-restart need local workers: "
@@ -236,9 +336,15 @@ def train(argv: list[str], coordinator: bool = False) -> int:
         crash = _crash_faults(cfg, args.crash)
         _check_trace(cfg)
         from bamboo.runlog import RunDir, default_run_dir
+        auto_fresh = False
+        if cfg.resume == "auto":
+            cfg, auto_fresh = _resolve_auto_resume(cfg, prog)
+            if cfg is None:
+                return 0
         run = RunDir(cfg.out or cfg.resume or default_run_dir())
         same_dir = cfg.resume is not None and run.path.resolve() == Path(cfg.resume).resolve()
-        if not same_dir:
+        run.restarting = auto_fresh
+        if not same_dir and not auto_fresh:
             run.check_usable()
         resume = _load_resume(cfg)
         run.check_writable("--resume" if same_dir else "--out")
@@ -261,7 +367,8 @@ def train(argv: list[str], coordinator: bool = False) -> int:
         else:
             token = write_join_token(token_file)
         try:
-            agents = AgentListener(bind, token)
+            agents = AgentListener(bind, token, advertise=args.advertise,
+                                   store_port=args.store_port, join_timeout_s=args.join_timeout)
         except OSError as e:
             print(f"{prog}: error: cannot listen on {args.bind} ({e.strerror or e}): choose "
                   f"another --bind", file=sys.stderr)
@@ -293,10 +400,21 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     from bamboo.progress import ProgressDisplay
     from bamboo.runlog import RunDirError
     display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
+    serve_error: Any = ()  # catches nothing unless --http (prometheus_client loads only then)
+    if http is not None:
+        from bamboo.cluster.http import HttpServeError
+        serve_error = HttpServeError
     try:
         summary = run_local(cfg, run, display, crash, debug=args.debug,
                             check_replicas=args.check_replicas, resume=resume, agents=agents,
-                            membership=membership)
+                            membership=membership, http=http)
+    except serve_error as e:  # --http's address is taken or not this machine's
+        if agents is not None:
+            agents.close()
+        if membership is not None:
+            membership[0].close()
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except RunDirError as e:  # the run's own files could not be written (a full disk)
         if args.debug:
             raise
@@ -325,17 +443,9 @@ def _coordinator(argv: list[str]) -> int:
 
 
 def _agent(argv: list[str]) -> int:
-    p = UsageParser(prog="bamboo agent", description="Run one node of a job whose coordinator "
-                    "(bamboo coordinator) listens at ADDR:PORT.")
-    p.add_argument("--join", required=True, metavar="ADDR:PORT", help="the coordinator's --bind")
-    p.add_argument("--token", help="the job's join token (printed by the coordinator)")
-    p.add_argument("--token-file", help="a file holding the join token")
-    p.add_argument("--notices", default="", help="preemption notice sources to watch besides "
-                   "SIGTERM: a comma list of aws, gcp, azure")
-    p.add_argument("--metadata-url", help="base URL of the notice source's metadata endpoint")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
-    from bamboo.cluster.remote import JoinError, parse_address, run_agent
+    args = agent_parser().parse_args(argv)
+    from bamboo.cluster.agent import AgentOptions, run_agent
+    from bamboo.cluster.remote import JoinError, parse_address
     try:
         address = parse_address(args.join, "--join")
         if (args.token is None) == (args.token_file is None):
@@ -346,22 +456,50 @@ def _agent(argv: list[str]) -> int:
                 token = Path(args.token_file).read_text().strip()
             except OSError as e:
                 raise ValueError(f"--token-file {args.token_file}: {e.strerror or e}") from None
+        if not 1 <= args.workers <= 256:
+            raise ValueError(f"--workers must be between 1 and 256 (got {args.workers})")
+        if args.rejoin_s < 0:
+            raise ValueError(f"--rejoin-s must be >= 0 seconds (got {args.rejoin_s:g})")
         sources = [x for x in args.notices.split(",") if x]
         bad = [x for x in sources if x not in ("aws", "gcp", "azure", "sigterm")]
         if bad:
             raise ValueError(f"--notices: unknown source '{bad[0]}': choose from aws, gcp, azure")
+        http = parse_address(args.http, "--http") if args.http else None
         say = (lambda text: None) if args.quiet else \
             (lambda text: print(f"bamboo agent: {text}", file=sys.stderr, flush=True))
-        return run_agent(address, token, notice_sources=sources, metadata_url=args.metadata_url,
-                         say=say)
+        opts = AgentOptions(address=address, token=token, workers=args.workers,
+                            rejoin_s=args.rejoin_s, notice_sources=sources,
+                            metadata_url=args.metadata_url, say=say)
+        server = _agent_health(http, opts) if http else None
+        try:
+            return run_agent(opts)
+        finally:
+            if server is not None:
+                server.close()
     except (ValueError, JoinError) as e:
         print(f"bamboo agent: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
+def _agent_health(http: tuple[str, int], opts: Any) -> Any:
+    """/healthz for an agent's probes: healthy while the process runs its loop."""
+    from bamboo.cluster.http import HealthServer, RunMetrics
+    try:
+        return HealthServer(http[0], http[1], metrics=RunMetrics(),
+                            health=lambda: (True, {"status": "agent", "join": "%s:%d" % opts.address,
+                                                   "workers": opts.workers}))
+    except OSError as e:
+        raise ValueError(f"cannot serve --http {http[0]}:{http[1]} ({e.strerror or e})") from None
+
+
 def _simulate(argv: list[str]) -> int:
     from bamboo.sim.cli import main as simulate_main
     return simulate_main(argv)
+
+
+def _lab(argv: list[str]) -> int:
+    from bamboo.lab.cli import main as lab_main
+    return lab_main(argv)
 
 
 def _report(argv: list[str]) -> int:
@@ -386,18 +524,21 @@ def _config_command(argv: list[str]) -> int:
 
 
 _COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command,
-             "profile": _profile, "coordinator": _coordinator, "agent": _agent}
+             "profile": _profile, "coordinator": _coordinator, "agent": _agent, "lab": _lab}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,simulate,report,config,profile} ...\n\n"
-              "  train     train a model on a local cluster of worker processes\n"
-              "  simulate  project throughput and cost of a spot trace\n"
-              "  report    write the text summary and plots of a run directory\n"
-              "  profile   measure a model's step costs here for `simulate --costs`\n"
-              "  config    print an example job file (--example)", file=sys.stderr)
+        print("usage: bamboo {train,coordinator,agent,lab,simulate,report,config,profile} ...\n\n"
+              "  train        train a model on a local cluster of worker processes\n"
+              "  coordinator  run a job whose nodes are agents on other machines\n"
+              "  agent        run one machine's workers for a coordinator (--join)\n"
+              "  lab          a coordinator and agents on hosts made of network namespaces\n"
+              "  simulate     project throughput and cost of a spot trace\n"
+              "  report       write the text summary and plots of a run directory\n"
+              "  profile      measure a model's step costs here for `simulate --costs`\n"
+              "  config       print an example job file (--example)", file=sys.stderr)
         return 0 if argv else EXIT_USAGE
     command = _COMMANDS.get(argv[0])
     if command is None:

@@ -13,12 +13,20 @@ from pathlib import Path
 from bamboo.presets import preset
 
 __all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES",
-           "HEARTBEAT_S"]
+           "HEARTBEAT_S", "JOIN_PORT", "JOIN_TIMEOUT_S", "REJOIN_S"]
 
 REDUNDANCY_MODES = ("eager", "lazy", "off", "auto")
 
 HEARTBEAT_S = 0.5
 """Seconds between two heartbeats of a worker; a --lease must be longer than this."""
+
+JOIN_PORT = 29400
+"""The coordinator's default join port; its store listens on the next port, /metrics is
+commonly the one after (docs/deploy.md lists them)."""
+JOIN_TIMEOUT_S = 600.0
+"""How long a coordinator waits for its first --nodes agents."""
+REJOIN_S = 300.0
+"""How long an agent keeps trying to rejoin a coordinator that went away."""
 
 
 class ConfigError(ValueError):
@@ -106,7 +114,14 @@ class JobConfig:
     against: every preemption restarts all workers from the last checkpoint (as torchrun
     does); it implies --redundancy off and needs --checkpoint-every."""
     resume: str | None = None
-    """Continue the run whose directory (or checkpoints/ folder) this is."""
+    """Continue the run whose directory (or checkpoints/ folder) this is; "auto": the --out
+    directory's run when it has a whole checkpoint, else a fresh start."""
+    keep_checkpoints: int = 2
+    """Whole checkpoints kept; older ones are pruned after a newer one is published."""
+    checkpoint_dir: str | None = None
+    """Where the nodes write checkpoints and the final layers: an absolute path or a URL
+    (fsspec: s3://..., gs://..., file:///...) that every machine reaches at the same
+    address; None: RUN_DIR/checkpoints."""
     out: str | None = None
     """Run directory; default runs/<timestamp>."""
 
@@ -201,10 +216,21 @@ class JobConfig:
         if self.trace is not None and not Path(self.trace).is_file():
             raise ConfigError(f"--trace file '{self.trace}' does not exist: give a trace file "
                               f"(Bamboo CSV, count rows or JSON rows)")
-        if self.resume is not None and not Path(self.resume).exists():
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints must be an integer >= 1 (got "
+                              f"{self.keep_checkpoints})")
+        if self.checkpoint_dir is not None and not (
+                re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(self.checkpoint_dir))
+                or Path(self.checkpoint_dir).is_absolute()):
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} must be an absolute path "
+                              f"or a URL (e.g. s3://bucket/run): every machine writes there")
+        if self.resume == "auto" and self.out is None:
+            raise ConfigError("--resume auto needs --out DIR: the run directory to continue "
+                              "(or to start)")
+        if self.resume not in (None, "auto") and not Path(self.resume).exists():
             raise ConfigError(f"--resume '{self.resume}' does not exist: give the --out "
                               f"directory of a run that saved checkpoints")
-        if self.resume is not None and not Path(self.resume).is_dir():
+        if self.resume not in (None, "auto") and not Path(self.resume).is_dir():
             raise ConfigError(f"--resume '{self.resume}' is not a directory: give the --out "
                               f"directory of a run that saved checkpoints")
         self._validate_out()

@@ -46,7 +46,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "training": ("steps", "seed", "lr", "warmup_steps", "weight_decay", "grad_clip"),
     "runtime": ("threads", "comm_timeout_s", "device"),
     "faults": ("kills",),
-    "checkpointing": ("checkpoint_every", "checkpoint_dir", "recovery", "resume"),
+    "checkpointing": ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "recovery",
+                      "resume"),
     "cluster": ("trace", "time_scale", "max_nodes", "notice_s", "lease_s", "etcd"),
 }
 """Section -> the JobConfig fields it holds (names JobConfig lacks are simply unused)."""

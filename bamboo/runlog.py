@@ -90,6 +90,9 @@ class RunDir:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.restarting = False
+        """`--resume auto` before the first whole checkpoint: the run starts over in its own
+        folder (a restarted coordinator), so an earlier attempt's files are no obstacle."""
 
     def check_usable(self) -> None:
         """ConfigError if the folder already holds a run or is not a folder."""
@@ -129,7 +132,7 @@ class RunDir:
                     d.rmdir()
 
     def create(self, resume: bool = False) -> None:
-        if not resume:  # a resumed run continues its own folder
+        if not resume and not self.restarting:  # a resumed run continues its own folder
             self.check_usable()
         self.path.mkdir(parents=True, exist_ok=True)
 

@@ -64,7 +64,7 @@ def test_unknown_command() -> None:
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
-                                   "train, simulate, report, config, profile, coordinator, agent")
+                                   "train, simulate, report, config, profile, coordinator, agent, lab")
 
 
 def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:
@@ -161,6 +161,11 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--resume": [(["--resume", "{missing}"], "does not exist"),
                  (["--resume", "{small}"], "is not a directory"),
                  (["--resume", "{dir}"], "no checkpoint in")],
+    "--keep-checkpoints": [(["--keep-checkpoints", "0"], "must be an integer >= 1 (got 0)")],
+    "--http": [(["--http", "nonsense"], "--http 'nonsense' is not ADDRESS:PORT"),
+               (["--http", "127.0.0.1:99999"], "is not ADDRESS:PORT")],
+    "--checkpoint-dir": [(["--checkpoint-dir", "relative/ckpt"],
+                          "--checkpoint-dir relative/ckpt must be an absolute path or a URL")],
     "--out": [(["--out", "{small}"], "exists and is not a directory"),
               (["--out", "{small}/run"], "is a file, not a directory"),
               (["--out", "{finished}"], "already holds a run (summary.json)"),
@@ -177,7 +182,7 @@ TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--mic
                "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
                "--threads": "int", "--comm-timeout": "float", "--lease": "float",
                "--time-scale": "float", "--max-nodes": "int", "--notice-s": "float",
-               "--checkpoint-every": "int"}
+               "--checkpoint-every": "int", "--keep-checkpoints": "int"}
 """Flags argparse converts: a word instead of a number is its own one-line error."""
 
 
@@ -323,14 +328,15 @@ def _checkpointed_run(root: Path, steps: int) -> Path:
     the launcher writes it."""
     import torch
 
-    from bamboo.checkpoint import checkpoint_root, save_checkpoint
+    from bamboo.checkpoint import checkpoint_root, publish, step_dir, write_layers
     from bamboo.config import JobConfig
     cfg = JobConfig(steps=steps)
     meta = {"unit": "layer", "model": cfg.model, "seed": cfg.seed, "steps": steps,
             "global_micro_batches": cfg.global_micro_batches,
             "micro_batch_size": cfg.micro_batch_size, "losses": [5.0, 4.5, 4.0, 3.5]}
-    save_checkpoint(checkpoint_root(root), 4, {i: {"state": torch.zeros(3)} for i in range(8)},
-                    {}, meta)
+    write_layers(step_dir(checkpoint_root(root), 4),
+                 {i: {"state": torch.zeros(3)} for i in range(8)})
+    publish(checkpoint_root(root), 4, range(8), meta)
     return root
 
 

@@ -197,6 +197,9 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "recovery": [("sometimes", "'sometimes' is not one of redundancy, checkpoint-restart"),
                  ("checkpoint-restart", "needs --redundancy off")],
     "resume": [(MISSING, "does not exist"), ("{job}", "is not a directory")],
+    "keep_checkpoints": [(0, "--keep-checkpoints must be an integer >= 1 (got 0)")],
+    "checkpoint_dir": [("relative/ckpt", "--checkpoint-dir relative/ckpt must be an absolute "
+                                         "path or a URL")],
     "out": [("{job}", "exists and is not a directory"), ("{job}/run", "is a file, not a directory")],
 }
 """JobConfig field -> wrong values in a job file; every field of `field_paths()` has one."""

@@ -85,7 +85,12 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
     _assert_failure_free(summary, nodes=4, stages=4, steps=8)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
     ups = [e for e in _events(out) if e["event"] == "node_up"]
-    assert len(ups) == 4 and all(e["host"] for e in ups)
+    assert all(e["host"] for e in ups)
+    # The killed worker's machine stayed: a replacement standby took its GPU (worker index).
+    lost = next(e["node"] for e in _events(out) if e["event"] == "node_lost")
+    killed = next(e for e in ups if e["node"] == lost)
+    assert len(ups) == 5 and (ups[4]["machine"], ups[4]["worker"]) == (killed["machine"],
+                                                                     killed["worker"])
 
 
 @pytest.mark.timeout(240)
@@ -121,7 +126,8 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
 
 def test_an_unreachable_coordinator_is_one_line() -> None:
     port = _free_port()
-    result = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "x"],
+    result = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "x",
+                                      "--rejoin-s", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -193,7 +199,7 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
     assert (summary["drains"], summary["failovers"], summary["preemptions"]) == (1, 0, 1)
-    assert summary["redone_steps"] == 0 and noticed_agent == 0
+    assert summary["redone_steps"] == 0 and noticed_agent == 3  # EXIT_DRAINED
     _assert_failure_free(summary, nodes=2, stages=2, steps=16)
     notices = [e for e in _events(out) if e["event"] == "notice"]
     assert [e["node"] for e in notices] == ["n0"]
@@ -255,3 +261,200 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
     _assert_failure_free(summary, nodes=2, stages=2, steps=40)
     fenced = [e for e in _events(out) if e["event"] == "fenced"]
     assert fenced and fenced[0]["node"] == "n0" and fenced[0]["why"] == "etcd lease expired"
+
+
+# -- the join port, machines of several workers, restarts --------------------------------
+
+
+def _coordinator(out: Path, port: int, *job: str) -> subprocess.Popen:
+    return _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--out", str(out), "--json",
+                   "--quiet", "--no-report", *job])
+
+
+def _agent(out: Path, port: int, *extra: str) -> subprocess.Popen:
+    return _start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+                   str(out / "join-token"), *extra], session=True)
+
+
+def _wait_step(out: Path, step: int, coord: subprocess.Popen, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while not (out / "events.jsonl").exists() or not any(
+            e["event"] == "step_done" and e["step"] >= step for e in _events(out)):
+        assert time.monotonic() < deadline and coord.poll() is None, "the run never got there"
+        time.sleep(0.2)
+
+
+def _kill_machine(agent: subprocess.Popen) -> None:
+    try:
+        os.killpg(agent.pid, signal.SIGKILL)  # the agent, its fork server, its workers
+    except ProcessLookupError:
+        pass
+
+
+def _session_processes(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "sid=,pid="], capture_output=True, text=True).stdout
+    return [int(p) for s, p in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+@pytest.mark.timeout(240)
+def test_the_join_port_survives_probes_garbage_and_stalled_clients(tmp_path: Path) -> None:
+    """Before any agent joins: TCP probes (connect and close), random bytes, a frame that
+    announces 4 GB, a wrong proof and a client that connects and never speaks. None of them
+    stops the listener; the agents then join and train to the failure-free result, and the
+    stalled client is dropped after the handshake deadline."""
+    import struct
+    out, port = tmp_path / "run", _free_port()
+    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+                         "--steps", "6")
+    agents: list[subprocess.Popen] = []
+    stalled = None
+    try:
+        _wait_for(out / "join-token")
+        deadline = time.monotonic() + 60
+        while True:  # the listener is up once a connection is accepted
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        for _ in range(3):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(os.urandom(4096))
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            body = json.dumps({"bamboo": 1, "proof": "0" * 64, "hello": {}}).encode()
+            s.sendall(struct.pack(">I", len(body)) + body)
+        stalled = socket.create_connection(("127.0.0.1", port), timeout=30)
+        stalled_at = time.monotonic()
+        agents = [_agent(out, port, "--workers", "2")]
+        stdout, stderr = coord.communicate(timeout=200)
+        stalled.settimeout(max(1.0, 20 - (time.monotonic() - stalled_at)))
+        received = b""
+        while chunk := stalled.recv(4096):  # the challenge, then the end of the connection
+            received += chunk
+        assert b"challenge" in received
+        assert agents[0].wait(timeout=30) == 0
+    finally:
+        if stalled is not None:
+            stalled.close()
+        _stop([coord])
+        for a in agents:
+            _kill_machine(a)
+    assert coord.returncode == 0, stderr
+    _assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=6)
+
+
+@pytest.mark.timeout(300)
+def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path: Path) -> None:
+    """Two agents of two workers each, 2 pipelines x 2 stages. Placement puts every stage's
+    replica on the other machine, so when one machine dies (its whole process group
+    SIGKILLed), both of its workers are lost at once and both are failed over: no
+    checkpoint, and the result equals the failure-free run."""
+    out, port = tmp_path / "run", _free_port()
+    coord = _coordinator(out, port, "--nodes", "4", "--stages", "2", "--steps", "10",
+                         "--lease", "3")
+    agents: list[subprocess.Popen] = []
+    try:
+        _wait_for(out / "join-token")
+        agents = [_agent(out, port, "--workers", "2") for _ in range(2)]
+        _wait_step(out, 3, coord)
+        _kill_machine(agents[0])
+        stdout, stderr = coord.communicate(timeout=200)
+    finally:
+        _stop([coord])
+        for a in agents:
+            _kill_machine(a)
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    _assert_failure_free(summary, nodes=4, stages=2, steps=10)
+    assert summary["preemptions"] == 2 and summary["failovers"] == 2, summary
+    assert summary["checkpoint_restores"] == 0
+    ups = [e for e in _events(out) if e["event"] == "node_up"]
+    assert sorted(e["worker"] for e in ups) == [0, 0, 1, 1]
+    assert len({e["machine"] for e in ups}) == 2
+    lost = {e["node"] for e in _events(out) if e["event"] == "node_lost"}
+    machine = {e["node"]: e["machine"] for e in ups}
+    assert len(lost) == 2 and len({machine[n] for n in lost}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Path) -> None:
+    """The coordinator is SIGKILLed mid-run after a checkpoint; its agents stop their
+    workers and keep trying to rejoin; the same command line started again continues from
+    the newest whole checkpoint (`--resume auto`), the agents rejoin, and the run ends equal
+    to the failure-free one. A third start finds the run complete and does nothing."""
+    out, port = tmp_path / "run", _free_port()
+    job = ["--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "16",
+           "--checkpoint-every", "3", "--resume", "auto", "--lease", "3"]
+    coord = _coordinator(out, port, *job)
+    agents: list[subprocess.Popen] = []
+    try:
+        _wait_for(out / "join-token")
+        agents = [_agent(out, port, "--rejoin-s", "120") for _ in range(2)]
+        _wait_step(out, 7, coord)
+        coord.send_signal(signal.SIGKILL)
+        coord.wait(timeout=30)
+        killed_at = time.monotonic()
+        time.sleep(1.0)
+        coord = _coordinator(out, port, *job)
+        stdout, stderr = coord.communicate(timeout=200)
+        resumed_s = time.monotonic() - killed_at
+        codes = [a.wait(timeout=30) for a in agents]
+    finally:
+        _stop([coord])
+        for a in agents:
+            _kill_machine(a)
+    assert coord.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["resumed_from_step"] in (3, 6)
+    _assert_failure_free(summary, nodes=2, stages=2, steps=16)
+    assert codes == [0, 0]
+    assert resumed_s < 150
+    again = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{port}", "--out",
+                                     str(out), "--quiet", *job],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already completed 16 steps" in again.stderr
+
+
+@pytest.mark.timeout(200)
+def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", _free_port()
+    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+                         "--steps", "500", "--lease", "3")
+    agent = None
+    try:
+        _wait_for(out / "join-token")
+        agent = _agent(out, port, "--workers", "2", "--rejoin-s", "2")
+        _wait_step(out, 2, coord)
+        coord.send_signal(signal.SIGKILL)
+        gone_at = time.monotonic()
+        code = agent.wait(timeout=60)
+        waited = time.monotonic() - gone_at
+        _, stderr = agent.communicate(timeout=10)
+        deadline = time.monotonic() + 10  # the fork server follows its agent out
+        while (leftovers := _session_processes(agent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if leftovers:
+            leftovers = subprocess.run(["ps", "-o", "pid=,args=", "-p",
+                                        ",".join(map(str, leftovers))],
+                                       capture_output=True, text=True).stdout.splitlines()
+    finally:
+        _stop([coord])
+        if agent is not None:
+            _kill_machine(agent)
+    assert code == 1, stderr
+    assert "giving up" in stderr.strip().splitlines()[-1]
+    assert leftovers == []
+    assert 2 <= waited < 40
+
+
+def test_a_coordinator_short_of_agents_gives_up_after_join_timeout(tmp_path: Path) -> None:
+    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{_free_port()}",
+                                      "--nodes", "2", "--stages", "2", "--join-timeout", "2",
+                                      "--out", str(tmp_path / "r"), "--quiet"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "0/2 workers joined within --join-timeout 2 s" in result.stderr, result.stderr

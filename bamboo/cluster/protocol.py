@@ -16,7 +16,7 @@ Liveness and progress go through two shared arrays whose layout is defined here 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Verdict
@@ -28,7 +28,8 @@ __all__ = [
     "WorkerMessage", "Ready", "MicroBatchesDone", "RoundDone", "StepReport", "LayerParams",
     "GenerationReady", "GenerationEnd", "CheckpointPart", "Notice", "Left", "Done",
     "WorkerError",
-    "AgentMessage", "Hello", "Job", "Refused", "KillOrder", "NoticeOrder", "Beat", "Exit",
+    "AgentMessage", "Hello", "Job", "Refused", "KillOrder", "NoticeOrder", "Ping", "Finished",
+    "FromWorker", "Beat", "Exit", "AGENT_MESSAGES", "WORKER_MESSAGES",
 ]
 
 # -- store keys ---------------------------------------------------------------------------
@@ -120,9 +121,12 @@ class RoundDone(WorkerMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerParams(WorkerMessage):
-    """After the last step: the parameters of every layer this node holds (with replica)."""
+    """After the last step: the layers whose final parameters this node wrote to the run's
+    checkpoint storage (`final-<steps>/`, as each stage's first live holder); empty from
+    every other node. `error`: the write failed (the trained model cannot be assembled)."""
 
-    layers: list[tuple[int, list[tuple[str, Any]]]]
+    layers: list[int] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,6 +136,12 @@ class GenerationReady(WorkerMessage):
     gen: int
     stages: list[int]
     replica: int | None
+    state_from: str = ""
+    """Where the state it lacked came from: "peers" (a transfer), "checkpoint", or ""."""
+    state_bytes: int = 0
+    """Bytes of layer state received or read."""
+    state_s: float = 0.0
+    """Seconds that took (a transfer counts from its first post to its last receive)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,10 +157,16 @@ class GenerationEnd(WorkerMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointPart(WorkerMessage):
-    """After a commit marked `ckpt`: the state of the layers this node writes."""
+    """After a commit marked `ckpt`: this node's layers of checkpoint `step` are written and
+    durable (`error`: the write failed, that checkpoint is never published)."""
 
     step: int
-    layers: dict[int, Any]
+    layers: list[int]
+    error: str | None = None
+    bytes: int = 0
+    """Bytes of layer state written."""
+    seconds: float = 0.0
+    """Seconds the write took (on the node's writer thread, after the copy)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,6 +200,8 @@ class WorkerError(WorkerMessage):
 
 
 # -- agent <-> coordinator ----------------------------------------------------------------
+# JSON frames (bamboo.cluster.wire); an agent runs K workers, each message names one by its
+# local index `worker` (worker k uses the machine's GPU k).
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,15 +211,25 @@ class AgentMessage:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hello(AgentMessage):
+    """What an agent says of itself in the join handshake."""
+
     pid: int
     host: str
+    workers: int = 1
+    machine: str = ""
+    """A name for the machine, unique in the job (host name and pid by default)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Job(AgentMessage):
+    """Start worker `worker` with this spec."""
+
+    worker: int
     spec: Any
-    """The worker's WorkerSpec."""
+    """The worker's WorkerSpec (its store_host None: the address the agent joined on)."""
     etcd: dict | None = None
+    lease_s: float = 10.0
+    """The coordinator pings at least every second: silence this long means it is gone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,23 +239,52 @@ class Refused(AgentMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KillOrder(AgentMessage):
-    """Kill the worker now (a fence, or a preemption)."""
+    """Kill worker `worker` now (a fence, or a preemption)."""
+
+    worker: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoticeOrder(AgentMessage):
     """Deliver a preemption notice to the worker (trace replay, `--kill ...+notice`)."""
 
+    worker: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ping(AgentMessage):
+    """The coordinator is alive (sent every second to every agent)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Finished(AgentMessage):
+    """The run is over: stop the workers and exit 0 (do not rejoin)."""
+
+    status: str = "completed"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FromWorker(AgentMessage):
+    """A worker's report, relayed."""
+
+    worker: int
+    msg: Any
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Beat(AgentMessage):
-    """The agent's relay of its worker's heartbeat slot."""
+    """The agent's relay of its workers' heartbeat slots: [worker, age, step, phase] each."""
 
-    age: float
-    step: int
-    phase: int
+    slots: list
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Exit(AgentMessage):
+    worker: int
     code: int | None
+
+
+AGENT_MESSAGES = (Hello, Job, Refused, KillOrder, NoticeOrder, Ping, Finished, FromWorker,
+                  Beat, Exit)
+WORKER_MESSAGES = (Ready, MicroBatchesDone, RoundDone, StepReport, LayerParams, GenerationReady,
+                   GenerationEnd, CheckpointPart, Notice, Left, Done, WorkerError)

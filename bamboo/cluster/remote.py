@@ -1,43 +1,45 @@
-"""Several machines: `bamboo coordinator --bind ADDR:PORT` and `bamboo agent --join ADDR:PORT`.
+"""Several machines, the coordinator's side: the join listener and agents seen as processes.
 
-The coordinator listens on ADDR:PORT (127.0.0.1 unless told otherwise) with
-`multiprocessing.connection.Listener`, whose HMAC challenge makes every agent prove it
-knows the job's join token before a single message is read: a wrong token is refused
-at the door. The token is generated once, printed once and stored with 0600
-permissions in the run directory (`join-token`).
+`bamboo coordinator --bind ADDR:PORT` listens for agents there. Each connection gets its
+own handshake thread with a deadline (bamboo.cluster.wire): the agent proves it knows
+the job's token (HMAC of a random challenge), and a client that connects and closes,
+sends garbage or stalls is dropped without affecting anyone else. Nothing from the
+network is unpickled: messages are JSON frames decoded into this project's dataclasses.
 
-An agent is one node: it receives the job and its node id, starts the worker process
-(the same `worker_main` the local cluster forks), forwards the worker's reports,
-stamps a heartbeat every half second with the worker's own heartbeat age and
-progress, and reports preemption notices (cloud metadata endpoints, or SIGTERM from
-Kubernetes' preStop / the termination grace period) so the coordinator drains the node.
-
-On the coordinator, `RemoteProcess` makes an agent look like a local worker process
-(pid, sentinel, kill, exit code), so one supervisor serves both.
+An agent runs K workers. `RemoteAgent` reads its connection on one relay thread:
+heartbeats update the coordinator's shared arrays, each worker's reports go to that
+worker's local pipe, and the end of the connection is the end of every worker on that
+machine at once (a machine loss). `RemoteProcess` makes one of those workers look like
+a local worker process (pid, sentinel, kill, exit code), so one supervisor serves both.
+A ping every second lets agents tell a live coordinator from a vanished one.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import secrets
 import signal
 import socket
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener, wait
-from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
-from bamboo.cluster.protocol import (Beat, Done, Exit, Hello, Job, KillOrder, Notice, NoticeOrder,
+from bamboo.cluster.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
+                                     FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
                                      Progress, Refused)
+from bamboo.cluster.wire import Channel, Refusal, register, serve_handshake
 
-__all__ = ["JoinError", "parse_address", "write_join_token", "AgentListener", "RemoteProcess",
-           "run_agent"]
+__all__ = ["JoinError", "parse_address", "write_join_token", "AgentListener", "RemoteAgent",
+           "RemoteProcess", "register_wire_types"]
 
-_BEAT_S = 0.5
+HANDSHAKE_S = 10.0
+"""A joining client must finish the handshake within this many seconds."""
+_MAX_HANDSHAKES = 64
+_PING_S = 1.0
+_IO_S = 10.0
+"""A send to an agent that does not read for this long ends its connection."""
 
 
 class JoinError(RuntimeError):
@@ -48,7 +50,7 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{flag} '{text}' is not ADDRESS:PORT (e.g. 127.0.0.1:29400)")
-    return host, int(port)
+    return host.strip("[]"), int(port)
 
 
 def write_join_token(path: Path) -> str:
@@ -62,267 +64,212 @@ def write_join_token(path: Path) -> str:
     return token
 
 
-class AgentListener:
-    """Accepts agents on a background thread; authenticated connections land in `joined`."""
+def register_wire_types() -> None:
+    """Every class that may travel between an agent and the coordinator."""
+    from bamboo.cluster.worker import WorkerSpec
+    from bamboo.config import JobConfig, KillSpec
+    from bamboo.faults import Fault
+    register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, KillSpec, Fault)
 
-    def __init__(self, address: tuple[str, int], token: str) -> None:
-        self.listener = Listener(address, authkey=token.encode())
-        self.address = self.listener.address
-        self.joined: queue.Queue[tuple[Connection, Hello]] = queue.Queue()
+
+def _hello(data: dict) -> Hello:
+    try:
+        hello = Hello(pid=int(data["pid"]), host=str(data["host"])[:200],
+                      workers=int(data.get("workers", 1)), machine=str(data.get("machine", ""))[:200])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("a malformed hello") from None
+    if not 1 <= hello.workers <= 256:
+        raise ValueError(f"an agent offering {hello.workers} workers")
+    return hello
+
+
+class AgentListener:
+    """Accepts agents on a background thread; each connection is checked on a thread of its
+    own, and those that pass land in `joined` as (Channel, Hello)."""
+
+    def __init__(self, address: tuple[str, int], token: str, *, advertise: str | None = None,
+                 store_port: int | None = None, join_timeout_s: float = 600.0,
+                 handshake_s: float = HANDSHAKE_S) -> None:
+        register_wire_types()
+        self.token, self.handshake_s = token, handshake_s
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.sock = socket.create_server(address, family=family, backlog=128)
+        self.address: tuple[str, int] = tuple(self.sock.getsockname()[:2])  # type: ignore[assignment]
+        self.advertise = advertise
+        """The host workers reach the store at (None: see the coordinator's store)."""
+        self.store_port = store_port if store_port is not None else \
+            (self.address[1] + 1 if address[1] else 0)
+        self.join_timeout_s = join_timeout_s
+        self.joined: queue.Queue[tuple[Channel, Hello]] = queue.Queue()
         self.refused = 0
+        """Connections that gave a wrong token."""
+        self.dropped = 0
+        """Connections that did not speak the protocol (probes, garbage, stalls)."""
+        self._slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
-                conn = self.listener.accept()
-            except mp.AuthenticationError:
-                self.refused += 1
-                continue
+                sock, _ = self.sock.accept()
             except OSError:
-                return
-            try:  # the agent introduces itself at once; one that does not is dropped
-                hello = conn.recv() if conn.poll(10) else None
-            except (EOFError, OSError):
-                hello = None
-            if not isinstance(hello, Hello):
-                conn.close()
+                if self._closed:
+                    return
+                time.sleep(0.05)  # EMFILE and the like: never end the accept loop
                 continue
-            self.joined.put((conn, hello))
+            if not self._slots.acquire(blocking=False):
+                sock.close()  # a flood of half-open clients: shed, do not queue
+                self.dropped += 1
+                continue
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True,
+                             name="agent-handshake").start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        channel = Channel(sock, io_timeout=self.handshake_s)
+        try:
+            hello = _hello(serve_handshake(channel, self.token, self.handshake_s))
+            channel.set_io_timeout(_IO_S)
+        except Refusal:
+            self.refused += 1
+            channel.close()
+        except Exception:  # noqa: BLE001 - whatever a client sends, it only loses its own seat
+            self.dropped += 1
+            channel.close()
+        else:
+            self.joined.put((channel, hello))
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
-        self.listener.close()
+        self._closed = True
+        self.sock.close()
+
+
+class RemoteAgent:
+    """One agent's connection: K workers on one machine."""
+
+    def __init__(self, channel: Channel, hello: Hello, progress: Progress) -> None:
+        self.channel, self.hello, self.progress = channel, hello, progress
+        self.machine = hello.machine or f"{hello.host}-{hello.pid}"
+        self.free = list(range(hello.workers))
+        """Local worker indices (GPUs) with no worker on them."""
+        self.respawn: list[int] = []
+        """Indices whose worker ended on its own while the machine stayed: a replacement
+        may take that GPU."""
+        self.workers: dict[int, RemoteProcess] = {}
+        self.gone = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.machine}").start()
+        threading.Thread(target=self._ping, daemon=True, name=f"ping-{self.machine}").start()
+
+    def start_worker(self, spec: Any, slot: int, etcd: dict | None, lease_s: float) -> RemoteProcess:
+        k = self.free.pop(0)
+        process = RemoteProcess(self, k, slot)
+        self.workers[k] = process
+        self.send(Job(worker=k, spec=spec, etcd=etcd, lease_s=lease_s))
+        return process
+
+    def send(self, msg: Any) -> bool:
+        try:
+            self.channel.send(msg)
+            return True
+        except (OSError, ValueError):
+            self.lost()
+            return False
+
+    def _ping(self) -> None:
+        while not self._stop.wait(_PING_S):
+            if not self.send(Ping()):
+                return
+
+    def _relay(self) -> None:
+        try:
+            while True:
+                msg = self.channel.recv(timeout=None)
+                if isinstance(msg, Beat):
+                    now = time.monotonic()
+                    for k, age, step, phase in msg.slots:
+                        w = self.workers.get(int(k))
+                        if w is not None and w.exitcode is None:
+                            self.progress.beats[w.slot] = now - float(age)
+                            self.progress.mark(w.slot, int(step), int(phase))
+                elif isinstance(msg, FromWorker):
+                    w = self.workers.get(msg.worker)
+                    if w is not None and w.exitcode is None:
+                        w.deliver(msg.msg)
+                elif isinstance(msg, Exit):
+                    w = self.workers.pop(msg.worker, None)
+                    self.free.append(msg.worker)
+                    if w is not None and w.exitcode is None:
+                        w.ended(msg.code)
+                        if msg.code != 0:
+                            self.respawn.append(msg.worker)
+        except Exception:  # noqa: BLE001 - EOF, a reset, garbage: the machine is lost
+            pass
+        self.lost()
+
+    def lost(self) -> None:
+        """The connection ended: every worker of this machine is gone (exit code -9)."""
+        if self.gone:
+            return
+        self.gone = True
+        self._stop.set()
+        self.channel.close()
+        for w in list(self.workers.values()):
+            w.ended(-signal.SIGKILL)
+
+    def finish(self, status: str) -> None:
+        """The run is over: the agent stops its workers and exits without rejoining."""
+        if not self.gone:
+            try:
+                self.channel.send(Finished(status=status))
+            except (OSError, ValueError):
+                pass
+        self._stop.set()
+        self.gone = True
+        self.channel.close()
 
 
 class RemoteProcess:
-    """A worker on another machine, seen through its agent's connection.
+    """Worker `index` of an agent, with a local process's handle."""
 
-    A relay thread reads the agent's connection: heartbeats update the coordinator's
-    shared arrays, the worker's reports go to `reader` (a local pipe, like a local
-    worker's), and the end of the connection is the process's exit (`sentinel`).
-    """
-
-    def __init__(self, conn: Connection, hello: Hello, slot: int, progress: Progress) -> None:
-        self.conn, self.slot, self.progress = conn, slot, progress
-        self.pid, self.host = hello.pid, hello.host
+    def __init__(self, agent: RemoteAgent, index: int, slot: int) -> None:
+        self.agent, self.index, self.slot = agent, index, slot
+        self.pid, self.host, self.machine = agent.hello.pid, agent.hello.host, agent.machine
         self.exitcode: int | None = None
         self.reader, self._writer = mp.Pipe(duplex=False)
         self._sentinel_r, self._sentinel_w = os.pipe()
         self.sentinel = self._sentinel_r
         self._lock = threading.Lock()
-        threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.pid}").start()
 
-    def _relay(self) -> None:
-        code = -signal.SIGKILL  # a vanished machine is a preemption
+    def deliver(self, msg: Any) -> None:
         try:
-            while True:
-                msg = pickle.loads(self.conn.recv_bytes())
-                if isinstance(msg, Beat):
-                    self.progress.beats[self.slot] = time.monotonic() - msg.age
-                    self.progress.mark(self.slot, msg.step, msg.phase)
-                elif isinstance(msg, Exit):
-                    code = msg.code
-                    break
-                else:
-                    self._writer.send(msg)
-        except (EOFError, OSError):
+            self._writer.send(msg)
+        except (OSError, ValueError):
             pass
-        except Exception:  # noqa: BLE001 - a message this side cannot read: the agent is lost
-            pass
-        self.exitcode = code
-        self._writer.close()
-        os.close(self._sentinel_w)
+
+    def ended(self, code: int | None) -> None:
+        with self._lock:
+            if self.exitcode is not None:
+                return
+            self.exitcode = code if code is not None else -signal.SIGKILL
+            self._writer.close()
+            os.close(self._sentinel_w)
 
     def is_alive(self) -> bool:
         return self.exitcode is None
 
     def kill(self) -> None:
-        """Tell the agent to kill its worker, and count the node gone now: a frozen
+        """Order the agent to kill this worker, and count it gone now: a frozen or cut-off
         machine would never answer (fencing)."""
-        with self._lock:
-            try:
-                self.conn.send(KillOrder())
-            except (OSError, ValueError):
-                pass
-            try:  # wakes the relay's blocked recv with EOF: exit code -9, sentinel ready
-                sock = socket.fromfd(self.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            except OSError:
-                pass
+        self.agent.send(KillOrder(worker=self.index))
+        self.ended(-signal.SIGKILL)
 
     def terminate_notice(self) -> None:
-        with self._lock:
-            try:
-                self.conn.send(NoticeOrder())
-            except (OSError, ValueError):
-                pass
+        self.agent.send(NoticeOrder(worker=self.index))
 
     def join(self, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or 0)
         while self.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-# -- the agent ----------------------------------------------------------------------------
-
-
-class _EtcdPresence:
-    """The node's lease in etcd, renewed by a heartbeat thread (`--etcd` jobs): when this
-    machine freezes or vanishes, etcd expires the lease and the coordinator's watch sees it."""
-
-    def __init__(self, membership: Any, node_id: str, token: str, info: dict) -> None:
-        self.membership, self.node_id = membership, node_id
-        self.lease = membership.join(node_id, info, token)
-        self._stop = threading.Event()
-        threading.Thread(target=self._beat, daemon=True, name="etcd-heartbeat").start()
-
-    def _beat(self) -> None:
-        period = max(0.2, self.lease.ttl_s / 3)
-        while not self._stop.wait(period):
-            try:
-                self.membership.heartbeat(self.node_id)
-            except Exception:  # noqa: BLE001 - expired or unreachable: the coordinator decides
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        try:
-            self.membership.leave(self.node_id)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        self.membership.close()
-
-
-def _join_membership(etcd: dict | None, node: int, token: str, say: Any) -> _EtcdPresence | None:
-    if not etcd:
-        return None
-    from bamboo.cluster.membership import EtcdMembership, MembershipError
-    try:
-        m = EtcdMembership.connect(etcd["url"], job=etcd["job"])
-        presence = _EtcdPresence(m, f"n{node}", token, {"host": socket.gethostname(),
-                                                        "pid": os.getpid()})
-    except MembershipError as e:
-        raise JoinError(str(e)) from None
-    say(f"registered in etcd at {etcd['url']} (lease {presence.lease.ttl_s:g} s)")
-    return presence
-
-
-
-def run_agent(address: tuple[str, int], token: str, *, notice_sources: list[str],
-              metadata_url: str | None, say: Any) -> int:
-    """Join the coordinator at `address`, run one worker, relay until it ends. (One loop
-    over the worker's pipe, the coordinator's connection and the worker's exit, whose
-    local state the signal handler and the notice watcher share.)"""
-    try:
-        conn = Client(address, authkey=token.encode())
-    except mp.AuthenticationError:
-        raise JoinError(f"the coordinator at {address[0]}:{address[1]} refused the join token: "
-                        f"use the token it printed (its run directory's join-token file)") from None
-    except OSError as e:
-        raise JoinError(f"cannot reach the coordinator at {address[0]}:{address[1]} "
-                        f"({e.strerror or e}): is `bamboo coordinator` running there?") from None
-    conn.send(Hello(pid=os.getpid(), host=socket.gethostname()))
-    if not conn.poll(120):
-        raise JoinError("the coordinator accepted the connection but sent no job within 120 s")
-    job = conn.recv()
-    if isinstance(job, Refused):
-        raise JoinError(f"the coordinator at {address[0]}:{address[1]} refused this node: "
-                        f"{job.why}")
-    if not isinstance(job, Job):
-        raise JoinError(f"unexpected first message from the coordinator: {type(job).__name__}")
-    spec = job.spec
-    say(f"joined {address[0]}:{address[1]} as node n{spec.node}")
-    membership = _join_membership(job.etcd, spec.node, token, say)
-
-    from bamboo.cluster import forkserver
-    from bamboo.cluster.worker import worker_main
-    ctx = forkserver.context()
-    slots = spec.slot + 1
-    beats = RawArray("d", [time.monotonic() + 60.0] * slots)
-    cells = RawArray("i", [0] * Progress.cells_for(slots))
-    progress = Progress(beats, cells)
-    reader, writer = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=worker_main, args=(spec, writer, beats, cells),
-                         name=f"bamboo-n{spec.node}")
-    worker.start()
-    writer.close()
-    lock = threading.Lock()
-
-    def send(msg: Any) -> None:
-        # Plain pickle: tensors travel by value (multiprocessing's own pickler would pass
-        # them as shared-memory handles, which only work within one machine).
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        with lock:
-            conn.send_bytes(data)
-
-    # A notice (the cloud's, or SIGTERM from Kubernetes' preStop / termination grace) is
-    # reported to the coordinator, which drains this node at the next step boundary.
-    noticed: list[str] = []
-
-    def on_signal(*_: Any) -> None:
-        noticed.append("SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    watcher = None
-    sources = [s for s in notice_sources if s != "sigterm"]
-    if sources:
-        from bamboo.cluster.notices import NoticeWatcher, make_source
-        watcher = NoticeWatcher([make_source(s, metadata_url) for s in sources],
-                                lambda n: noticed.append(n.source)).start()
-    reported = False
-    last_beat = 0.0
-    code = None
-    finished = False  # the worker reported its last step: the job's end is not a failure
-    try:
-        while True:
-            ready = wait([reader, conn, worker.sentinel], timeout=_BEAT_S / 2)
-            if reader in ready:
-                try:
-                    while reader.poll():
-                        msg = reader.recv()
-                        finished |= isinstance(msg, Done)
-                        send(msg)
-                except (EOFError, OSError):
-                    pass
-            if conn in ready:
-                try:
-                    order = conn.recv()
-                except (EOFError, OSError):
-                    worker.kill()  # the coordinator is gone: so is the job
-                    return 0 if finished else 1
-                if isinstance(order, KillOrder):
-                    worker.kill()
-                elif isinstance(order, NoticeOrder):  # a notice relayed by the coordinator
-                    noticed.append("coordinator")
-            if worker.sentinel in ready:
-                worker.join()
-                code = worker.exitcode
-                try:
-                    while reader.poll():
-                        send(reader.recv())
-                except (EOFError, OSError):
-                    pass
-                send(Exit(code=code))
-                return 0 if code == 0 else 1
-            if noticed and not reported:
-                reported = True
-                say(f"preemption notice ({noticed[0]}): draining at the next step boundary")
-                send(Notice(rank=spec.node, source=noticed[0]))
-            now = time.monotonic()
-            if now - last_beat >= _BEAT_S:
-                last_beat = now
-                send(Beat(age=max(0.0, now - beats[spec.slot]), step=progress.step_of(spec.slot),
-                          phase=progress.phase_of(spec.slot)))
-    except (OSError, EOFError) as e:
-        say(f"lost the coordinator ({e!r})")
-        worker.kill()
-        return 1
-    finally:
-        if watcher is not None:
-            watcher.stop()
-        if membership is not None:
-            membership.stop()
-        if worker.is_alive():
-            worker.kill()
-        say("done" if finished else f"stopped (worker exit code {code})")

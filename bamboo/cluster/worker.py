@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -31,9 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write waits for it
 
-from bamboo.checkpoint import load_checkpoint
+from bamboo.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
+                               step_dir, write_layers)
 from bamboo.cluster.link import CoordinatorLink
+from bamboo.cluster.netif import collective_binding
 from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
                                      Progress, Ready, WorkerError, plan_key)
@@ -68,6 +72,9 @@ class WorkerSpec:
     config: JobConfig
     faults: tuple[Fault, ...] = ()
     check_replicas: bool = False
+    device_index: int | None = None
+    """With CUDA: the GPU this worker uses (an agent's worker k uses GPU k); None: the
+    node id modulo the GPUs here (local workers)."""
 
     @property
     def name(self) -> str:
@@ -83,24 +90,31 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _device(cfg: JobConfig, node: int) -> tuple[torch.device, str]:
+def _device(cfg: JobConfig, node: int, index: int | None = None) -> tuple[torch.device, str]:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        index = node % torch.cuda.device_count()
+        index = (node if index is None else index) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index), "nccl"
     return torch.device("cpu"), "gloo"
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, size: int,
-                   timeout: timedelta) -> dist.ProcessGroup:
+                   timeout: timedelta, bind: tuple[str | None, str | None]) -> dist.ProcessGroup:
     """A fresh process group for one generation (never the global default group, so
-    generations can follow one another in one process)."""
+    generations can follow one another in one process). gloo binds `bind`: the address
+    (or the user's GLOO_SOCKET_IFNAME interface) that reaches the other nodes."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    address, interface = bind
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
+                        if address is None else
+                        dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 class _Node:
@@ -109,6 +123,7 @@ class _Node:
     def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
                  device: torch.device, backend: str, progress: Progress) -> None:
         self.spec, self.link, self.store, self.device, self.backend = spec, link, store, device, backend
+        self.bind = collective_binding(spec.store_host, spec.store_port)
         self.progress = progress
         cfg = self.cfg = spec.config
         self.preset = preset(cfg.model)
@@ -187,11 +202,12 @@ class _Node:
                             progress=self._mark,
                             check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload)
         try:
-            self._load_state(plan, rank, group, engine.held())
+            loaded = self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:
             return self._failed(plan, e)
         self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
-                         replica=engine.replica.stage if engine.replica is not None else None)
+                         replica=engine.replica.stage if engine.replica is not None else None,
+                         **loaded)
         done_step = plan.start_step
         for step in range(plan.start_step, cfg.steps):
             try:
@@ -205,7 +221,10 @@ class _Node:
             if BoundaryFlag.RECONFIGURE in engine.flags:
                 break
         else:
-            self.link.report(LayerParams, layers=engine.parameters_by_layer())
+            # The first live holder of each stage writes its final layers to storage (after
+            # any checkpoint write still going); the coordinator reads them back.
+            layers, error = _write_final(self, engine)
+            self.link.report(LayerParams, layers=layers, error=error)
             self.link.report(Done)
             self.wait_plan(1 << 30)  # returns at shutdown
             return "finished"
@@ -231,7 +250,8 @@ class _Node:
                                     is_master=False, timeout=self.timeout)
                 result.append(_process_group(self.backend,
                                              dist.PrefixStore(f"gen{plan.gen}", own),
-                                             rank, len(plan.members), self.timeout))
+                                             rank, len(plan.members), self.timeout,
+                                             self.bind))
             except Exception as e:  # noqa: BLE001 - reported below
                 result.append(e)
 
@@ -254,19 +274,26 @@ class _Node:
         return "next"
 
     def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
-                    held: list[StageState]) -> None:
-        if plan.checkpoint is not None:
-            ckpt = load_checkpoint(plan.checkpoint)
+                    held: list[StageState]) -> dict[str, Any]:
+        """Load the state of `held`; where it came from, its bytes and seconds (for
+        GenerationReady)."""
+        start = time.perf_counter()
+        if plan.checkpoint is not None:  # only the layers this node holds, from storage
+            states = load_layers(plan.checkpoint, [i for st in held for i in st.layer_indices])
             for st in held:
                 for i in st.layer_indices:
-                    st.load_layer_state(i, ckpt.stages[i]["state"])
-            return
+                    st.load_layer_state(i, states[i])
+            return {"state_from": "checkpoint", "state_s": round(time.perf_counter() - start, 4),
+                    "state_bytes": sum(v.numel() * v.element_size() for v in states.values())}
         received = self._transfer(plan, rank, group, {i for st in held for i in st.layer_indices})
         for st in held:
             for i in st.layer_indices:
                 vector = received.get(i, self.holdings.get(i))
                 if vector is not None:  # else a fresh start: the layer as built from the seed
                     st.load_layer_state(i, vector)
+        got = sum(v.numel() * v.element_size() for v in received.values())
+        return {"state_from": "peers" if got else "", "state_bytes": got,
+                "state_s": round(time.perf_counter() - start, 4) if got else 0.0}
 
     def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
                   needed: set[int]) -> dict[int, torch.Tensor]:
@@ -302,15 +329,67 @@ class _Node:
         return {i: v for i, v in received.items() if i in needed}
 
     def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
-        """After a commit marked `ckpt`: the layers of each stage whose first live holder
-        (lowest pipeline) this node is."""
-        roles, dead = engine.roles, set(engine.roles.dead)
-        layers = {}
-        for stage, st in engine.stages.items():
-            first = next(r for r in roles.stage_members(stage) if r not in dead)
-            if first == engine.rank:
-                layers.update({i: st.layer_state(i) for i in st.layer_indices})
-        self.link.report(CheckpointPart, step=step, layers=layers)
+        """After a commit marked `ckpt`: this node writes the layers of each stage whose
+        first live holder (lowest pipeline) it is. Their state is copied now; the write runs
+        on this node's writer thread, so the next step does not wait for storage, and the
+        coordinator hears of the layers (`CheckpointPart`) once they are durable."""
+        states = {i: {"state": st.layer_state(i)}  # a CPU copy: training goes on meanwhile
+                  for st in _first_holder_stages(engine) for i in st.layer_indices}
+        if not states:
+            return
+        cfg, link = self.cfg, self.link
+
+        size = sum(v["state"].numel() * v["state"].element_size() for v in states.values())
+
+        def write() -> None:
+            start = time.perf_counter()
+            try:
+                written = write_layers(step_dir(checkpoint_location(cfg), step), states)
+                error = None
+            except Exception as e:  # noqa: BLE001 - a full disk: a warning, not a crash
+                written, error = [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
+            link.report(CheckpointPart, step=step, layers=written, error=error,
+                        bytes=size if error is None else 0,
+                        seconds=round(time.perf_counter() - start, 4))
+
+        _writer(self).submit(write)
+
+
+def _first_holder_stages(engine: NodeEngine) -> list[StageState]:
+    """The stages whose first live holder (lowest pipeline) this node is: the ones it writes
+    to storage (a checkpoint, the final model); every stage has exactly one."""
+    roles, dead = engine.roles, set(engine.roles.dead)
+    return [st for stage, st in sorted(engine.stages.items())
+            if next(r for r in roles.stage_members(stage) if r not in dead) == engine.rank]
+
+
+def _writer(node: _Node) -> ThreadPoolExecutor:
+    """The node's writer thread: its writes to storage, one after another. (Not at a lower
+    CPU priority: it holds the GIL in parts of a write, and training would wait on it.)"""
+    pool = getattr(node, "_storage_writer", None)
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        node._storage_writer = pool  # type: ignore[attr-defined]
+    return pool
+
+
+def _write_final(node: _Node, engine: NodeEngine) -> tuple[list[int], str | None]:
+    """After the last step: write the parameters (named, as model.pt holds them) of the
+    layers this node is the first live holder of to `final-<steps>/`, after every earlier
+    write of this node; (layers written, error)."""
+    params = {i: {f"param.{name}": t for name, t in named}
+              for st in _first_holder_stages(engine) for i, named in st.parameters_by_layer()}
+
+    def write() -> tuple[list[int], str | None]:
+        if not params:
+            return [], None
+        try:
+            return write_layers(final_dir(checkpoint_location(node.cfg), node.cfg.steps),
+                                params), None
+        except Exception as e:  # noqa: BLE001 - the coordinator stops the run with it
+            return [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
+
+    return _writer(node).submit(write).result()
 
 
 def _notice_handler(link: CoordinatorLink) -> Any:
@@ -350,7 +429,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> N
         signal.signal(signal.SIGTERM, _notice_handler(link))
         threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, progress, spec.slot),
                          daemon=True, name="heartbeat").start()
-        device, backend = _device(cfg, spec.node)
+        device, backend = _device(cfg, spec.node, spec.device_index)
         _Node(spec, link, store, device, backend, progress).live()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate

@@ -22,10 +22,11 @@ part only as sources of state, then leave.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from bamboo.pipeline.partition import partition
+from bamboo.reconfig.placement import spread
 from bamboo.redundancy.roles import RoleMap
 
 __all__ = ["NoLiveCopy", "GenerationPlan", "choose_layout", "plan_generation"]
@@ -110,9 +111,12 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
                     holdings: dict[str, set[int]], leaving: Sequence[str] = (),
                     stages: int, param_counts: Sequence[int], global_micro_batches: int,
                     redundancy: bool, checkpoint: str | None = None,
-                    max_pipelines: int | None = None, reason: str = "") -> GenerationPlan:
+                    max_pipelines: int | None = None, reason: str = "",
+                    machine_of: Callable[[str], str | None] | None = None) -> GenerationPlan:
     """The plan of generation `gen` over `nodes` (live, ready, in order of preference).
 
+    `machine_of` names each node's machine (agents with several workers): replicas are
+    then placed off their primary's machine where the machines allow.
     `holdings` maps every live node (`leaving` ones included) to the layers whose state
     it holds at this step boundary. With `checkpoint` set, every layer comes from it.
     Raises NoLiveCopy when a layer has no live holder and no checkpoint is given.
@@ -138,6 +142,9 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
             taken[k] = n
     free = [n for n in nodes if n not in taken.values()]
     active = [taken[k] if k in taken else free.pop(0) for k in range(len(slots))]
+    if machine_of is not None:  # a replica off its primary's machine, moving little state
+        active = spread(active, machine_of, p, cost=lambda n, k: -sum(
+            param_counts[i] for i in _needs(parts, k % p, rc) if i in holdings.get(n, ())))
     sources = [n for n in leaving if n not in active]
     transfers: list[list[int]] = []
     if checkpoint is None:

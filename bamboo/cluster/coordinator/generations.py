@@ -20,6 +20,7 @@ from bamboo.cluster.protocol import (BoundaryFlag, GenerationEnd, GenerationRead
                                      plan_key)
 from bamboo.pipeline.partition import partition
 from bamboo.progress import pipeline_rows
+from bamboo.reconfig.placement import spread
 from bamboo.reconfig.planner import GenerationPlan, NoLiveCopy, choose_layout, plan_generation
 from bamboo.redundancy.roles import RoleMap
 
@@ -76,8 +77,18 @@ class Generations:
         return f"pipeline {d}, stage{'s' if len(stages) > 1 else ''} " + \
             " and ".join(map(str, stages))
 
+    def machine_of(self, name: str) -> str | None:
+        """The machine of node `name` (None: a local worker, a machine of its own)."""
+        return self.nodes.by_name(name).machine
+
     def initial_role(self, node: int) -> tuple[int | None, int | None]:
         d, p = self.ctx.cfg.data_parallel, self.ctx.cfg.stages
+        members = getattr(self, "first_members", None)
+        if members is not None:  # placed across machines: the first plan says
+            k = members.index(f"n{node}") if f"n{node}" in members else None
+            return (k // p, k % p) if k is not None else (None, None)
+        if self.nodes[node].machine is not None:
+            return (None, None)  # an agent's worker: placed when the first plan is made
         return (node // p, node % p) if node < d * p else (None, None)
 
     # -- entering a generation --------------------------------------------------------------
@@ -87,7 +98,9 @@ class Generations:
         d, p = ctx.cfg.data_parallel, ctx.cfg.stages
         parts = partition(ctx.param_counts, p)
         resumed = ctx.resume_path is not None
-        return GenerationPlan(gen=0, epoch=0, members=[f"n{i}" for i in range(d * p)],
+        members = self.first_members = spread([f"n{i}" for i in range(d * p)],
+                                              self.machine_of, p)
+        return GenerationPlan(gen=0, epoch=0, members=members,
                               redundancy=self._mode(0), pipelines=d, stages=p, parts=[[r.start, r.stop] for r in parts],
                               start_step=ctx.committed,
                               checkpoint=str(ctx.resume_path) if resumed else None,
@@ -119,6 +132,10 @@ class Generations:
         if msg.gen != self.ctx.plan.gen or self.ctx.reconf is not None:
             return False
         self.ready.add(n.node)
+        if msg.state_bytes:
+            self.ctx.events.write("state_loaded", gen=msg.gen, node=n.name, source=msg.state_from,
+                                  bytes=msg.state_bytes, seconds=msg.state_s,
+                                  mb_per_s=round(msg.state_bytes / 1e6 / max(msg.state_s, 1e-9), 2))
         if not self.running():
             return False
         took = self.ctx.clock() - self.started
@@ -254,7 +271,8 @@ class Generations:
                       holdings=holdings, leaving=leaving, stages=ctx.cfg.stages,
                       param_counts=ctx.param_counts,
                       global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
-                      max_pipelines=ctx.cfg.pipelines, reason=r.reason)
+                      max_pipelines=ctx.cfg.pipelines, reason=r.reason,
+                      machine_of=self.machine_of)
         mode = self._mode(ctx.plan.gen + 1)
         kwargs["redundancy"] = mode != "off"
         handled = HandledAs.PEER_RESTORE

@@ -19,6 +19,8 @@ deterministic bug would only cascade through the shadows).
 """
 from __future__ import annotations
 
+import dataclasses
+import queue
 import signal
 import sys
 import time
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bamboo.checkpoint import Checkpoint, checkpoint_root
+from bamboo.checkpoint import Checkpoint, checkpoint_location
 from bamboo.cluster.coordinator.checkpoints import CheckpointAssembly
 from bamboo.cluster.coordinator.display import RunView
 from bamboo.cluster.coordinator.failures import FailureHandler
@@ -62,8 +64,14 @@ class Coordinator:
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
                  extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
                  check_replicas: bool = False, resume: Checkpoint | None = None,
-                 agents: Any = None, membership: Any = None) -> None:
+                 agents: Any = None, membership: Any = None,
+                 http: tuple[str, int] | None = None) -> None:
+        # The workers write checkpoints and the final layers under the run directory (unless
+        # --checkpoint-dir says elsewhere): they get its absolute path with the job.
+        cfg = dataclasses.replace(cfg, out=str(run.path.resolve()))
         self.cfg, self.rundir, self.display, self.debug = cfg, run, display, debug
+        self.http = http
+        """`--http`: (host, port) to serve /healthz and /metrics on (bamboo.cluster.http)."""
         self.agents = agents
         """An AgentListener when nodes are agents on other machines (`bamboo coordinator`)."""
         self.membership = membership
@@ -74,17 +82,27 @@ class Coordinator:
         self.interrupted: int | None = None
         self.peer_lost_message = ""
         self.peer_lost_at: float | None = None
+        self.remote: list[Any] = []
+        """RemoteAgents: the machines whose workers are nodes (agents)."""
 
     # -- the run, top to bottom -------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        self.rundir.create(resume=self.resume is not None)
+        self._serve_http()  # first: a bad --http leaves no run directory behind
+        try:
+            self.rundir.create(resume=self.resume is not None)
+        except BaseException:
+            self._close_http()
+            raise
         t0 = time.monotonic()
         self.events = self.rundir.events(t0)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.events.write("run_start", config=self.cfg.to_dict(),
                               resumed_from=str(self.resume.path) if self.resume else None)
+            if self.http_server is not None:
+                host, port = self.http_server.address
+                self.events.write("http", address=f"{host}:{port}")
             self._start_store()
             self._build_parts(t0)
             self._load_trace()
@@ -98,18 +116,36 @@ class Coordinator:
                 signal.signal(s, handler)
             if hasattr(self, "nodes"):
                 self.nodes.stop_all()
+            self._release_agents()
             if self.membership is not None:
                 self.membership[0].close()
             self.display.close()
+            self._close_http()
             self.events.close()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.interrupted = signum
 
     def _start_store(self) -> None:
-        self.store_host = self.agents.address[0] if self.agents is not None else "127.0.0.1"
-        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.cfg.comm_timeout_s))
+        """The store: on loopback and any free port for local workers; for agents on the
+        fixed --store-port (all interfaces), advertised as --advertise, or the bind address,
+        or (a wildcard bind) whatever address each agent joined on."""
+        timeout = timedelta(seconds=self.cfg.comm_timeout_s)
+        if self.agents is None:
+            self.store_host: str | None = "127.0.0.1"
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timeout)
+            return
+        bind_host, port = self.agents.address
+        self.store_host = self.agents.advertise or (
+            None if bind_host in ("0.0.0.0", "::", "") else bind_host)
+        try:
+            self.store = dist.TCPStore(bind_host or "0.0.0.0", self.agents.store_port,
+                                       is_master=True, wait_for_workers=False, timeout=timeout)
+        except (RuntimeError, OSError) as e:
+            raise Stop(f"cannot serve the store on port {self.agents.store_port} "
+                       f"({str(e).splitlines()[0][:120]}): choose another --store-port",
+                       exit_code=2) from None
 
     def _build_parts(self, t0: float) -> None:
         cfg, resume = self.cfg, self.resume
@@ -205,14 +241,16 @@ class Coordinator:
                 first_gen=self.ctx.plan.gen + 1, trace_node=trace_node))
             self._try_plan()
             self._check_stalls(stall_s)
+            self._update_metrics()
+        self._update_metrics(finished=True)
         self.store.set(SHUTDOWN_KEY, "1")
 
     def _finish(self) -> dict[str, Any]:
         missing = self.results.missing_layers()
         if missing:
-            raise Stop(f"every node holding layer {missing[0]} was lost after the last step, "
-                       f"before it sent its parameters: the trained model is incomplete"
-                       + (f"; the last checkpoint is in {checkpoint_root(self.rundir.path)}"
+            raise Stop(f"the node writing layer {missing[0]}'s final parameters was lost after "
+                       f"the last step, before it wrote them: the trained model is incomplete"
+                       + (f"; the last checkpoint is in {checkpoint_location(self.cfg)}"
                           if self.checkpoints.last else ""), exit_code=3)
         summary = self._summary("completed", None)
         try:
@@ -223,6 +261,7 @@ class Coordinator:
         except RunDirError as e:
             raise self._failed(str(e), 1, write_summary=False) from None
         self.events.write("run_done", steps=summary["steps_completed"], wall_s=summary["wall_s"])
+        self.final_status = "completed"
         return summary
 
     # -- reading the nodes ------------------------------------------------------------------
@@ -300,48 +339,87 @@ class Coordinator:
     # -- agents -----------------------------------------------------------------------------
 
     def _wait_for_agents(self, count: int) -> None:
-        """The initial nodes: the first `count` agents to join (progress every 2 s)."""
+        """The initial nodes: the first `count` workers the joining agents offer (progress
+        every 2 s); short of them after --join-timeout, the run stops (exit code 1)."""
         host, port = self.agents.address
-        self.ctx.say(f"waiting for {count} agent(s) on {host}:{port}: "
-                     f"bamboo agent --join {host}:{port} --token-file <the job's token file>")
-        last = time.monotonic()
+        timeout_s = self.agents.join_timeout_s
+        self.ctx.say(f"waiting for {count} worker(s) on {host}:{port}: bamboo agent --join "
+                     f"{host}:{port} --token-file <the job's token file> [--workers K]")
+        start = last = time.monotonic()
         while len(self.nodes.nodes) < count:
             if self.interrupted is not None:
                 raise Stop(f"interrupted by {signal.Signals(self.interrupted).name} while "
                            f"waiting for agents", exit_code=128 + self.interrupted)
             try:
-                conn, hello = self.agents.joined.get(timeout=0.2)
-            except Exception:  # queue.Empty
-                conn = None
-            if conn is not None:
-                self._admit_agent(conn, hello, first_gen=0)
-            if time.monotonic() - last > 2.0:
-                last = time.monotonic()
-                self.ctx.say(f"  {len(self.nodes.nodes)}/{count} agents joined"
+                channel, hello = self.agents.joined.get(timeout=0.2)
+            except queue.Empty:
+                channel = None
+            if channel is not None:
+                self._admit_agent(channel, hello, first_gen=0, limit=count - len(self.nodes.nodes))
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise Stop(f"{len(self.nodes.nodes)}/{count} workers joined within "
+                           f"--join-timeout {timeout_s:g} s ({len(self.remote)} agent(s)"
+                           + (f", {self.agents.refused} refused for a wrong token"
+                              if self.agents.refused else "")
+                           + "): start more agents, or lower --nodes", exit_code=1)
+            if now - last > 2.0:
+                last = now
+                self.ctx.say(f"  {len(self.nodes.nodes)}/{count} workers joined from "
+                             f"{len(self.remote)} agent(s)"
                              + (f", {self.agents.refused} refused (wrong token)"
                                 if self.agents.refused else ""))
 
     def _accept_agents(self) -> None:
-        """Agents that join while the job runs become standbys."""
-        while self.agents is not None and not self.agents.joined.empty():
-            conn, hello = self.agents.joined.get()
-            self._admit_agent(conn, hello, first_gen=self.ctx.plan.gen + 1)
-
-    def _admit_agent(self, conn: Any, hello: Any, *, first_gen: int) -> None:
-        etcd = {"url": self.membership[1], "job": self.membership[2]} if self.membership else None
-        n = self.nodes.admit_agent(conn, hello, first_gen=first_gen, etcd=etcd)
-        if n is None:
+        """Agents that join while the job runs give standbys; so does a GPU whose worker
+        ended while its machine stayed."""
+        if self.agents is None:
             return
-        role = self.gens.initial_role(n.node) if first_gen == 0 else (None, None)
-        self.events.write("node_up", node=n.name, pid=n.process.pid, host=n.process.host,
-                          pipeline=role[0], stage=role[1])
-        self.ctx.say(f"agent {n.name} joined from {n.process.host}")
+        while not self.agents.joined.empty():
+            channel, hello = self.agents.joined.get()
+            self._admit_agent(channel, hello, first_gen=self.ctx.plan.gen + 1)
+        for agent in self.remote:
+            if agent.respawn and not agent.gone and self.ctx.committed < self.cfg.steps:
+                agent.respawn.pop(0)
+                self._start_agent_workers(agent, first_gen=self.ctx.plan.gen + 1, limit=1)
+
+    def _admit_agent(self, channel: Any, hello: Any, *, first_gen: int,
+                     limit: int | None = None) -> None:
+        from bamboo.cluster.remote import RemoteAgent
+        agent = RemoteAgent(channel, hello, self.nodes.progress)
+        self.remote.append(agent)
+        started = self._start_agent_workers(agent, first_gen=first_gen, limit=limit)
+        if started:
+            self.ctx.say(f"agent {agent.machine} joined from {channel.peer}: "
+                         f"{', '.join(n.name for n in started)}")
+
+    def _start_agent_workers(self, agent: Any, *, first_gen: int, limit: int | None) -> list:
+        etcd = {"url": self.membership[1], "job": self.membership[2]} if self.membership else None
+        started = self.nodes.admit_agent(agent, first_gen=first_gen, etcd=etcd,
+                                         indices=None if limit is None else list(range(limit)))
+        for n in started:
+            role = self.gens.initial_role(n.node) if first_gen == 0 else (None, None)
+            self.events.write("node_up", node=n.name, pid=n.process.pid, host=n.process.host,
+                              machine=n.machine, worker=n.process.index,
+                              pipeline=role[0], stage=role[1])
+        return started
+
+    def _release_agents(self) -> None:
+        """At the end: a finished or failed run lets its agents go; an interrupted one (a
+        coordinator being restarted) just closes, and its agents try to rejoin."""
+        status = getattr(self, "final_status", None)
+        for agent in self.remote:
+            if status is None:
+                agent.lost()
+            else:
+                agent.finish(status)
 
     # -- local workers ----------------------------------------------------------------------
 
     def _worker_spec(self, node: int, slot: int, first_gen: int) -> Any:
         from bamboo.cluster.worker import WorkerSpec
-        return WorkerSpec(node=node, slot=slot, first_gen=first_gen, store_host=self.store_host,
+        return WorkerSpec(node=node, slot=slot, first_gen=first_gen,
+                          store_host=self.store_host,  # type: ignore[arg-type]
                           store_port=self.store.port, config=self.cfg,
                           faults=self.preemptions.faults_for(node, first_gen),
                           check_replicas=self.check_replicas)
@@ -392,7 +470,12 @@ class Coordinator:
         self.checkpoints.forget_after(step)
 
     def _try_plan(self) -> None:
-        if self.gens.try_plan(trace_finished=self.preemptions.trace_finished()) is not None:
+        none_coming = self.preemptions.trace_finished()
+        if self.agents is not None:  # agents may still join (a machine replaced, restarted)
+            r = self.ctx.reconf
+            none_coming = r is not None and \
+                self.ctx.clock() - r.started > self.agents.join_timeout_s
+        if self.gens.try_plan(trace_finished=none_coming) is not None:
             self.steps.round_failed_at = None
 
     def _finished(self) -> bool:
@@ -413,6 +496,88 @@ class Coordinator:
             raise Stop(f"no worker reported progress for {stall_s:.0f} s; stopped the run "
                        f"(raise --comm-timeout if steps are that slow)")
 
+    # -- --http: health and metrics ---------------------------------------------------------
+
+    def _serve_http(self) -> None:
+        """Bind `--http` (HttpServeError, one line, when it cannot)."""
+        self.http_server = self.metrics = None
+        self.http_health: dict[str, Any] = {"status": "starting", "step": 0,
+                                            "steps": self.cfg.steps}
+        self._metrics_losses: set[int] = set()
+        self._metrics_seen = {"standby": 0, "reconfigurations": 0, "low": 0}
+        if self.http is None:
+            return
+        from bamboo.cluster.http import HealthServer, HttpServeError, RunMetrics
+        host, port = self.http
+        self.metrics = RunMetrics()
+        try:
+            self.http_server = HealthServer(host, port, metrics=self.metrics,
+                                            health=lambda: (True, self.http_health))
+        except OSError as e:
+            raise HttpServeError(f"cannot serve --http {host}:{port} "
+                                 f"({e.strerror or e})") from None
+
+    def _close_http(self) -> None:
+        if getattr(self, "http_server", None) is not None:
+            self.http_server.close()
+            self.http_server = None
+
+    def _update_metrics(self, finished: bool = False) -> None:
+        """Bring --http's metrics and health up to date: once per loop iteration, so only
+        cheap reads of what the parts already keep; losses count once their handling is
+        known (their `node_lost` event is out)."""
+        m, ctx, cfg = self.metrics, self.ctx, self.cfg
+        if m is None:
+            return
+        status = self.http_health["status"]
+        if finished:
+            status = "finished"
+        elif status == "starting" and ctx.plan is not None and ctx.reconf is None \
+                and self.gens.running():
+            status = "training"
+        live = self.nodes.alive_count()
+        with m.lock:
+            m.set_step(ctx.committed)
+            if 0 < ctx.committed <= len(ctx.losses):
+                m.set_loss(ctx.losses[ctx.committed - 1])
+            if self.results.records:
+                samples = cfg.global_micro_batches * cfg.micro_batch_size
+                m.set_samples_per_second(samples / max(self.results.records[-1]["wall_s"], 1e-9))
+            m.set_live_nodes(live)
+            m.set_stages_without_redundancy(self._stages_without_redundancy())
+            losses, seen, counted = self.failures.losses, self._metrics_seen, self._metrics_losses
+            for i in range(seen["low"], len(losses)):
+                if i not in counted and losses[i].written:
+                    counted.add(i)
+                    m.add_preemptions(str(losses[i].handled_as))
+                    if str(losses[i].handled_as) == "failover":
+                        m.observe_failover_pause(losses[i].pause_s)
+            while seen["low"] in counted:
+                counted.discard(seen["low"])
+                seen["low"] += 1
+            m.add_preemptions("standby", self.failures.standby_losses - seen["standby"])
+            seen["standby"] = self.failures.standby_losses
+            m.add_reconfigurations(self.gens.reconfigurations - seen["reconfigurations"])
+            seen["reconfigurations"] = self.gens.reconfigurations
+        self.http_health = {"status": status, "step": ctx.committed, "steps": cfg.steps,
+                            "generation": ctx.plan.gen if ctx.plan is not None else None,
+                            "reconfiguring": ctx.reconf is not None, "live_nodes": live}
+
+    def _stages_without_redundancy(self) -> int:
+        """Stages of the current role map (one per pipeline) with no live replica: every
+        stage with redundancy off or one stage per pipeline, else those whose replica's
+        holder is gone (a loss there cannot fail over in flight)."""
+        roles = self.ctx.roles
+        if roles is None:
+            return 0
+        if not self.ctx.rc or roles.stages == 1:
+            return roles.stages * roles.pipelines
+        gone = set(roles.dead) | {n.rank for n in self.nodes if n.rank is not None
+                                  and (n.is_gone or n.exited)}
+        return sum(1 for d in range(roles.pipelines) for s in range(roles.stages)
+                   if roles.replicas[d][s] is None or roles.replicas[d][s] in gone
+                   or roles.replicas[d][s] == roles.holders[d][s])
+
     # -- the end ----------------------------------------------------------------------------
 
     def _summary(self, status: str, error: str | None) -> dict[str, Any]:
@@ -426,6 +591,8 @@ class Coordinator:
         self.nodes.stop_all()
         self.failures.stopped()
         self.events.write("run_failed", error=message)
+        if self.interrupted is None:
+            self.final_status = "failed"
         summary = self._summary("failed", message)
         if write_summary:
             try:
@@ -439,8 +606,10 @@ def run_local(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
               extra_faults: dict[int, list[Fault]] | None = None,
               debug: bool = False, check_replicas: bool = False,
               resume: Checkpoint | None = None, agents: Any = None,
-              membership: Any = None) -> dict[str, Any]:
+              membership: Any = None,
+              http: tuple[str, int] | None = None) -> dict[str, Any]:
     """Train `cfg` on a local cluster (or on agents, when `agents` listens for them);
-    the summary, or RunFailed."""
+    the summary, or RunFailed (HttpServeError when `http`, --http's address, cannot be
+    served)."""
     return Coordinator(cfg, run, display, extra_faults, debug, check_replicas, resume,
-                       agents, membership).run()
+                       agents, membership, http=http).run()

@@ -19,7 +19,7 @@ from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
 from bamboo.cluster.coordinator.state import RunContext
-from bamboo.cluster.protocol import Hello, Job, Progress, Refused
+from bamboo.cluster.protocol import Progress, Refused
 
 __all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S"]
 
@@ -85,6 +85,8 @@ class Node:
     """A preemption with notice: SIGKILL at this time."""
     kill_sent: bool = False
     """The coordinator sent (or ordered) its SIGKILL."""
+    machine: str | None = None
+    """The agent's machine it runs on (None: a local worker, a machine of its own)."""
 
     @property
     def name(self) -> str:
@@ -165,11 +167,11 @@ class Supervisor:
         return node, slot
 
     def admit(self, start: Callable[[Any, int], tuple[Any, Connection]], *, first_gen: int,
-              trace_node: int | None = None) -> Node:
+              trace_node: int | None = None, machine: str | None = None) -> Node:
         """Take a node id and a slot, start its process with `start(spec, slot)`."""
         node, slot = self._take_slot()
         process, conn = start(self.spec_for(node, slot, first_gen), slot)
-        n = Node(node, slot, process, conn, trace_node=trace_node)
+        n = Node(node, slot, process, conn, trace_node=trace_node, machine=machine)
         self.nodes[node] = n
         return n
 
@@ -189,27 +191,28 @@ class Supervisor:
 
         return self.admit(start, first_gen=first_gen, trace_node=trace_node)
 
-    def admit_agent(self, conn: Connection, hello: Hello, *, first_gen: int,
-                    etcd: dict | None) -> Node | None:
-        """An agent that joined: its worker becomes a node, unless --max-nodes is reached."""
-        from bamboo.cluster.remote import RemoteProcess
+    def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
+                    indices: list[int] | None = None) -> list[Node]:
+        """Workers on an agent's machine become nodes, as many as it offers (or the free
+        `indices` it names) and --max-nodes allows; an agent given none is told why."""
         alive = self.alive_count()
-        if alive >= self.ctx.cfg.node_cap or not self.free_slots:
-            why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
-            try:
-                conn.send(Refused(why=why))
-                conn.close()
-            except OSError:
-                pass
-            self.ctx.events.write("agent_refused", host=hello.host, why=why)
-            return None
+        room = min(len(agent.free), self.ctx.cfg.node_cap - alive, len(self.free_slots))
+        if indices is not None:
+            room = min(room, len(indices))
+        if room <= 0:
+            if not agent.workers:
+                why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
+                agent.send(Refused(why=why))
+                agent.lost()  # it retries while its --rejoin-s lasts
+                self.ctx.events.write("agent_refused", host=agent.hello.host, why=why)
+            return []
 
         def start(spec: Any, slot: int) -> tuple[Any, Connection]:
-            conn.send(Job(spec=spec, etcd=etcd))
-            process = RemoteProcess(conn, hello, slot, self.progress)
+            process = agent.start_worker(spec, slot, etcd, self.ctx.cfg.lease_s)
             return process, process.reader
 
-        return self.admit(start, first_gen=first_gen)
+        return [self.admit(start, first_gen=first_gen, machine=agent.machine)
+                for _ in range(room)]
 
     # -- liveness ---------------------------------------------------------------------------
 
