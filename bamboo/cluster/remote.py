@@ -28,7 +28,7 @@ from typing import Any
 
 from bamboo.cluster.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
                                      FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
-                                     Progress, Refused)
+                                     Progress)
 from bamboo.cluster.wire import Channel, Refusal, register, serve_handshake
 
 __all__ = ["JoinError", "parse_address", "write_join_token", "AgentListener", "RemoteAgent",
