@@ -354,13 +354,21 @@ def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path
     SIGKILLed), both of its workers are lost at once and both are failed over: no
     checkpoint, and the result equals the failure-free run."""
     out, port = tmp_path / "run", _free_port()
+    http = _free_port()
     coord = _coordinator(out, port, "--nodes", "4", "--stages", "2", "--steps", "10",
-                         "--lease", "3")
+                         "--lease", "3", "--http", f"127.0.0.1:{http}")
     agents: list[subprocess.Popen] = []
     try:
         _wait_for(out / "join-token")
         agents = [_agent(out, port, "--workers", "2") for _ in range(2)]
         _wait_step(out, 3, coord)
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as r:
+            scraped = {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
+                       for s in f.samples}
+        assert scraped["bamboo_live_nodes"] == 4 and scraped["bamboo_step"] >= 3
         _kill_machine(agents[0])
         stdout, stderr = coord.communicate(timeout=200)
     finally:
@@ -427,8 +435,13 @@ def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -
     agent = None
     try:
         _wait_for(out / "join-token")
-        agent = _agent(out, port, "--workers", "2", "--rejoin-s", "2")
+        health = _free_port()
+        agent = _agent(out, port, "--workers", "2", "--rejoin-s", "2", "--http",
+                       f"127.0.0.1:{health}")
         _wait_step(out, 2, coord)
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["workers"] == 2
         coord.send_signal(signal.SIGKILL)
         gone_at = time.monotonic()
         code = agent.wait(timeout=60)

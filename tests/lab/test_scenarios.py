@@ -32,8 +32,10 @@ def _events(out: Path) -> list[dict]:
 class Job:
     """A coordinator on lab host "coord" and agents on the other hosts."""
 
-    def __init__(self, lab, out: Path, job: list[str]) -> None:
+    def __init__(self, lab, out: Path, job: list[str], bind: str = "0.0.0.0",
+                 coordinator_flags: tuple[str, ...] = ()) -> None:
         self.lab, self.out, self.job = lab, out, job
+        self.bind, self.coordinator_flags = bind, coordinator_flags
         self.token = out.parent / f"{out.name}-token"
         self.token.write_text("7" * 64 + "\n")
         self.coord_address = lab["coord"].address
@@ -41,9 +43,9 @@ class Job:
         self.coord = self.start_coordinator()
 
     def start_coordinator(self) -> subprocess.Popen:
-        argv = [*BAMBOO, "coordinator", "--bind", f"0.0.0.0:{JOIN}", "--token-file",
+        argv = [*BAMBOO, "coordinator", "--bind", f"{self.bind}:{JOIN}", "--token-file",
                 str(self.token), "--out", str(self.out), "--resume", "auto", "--json",
-                "--quiet", "--no-report", *self.job]
+                "--quiet", "--no-report", *self.coordinator_flags, *self.job]
         return self.lab.run("coord", argv, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
 
@@ -144,7 +146,7 @@ def test_an_agent_host_killed_whole(lab_factory, tmp_path: Path) -> None:
     lab = lab_factory(3)
     cfg = config(nodes=4, stages=2, steps=10)
     job = Job(lab, tmp_path / "run", ["--nodes", "4", "--stages", "2", "--steps", "10",
-                                      "--lease", "4"])
+                                      "--lease", "4"], bind=lab["coord"].address)
     job.wait_listening()
     job.start_agent("a1", "--workers", "2")
     job.start_agent("a2", "--workers", "2")
@@ -169,12 +171,15 @@ def test_a_bandwidth_capped_host_and_latency_where_the_kernel_has_netem(lab_fact
         lab.qdiscs("a1").values())
     cfg = config(nodes=4, stages=2, steps=6, kills=["0:1@3"])
     job = Job(lab, tmp_path / "run", ["--nodes", "4", "--stages", "2", "--steps", "6",
-                                      "--kill", "0:1@3"])
+                                      "--kill", "0:1@3"],
+              coordinator_flags=("--advertise", lab["coord"].address, "--store-port", "29555"))
     job.wait_listening()
     job.start_agent("a1", "--workers", "2")
     job.start_agent("a2", "--workers", "2")
     summary = job.finish()
     assert_equal_and_accounted(summary, cfg, lost=1)
+    store = next(e for e in _events(job.out) if e["event"] == "store")
+    assert (store["port"], store["advertised"]) == (29555, lab["coord"].address)
 
 
 @pytest.mark.timeout(500)

@@ -146,6 +146,8 @@ class Coordinator:
             raise Stop(f"cannot serve the store on port {self.agents.store_port} "
                        f"({str(e).splitlines()[0][:120]}): choose another --store-port",
                        exit_code=2) from None
+        self.events.write("store", port=self.store.port,
+                          advertised=self.store_host or "the address each agent joined on")
 
     def _build_parts(self, t0: float) -> None:
         cfg, resume = self.cfg, self.resume
