@@ -46,7 +46,8 @@ def events(out: Path) -> list[dict]:
     path = out / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    # only whole lines: the coordinator may be writing the last one right now
+    return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()]
 
 
 def raw_copy(lab: Lab, size: int, repeats: int) -> float:

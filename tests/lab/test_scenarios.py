@@ -26,7 +26,8 @@ def _events(out: Path) -> list[dict]:
     path = out / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    # only whole lines: the coordinator may be writing the last one right now
+    return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()]
 
 
 class Job:
