@@ -34,22 +34,20 @@ metadata classes (tensors load with `weights_only`): no code runs from a file.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import pickle
 import posixpath
 import re
-import shutil
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.runlog import checkpoint_root, write_atomic
+from bamboo.checkpoint_storage import (HOST, FsspecStore, LocalStore, is_url, single_process,
+                                       storage_for, writer_tag)
+from bamboo.runlog import checkpoint_root
 
 if TYPE_CHECKING:
     import torch
@@ -90,13 +88,9 @@ class Checkpoint:
 # -- where ----------------------------------------------------------------------------------
 
 
-def _is_url(location: str | Path) -> bool:
-    return isinstance(location, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None
-
-
 def _located(root: str | Path, text: str) -> Path | str:
     """A location under `root` as the caller gave it: a Path for a folder, a str for a URL."""
-    return text if _is_url(root) else Path(text)
+    return text if is_url(root) else Path(text)
 
 
 def _step_name(step: int) -> str:
@@ -109,12 +103,12 @@ def _layer_name(layer: int) -> str:
 
 def step_dir(root: str | Path, step: int) -> Path | str:
     """The folder of step `step`'s checkpoint under `root`."""
-    return _located(root, _storage(root).join(str(root), _step_name(step)))
+    return _located(root, storage_for(root).join(str(root), _step_name(step)))
 
 
 def final_dir(root: str | Path, steps: int) -> Path | str:
     """The folder the trained model's layers are written to after the run's last step."""
-    return _located(root, _storage(root).join(str(root), f"final-{steps:08d}"))
+    return _located(root, storage_for(root).join(str(root), f"final-{steps:08d}"))
 
 
 def checkpoint_location(cfg: Any) -> Path | str:
@@ -122,218 +116,11 @@ def checkpoint_location(cfg: Any) -> Path | str:
     checkpoints/ folder of its run directory (`cfg.out`, made absolute by the coordinator
     before any worker starts)."""
     if getattr(cfg, "checkpoint_dir", None):
-        return cfg.checkpoint_dir if _is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
+        return cfg.checkpoint_dir if is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
     if cfg.out is None:
         raise CheckpointError("the job names no run directory (--out) and no --checkpoint-dir: "
                               "nowhere to write checkpoints")
     return checkpoint_root(cfg.out)
-
-
-# -- storage: a local folder or an fsspec URL -----------------------------------------------
-
-_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
-def _tag() -> str:
-    """Who writes a temporary: this process on this machine."""
-    return f"{os.getpid()}-{_HOST}"
-
-
-def _fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _Local:
-    """A local (or mounted) folder: os calls, fsynced renames."""
-
-    url = False
-
-    def join(self, base: str, *names: str) -> str:
-        return os.path.join(base, *names)
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def isdir(self, path: str) -> bool:
-        return os.path.isdir(path)
-
-    def ls(self, path: str) -> list[str]:
-        try:
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-
-    def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    def size(self, path: str) -> int:
-        return os.path.getsize(path)
-
-    def write_file(self, path: str, data: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        write_atomic(Path(path), data)  # its temporary is `.NAME.tmp-PID`
-        _fsync_dir(os.path.dirname(path) or ".")
-
-    def sync_dir(self, path: str) -> None:
-        _fsync_dir(path)
-
-    def rename(self, src: str, dst: str) -> None:
-        os.replace(src, dst)
-        _fsync_dir(os.path.dirname(dst) or ".")
-
-    def rmtree(self, path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def writer(self, path: str) -> Any:
-        from torch.distributed.checkpoint import FileSystemWriter
-        return FileSystemWriter(path, sync_files=True)
-
-    def reader(self, path: str) -> Any:
-        from torch.distributed.checkpoint import FileSystemReader
-        return _safe_reader(FileSystemReader)(path)
-
-
-class _Fsspec:
-    """A URL: fsspec calls (an object store renames by copying: the manifest, written
-    last, is what makes a checkpoint whole)."""
-
-    url = True
-
-    def __init__(self, url: str) -> None:
-        from fsspec.core import url_to_fs
-        self.fs, _ = url_to_fs(url)
-
-    def join(self, base: str, *names: str) -> str:
-        return posixpath.join(base.rstrip("/"), *names)
-
-    def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
-
-    def isdir(self, path: str) -> bool:
-        return self.fs.isdir(path)
-
-    def ls(self, path: str) -> list[str]:
-        try:
-            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
-
-    def read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
-
-    def size(self, path: str) -> int:
-        return int(self.fs.size(path))
-
-    def write_file(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        head, name = posixpath.split(path.rstrip("/"))
-        tmp = posixpath.join(head, f".{name}.tmp-{_tag()}")
-        try:
-            self.fs.pipe_file(tmp, data)
-            self.fs.mv(tmp, path)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.fs.rm(tmp)
-            raise
-
-    def sync_dir(self, path: str) -> None:
-        pass
-
-    def rename(self, src: str, dst: str) -> None:
-        self.fs.mv(src, dst, recursive=True)
-
-    def rmtree(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-
-    def writer(self, path: str) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-        return FsspecWriter(path, sync_files=True)
-
-    def reader(self, path: str) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-        return _safe_reader(FsspecReader)(path)
-
-
-def _storage(location: str | Path) -> _Local | _Fsspec:
-    return _Fsspec(str(location)) if _is_url(location) else _Local()
-
-
-# -- safe reading of DCP metadata ---------------------------------------------------------
-
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle; only DCP's metadata classes, torch sizes and dtypes
-    may be named in it (anything else could run code)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-        allowed = (module, name) in _ALLOWED or module in _DCP_MODULES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-        return super().find_class(module, name)
-
-
-_safe_readers: dict[type, type] = {}
-
-
-def _safe_reader(base: type) -> type:
-    """`base` (a DCP reader) with its metadata read by `_MetadataUnpickler`."""
-    if base not in _safe_readers:
-        def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-        _safe_readers[base] = type(f"Safe{base.__name__}", (base,), {"read_metadata": read_metadata})
-    return _safe_readers[base]
-
-
-@contextlib.contextmanager
-def _single_process() -> Any:
-    """DCP without a process group warns that it assumes one process: that is the intent.
-    (A filter added once, not `catch_warnings`, which is not thread-safe: writes run on a
-    background thread.)"""
-    import warnings
-    if not any(f[1] is not None and f[1].pattern.startswith("torch.distributed is disabled")
-               for f in warnings.filters if f[0] == "ignore"):
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                category=UserWarning)
-    yield
 
 
 # -- temporaries --------------------------------------------------------------------------
@@ -354,14 +141,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temporaries(store: _Local | _Fsspec, folder: str) -> list[str]:
+def _remove_stale_temporaries(store: LocalStore | FsspecStore, folder: str) -> list[str]:
     """Delete the temporaries in `folder` of earlier writes that never finished (this
     process's, or a process of this machine that is gone); a write in progress elsewhere,
     or one of another machine (whose processes cannot be seen from here), is left alone."""
     removed = []
     for name in store.ls(folder):
         m = _TEMPORARY.match(name)
-        if m is None or (m[2] is not None and m[2] != _HOST):
+        if m is None or (m[2] is not None and m[2] != HOST):
             continue
         if int(m[1]) != os.getpid() and _alive(int(m[1])):
             continue
@@ -430,7 +217,7 @@ def write_layers(directory: str | Path, layers: dict[int, dict[str, torch.Tensor
     """Write each layer's tensors (name -> tensor, stored as `layer.{i}.{name}`) as its own
     DCP folder `directory/layer-NNNN`, atomically per layer (a same-step copy there is
     replaced). Returns the layers written; CheckpointError names the layer and why."""
-    store, d = _storage(directory), str(directory)
+    store, d = storage_for(directory), str(directory)
     try:
         store.makedirs(d)
         _remove_stale_temporaries(store, d)  # of writes interrupted earlier
@@ -441,15 +228,15 @@ def write_layers(directory: str | Path, layers: dict[int, dict[str, torch.Tensor
     return sorted(layers)
 
 
-def _write_layer(store: _Local | _Fsspec, d: str, i: int, tensors: dict[str, torch.Tensor]) -> None:
+def _write_layer(store: LocalStore | FsspecStore, d: str, i: int, tensors: dict[str, torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
     name = _layer_name(i)
-    tmp = store.join(d, f".tmp-{name}-{_tag()}")
+    tmp = store.join(d, f".tmp-{name}-{writer_tag()}")
     try:
         state = {f"layer.{i}.{k}": t.detach().to("cpu").contiguous() for k, t in tensors.items()}
         entries = [{"key": k, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                     "sha256": _sha256(t)} for k, t in state.items()]
-        with _single_process():
+        with single_process():
             dcp.save(state, storage_writer=store.writer(tmp), no_dist=True)
         files = {f: store.size(store.join(tmp, f)) for f in sorted(store.ls(tmp))}
         sidecar = {"format": FORMAT, "layer": i, "tensors": entries, "files": files}
@@ -463,11 +250,11 @@ def _write_layer(store: _Local | _Fsspec, d: str, i: int, tensors: dict[str, tor
         raise
 
 
-def _replace_dir(store: _Local | _Fsspec, d: str, tmp: str, name: str) -> None:
+def _replace_dir(store: LocalStore | FsspecStore, d: str, tmp: str, name: str) -> None:
     """Rename the finished folder into place, replacing a same-named one."""
     final, old = store.join(d, name), None
     if store.exists(final):
-        old = store.join(d, f".old-{name}-{_tag()}")
+        old = store.join(d, f".old-{name}-{writer_tag()}")
         store.rename(final, old)
     try:
         store.rename(tmp, final)
@@ -482,7 +269,7 @@ def _replace_dir(store: _Local | _Fsspec, d: str, tmp: str, name: str) -> None:
 # -- publishing (the coordinator) ---------------------------------------------------------
 
 
-def _steps(store: _Local | _Fsspec, root: str) -> list[tuple[int, str]]:
+def _steps(store: LocalStore | FsspecStore, root: str) -> list[tuple[int, str]]:
     """(step, folder name) of every step folder under `root`, newest first."""
     found = [(int(m[1]), n) for n in store.ls(root) if (m := _STEP_DIR.match(n))]
     return sorted(found, reverse=True)
@@ -494,7 +281,7 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
     write its manifest (last) and LATEST, and prune to the newest `keep` whole checkpoints.
     Returns its folder; CheckpointError when it could not be made whole (earlier ones are
     kept)."""
-    store, r = _storage(root), str(root)
+    store, r = storage_for(root), str(root)
     name = _step_name(step)
     d = store.join(r, name)
     layers = sorted(set(layers))
@@ -526,7 +313,7 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
     return _located(root, d)
 
 
-def _prune(store: _Local | _Fsspec, root: str, keep: int, newest: int) -> None:
+def _prune(store: LocalStore | FsspecStore, root: str, keep: int, newest: int) -> None:
     """Delete every step folder up to `newest` but the newest `keep` whole ones (later
     folders may still be being written)."""
     kept = 0
@@ -544,7 +331,7 @@ def _prune(store: _Local | _Fsspec, root: str, keep: int, newest: int) -> None:
 
 def list_checkpoints(root: str | Path) -> list[Path | str]:
     """Checkpoint folders under `root`, newest step first (whole or not)."""
-    store, r = _storage(root), str(root)
+    store, r = storage_for(root), str(root)
     if not store.isdir(r):
         return []
     return [_located(root, store.join(r, n)) for _, n in _steps(store, r)
@@ -563,7 +350,7 @@ def _expected_layers(meta: dict) -> int | None:
         return None
 
 
-def _read_manifest(store: _Local | _Fsspec, d: str) -> dict:
+def _read_manifest(store: LocalStore | FsspecStore, d: str) -> dict:
     try:
         manifest = json.loads(store.read_bytes(store.join(d, _MANIFEST)).decode("utf-8"))
         fmt = manifest.get("format")
@@ -592,7 +379,7 @@ def _read_manifest(store: _Local | _Fsspec, d: str) -> dict:
     return {"step": step, "layers": sorted(layers), "meta": meta}
 
 
-def _read_sidecar(store: _Local | _Fsspec, d: str, layer: int) -> dict:
+def _read_sidecar(store: LocalStore | FsspecStore, d: str, layer: int) -> dict:
     """A layer folder's layer.json, with every file it lists present at its size."""
     name = _layer_name(layer)
     ld = store.join(d, name)
@@ -622,7 +409,7 @@ def _read_sidecar(store: _Local | _Fsspec, d: str, layer: int) -> dict:
     return sidecar
 
 
-def _check(store: _Local | _Fsspec, d: str, *, verify_data: bool) -> dict:
+def _check(store: LocalStore | FsspecStore, d: str, *, verify_data: bool) -> dict:
     manifest = _read_manifest(store, d)
     for i in manifest["layers"]:
         _read_sidecar(store, d, i)
@@ -634,7 +421,7 @@ def _check(store: _Local | _Fsspec, d: str, *, verify_data: bool) -> dict:
 def load_checkpoint(path: str | Path, *, verify_data: bool = False) -> Checkpoint:
     """One checkpoint folder, verified (CheckpointError says what is wrong); with
     `verify_data`, every tensor is read and its sha256 checked too."""
-    manifest = _check(_storage(path), str(path), verify_data=verify_data)
+    manifest = _check(storage_for(path), str(path), verify_data=verify_data)
     return Checkpoint(step=manifest["step"], layers=manifest["layers"], meta=manifest["meta"],
                       path=path)
 
@@ -681,7 +468,7 @@ def has_whole_checkpoint(root: str | Path) -> bool:
 # -- reading layers (the nodes) -----------------------------------------------------------
 
 
-def _load_layer(store: _Local | _Fsspec, d: str, layer: int) -> list[tuple[str, torch.Tensor]]:
+def _load_layer(store: LocalStore | FsspecStore, d: str, layer: int) -> list[tuple[str, torch.Tensor]]:
     import torch
     import torch.distributed.checkpoint as dcp
     name = _layer_name(layer)
@@ -693,7 +480,7 @@ def _load_layer(store: _Local | _Fsspec, d: str, layer: int) -> list[tuple[str, 
             raise CheckpointError(f"{name}/{_SIDECAR} names an unknown dtype {e['dtype']!r}")
         state[e["key"]] = torch.empty([int(x) for x in e["shape"]], dtype=dtype)
     try:
-        with _single_process():
+        with single_process():
             dcp.load(state, storage_reader=store.reader(store.join(d, name)), no_dist=True)
     except BaseException as e:  # a damaged folder, whatever DCP makes of it
         if not _failed(e):
@@ -712,7 +499,7 @@ def _load_layer(store: _Local | _Fsspec, d: str, layer: int) -> list[tuple[str, 
 def load_layer_tensors(path: str | Path, layer: int) -> list[tuple[str, torch.Tensor]]:
     """Layer `layer`'s tensors from the checkpoint (or final) folder `path`, as (name,
     tensor) in the order they were written, names without the `layer.{i}.` prefix."""
-    store = _storage(path)
+    store = storage_for(path)
     try:
         return _load_layer(store, str(path), layer)
     except CheckpointError as e:

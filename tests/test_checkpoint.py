@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bamboo import checkpoint as ck
+from bamboo.checkpoint_storage import HOST, LocalStore
 from bamboo.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
                                load_latest, load_layer_tensors, load_layers, publish, step_dir,
                                write_layers)
@@ -215,7 +216,7 @@ def test_a_failed_manifest_write_publishes_nothing(tmp_path, monkeypatch):
 
     def fail(self, path, data):
         raise OSError(errno.EIO, "Input/output error")
-    monkeypatch.setattr(ck._Local, "write_atomic", fail)
+    monkeypatch.setattr(LocalStore, "write_atomic", fail)
     with pytest.raises(CheckpointError) as info:
         publish(tmp_path, 20, range(8), LAYER_META)
     assert str(info.value) == (f"checkpoint of step 20 not published in {tmp_path}: could not "
@@ -326,8 +327,8 @@ def test_the_next_write_removes_what_interrupted_writes_of_this_machine_left(tmp
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     _leftovers(folder, dead.pid)
-    _leftovers(folder, dead.pid, ck._HOST)  # this machine's, named with its host
-    _leftovers(folder, os.getpid(), ck._HOST)  # this process's own, from a write it never finished
+    _leftovers(folder, dead.pid, HOST)  # this machine's, named with its host
+    _leftovers(folder, os.getpid(), HOST)  # this process's own, from a write it never finished
     elsewhere = _leftovers(folder, dead.pid, "another-machine")  # its processes can't be seen
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
         try:
