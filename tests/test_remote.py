@@ -114,7 +114,9 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
         while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
             assert time.monotonic() < deadline and coord.poll() is None
             time.sleep(0.2)
-        victim = next(p for p in agents if p.poll() is None)
+        # An agent with a node (one refused for --max-nodes keeps retrying, and has none).
+        nodes_of = {e["pid"] for e in _events(out) if e["event"] == "node_up"}
+        victim = next(p for p in agents if p.pid in nodes_of)
         victim.send_signal(signal.SIGKILL)  # the machine is gone, worker and all
         stdout, stderr = coord.communicate(timeout=150)
     finally:
