@@ -214,14 +214,18 @@ class _Session:
         return None
 
     def _forward(self, w: _Worker) -> None:
-        try:
-            while w.reader.poll():
+        """Relay every report waiting on the worker's pipe. A pipe that ended (the worker
+        died mid-write) is its sentinel's business; a failed send means the coordinator is
+        gone, and propagates."""
+        while True:
+            try:
+                if not w.reader.poll():
+                    return
                 msg = w.reader.recv()
-                w.finished |= isinstance(msg, Done)
-                self.send(FromWorker(worker=w.k, msg=msg))
-        except (EOFError, OSError) as e:
-            if isinstance(e, OSError) and not isinstance(e, EOFError) and w.process.is_alive():
-                raise
+            except (EOFError, OSError):
+                return
+            w.finished |= isinstance(msg, Done)
+            self.send(FromWorker(worker=w.k, msg=msg))
 
     def _ended(self, w: _Worker) -> None:
         self._forward(w)

@@ -154,9 +154,9 @@ class RemoteAgent:
         self.machine = hello.machine or f"{hello.host}-{hello.pid}"
         self.free = list(range(hello.workers))
         """Local worker indices (GPUs) with no worker on them."""
-        self.respawn: list[int] = []
-        """Indices whose worker ended on its own while the machine stayed: a replacement
-        may take that GPU."""
+        self.spares = 0
+        """Workers that ended on their own while the machine stayed: a replacement may take
+        each one's GPU."""
         self.workers: dict[int, RemoteProcess] = {}
         self.gone = False
         self._stop = threading.Event()
@@ -204,7 +204,7 @@ class RemoteAgent:
                     if w is not None and w.exitcode is None:
                         w.ended(msg.code)
                         if msg.code != 0:
-                            self.respawn.append(msg.worker)
+                            self.spares += 1
         except Exception:  # noqa: BLE001 - EOF, a reset, garbage: the machine is lost
             pass
         self.lost()

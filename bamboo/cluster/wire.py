@@ -126,10 +126,6 @@ class Channel:
         except OSError:
             return "?"
 
-    @property
-    def local_address(self) -> str:
-        return str(self.sock.getsockname()[0])
-
     def send(self, obj: Any) -> None:
         """Raises OSError when the peer is gone (or does not read within the I/O timeout)."""
         data = to_bytes(obj)

@@ -43,6 +43,8 @@ class FailureHandler:
         self.layout_changed = layout_changed
         self.losses: list[Loss] = []
         self.standby_losses = 0
+        self.on_written: Callable[[Loss], None] | None = None
+        """Told of each loss as its `node_lost` event is written (its handling final)."""
         self.restore_step: tuple[int, int] | None = None
         self.restores: list[Takeover] = []
         """Peer restores of (generation, step) `restore_step`: their sources must survive,
@@ -222,6 +224,8 @@ class FailureHandler:
         if loss.handled_as is not HandledAs.STOPPED:
             fields.update(pause_s=round(loss.pause_s, 4), **loss.counts)
         self.ctx.events.write("node_lost", **fields)
+        if self.on_written is not None:
+            self.on_written(loss)
 
     def close(self, step: int, reports: list[StepReport], wall_s: float,
               records: list[dict]) -> None:

@@ -45,6 +45,8 @@ class Generations:
         self.checkpoint_due = False
         """A notice asked for a checkpoint at the next boundary."""
         self.next_reason = ""
+        self.first_members: list[str] | None = None
+        """Generation 0's members in rank order, once its plan is made."""
 
     # -- who is who -------------------------------------------------------------------------
 
@@ -83,12 +85,10 @@ class Generations:
 
     def initial_role(self, node: int) -> tuple[int | None, int | None]:
         d, p = self.ctx.cfg.data_parallel, self.ctx.cfg.stages
-        members = getattr(self, "first_members", None)
-        if members is not None:  # placed across machines: the first plan says
-            k = members.index(f"n{node}") if f"n{node}" in members else None
+        if self.first_members is not None:  # placed (across machines): the first plan says
+            name = f"n{node}"
+            k = self.first_members.index(name) if name in self.first_members else None
             return (k // p, k % p) if k is not None else (None, None)
-        if self.nodes[node].machine is not None:
-            return (None, None)  # an agent's worker: placed when the first plan is made
         return (node // p, node % p) if node < d * p else (None, None)
 
     # -- entering a generation --------------------------------------------------------------

@@ -84,15 +84,22 @@ class Coordinator:
         self.peer_lost_at: float | None = None
         self.remote: list[Any] = []
         """RemoteAgents: the machines whose workers are nodes (agents)."""
+        self.health: Any = None
+        """The --http feed (bamboo.cluster.coordinator.health), while the run lasts."""
+        self.final_status: str | None = None
+        """"completed" or "failed" once the run has ended so (not when interrupted)."""
 
     # -- the run, top to bottom -------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        self._serve_http()  # first: a bad --http leaves no run directory behind
+        # First: a bad --http leaves no run directory behind (HttpServeError, one line).
+        if self.http is not None:
+            from bamboo.cluster.coordinator.health import HealthFeed  # prometheus_client
+            self.health = HealthFeed(self.http, self.cfg)
         try:
             self.rundir.create(resume=self.resume is not None)
         except BaseException:
-            self._close_http()
+            self._close_health()
             raise
         t0 = time.monotonic()
         self.events = self.rundir.events(t0)
@@ -100,8 +107,8 @@ class Coordinator:
         try:
             self.events.write("run_start", config=self.cfg.to_dict(),
                               resumed_from=str(self.resume.path) if self.resume else None)
-            if self.http_server is not None:
-                host, port = self.http_server.address
+            if self.health is not None:
+                host, port = self.health.address
                 self.events.write("http", address=f"{host}:{port}")
             self._start_store()
             self._build_parts(t0)
@@ -120,8 +127,13 @@ class Coordinator:
             if self.membership is not None:
                 self.membership[0].close()
             self.display.close()
-            self._close_http()
+            self._close_health()
             self.events.close()
+
+    def _close_health(self) -> None:
+        if self.health is not None:
+            self.health.close()
+            self.health = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.interrupted = signum
@@ -180,6 +192,8 @@ class Coordinator:
                                        respawn=self._respawn,
                                        layout_changed=lambda: self.view.layout_changed())
         self.results = Results(ctx, self.display.step)
+        if self.health is not None:
+            self.health.attach(ctx, self.nodes, self.results, self.failures, self.gens)
         self.auto = None
         if cfg.redundancy == "auto":
             from bamboo.cluster.coordinator.auto import AutoRedundancy
@@ -243,8 +257,10 @@ class Coordinator:
                 first_gen=self.ctx.plan.gen + 1, trace_node=trace_node))
             self._try_plan()
             self._check_stalls(stall_s)
-            self._update_metrics()
-        self._update_metrics(finished=True)
+            if self.health is not None:
+                self.health.update()
+        if self.health is not None:
+            self.health.update(finished=True)
         self.store.set(SHUTDOWN_KEY, "1")
 
     def _finish(self) -> dict[str, Any]:
@@ -381,8 +397,8 @@ class Coordinator:
             channel, hello = self.agents.joined.get()
             self._admit_agent(channel, hello, first_gen=self.ctx.plan.gen + 1)
         for agent in self.remote:
-            if agent.respawn and not agent.gone and self.ctx.committed < self.cfg.steps:
-                agent.respawn.pop(0)
+            if agent.spares and not agent.gone and self.ctx.committed < self.cfg.steps:
+                agent.spares -= 1
                 self._start_agent_workers(agent, first_gen=self.ctx.plan.gen + 1, limit=1)
 
     def _admit_agent(self, channel: Any, hello: Any, *, first_gen: int,
@@ -397,24 +413,21 @@ class Coordinator:
 
     def _start_agent_workers(self, agent: Any, *, first_gen: int, limit: int | None) -> list:
         etcd = {"url": self.membership[1], "job": self.membership[2]} if self.membership else None
-        started = self.nodes.admit_agent(agent, first_gen=first_gen, etcd=etcd,
-                                         indices=None if limit is None else list(range(limit)))
-        for n in started:
-            role = self.gens.initial_role(n.node) if first_gen == 0 else (None, None)
+        started = self.nodes.admit_agent(agent, first_gen=first_gen, etcd=etcd, limit=limit)
+        for n in started:  # roles come with the first plan (placed across machines): `role`
             self.events.write("node_up", node=n.name, pid=n.process.pid, host=n.process.host,
                               machine=n.machine, worker=n.process.index,
-                              pipeline=role[0], stage=role[1])
+                              pipeline=None, stage=None)
         return started
 
     def _release_agents(self) -> None:
         """At the end: a finished or failed run lets its agents go; an interrupted one (a
         coordinator being restarted) just closes, and its agents try to rejoin."""
-        status = getattr(self, "final_status", None)
         for agent in self.remote:
-            if status is None:
+            if self.final_status is None:
                 agent.lost()
             else:
-                agent.finish(status)
+                agent.finish(self.final_status)
 
     # -- local workers ----------------------------------------------------------------------
 
@@ -497,88 +510,6 @@ class Coordinator:
         if now - self.last_news > stall_s:
             raise Stop(f"no worker reported progress for {stall_s:.0f} s; stopped the run "
                        f"(raise --comm-timeout if steps are that slow)")
-
-    # -- --http: health and metrics ---------------------------------------------------------
-
-    def _serve_http(self) -> None:
-        """Bind `--http` (HttpServeError, one line, when it cannot)."""
-        self.http_server = self.metrics = None
-        self.http_health: dict[str, Any] = {"status": "starting", "step": 0,
-                                            "steps": self.cfg.steps}
-        self._metrics_losses: set[int] = set()
-        self._metrics_seen = {"standby": 0, "reconfigurations": 0, "low": 0}
-        if self.http is None:
-            return
-        from bamboo.cluster.http import HealthServer, HttpServeError, RunMetrics
-        host, port = self.http
-        self.metrics = RunMetrics()
-        try:
-            self.http_server = HealthServer(host, port, metrics=self.metrics,
-                                            health=lambda: (True, self.http_health))
-        except OSError as e:
-            raise HttpServeError(f"cannot serve --http {host}:{port} "
-                                 f"({e.strerror or e})") from None
-
-    def _close_http(self) -> None:
-        if getattr(self, "http_server", None) is not None:
-            self.http_server.close()
-            self.http_server = None
-
-    def _update_metrics(self, finished: bool = False) -> None:
-        """Bring --http's metrics and health up to date: once per loop iteration, so only
-        cheap reads of what the parts already keep; losses count once their handling is
-        known (their `node_lost` event is out)."""
-        m, ctx, cfg = self.metrics, self.ctx, self.cfg
-        if m is None:
-            return
-        status = self.http_health["status"]
-        if finished:
-            status = "finished"
-        elif status == "starting" and ctx.plan is not None and ctx.reconf is None \
-                and self.gens.running():
-            status = "training"
-        live = self.nodes.alive_count()
-        with m.lock:
-            m.set_step(ctx.committed)
-            if 0 < ctx.committed <= len(ctx.losses):
-                m.set_loss(ctx.losses[ctx.committed - 1])
-            if self.results.records:
-                samples = cfg.global_micro_batches * cfg.micro_batch_size
-                m.set_samples_per_second(samples / max(self.results.records[-1]["wall_s"], 1e-9))
-            m.set_live_nodes(live)
-            m.set_stages_without_redundancy(self._stages_without_redundancy())
-            losses, seen, counted = self.failures.losses, self._metrics_seen, self._metrics_losses
-            for i in range(seen["low"], len(losses)):
-                if i not in counted and losses[i].written:
-                    counted.add(i)
-                    m.add_preemptions(str(losses[i].handled_as))
-                    if str(losses[i].handled_as) == "failover":
-                        m.observe_failover_pause(losses[i].pause_s)
-            while seen["low"] in counted:
-                counted.discard(seen["low"])
-                seen["low"] += 1
-            m.add_preemptions("standby", self.failures.standby_losses - seen["standby"])
-            seen["standby"] = self.failures.standby_losses
-            m.add_reconfigurations(self.gens.reconfigurations - seen["reconfigurations"])
-            seen["reconfigurations"] = self.gens.reconfigurations
-        self.http_health = {"status": status, "step": ctx.committed, "steps": cfg.steps,
-                            "generation": ctx.plan.gen if ctx.plan is not None else None,
-                            "reconfiguring": ctx.reconf is not None, "live_nodes": live}
-
-    def _stages_without_redundancy(self) -> int:
-        """Stages of the current role map (one per pipeline) with no live replica: every
-        stage with redundancy off or one stage per pipeline, else those whose replica's
-        holder is gone (a loss there cannot fail over in flight)."""
-        roles = self.ctx.roles
-        if roles is None:
-            return 0
-        if not self.ctx.rc or roles.stages == 1:
-            return roles.stages * roles.pipelines
-        gone = set(roles.dead) | {n.rank for n in self.nodes if n.rank is not None
-                                  and (n.is_gone or n.exited)}
-        return sum(1 for d in range(roles.pipelines) for s in range(roles.stages)
-                   if roles.replicas[d][s] is None or roles.replicas[d][s] in gone
-                   or roles.replicas[d][s] == roles.holders[d][s])
 
     # -- the end ----------------------------------------------------------------------------
 

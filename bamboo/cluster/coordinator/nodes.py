@@ -192,13 +192,13 @@ class Supervisor:
         return self.admit(start, first_gen=first_gen, trace_node=trace_node)
 
     def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
-                    indices: list[int] | None = None) -> list[Node]:
-        """Workers on an agent's machine become nodes, as many as it offers (or the free
-        `indices` it names) and --max-nodes allows; an agent given none is told why."""
+                    limit: int | None = None) -> list[Node]:
+        """Workers on an agent's machine become nodes, as many as it offers (at most
+        `limit`) and --max-nodes allows; an agent given none is told why."""
         alive = self.alive_count()
         room = min(len(agent.free), self.ctx.cfg.node_cap - alive, len(self.free_slots))
-        if indices is not None:
-            room = min(room, len(indices))
+        if limit is not None:
+            room = min(room, limit)
         if room <= 0:
             if not agent.workers:
                 why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
