@@ -53,6 +53,14 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         "auto picks one at every generation from the preemption rate and costs measured)")
     opt("--frc-offload", action="store_true", default=False,
         help="keep eager FRC's saved tensors in CPU memory until a failover needs them")
+    opt("--comm", default=d.comm, help="tagged (default) | strict: NCCL's rules on every "
+        "backend (no tags, batched two-way exchanges, the group rebuilt after every loss)")
+    opt("--precision", default=d.precision, help="fp32 (default) | bf16: autocast bf16 "
+        "compute with fp32 weights, gradients and optimizer state")
+    opt("--exact", action="store_true", default=False, help="float64 gradient sums in "
+        "pipeline order: every layout gives the same bits (default: fp32 and a collective)")
+    opt("--activation-checkpointing", action="store_true", default=False,
+        help="recompute each layer's activations in the backward instead of keeping them")
     opt("--data", help="UTF-8 text file (byte tokens); default synthetic")
     opt("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
     opt("--warmup-steps", type=int, default=d.warmup_steps)
@@ -105,7 +113,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
-           "seed", "redundancy", "frc_offload", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
+           "seed", "redundancy", "frc_offload", "comm", "precision", "exact",
+           "activation_checkpointing", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
            "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
            "notice_s", "checkpoint_every", "recovery", "resume", "out", "keep_checkpoints",
            "checkpoint_dir")

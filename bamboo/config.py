@@ -12,10 +12,13 @@ from pathlib import Path
 
 from bamboo.presets import preset
 
-__all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES",
+__all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES", "COMM_MODES",
+           "PRECISIONS",
            "HEARTBEAT_S", "JOIN_PORT", "JOIN_TIMEOUT_S", "REJOIN_S"]
 
 REDUNDANCY_MODES = ("eager", "lazy", "off", "auto")
+COMM_MODES = ("tagged", "strict")
+PRECISIONS = ("fp32", "bf16")
 
 HEARTBEAT_S = 0.5
 """Seconds between two heartbeats of a worker; a --lease must be longer than this."""
@@ -81,6 +84,20 @@ class JobConfig:
     chosen at every generation from the preemption rate and the costs measured in the run."""
     frc_offload: bool = False
     """Keep what eager FRC saves for a later backward in CPU memory (bounds GPU memory)."""
+    comm: str = "tagged"
+    """tagged | strict. strict keeps NCCL's rules on every backend: no tags (transfers between
+    two nodes are matched by the order they are posted), exchanges in both directions as one
+    batch, and every loss handled by dropping the process group and forming a new one among
+    the survivors. tagged (gloo only) keeps transfers apart by tags on a group that outlives
+    lost peers."""
+    precision: str = "fp32"
+    """fp32 | bf16: bf16 runs forward and backward under autocast with bf16 compute; weights,
+    gradients and optimizer state stay fp32."""
+    exact: bool = False
+    """Accumulate and reduce gradients in float64 in pipeline order, so every layout gives
+    the same bits (slower; the default accumulates in fp32 and reduces with one collective)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them."""
     data: str | None = None
     """A UTF-8 text file to train on as byte tokens; default: a synthetic language."""
     lr: float = 3e-3
@@ -168,6 +185,14 @@ class JobConfig:
         if self.redundancy not in REDUNDANCY_MODES:
             raise ConfigError(f"--redundancy '{self.redundancy}' is not one of "
                               f"{', '.join(REDUNDANCY_MODES)}")
+        if self.comm not in COMM_MODES:
+            raise ConfigError(f"--comm '{self.comm}' is not one of {', '.join(COMM_MODES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision '{self.precision}' is not one of "
+                              f"{', '.join(PRECISIONS)}")
+        if self.exact and self.precision != "fp32":
+            raise ConfigError("--exact needs --precision fp32: bf16 compute is not bit-identical "
+                              "across layouts")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device '{self.device}' is not one of auto, cpu, cuda")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -292,6 +317,8 @@ class JobConfig:
         return {"nodes": self.nodes, "stages": self.stages, "pipelines": self.data_parallel,
                 "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
                 "redundancy": self.redundancy, "frc_offload": self.frc_offload,
+                "comm": self.comm, "precision": self.precision, "exact": self.exact,
+                "activation_checkpointing": self.activation_checkpointing,
                 "model": self.model, "seed": self.seed,
                 "steps": self.steps, "data": self.data, "trace": self.trace,
                 "time_scale": self.time_scale, "max_nodes": self.node_cap,

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from bamboo import config as _config_module
-from bamboo.config import REDUNDANCY_MODES, ConfigError, JobConfig, KillSpec, parse_kill
+from bamboo.config import COMM_MODES, PRECISIONS, REDUNDANCY_MODES, ConfigError, JobConfig, KillSpec, parse_kill
 from bamboo.presets import PRESETS
 
 __all__ = ["load_job_config", "example_config", "field_paths", "SECTIONS"]
@@ -44,7 +44,8 @@ __all__ = ["load_job_config", "example_config", "field_paths", "SECTIONS"]
 SECTIONS: dict[str, tuple[str, ...]] = {
     "layout": ("nodes", "stages", "pipelines", "micro_batches", "micro_batch_size"),
     "training": ("steps", "seed", "lr", "warmup_steps", "weight_decay", "grad_clip"),
-    "runtime": ("threads", "comm_timeout_s", "device"),
+    "runtime": ("threads", "comm_timeout_s", "device", "comm", "precision", "exact",
+                "activation_checkpointing"),
     "faults": ("kills",),
     "checkpointing": ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "recovery",
                       "resume"),
@@ -56,6 +57,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model": tuple(PRESETS),
     "redundancy": REDUNDANCY_MODES,
     "device": ("auto", "cpu", "cuda"),
+    "comm": COMM_MODES,
+    "precision": PRECISIONS,
     "recovery": ("redundancy", "checkpoint-restart"),
 }
 

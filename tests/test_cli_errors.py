@@ -161,6 +161,9 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--resume": [(["--resume", "{missing}"], "does not exist"),
                  (["--resume", "{small}"], "is not a directory"),
                  (["--resume", "{dir}"], "no checkpoint in")],
+    "--comm": [(["--comm", "loose"], "--comm 'loose' is not one of tagged, strict")],
+    "--precision": [(["--precision", "fp16"], "'fp16' is not one of fp32, bf16"),
+                    (["--precision", "bf16", "--exact"], "--exact needs --precision fp32")],
     "--keep-checkpoints": [(["--keep-checkpoints", "0"], "must be an integer >= 1 (got 0)")],
     "--http": [(["--http", "nonsense"], "--http 'nonsense' is not ADDRESS:PORT"),
                (["--http", "127.0.0.1:99999"], "is not ADDRESS:PORT")],
@@ -174,7 +177,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
 }
 """Flag -> wrong values; every value-taking flag of `bamboo train` has at least one."""
 
-BOOL_FLAGS = ("--frc-offload", "--no-report", "--check-replicas", "--json", "--quiet", "--debug")
+BOOL_FLAGS = ("--frc-offload", "--exact", "--activation-checkpointing", "--no-report", "--check-replicas", "--json", "--quiet", "--debug")
 """Flags that take no value: giving one is the wrong value."""
 
 TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--micro-batches": "int",

@@ -200,7 +200,9 @@ class _Node:
                             redundancy=plan.redundancy, group=group, slot=self.spec.slot,
                             faults=self.faults,
                             progress=self._mark,
-                            check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload)
+                            check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload,
+                            comm=cfg.comm, precision=cfg.precision, exact=cfg.exact,
+                            activation_checkpointing=cfg.activation_checkpointing)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:

@@ -92,7 +92,9 @@ class NodeEngine:
                  group: Any, slot: int | None = None,
                  faults: FaultPlan | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 check_replicas: bool = False, frc_offload: bool = False) -> None:
+                 check_replicas: bool = False, frc_offload: bool = False,
+                 comm: str = "tagged", precision: str = "fp32", exact: bool = False,
+                 activation_checkpointing: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
         self.roles, self.task, self.hyper, self.seed, self.device = roles, task, hyper, seed, device
         self.link, self.faults, self.progress = link, faults or FaultPlan([]), progress
@@ -103,6 +105,8 @@ class NodeEngine:
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
         self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
         self.frc_offload = frc_offload
+        self.comm, self.precision, self.exact = comm, precision, exact
+        self.activation_checkpointing = activation_checkpointing
         self.P = layout.stages
         self.pipeline = roles.pipeline_of(rank)
         self.global_mbs = layout.micro_batches(self.pipeline)
