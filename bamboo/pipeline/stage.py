@@ -1,8 +1,18 @@
-"""One stage a node holds: its layers, optimizer and float64 gradient sum.
+"""One stage a node holds: its layers, optimizer and gradient sum.
 
 The same class serves a primary stage and a replica: a replica applies the same
 reduced gradient with the same optimizer step, so it stays bit-identical to the
 primary without shipping parameters or optimizer state.
+
+The gradient sum is float64 under `--exact` (every layout gives the same bits) and
+float32 otherwise; it is allocated on first use, so a replica, which is handed its
+stage's reduced gradient and never sums one, holds none until it is adopted.
+
+A replica's optimizer state may live in host memory (`offload_optimizer`, under
+`--frc-offload`): its AdamW step then brings one parameter's moments to the device at a
+time, runs the very step the primary runs (same kernels, same device: the same bits) and
+puts them back. `to_device_optimizer` moves the state to the device for good, when the
+replica is adopted as a primary.
 """
 from __future__ import annotations
 
@@ -11,30 +21,59 @@ import torch
 from torch import nn
 
 from bamboo.models import ModelPreset, build_layers
+from bamboo.pipeline.memory import state_dict_bytes, to_host
 from bamboo.pipeline.optim import make_optimizer
 
 __all__ = ["StageState"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW state tensors of a parameter (its `step` count is a host scalar)."""
 
 
 class StageState:
     """Stage `stage` (layers `layer_indices`) on this node."""
 
     def __init__(self, *, preset: ModelPreset, stage: int, layer_indices: range, seed: int,
-                 device: torch.device, lr: float, weight_decay: float) -> None:
+                 device: torch.device, lr: float, weight_decay: float,
+                 accumulate_dtype: torch.dtype = torch.float32) -> None:
         self.stage, self.layer_indices, self.device = stage, layer_indices, device
+        self.accumulate_dtype = accumulate_dtype
         self.module = nn.Sequential(*build_layers(preset, layer_indices, seed, device))
         self.module.train()
         self.optimizer = make_optimizer(self.module, lr=lr, weight_decay=weight_decay)
         self.params = list(self.module.parameters())
         self.numel = sum(p.numel() for p in self.params)
-        self.grad_sum = torch.zeros(self.numel, dtype=torch.float64, device=device)
-        self._views = self._split(self.grad_sum)
+        self._grad_sum: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self.optimizer_on_host = False
+        """The AdamW moments live in host memory (see `offload_optimizer`)."""
         self.layer_spans: list[tuple[int, int, int]] = []
         offset = 0
         for layer_index, layer in zip(layer_indices, self.module):
             size = sum(p.numel() for p in layer.parameters())
             self.layer_spans.append((layer_index, offset, offset + size))
             offset += size
+
+    @property
+    def grad_sum(self) -> torch.Tensor:
+        """The sum of this step's micro-batch gradients, flat in parameter order
+        (`accumulate_dtype`; allocated, zeroed, on first use)."""
+        self._sum_views()
+        assert self._grad_sum is not None
+        return self._grad_sum
+
+    @grad_sum.setter
+    def grad_sum(self, flat: torch.Tensor) -> None:
+        self._grad_sum = flat
+        self._views = self._split(flat)
+
+    def _sum_views(self) -> list[torch.Tensor]:
+        """Views of the gradient sum shaped like the parameters (allocating the sum, zeroed,
+        the first time)."""
+        if self._grad_sum is None:
+            self.grad_sum = torch.zeros(self.numel, dtype=self.accumulate_dtype,
+                                        device=self.device)
+        return self._views
 
     def _split(self, flat: torch.Tensor,
                params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
@@ -46,29 +85,103 @@ class StageState:
         return views
 
     def accumulate(self) -> None:
-        """Add this micro-batch's parameter gradients to the float64 sum."""
-        for view, p in zip(self._views, self.params):
+        """Add this micro-batch's parameter gradients to the gradient sum."""
+        for view, p in zip(self._sum_views(), self.params):
             if p.grad is not None:
                 view.add_(p.grad)
                 p.grad = None
 
     def layer_sq_norms(self, reduced: torch.Tensor) -> list[tuple[int, float]]:
-        """(layer index, sum of squares) of a reduced float64 gradient of this stage."""
-        return [(i, float(reduced[a:b].square().sum())) for i, a, b in self.layer_spans]
+        """(layer index, sum of squares) of a reduced gradient of this stage, summed in
+        float64 whatever the gradient's dtype."""
+        return [(i, float(reduced[a:b].to(torch.float64).square().sum()))
+                for i, a, b in self.layer_spans]
 
     def apply(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
         """One optimizer step with the reduced gradient `grad32` (float32) scaled by `coef`."""
         grad = grad32 * coef if coef != 1.0 else grad32
-        for view, p in zip(self._split(grad), self.params):
-            p.grad = view
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.optimizer_on_host:
+            self._step_streamed(grad)
+            return
+        for view, p in zip(self._split(grad), self.params):
+            p.grad = view
         self.optimizer.step()
         for p in self.params:
             p.grad = None
 
+    def _step_streamed(self, grad: torch.Tensor) -> None:
+        """The AdamW step with host-resident moments, one parameter at a time: its moments
+        go to the device, the optimizer steps that parameter alone (AdamW skips parameters
+        without a gradient, and foreach=False treats each one on its own, so the bits are
+        the all-at-once step's) and the moments go back to their host buffers."""
+        state = self.optimizer.state
+        for view, p in zip(self._split(grad), self.params):
+            host = {k: state[p][k] for k in MOMENTS} if p in state else None
+            if host is not None:
+                for k in MOMENTS:
+                    state[p][k] = host[k].to(self.device, non_blocking=True)
+            p.grad = view
+            try:
+                self.optimizer.step()
+            finally:
+                p.grad = None
+            for k in MOMENTS:
+                on_device = state[p][k]
+                if host is None:
+                    state[p][k] = on_device if on_device.device.type == "cpu" else to_host(on_device)
+                else:
+                    if host[k] is not on_device:
+                        host[k].copy_(on_device, non_blocking=True)
+                    state[p][k] = host[k]
+        self._sync()
+
+    def _sync(self) -> None:
+        """Wait for non-blocking copies to host memory (before anyone reads it there)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- where the optimizer state lives -----------------------------------------------------
+
+    def offload_optimizer(self) -> None:
+        """Keep the AdamW moments in host memory from now on (pinned where an accelerator
+        is present); the step streams them through the device (see `_step_streamed`)."""
+        if self.optimizer_on_host:
+            return
+        for per in self.optimizer.state.values():
+            for k in MOMENTS:
+                if k in per and per[k].device.type != "cpu":
+                    per[k] = to_host(per[k])
+        self._sync()
+        self.optimizer_on_host = True
+
+    def to_device_optimizer(self) -> None:
+        """Bring host-resident AdamW moments to the device for good (a replica adopted as
+        a primary); a no-op for a stage whose optimizer state is on the device."""
+        if not self.optimizer_on_host:
+            return
+        for per in self.optimizer.state.values():
+            for k in MOMENTS:
+                if k in per:
+                    per[k] = per[k].to(self.device)
+        self.optimizer_on_host = False
+
+    def memory(self) -> tuple[int, int]:
+        """(device bytes, host bytes) this stage holds between steps by tensor accounting:
+        parameters, the gradient sum (once allocated) and the AdamW moments (on the host
+        when offloaded, even where host and device are the same memory)."""
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = 0 if self._grad_sum is None else \
+            self._grad_sum.numel() * self._grad_sum.element_size()
+        moments = state_dict_bytes(self.optimizer.state, MOMENTS)
+        if self.optimizer_on_host:
+            return params + grads, moments
+        return params + grads + moments, 0
+
     def reset_grads(self) -> None:
-        self.grad_sum.zero_()
+        if self._grad_sum is not None:
+            self._grad_sum.zero_()
         for p in self.params:
             p.grad = None
 
@@ -98,16 +211,17 @@ class StageState:
         since the partition may change)."""
         params = self._layer_params(layer_index)
         state = self.optimizer.state
-        parts = [torch.cat([p.detach().reshape(-1) for p in params])]
-        for key in ("exp_avg", "exp_avg_sq"):
-            parts.append(torch.cat([state[p][key].reshape(-1) if p in state
-                                    else torch.zeros(p.numel(), device=self.device)
+        parts = [torch.cat([p.detach().reshape(-1) for p in params]).to("cpu", torch.float32)]
+        for key in MOMENTS:  # on the device, or on the host when offloaded
+            parts.append(torch.cat([state[p][key].reshape(-1).to("cpu", torch.float32)
+                                    if p in state else torch.zeros(p.numel())
                                     for p in params]))
         steps = float(state[params[0]]["step"]) if params[0] in state else 0.0
-        parts.append(torch.tensor([steps], dtype=torch.float32, device=self.device))
-        return torch.cat(parts).to("cpu", torch.float32)
+        parts.append(torch.tensor([steps], dtype=torch.float32))
+        return torch.cat(parts)
 
     def load_layer_state(self, layer_index: int, vector: torch.Tensor) -> None:
+        """Set one layer's parameters and optimizer state from a `layer_state` vector."""
         params = self._layer_params(layer_index)
         n = sum(p.numel() for p in params)
         if vector.numel() != 3 * n + 1:
@@ -123,8 +237,10 @@ class StageState:
             if steps == 0:
                 self.optimizer.state.pop(p, None)
             else:
+                place = to_host if self.optimizer_on_host else torch.clone
                 self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
-                                           "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+                                           "exp_avg": place(a), "exp_avg_sq": place(b)}
+        self._sync()
 
     def digest(self) -> str:
         """sha256 of the parameters' float32 bytes (replica checks)."""
