@@ -9,10 +9,11 @@ generation, who waits as a standby, who may be planned.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import RawArray
@@ -21,10 +22,28 @@ from typing import Any
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.cluster.protocol import Progress, Refused
 
-__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S"]
+__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "free_device_slot"]
 
 START_GRACE_S = 60.0
 """A starting worker's heartbeat lease (importing torch on two busy cores takes a while)."""
+
+
+def free_device_slot(taken: Iterable[int], devices: int | None = None) -> int:
+    """A device slot for a new local worker, given the slots live workers hold (`taken`).
+    A worker's GPU is its slot modulo the `devices` visible GPUs
+    (`worker.choose_device_index`); slots are never shared. The new slot lands on the
+    GPU with the fewest live workers (the lowest index on a tie), so while a GPU is free no
+    two live workers share one, and a replacement takes the GPU of a worker that ended.
+    `devices` unknown (None or 0: no GPU here): the lowest free slot."""
+    used = set(taken)
+    step = devices if devices and devices > 0 else 1
+    load = [0] * step
+    for t in used:
+        load[t % step] += 1
+    slot = min(range(step), key=lambda g: (load[g], g))
+    while slot in used:
+        slot += step
+    return slot
 
 
 def _oom_killed(pid: int, path: str = "/dev/kmsg") -> bool:
@@ -87,6 +106,9 @@ class Node:
     """The coordinator sent (or ordered) its SIGKILL."""
     machine: str | None = None
     """The agent's machine it runs on (None: a local worker, a machine of its own)."""
+    device_slot: int | None = None
+    """A local worker's slot on this machine (its GPU, `WorkerSpec.device_index`); an
+    agent's workers have the agent's slots."""
 
     @property
     def name(self) -> str:
@@ -141,6 +163,7 @@ class Supervisor:
         self.next_node = 0
         self.expired: list[str] = []
         """Node names whose etcd lease expired (filled by the membership watch)."""
+        self._local_gpus: int | None = None
 
 
     def __iter__(self) -> Iterator[Node]:
@@ -175,12 +198,37 @@ class Supervisor:
         self.nodes[node] = n
         return n
 
+    def local_device_slots(self) -> set[int]:
+        """Device slots held by this machine's local workers: every one whose process has
+        not ended, unless the coordinator already sent it SIGKILL (a checkpoint-restart's
+        fresh worker takes the GPU of the one it replaces). One with a notice keeps its
+        slot until it is gone: it still trains and drains meanwhile."""
+        return {n.device_slot for n in self.nodes.values()
+                if n.machine is None and n.device_slot is not None and not n.exited
+                and not (n.kill_sent and n.kill_at is None)}
+
+    def local_gpus(self) -> int | None:
+        """The GPUs local workers will see (CUDA_VISIBLE_DEVICES applied; None: they run on
+        the CPU). Asked once; torch counts through NVML where it can, and the fork server
+        is a fresh process, so the workers inherit no CUDA state from this one."""
+        if self._local_gpus is None:
+            device = getattr(self.ctx.cfg, "device", "cpu")
+            count = 0
+            if device != "cpu":
+                import torch
+                count = torch.cuda.device_count()
+            self._local_gpus = count
+        return self._local_gpus or None
+
     def spawn_local(self, *, first_gen: int, trace_node: int | None = None) -> Node:
-        """A worker process from the fork server."""
+        """A worker process from the fork server, on a free device slot (its GPU)."""
         from bamboo.cluster import forkserver
         from bamboo.cluster.worker import worker_main
 
+        device_slot = free_device_slot(self.local_device_slots(), self.local_gpus())
+
         def start(spec: Any, slot: int) -> tuple[Any, Connection]:
+            spec = dataclasses.replace(spec, device_index=device_slot)
             ctx = forkserver.context()
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells),
@@ -189,7 +237,9 @@ class Supervisor:
             writer.close()
             return process, reader
 
-        return self.admit(start, first_gen=first_gen, trace_node=trace_node)
+        n = self.admit(start, first_gen=first_gen, trace_node=trace_node)
+        n.device_slot = device_slot
+        return n
 
     def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
                     limit: int | None = None) -> list[Node]:
