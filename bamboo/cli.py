@@ -53,8 +53,9 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         "auto picks one at every generation from the preemption rate and costs measured)")
     opt("--frc-offload", action="store_true", default=False,
         help="keep eager FRC's saved tensors in CPU memory until a failover needs them")
-    opt("--comm", default=d.comm, help="tagged (default) | strict: NCCL's rules on every "
-        "backend (no tags, batched two-way exchanges, the group rebuilt after every loss)")
+    opt("--comm", default=d.comm, help="strict (default): NCCL's rules on every backend (no "
+        "tags, batched two-way exchanges, the group rebuilt after every loss) | tagged: gloo "
+        "only, tagged transfers on a group that outlives lost peers")
     opt("--precision", default=d.precision, help="fp32 (default) | bf16: autocast bf16 "
         "compute with fp32 weights, gradients and optimizer state")
     opt("--exact", action="store_true", default=False, help="float64 gradient sums in "

@@ -84,8 +84,8 @@ class JobConfig:
     chosen at every generation from the preemption rate and the costs measured in the run."""
     frc_offload: bool = False
     """Keep what eager FRC saves for a later backward in CPU memory (bounds GPU memory)."""
-    comm: str = "tagged"
-    """tagged | strict. strict keeps NCCL's rules on every backend: no tags (transfers between
+    comm: str = "strict"
+    """strict | tagged. strict (the default) keeps NCCL's rules on every backend: no tags (transfers between
     two nodes are matched by the order they are posted), exchanges in both directions as one
     batch, and every loss handled by dropping the process group and forming a new one among
     the survivors. tagged (gloo only) keeps transfers apart by tags on a group that outlives

@@ -104,6 +104,10 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
         assert e["brc"] >= cfg.micro_batches  # every backward of the lost stage, redone
         if cfg.redundancy == "lazy":
             assert e["frc_reused"] == 0
+    # strict (the default): every survivor dropped the group and formed the survivors' one
+    rebuilt = [n for e in _events(tmp_path / "run") if e["event"] == "step_done"
+               for n in e["nodes"] if n["rebuilds"]]
+    assert {n["node"] for n in rebuilt} >= {e["shadow"] for e in lost if e["shadow"]}
     checked = [e for e in _events(tmp_path / "run") if e["event"] == "replicas_checked"]
     assert len(checked) == cfg.steps and any(e["replicas"] > 0 for e in checked)
     assert events.path.exists()
@@ -112,6 +116,23 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
 def _events(out: Path) -> list[dict]:
     import json
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+TAGGED = ("kill stage 2", "two non-adjacent kills in one step",
+          "adjacent kills, restored from the peer pipeline")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", TAGGED)
+def test_tagged_comm_fails_over_equal_to_failure_free(name: str, tmp_path: Path) -> None:
+    """--comm tagged (gloo only): the group outlives the lost peer, nothing is rebuilt."""
+    flags, failovers, peer_restores = SCENARIOS[name]
+    cfg = config(dict(flags, comm="tagged"))
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equals_failure_free(summary, cfg)
+    assert (summary["failovers"], summary["peer_restores"]) == (failovers, peer_restores)
+    steps = [e for e in _events(tmp_path / "run") if e["event"] == "step_done"]
+    assert all(n["rebuilds"] == 0 for e in steps for n in e["nodes"])
 
 
 @pytest.mark.timeout(120)

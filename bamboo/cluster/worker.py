@@ -45,7 +45,7 @@ from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
 from bamboo.models import layer_param_counts, preset
-from bamboo.pipeline.comm import P2P, RESTORE, Interrupted, PeerLost, tag_for
+from bamboo.pipeline.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost
 from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.stage import StageState
@@ -73,8 +73,11 @@ class WorkerSpec:
     faults: tuple[Fault, ...] = ()
     check_replicas: bool = False
     device_index: int | None = None
-    """With CUDA: the GPU this worker uses (an agent's worker k uses GPU k); None: the
-    node id modulo the GPUs here (local workers)."""
+    """With CUDA: the worker's slot on its machine, which picks its GPU (see
+    `choose_device_index`): an agent's worker k has slot k; a local run gives each worker
+    a slot no live local worker holds, on the least used GPU (`Supervisor.spawn_local`,
+    `free_device_slot`). None: slot 0. Never the node id (node ids keep growing as
+    replacements join)."""
 
     @property
     def name(self) -> str:
@@ -90,13 +93,72 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def choose_device_index(slot: int | None, local_rank_env: str | None, device_count: int) -> int:
+    """The CUDA device index (into the visible devices) of the worker in `slot` on its
+    machine. `LOCAL_RANK` (a torchrun-style launch), when set, wins over the slot. The
+    index wraps around the `device_count` visible devices (torch's count already honours
+    CUDA_VISIBLE_DEVICES), so slots 0..count-1 get distinct GPUs and only more live
+    workers than GPUs share one."""
+    if device_count <= 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise RuntimeError(f"--device cuda, but no GPU is visible{where}")
+    if local_rank_env is not None and local_rank_env.strip():
+        try:
+            chosen = int(local_rank_env)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK={local_rank_env!r} is not a whole number") from None
+        if chosen < 0:
+            raise ValueError(f"LOCAL_RANK={local_rank_env!r} is negative")
+    else:
+        chosen = 0 if slot is None else slot
+        if chosen < 0:
+            raise ValueError(f"device slot {slot} is negative")
+    return chosen % device_count
+
+
+def configure_tf32(exact: bool) -> bool:
+    """TF32 for float32 matmuls and cuDNN convolutions, unless the job is `--exact`
+    (then both are turned off explicitly: cuDNN allows TF32 by default). Returns whether
+    TF32 is allowed."""
+    allow = not exact
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
+    return allow
+
+
+BACKENDS = ("nccl", "gloo")
+
+
+def choose_backend(use_cuda: bool, requested: str | None) -> str:
+    """The collective backend: `requested` (the `BAMBOO_BACKEND` environment variable:
+    nccl | gloo; unset or empty: nccl with CUDA, gloo on the CPU). gloo with CUDA lets
+    several workers share one GPU (NCCL refuses two ranks of one communicator on one
+    device); their transfers are staged through host memory (`bamboo.pipeline.comm`)."""
+    choice = (requested or "").strip().lower()
+    if not choice:
+        return "nccl" if use_cuda else "gloo"
+    if choice not in BACKENDS:
+        raise ValueError(f"BAMBOO_BACKEND={requested!r} is not one of {', '.join(BACKENDS)}")
+    if choice == "nccl" and not use_cuda:
+        raise RuntimeError("BAMBOO_BACKEND=nccl needs CUDA, but this worker runs on the CPU "
+                           "(use --device cuda, or BAMBOO_BACKEND=gloo or unset)")
+    return choice
+
+
 def _device(cfg: JobConfig, node: int, index: int | None = None) -> tuple[torch.device, str]:
+    """The worker's device and backend (`choose_backend`, from `BAMBOO_BACKEND`). `index`
+    is its slot on its machine (`WorkerSpec.device_index`); `node` is not used to pick a
+    GPU."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    backend = choose_backend(use_cuda, os.environ.get("BAMBOO_BACKEND"))
     if use_cuda:
-        index = (node if index is None else index) % torch.cuda.device_count()
+        index = choose_device_index(index, os.environ.get("LOCAL_RANK"),
+                                    torch.cuda.device_count())
         torch.cuda.set_device(index)
-        return torch.device("cuda", index), "nccl"
-    return torch.device("cpu"), "gloo"
+        configure_tf32(cfg.exact)
+        return torch.device("cuda", index), backend
+    return torch.device("cpu"), backend
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, size: int,
@@ -197,7 +259,8 @@ class _Node:
         engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
                             rank=rank, roles=plan.roles(plan.redundancy != "off"), task=self.task,
                             hyper=self.hyper, seed=cfg.seed, device=self.device, link=self.link,
-                            redundancy=plan.redundancy, group=group, slot=self.spec.slot,
+                            redundancy=plan.redundancy, group=group,
+                            former=self._former(plan, rank), slot=self.spec.slot,
                             faults=self.faults,
                             progress=self._mark,
                             check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload,
@@ -269,6 +332,17 @@ class _Node:
                                   f"{str(result[0]).splitlines()[0][:200]}")
         return result[0]
 
+    def _former(self, plan: GenerationPlan, rank: int) -> GroupFormer:
+        """Forms a process group of generation `plan.gen` among some of its ranks (strict
+        communication: the survivors' group after a loss, the gradient lane, a
+        data-parallel group), on a store connection of its own as in `_join_group`."""
+        def form(name: str, ranks: list[int]) -> dist.ProcessGroup:
+            own = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False,
+                                timeout=self.timeout)
+            return _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}/{name}", own),
+                                  ranks.index(rank), len(ranks), self.timeout, self.bind)
+        return form
+
     def _failed(self, plan: GenerationPlan, error: Exception) -> str:
         """The generation could not start here: report the state of the last boundary."""
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings),
@@ -300,22 +374,23 @@ class _Node:
     def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
                   needed: set[int]) -> dict[int, torch.Tensor]:
         """Post this node's sends and receives of the plan; wait for all of them."""
-        works, received = [], {}
-        p2p = P2P(group)
+        sends, recvs, received = [], [], {}
+        p2p = P2P(group, strict=self.cfg.comm == "strict", device=self.device)
         engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
         abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731
         try:
+            # One batch in the plan's order, which every node shares (strict: no tags).
             for layer, src, dst in plan.transfers:
-                tag = tag_for(RESTORE, layer, dst)
+                key = (RESTORE, layer, dst)
                 if src == rank:
-                    tensor = self.holdings[layer].to(self.device)
-                    works.append((group.send([tensor], dst, tag), dst, tensor))
+                    sends.append((self.holdings[layer].to(self.device), dst, key))
                 elif dst == rank:
                     buf = torch.empty(3 * self.param_counts[layer] + 1, dtype=torch.float32,
                                       device=self.device)
-                    works.append((group.recv([buf], src, tag), src, buf))
+                    recvs.append((buf, src, key))
                     received[layer] = buf
-            for work, peer, _ in works:
+            works = p2p.exchange(sends, recvs) + [(w, dst) for w, _, dst in p2p.pending]
+            for work, peer in works:
                 # A peer that waits on a lost node never sends: the abandoned generation's
                 # new epoch, not the communication timeout, ends the wait.
                 p2p.wait_interruptible(work, peer, abandoned)

@@ -1,13 +1,21 @@
 """The commit round: reduce gradients across pipelines, feed the replicas, agree on the norm.
 
-It runs on point-to-point transfers of the process group that outlives lost peers,
-so a lost node never leaves a half-built collective behind. Every message carries a
-status word, and every node posts all its receives first and sends everything it
-owes even when something failed (with status 0), so every message between two live
-nodes is matched within the round: a failed round leaves nothing in flight, and the
-coordinator can simply ask every survivor to run it again.
+The round runs in phases, the same on every node, each posted as one batch (`P2P.exchange`)
+and finished before the next begins: so between any two nodes the messages of a direction
+come in one fixed order (what NCCL's in-order matching needs, and what `--comm strict`
+holds gloo to), and two nodes sending to each other in one phase do so in one group call.
 
-Sums are taken in pipeline order and per layer, so any layout gives the same bits.
+1. data-parallel sums of every stage held by more than one pipeline:
+   - `exact`: members send their float64 sums to the stage's holder in pipeline 0 (UP),
+     which adds them in pipeline order and sends the total back (DOWN): any layout gives
+     the same bits;
+   - otherwise: one all-reduce on the stage's data-parallel group, in the sums' dtype;
+2. REPLICA: each stage's reduced gradient (float32) to the node keeping its replica;
+3. NORM: per-layer squared norms to the root (UP), the global norm back to all (DOWN).
+
+Every message carries a status word and every node sends all it owes even when
+something failed (with status 0), so a failed round leaves no message between two live
+nodes unmatched, and the coordinator can simply ask every survivor to run it again.
 """
 from __future__ import annotations
 
@@ -17,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bamboo.pipeline.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, PeerLost,
-                                  tag_for)
+from bamboo.pipeline.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, Interrupted,
+                                  Key, PeerLost)
 from bamboo.pipeline.stage import StageState
 from bamboo.redundancy.roles import RoleMap
 
@@ -29,7 +37,7 @@ __all__ = ["RoundResult", "commit_round"]
 class RoundResult:
     ok: bool = True
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Stage -> its gradient summed over all pipelines (float64)."""
+    """Stage -> its gradient summed over all pipelines (the accumulation dtype)."""
     replica_grad: torch.Tensor | None = None
     """The replica stage's reduced gradient (float32), from its primary."""
     norm: float = 0.0
@@ -37,109 +45,122 @@ class RoundResult:
 
 
 def _with_status(payload: torch.Tensor, ok: bool) -> torch.Tensor:
-    status = torch.ones(1, dtype=payload.dtype, device=payload.device) * (1.0 if ok else 0.0)
+    status = torch.full((1,), 1.0 if ok else 0.0, dtype=payload.dtype, device=payload.device)
     return torch.cat([payload.reshape(-1), status])
+
+
+_Message = tuple[torch.Tensor, int, Key]
 
 
 class _Round:
     def __init__(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState],
-                 replica: StageState | None, p2p: P2P, num_layers: int,
-                 after_reduce: Callable[[], None]) -> None:
+                 replica: StageState | None, p2p: P2P, num_layers: int, exact: bool,
+                 interrupt: Callable[[], bool], after_reduce: Callable[[], None]) -> None:
         self.roles, self.rank, self.stages, self.replica = roles, rank, stages, replica
-        self.after_reduce = after_reduce
+        self.after_reduce, self.exact, self.interrupt = after_reduce, exact, interrupt
         self.p2p, self.num_layers = p2p, num_layers
         self.pipeline = roles.pipeline_of(rank)
         self.result = RoundResult()
         self.device = next(iter(stages.values())).device
 
-    def _wait(self, work, peer: int) -> bool:
-        try:
-            self.p2p.wait(work, peer)
-            return True
-        except PeerLost:
-            self.result.ok = False
-            return False
-
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        try:
-            self.p2p.send(tensor, peer, tag)
-        except PeerLost:
-            self.result.ok = False
-
     def run(self) -> RoundResult:
-        self._post_receives()
-        for stage, st in sorted(self.stages.items()):
-            members = self.roles.stage_members(stage)
-            if len(members) > 1 and members[0] != self.rank:
-                self._send(_with_status(st.grad_sum, True), members[0], tag_for(DP_UP, stage))
-        self._reduce_stages()
+        if self.exact:
+            self._reduce_in_pipeline_order()
+        else:
+            self._reduce_with_collectives()
         self.after_reduce()
         self._feed_replicas()
         self._agree_on_norm()
-        self._receive_replica()
         return self.result
 
-    def _post_receives(self) -> None:
-        f64 = dict(dtype=torch.float64, device=self.device)
-        self.dp_in: dict[int, list[tuple[int, torch.Tensor, object]]] = {}
-        self.dp_down: dict[int, tuple[int, torch.Tensor, object]] = {}
-        for stage, st in sorted(self.stages.items()):
-            members = self.roles.stage_members(stage)
-            if len(members) == 1:
-                continue
-            if members[0] == self.rank:
-                self.dp_in[stage] = []
-                for m in members[1:]:
-                    buf = torch.empty(st.numel + 1, **f64)
-                    self.dp_in[stage].append((m, buf, self.p2p.post_recv(buf, m, tag_for(DP_UP, stage))))
-            else:
-                buf = torch.empty(st.numel + 1, **f64)
-                self.dp_down[stage] = (members[0], buf,
-                                       self.p2p.post_recv(buf, members[0], tag_for(DP_DOWN, stage)))
-        self.replica_in = None
-        if self.replica is not None:
-            primary = self.roles.holders[self.pipeline][self.replica.stage]
-            buf = torch.empty(self.replica.numel + 1, dtype=torch.float32, device=self.device)
-            self.replica_in = (primary, buf,
-                               self.p2p.post_recv(buf, primary, tag_for(REPLICA, self.replica.stage)))
-        self.norm_root = min(self.roles.active_ranks())
-        self.contributors = sorted({self.roles.holders[0][s] for s in range(self.roles.stages)})
-        self.norm_in, self.norm_down = [], None
-        if self.rank == self.norm_root:
-            for c in self.contributors:
-                if c != self.rank:
-                    buf = torch.empty(self.num_layers + 1, **f64)
-                    self.norm_in.append((c, buf, self.p2p.post_recv(buf, c, tag_for(NORM_UP, 0))))
-        else:
-            buf = torch.empty(2, **f64)
-            self.norm_down = (self.norm_root, buf,
-                              self.p2p.post_recv(buf, self.norm_root, tag_for(NORM_DOWN, 0)))
+    # -- transport: one batch per phase ----------------------------------------------------
 
-    def _reduce_stages(self) -> None:
+    def _phase(self, sends: list[_Message], recvs: list[_Message]) -> list[bool]:
+        """Post a phase's messages as one batch; whether each receive arrived with status 1.
+
+        With tags (gloo, --comm tagged) a receive is waited to its end even when the roles
+        changed: a receive left posted would take the matching message of the next round.
+        Under strict rules the group is dropped on any loss, so waits give way to new roles.
+        """
+        try:
+            works = self.p2p.exchange(sends, recvs)
+        except PeerLost:
+            self.result.ok = False
+            return [False] * len(recvs)
+        arrived = []
+        for (work, peer), (buf, _, _) in zip(works, recvs):
+            try:
+                if self.p2p.strict:
+                    self.p2p.wait_interruptible(work, peer, self.interrupt)
+                else:
+                    self.p2p.wait(work, peer)
+                arrived.append(bool(buf[-1] == 1.0))
+            except (PeerLost, Interrupted):
+                arrived.append(False)
+        self.result.ok &= all(arrived)
+        return arrived
+
+    # -- 1. data-parallel sums ---------------------------------------------------------------
+
+    def _shared_stages(self) -> list[tuple[int, StageState, list[int]]]:
+        out = []
         for stage, st in sorted(self.stages.items()):
             members = self.roles.stage_members(stage)
             if len(members) == 1:
                 self.result.reduced[stage] = st.grad_sum
-            elif stage in self.dp_in:
+            else:
+                out.append((stage, st, members))
+        return out
+
+    def _reduce_in_pipeline_order(self) -> None:
+        shared = self._shared_stages()
+        sends, recvs = [], []
+        for stage, st, members in shared:
+            if members[0] != self.rank:
+                sends.append((_with_status(st.grad_sum, True), members[0], (DP_UP, stage, 0)))
+            else:
+                recvs += [(st.grad_sum.new_empty(st.numel + 1), m, (DP_UP, stage, 0))
+                          for m in members[1:]]
+        arrived = iter(zip(self._phase(sends, recvs), recvs))
+        sends, recvs = [], []
+        for stage, st, members in shared:
+            if members[0] == self.rank:
                 total, ok = st.grad_sum.clone(), True
-                for peer, buf, work in self.dp_in[stage]:
-                    ok = self._wait(work, peer) and bool(buf[-1] == 1.0) and ok
+                for _ in members[1:]:
+                    got, (buf, _, _) = next(arrived)
+                    ok &= got
                     if ok:
                         total += buf[:-1]
-                self.result.ok &= ok
                 if ok:
                     self.result.reduced[stage] = total
                 message = _with_status(total, ok)
-                for peer in members[1:]:
-                    self._send(message, peer, tag_for(DP_DOWN, stage))
+                sends += [(message, m, (DP_DOWN, stage, 0)) for m in members[1:]]
             else:
-                peer, buf, work = self.dp_down[stage]
-                if self._wait(work, peer) and buf[-1] == 1.0:
-                    self.result.reduced[stage] = buf[:-1]
-                else:
-                    self.result.ok = False
+                recvs.append((st.grad_sum.new_empty(st.numel + 1), members[0], (DP_DOWN, stage, 0)))
+        recv_stages = [stage for stage, _, members in shared if members[0] != self.rank]
+        for stage, got, (buf, _, _) in zip(recv_stages, self._phase(sends, recvs), recvs):
+            if got:
+                self.result.reduced[stage] = buf[:-1]
+
+    def _reduce_with_collectives(self) -> None:
+        """One all-reduce per shared stage, in stage order (a global order: no two nodes wait
+        on each other's groups), on the group of its members under these roles."""
+        for stage, st, members in self._shared_stages():
+            buf = _with_status(st.grad_sum, True)
+            try:
+                self.p2p.all_reduce(buf, members, f"e{self.roles.epoch}.dp{stage}", self.interrupt)
+            except (PeerLost, Interrupted):
+                self.result.ok = False
+                continue
+            if bool(buf[-1] == len(members)):
+                self.result.reduced[stage] = buf[:-1]
+            else:
+                self.result.ok = False
+
+    # -- 2. replicas -------------------------------------------------------------------------
 
     def _feed_replicas(self) -> None:
+        sends, recvs = [], []
         for stage, st in sorted(self.stages.items()):
             holder = self.roles.replicas[self.pipeline][stage]
             if holder is None or holder == self.rank:
@@ -149,7 +170,18 @@ class _Round:
                 torch.zeros(st.numel, dtype=torch.float32, device=self.device)
             message = _with_status(payload, reduced is not None)
             self.result.bytes_replica += message.numel() * message.element_size()
-            self._send(message, holder, tag_for(REPLICA, stage))
+            sends.append((message, holder, (REPLICA, stage, 0)))
+        if self.replica is not None:
+            primary = self.roles.holders[self.pipeline][self.replica.stage]
+            buf = torch.empty(self.replica.numel + 1, dtype=torch.float32, device=self.device)
+            recvs.append((buf, primary, (REPLICA, self.replica.stage, 0)))
+        arrived = self._phase(sends, recvs)
+        if recvs and arrived[0]:
+            self.result.replica_grad = recvs[0][0][:-1]
+        elif recvs:
+            self.result.ok = False
+
+    # -- 3. the global norm ------------------------------------------------------------------
 
     def _local_norms(self) -> torch.Tensor:
         vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=self.device)
@@ -162,48 +194,38 @@ class _Round:
         return vec
 
     def _agree_on_norm(self) -> None:
-        contributes = self.rank in self.contributors
-        vec = self._local_norms() if contributes else None
-        if self.rank != self.norm_root:
-            if contributes:
-                self._send(vec, self.norm_root, tag_for(NORM_UP, 0))
-            peer, buf, work = self.norm_down
-            if self._wait(work, peer) and buf[1] == 1.0:
+        root = min(self.roles.active_ranks())
+        contributors = sorted({self.roles.holders[0][s] for s in range(self.roles.stages)})
+        f64 = dict(dtype=torch.float64, device=self.device)
+        vec = self._local_norms() if self.rank in contributors else None
+        if self.rank != root:
+            sends = [(vec, root, (NORM_UP, 0, 0))] if vec is not None else []
+            self._phase(sends, [])
+            buf = torch.empty(2, **f64)
+            if self._phase([], [(buf, root, (NORM_DOWN, 0, 0))])[0]:
                 self.result.norm = float(buf[0])
-            else:
-                self.result.ok = False
             return
-        total = vec.clone() if vec is not None else \
-            torch.zeros(self.num_layers + 1, dtype=torch.float64, device=self.device)
-        ok = vec is None or bool(vec[-1] == 1.0)
-        for peer, buf, work in self.norm_in:
-            ok = self._wait(work, peer) and bool(buf[-1] == 1.0) and ok
+        recvs = [(torch.empty(self.num_layers + 1, **f64), c, (NORM_UP, 0, 0))
+                 for c in contributors if c != self.rank]
+        self._phase([], recvs)
+        total = vec.clone() if vec is not None else torch.zeros(self.num_layers + 1, **f64)
+        for buf, _, _ in recvs:
             total[:-1] += buf[:-1]
-        ok &= self.result.ok
-        norm = math.sqrt(float(total[:-1].sum()))
-        self.result.norm = norm
-        self.result.ok &= ok
-        message = torch.tensor([norm, 1.0 if ok else 0.0], dtype=torch.float64, device=self.device)
-        for peer in self.roles.active_ranks():
-            if peer != self.rank:
-                self._send(message, peer, tag_for(NORM_DOWN, 0))
-
-    def _receive_replica(self) -> None:
-        if self.replica_in is None:
-            return
-        peer, buf, work = self.replica_in
-        if self._wait(work, peer) and buf[-1] == 1.0:
-            self.result.replica_grad = buf[:-1]
-        else:
-            self.result.ok = False
+        self.result.norm = math.sqrt(float(total[:-1].sum()))
+        ok = self.result.ok and (vec is None or bool(vec[-1] == 1.0))
+        message = torch.tensor([self.result.norm, 1.0 if ok else 0.0], **f64)
+        self._phase([(message, peer, (NORM_DOWN, 0, 0)) for peer in self.roles.active_ranks()
+                     if peer != self.rank], [])
 
 
 def commit_round(*, roles: RoleMap, rank: int, stages: dict[int, StageState],
-                 replica: StageState | None, p2p: P2P, num_layers: int,
+                 replica: StageState | None, p2p: P2P, num_layers: int, exact: bool = True,
+                 interrupt: Callable[[], bool] = lambda: False,
                  after_reduce: Callable[[], None] = lambda: None) -> RoundResult:
     """Run the round; `ok` is False if any part failed anywhere this node could see.
 
     `after_reduce` runs between the data-parallel sums and the rest (a fault hook).
     """
     return _Round(roles=roles, rank=rank, stages=stages, replica=replica, p2p=p2p,
-                  num_layers=num_layers, after_reduce=after_reduce).run()
+                  num_layers=num_layers, exact=exact, interrupt=interrupt,
+                  after_reduce=after_reduce).run()

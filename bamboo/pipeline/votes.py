@@ -82,13 +82,27 @@ class StepReport:
     frc_reused: int = 0
     brc: int = 0
     resent_grads: int = 0
+    rebuilds: int = 0
+    """strict: process groups formed among the survivors during this step."""
+    rebuild_s: float = 0.0
+    """strict: seconds those formations took, with settling the step's transfers."""
     attempts: int = 1
     saved_bytes: int = 0
-    """Bytes autograd saved for backward in this step's forwards (activation memory)."""
+    """Bytes autograd saved for backward in this step's forwards (activation memory; each
+    storage once per forward; parameters and a stage's received input not included)."""
     frc_saved_bytes: int = 0
-    """The same, for the eager FRC forwards of the replica stage (kept the whole step)."""
+    """The same, for the eager FRC forwards of the replica stage (kept the whole step; on
+    the host under --frc-offload)."""
     state_bytes: int = 0
     """Parameters and optimizer state held: every stage and the replica."""
+    device_bytes: int = 0
+    """Peak device-resident bytes of the step, by tensor accounting: every held stage's
+    parameters, gradient sum and optimizer state (the replica's unless offloaded), one
+    transient .grad, and the running peak of saved activations, kept stage outputs and
+    eager FRC's saved tensors (unless offloaded). Not process memory."""
+    host_bytes: int = 0
+    """Peak host bytes offload put there: FRC saved tensors and the replica's optimizer
+    state under --frc-offload (counted as host memory even on a CPU-only machine)."""
     digests: dict[str, str] = field(default_factory=dict)
 
 

@@ -5,7 +5,10 @@ line of progress. After the last step each stage's first live holder writes its 
 parameters to the job's checkpoint storage (`final-<steps>/`, one DCP folder per layer) and
 reports them (`LayerParams`); once every layer is reported, they are read back from storage
 (never sent here), assembled into `model.pt` (written atomically) and summarised
-(`param_l2`, `param_sha256`) in `summary.json`, the contract's record of the run.
+(`param_l2`, `param_sha256`) in `summary.json`, the contract's record of the run. Each
+node's peak device and host bytes over the steps it reported (the engine's tensor
+accounting, `StepReport.device_bytes`/`host_bytes`) become `memory_per_node_bytes` and
+`host_memory_per_node_bytes`, in node order.
 """
 from __future__ import annotations
 
@@ -25,8 +28,15 @@ from bamboo.cluster.protocol import LayerParams, StepReport
 
 __all__ = ["Results"]
 
-_TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s")
-_COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes")
+_TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "rebuild_s")
+_COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
+             "device_bytes", "host_bytes", "rebuilds")
+
+
+def _node_order(name: str) -> tuple[int, str]:
+    """Sort key of a node name: `n<number>` by its number, anything else after, by name."""
+    digits = name[1:] if name.startswith("n") else ""
+    return (int(digits), name) if digits.isdigit() else (1 << 62, name)
 
 
 class Results:
@@ -38,6 +48,8 @@ class Results:
         """Layers whose final parameters a node reported written."""
         self.params: dict[int, list] | None = None
         """Layer -> [(name, tensor)], read back from storage once every layer is in."""
+        self.memory: dict[str, list[int]] = {}
+        """Node name -> [peak device bytes, peak host bytes] over the steps it reported."""
 
     def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
@@ -46,12 +58,28 @@ class Results:
                   "attempts": max((r.attempts for r in reports), default=1),
                   "nodes": [self._node_timers(r, node_name(r)) for r in reports]}
         self.records.append(record)
+        for r in reports:
+            self._note_memory(str(node_name(r)), r)
         self.ctx.events.write("step_done", **record)
         cfg = self.ctx.cfg
         samples = cfg.global_micro_batches * cfg.micro_batch_size
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
                           [1000 * r.step_s for r in reports])
         return record
+
+    def _note_memory(self, name: str, r: StepReport) -> None:
+        """Keep node `name`'s running peaks of device and host bytes."""
+        peak = self.memory.setdefault(name, [0, 0])
+        peak[0] = max(peak[0], r.device_bytes)
+        peak[1] = max(peak[1], r.host_bytes)
+
+    def memory_fields(self) -> dict[str, list]:
+        """The summary's memory lists: one entry per node that reported a step, in node
+        order (n0, n1, ..., n10: by number), with the names in `memory_nodes`."""
+        names = sorted(self.memory, key=_node_order)
+        return {"memory_per_node_bytes": [self.memory[n][0] for n in names],
+                "host_memory_per_node_bytes": [self.memory[n][1] for n in names],
+                "memory_nodes": names}
 
     @staticmethod
     def _node_timers(r: StepReport, name: str) -> dict:
@@ -133,5 +161,6 @@ class Results:
             "resumed_from_step": ctx.resume_step,
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
+            **self.memory_fields(),
             "config": ctx.cfg.summary_fields(),
         }
