@@ -6,6 +6,7 @@ ConfigError with one line that names the field and says what to change.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -187,6 +188,10 @@ class JobConfig:
                               f"{', '.join(REDUNDANCY_MODES)}")
         if self.comm not in COMM_MODES:
             raise ConfigError(f"--comm '{self.comm}' is not one of {', '.join(COMM_MODES)}")
+        if self.comm == "tagged" and self.device == "cuda" and \
+                os.environ.get("BAMBOO_BACKEND", "") != "gloo":
+            raise ConfigError("--comm tagged needs gloo, and --device cuda uses NCCL, which has "
+                              "no tags: use --comm strict (the default)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--precision '{self.precision}' is not one of "
                               f"{', '.join(PRECISIONS)}")

@@ -8,7 +8,9 @@ For each repetition and each mode, in alternation (so both see the same machine 
 - pause: wall time of step K (from events.jsonl `step_done`) minus the median of steps
   1 .. K-1 of the same run;
 - the engine's `pause_s` (summary.json), the coordinator's own estimate;
-- the median failure-free step (steps 1 .. K-1), to show what strict costs when nothing fails.
+- the median failure-free step (steps 1 .. K-1), to show what strict costs when nothing fails;
+- strict: the seconds the slowest node spent forming the survivors' groups and settling the
+  step's transfers (`rebuild_s` of step K's `step_done`).
 
     .venv/bin/python benchmarks/comm_pause.py --reps 3 --steps 10 --kill-step 6
 """
@@ -37,8 +39,10 @@ def run(args: argparse.Namespace, comm: str, out: Path) -> dict:
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
     walls = {e["step"]: e["wall_s"] for e in events if e["event"] == "step_done"}
     clean = statistics.median(walls[k] for k in range(1, args.kill_step))
+    rebuild = max(n.get("rebuild_s", 0.0) for e in events if e["event"] == "step_done"
+                  and e["step"] == args.kill_step for n in e["nodes"])
     return {"pause": walls[args.kill_step] - clean, "pause_s": sum(summary["pause_s"]),
-            "clean": clean, "failovers": summary["failovers"]}
+            "clean": clean, "rebuild": rebuild, "failovers": summary["failovers"]}
 
 
 def main() -> None:
@@ -58,15 +62,19 @@ def main() -> None:
                 assert r["failovers"] == 1, r
                 results[comm].append(r)
                 print(f"rep {rep} {comm:6s}: step {args.kill_step} pause {r['pause']:+.3f} s, "
-                      f"engine pause_s {r['pause_s']:.3f} s, clean step {r['clean']:.3f} s",
+                      f"engine pause_s {r['pause_s']:.3f} s, clean step {r['clean']:.3f} s, "
+                      f"rebuild {r['rebuild']:.3f} s",
                       flush=True)
     print(f"\n{args.model}, 1 pipeline x 4 stages, {args.micro_batches} micro-batches, "
           f"SIGKILL of stage {args.stage} in step {args.kill_step}; medians of {args.reps}")
-    print("| comm | pause (step K - median clean step) | engine pause_s | clean step |")
-    print("| --- | --- | --- | --- |")
+    print("| comm | pause (step K - median clean step) | engine pause_s | clean step | "
+          "groups formed and transfers settled (slowest node) |")
+    print("| --- | --- | --- | --- | --- |")
     for comm, rs in results.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("pause", "pause_s", "clean")}
-        print(f"| {comm} | {med['pause']:+.3f} s | {med['pause_s']:.3f} s | {med['clean']:.3f} s |")
+        med = {k: statistics.median(r[k] for r in rs)
+               for k in ("pause", "pause_s", "clean", "rebuild")}
+        print(f"| {comm} | {med['pause']:+.3f} s | {med['pause_s']:.3f} s | {med['clean']:.3f} s "
+              f"| {med['rebuild']:.3f} s |")
 
 
 if __name__ == "__main__":

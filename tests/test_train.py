@@ -50,6 +50,24 @@ def test_every_layout_equals_the_single_process_loop(bamboo, reference, layout: 
         torch.testing.assert_close(params[name], tensor, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(240)
+def test_exact_layouts_are_bit_identical(bamboo) -> None:
+    """--exact: float64 sums in pipeline order, so one node, one pipeline of four stages and
+    two pipelines give the same parameter bits and the same losses; the default (fp32 sums,
+    one all-reduce) stays within 1e-6 of them."""
+    runs = {name: bamboo(["--steps", "3", "--json", "--quiet", "--exact", *LAYOUTS[name]], name)
+            for name in ("1 node", "4 stages", "2 pipelines x 2 stages")}
+    assert all(r.code == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    summaries = [r.summary for r in runs.values()]
+    assert len({s["param_sha256"] for s in summaries}) == 1
+    assert all(s["losses"] == summaries[0]["losses"] for s in summaries)
+    assert all(s["config"]["exact"] for s in summaries)
+    fp32 = bamboo(["--steps", "3", "--json", "--quiet", *LAYOUTS["2 pipelines x 2 stages"]], "fp32")
+    assert fp32.code == 0, fp32.stderr
+    assert_close(fp32.summary["losses"], summaries[0]["losses"], rel=1e-6)
+    assert_close(fp32.summary["param_l2"], summaries[0]["param_l2"], rel=1e-6)
+
+
 @pytest.mark.timeout(180)
 def test_summary_and_events_follow_the_contract(bamboo) -> None:
     result = bamboo(["--nodes", "5", "--stages", "4", "--steps", "3", "--json", "--quiet"])

@@ -52,10 +52,24 @@ GroupFormer = Callable[[str, Sequence[int]], dist.ProcessGroup]
 """Forms the process group `name` among the given node ranks (this node among them);
 blocks until every member has joined or the timeout passes."""
 
-_GRAVEYARD: list[Any] = []
-"""Abandoned groups and transfers. A gloo transfer cannot be cancelled, and a group whose
-transfer is still blocked would block whoever drops it (its destructor joins its threads)
-until the timeout: abandoned ones are kept referenced here instead."""
+_GRAVEYARD: list[tuple[float, Any]] = []
+"""(monotonic time it may be dropped, abandoned groups and transfers). A gloo transfer
+cannot be cancelled, and a group whose transfer is still blocked would block whoever drops
+it (its destructor joins its threads) until the timeout: abandoned ones are kept here until
+their timeout has surely passed, then released (their sockets with them)."""
+
+
+def _bury(entry: Any, timeout_s: float) -> None:
+    now = time.monotonic()
+    _GRAVEYARD[:] = [e for e in _GRAVEYARD if e[0] > now]
+    _GRAVEYARD.append((now + 2 * timeout_s + 5, entry))
+
+
+def _timeout_s(group: Any) -> float:
+    try:
+        return group.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return 1800.0
 
 
 class PeerLost(RuntimeError):
@@ -137,7 +151,7 @@ def form_interruptibly(former: GroupFormer, name: str, ranks: Sequence[int],
     while thread.is_alive():
         thread.join(0.02)
         if thread.is_alive() and interrupt():
-            _GRAVEYARD.append(thread)
+            _bury(result, 1800.0)  # the formation ends by itself, with its store's timeout
             raise Interrupted()
     if isinstance(result[0], Exception):
         raise PeerLost(f"forming process group {name} failed: "
@@ -364,8 +378,8 @@ class P2P:
                     group.abort()
                 except (RuntimeError, AttributeError):
                     pass
-        _GRAVEYARD.append((self.group, self.gradient_group, self._subgroups, self.pending, self.posted,
-                           self._waiting))
+        _bury((self.group, self.gradient_group, self._subgroups, self.pending, self.posted,
+               self._waiting), _timeout_s(self.group))
         self.pending, self.posted, self._waiting, self._subgroups = [], {}, {}, {}
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -367,11 +367,24 @@ class NodeEngine:
             x = self._data(s, i.mb)
         else:
             x = s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
-        out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)
+        with self._frc_stream():
+            out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)
         s.frc[i.mb] = (x, out, loss)
         if loss is None:  # the FRC output stays on the device until a failover or the end
             self._step_memory(s).hold(("frc", i.stage, i.mb), storage_bytes(out))
         s.report.frc_s += time.perf_counter() - start
+
+    def _frc_stream(self) -> Any:
+        """On CUDA, eager FRC runs on a stream of its own, after the work that produced its
+        input, so it overlaps the pipeline's waits instead of queueing behind them (not yet
+        run: no GPU here). Its results are used only by a failover, which waits for it."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = self.__dict__.get("_side_stream")
+        if stream is None:
+            stream = self._side_stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
     def _backward(self, s: _Step, i: S.Backward) -> None:
         start = time.perf_counter()
@@ -503,6 +516,8 @@ class NodeEngine:
             assert self.replica is not None and self.replica.stage == t.stage
             st, self.replica = self.replica, None
             st.to_device_optimizer()  # --frc-offload kept its AdamW moments in host memory
+            if "_side_stream" in self.__dict__:  # the FRC results it adopts are complete
+                torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             self._install(s, t, st)
         else:
             s.restores.append(("recv", t))
