@@ -172,7 +172,7 @@ class _Session:
                 now = time.monotonic()
                 if now - self.heard > self.lease_s and not wait([self.channel], timeout=0):
                     say(f"the coordinator has been silent for {now - self.heard:.1f} s")
-                    return "done" if self.all_done else "lost"
+                    return "done" if self._run_over() else "lost"
                 if now - last_beat >= _BEAT_S and self.workers:
                     last_beat = now
                     self.send(Beat(slots=[[k, max(0.0, now - self.beats[k]),
@@ -181,10 +181,16 @@ class _Session:
         except (OSError, EOFError, WireError) as e:
             if isinstance(e, WireError):
                 say(f"unreadable message from the coordinator ({e})")
-            return "done" if self.all_done else "lost"
+            return "done" if self._run_over() else "lost"
         finally:
             for w in self.workers.values():
                 w.stop()
+
+    def _run_over(self) -> bool:
+        """Every worker of this machine finished the last step (reported Done): a coordinator
+        gone quiet now is one that is finishing, not one to rejoin."""
+        return self.all_done or (bool(self.workers) and
+                                 all(w.finished for w in self.workers.values()))
 
     def _order(self, msg: Any) -> str | None:
         self.heard = time.monotonic()
