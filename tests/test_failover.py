@@ -75,6 +75,9 @@ SCENARIOS = {
     "lazy redundancy": (dict(steps=8, redundancy="lazy", kills=["0:2@3"]), 1, 0),
     "eager FRC kept in CPU memory": (dict(steps=6, frc_offload=True, kills=["0:2@3"]), 1, 0),
     "two-stage pipeline": (dict(steps=6, nodes=2, stages=2, kills=["0:0@3"]), 1, 0),
+    # stage 0's shadow then holds stages 0 and 2: both its boundaries are with node 1, and
+    # under strict rules only the gradient lane keeps the two kinds of message apart
+    "three stages, stage 0 killed": (dict(steps=6, nodes=3, stages=3, kills=["0:0@3"]), 1, 0),
     "the shadow is lost later (its two stages)": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["1:2@2", "1:1@5"]), 1, 1),
 }
