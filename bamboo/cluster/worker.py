@@ -45,7 +45,8 @@ from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
 from bamboo.models import layer_param_counts, preset
-from bamboo.pipeline.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost
+from bamboo.pipeline.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
+                                  form_interruptibly)
 from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.stage import StageState
@@ -307,35 +308,21 @@ class _Node:
         The group gets a store connection of its own: an abandoned formation keeps waiting
         in the store until its timeout, and on a shared connection that wait would hold up
         this node's every later store call (its next plan, its votes) for as long."""
-        result: list[Any] = []
-
-        def build() -> None:
-            try:
-                own = dist.TCPStore(self.spec.store_host, self.spec.store_port,
-                                    is_master=False, timeout=self.timeout)
-                result.append(_process_group(self.backend,
-                                             dist.PrefixStore(f"gen{plan.gen}", own),
-                                             rank, len(plan.members), self.timeout,
-                                             self.bind))
-            except Exception as e:  # noqa: BLE001 - reported below
-                result.append(e)
-
-        thread = threading.Thread(target=build, daemon=True, name=f"gen{plan.gen}-group")
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.05)
-            if self.link.latest_epoch > plan.epoch and thread.is_alive():
-                raise _TransferFailed(f"generation {plan.gen} was abandoned while its "
-                                      f"process group formed")
-        if isinstance(result[0], Exception):
+        try:
+            return form_interruptibly(self._former(plan, rank), "all",
+                                      range(len(plan.members)),
+                                      lambda: self.link.latest_epoch > plan.epoch)
+        except Interrupted:
+            raise _TransferFailed(f"generation {plan.gen} was abandoned while its process "
+                                  f"group formed") from None
+        except PeerLost as e:
             raise _TransferFailed(f"process group of generation {plan.gen} failed: "
-                                  f"{str(result[0]).splitlines()[0][:200]}")
-        return result[0]
+                                  f"{e}") from None
 
     def _former(self, plan: GenerationPlan, rank: int) -> GroupFormer:
-        """Forms a process group of generation `plan.gen` among some of its ranks (strict
-        communication: the survivors' group after a loss, the gradient lane, a
-        data-parallel group), on a store connection of its own as in `_join_group`."""
+        """Forms a process group of generation `plan.gen` among some of its ranks (the
+        generation's own, and under strict communication the survivors' group after a loss,
+        the gradient lane, a data-parallel group), each on a store connection of its own."""
         def form(name: str, ranks: list[int]) -> dist.ProcessGroup:
             own = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False,
                                 timeout=self.timeout)

@@ -249,8 +249,7 @@ class P2P:
         """Post `sends` and `recvs` as one batch (NCCL: one group call, so two nodes that
         send to each other cannot wait on each other); the receives' works, in order.
         The sends complete with `flush`."""
-        coalesce = (self.device.type == "cuda" and self.backend != "gloo"
-                    and hasattr(self.group, "_start_coalescing"))
+        coalesce = self.backend == "nccl"
         if coalesce:  # what dist.batch_isend_irecv does, on a group outside the default world
             self.group._start_coalescing(self.device)
         try:
@@ -371,8 +370,7 @@ class P2P:
         if self.abandoned:
             return
         self.abandoned = True
-        # NCCL only, not gloo (on CUDA too): gloo's abort closes pairs peers still use
-        if self.device.type == "cuda" and self.backend != "gloo":
+        if self.backend == "nccl":  # not gloo: its abort closes pairs peers still use
             for group in [self.group, self.gradient_group, *self._subgroups.values()]:
                 try:
                     group.abort()

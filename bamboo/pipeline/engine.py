@@ -84,6 +84,8 @@ class _Step:
     that did not get it before the group was rebuilt)."""
     peer_has: set[Key] = field(default_factory=set)
     """Transfers their receiver already holds (strict, after a rebuild): not sent again."""
+    memory: StepMemory = field(default_factory=StepMemory)
+    """What the step holds on top of the stages' state (saved activations, kept outputs, FRC)."""
     restores: list[tuple[str, Takeover]] = field(default_factory=list)
     """Peer restores of the latest role change still to carry out: ("send" | "recv", move)."""
     frc: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = field(default_factory=dict)
@@ -132,6 +134,8 @@ class NodeEngine:
         self.strict = comm == "strict"
         self.former = former
         self.p2p = P2P(group, strict=self.strict, device=device, former=former, name="g")
+        self._side_stream: Any = None
+        """CUDA: the stream eager FRC runs on (`_frc_stream`)."""
         link.on_epoch = self.p2p.wake.set
         self._dispatch: dict[type, Callable[[_Step, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
@@ -282,20 +286,12 @@ class NodeEngine:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _step_memory(self, s: _Step) -> StepMemory:
-        """The activation-memory meter of step `s` (a fresh one for each new step)."""
-        meter = self.__dict__.get("_step_meter")
-        if meter is None or meter.owner != id(s):
-            meter = self._step_meter = StepMemory(owner=id(s))
-        return meter
-
     def _memory_peak(self, s: _Step) -> tuple[int, int]:
         """(device, host) bytes this node peaked at in step `s`, by tensor accounting: every
         held stage's state (parameters, gradient sum, optimizer state: the replica's on the
         host when offloaded), one stage's transient .grad (a backward's, until it is added
         to the sum), and the step's peak of saved activations, kept outputs and FRC."""
-        meter = self._step_memory(s)
-        self._step_meter = None
+        meter = s.memory
         held = [st.memory() for st in self.held()]
         grads = max((sum(p.numel() * p.element_size() for p in st.params)
                      for st in self.stages.values()), default=0)
@@ -336,7 +332,7 @@ class NodeEngine:
             s.report.frc_saved_bytes += saved.device_bytes + saved.host_bytes
         else:
             s.report.saved_bytes += saved.device_bytes
-        self._step_memory(s).hold(("frc" if frc else "fwd", stage, mb),
+        s.memory.hold(("frc" if frc else "fwd", stage, mb),
                                   saved.device_bytes, saved.host_bytes)
         if loss is None:
             return out, None
@@ -348,7 +344,7 @@ class NodeEngine:
         x = self._data(s, i.mb) if i.stage == 0 else s.inputs[key]
         out, loss = self._run(self.stages[i.stage].module, i.stage, i.mb, x, s)
         s.outputs[key] = out
-        meter = self._step_memory(s)
+        meter = s.memory
         if key in s.received_acts:  # the received input, held until the backward
             meter.hold(("fwd", *key), storage_bytes(x))
         if loss is not None:
@@ -371,7 +367,7 @@ class NodeEngine:
             out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)
         s.frc[i.mb] = (x, out, loss)
         if loss is None:  # the FRC output stays on the device until a failover or the end
-            self._step_memory(s).hold(("frc", i.stage, i.mb), storage_bytes(out))
+            s.memory.hold(("frc", i.stage, i.mb), storage_bytes(out))
         s.report.frc_s += time.perf_counter() - start
 
     def _frc_stream(self) -> Any:
@@ -380,9 +376,9 @@ class NodeEngine:
         run: no GPU here). Its results are used only by a failover, which waits for it."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        stream = self.__dict__.get("_side_stream")
-        if stream is None:
-            stream = self._side_stream = torch.cuda.Stream(device=self.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
 
@@ -397,7 +393,7 @@ class NodeEngine:
         if i.stage > 0:
             s.in_grads[key] = s.inputs.pop(key).grad
         self.stages[i.stage].accumulate()
-        meter = self._step_memory(s)  # this forward's saved tensors are freed
+        meter = s.memory  # this forward's saved tensors are freed
         if not meter.release(("fwd", *key)):
             meter.release(("frc", *key))  # an adopted FRC forward's (after a failover)
         if i.stage in s.adopted:
@@ -516,7 +512,7 @@ class NodeEngine:
             assert self.replica is not None and self.replica.stage == t.stage
             st, self.replica = self.replica, None
             st.to_device_optimizer()  # --frc-offload kept its AdamW moments in host memory
-            if "_side_stream" in self.__dict__:  # the FRC results it adopts are complete
+            if self._side_stream is not None:  # the FRC results it adopts are complete
                 torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             self._install(s, t, st)
         else:

@@ -103,8 +103,6 @@ class StepMemory:
     running maxima of the sums.
     """
 
-    owner: int = 0
-    """id() of the step this meter belongs to."""
     device: int = 0
     host: int = 0
     peak_device: int = 0

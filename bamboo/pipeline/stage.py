@@ -62,17 +62,13 @@ class StageState:
         assert self._grad_sum is not None
         return self._grad_sum
 
-    @grad_sum.setter
-    def grad_sum(self, flat: torch.Tensor) -> None:
-        self._grad_sum = flat
-        self._views = self._split(flat)
-
     def _sum_views(self) -> list[torch.Tensor]:
         """Views of the gradient sum shaped like the parameters (allocating the sum, zeroed,
         the first time)."""
         if self._grad_sum is None:
-            self.grad_sum = torch.zeros(self.numel, dtype=self.accumulate_dtype,
-                                        device=self.device)
+            self._grad_sum = torch.zeros(self.numel, dtype=self.accumulate_dtype,
+                                         device=self.device)
+            self._views = self._split(self._grad_sum)
         return self._views
 
     def _split(self, flat: torch.Tensor,
@@ -114,7 +110,8 @@ class StageState:
     def _step_streamed(self, grad: torch.Tensor) -> None:
         """The AdamW step with host-resident moments, one parameter at a time: its moments
         go to the device, the optimizer steps that parameter alone (AdamW skips parameters
-        without a gradient, and foreach=False treats each one on its own, so the bits are
+        without a gradient, and its arithmetic for one parameter does not depend on which
+        others step with it, loop or foreach (tests/test_devices.py), so the bits are
         the all-at-once step's) and the moments go back to their host buffers."""
         state = self.optimizer.state
         for view, p in zip(self._split(grad), self.params):

@@ -212,7 +212,7 @@ class Supervisor:
         the CPU). Asked once; torch counts through NVML where it can, and the fork server
         is a fresh process, so the workers inherit no CUDA state from this one."""
         if self._local_gpus is None:
-            device = getattr(self.ctx.cfg, "device", "cpu")
+            device = self.ctx.cfg.device
             count = 0
             if device != "cpu":
                 import torch
