@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bamboo.presets import ModelPreset
+from bamboo.presets import CAUSAL_FAMILIES, ModelPreset
 
 __all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "SyntheticImages", "Task",
            "make_task", "MASK_RATE"]
@@ -34,7 +34,8 @@ def _rng(seed: int, kind: str, index: int) -> np.random.Generator:
 class DataSource:
     """Sequences of byte tokens addressed by sample index."""
 
-    def sequences(self, indices: list[int], length: int) -> np.ndarray:
+    def sequences(self, indices: list[int], length: int, val: bool = False) -> np.ndarray:
+        """Samples `indices` of the train split, or of the held-out split with `val`."""
         raise NotImplementedError
 
 
@@ -53,8 +54,9 @@ class SyntheticLanguage(DataSource):
         self.cumulative = np.cumsum(_SUCCESSORS)
         self.seed = seed
 
-    def sequences(self, indices: list[int], length: int) -> np.ndarray:
-        u = np.stack([_rng(self.seed, "sample", i).random(length) for i in indices])
+    def sequences(self, indices: list[int], length: int, val: bool = False) -> np.ndarray:
+        kind = "val-sample" if val else "sample"  # held-out: samples of a stream of their own
+        u = np.stack([_rng(self.seed, kind, i).random(length) for i in indices])
         state = np.minimum((u[:, 0] * _ALPHABET).astype(np.int64), _ALPHABET - 1)
         out = np.empty(u.shape, dtype=np.int64)
         out[:, 0] = state
@@ -75,7 +77,8 @@ class TextFile(DataSource):
                              f"least {length} (the model's context + 1)")
         self.seed = seed
 
-    def sequences(self, indices: list[int], length: int) -> np.ndarray:
+    def sequences(self, indices: list[int], length: int, val: bool = False) -> np.ndarray:
+        # TODO held-out split of the file
         last = len(self.tokens) - length
         starts = [int(_rng(self.seed, "offset", i).integers(0, last + 1)) for i in indices]
         return np.stack([self.tokens[s:s + length] for s in starts]).astype(np.int64)
@@ -90,10 +93,10 @@ class SyntheticImages:
         self.prototypes = coarse.repeat(size // 4, axis=2).repeat(size // 4, axis=3)
         self.seed, self.classes, self.size = seed, classes, size
 
-    def images(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def images(self, indices: list[int], val: bool = False) -> tuple[np.ndarray, np.ndarray]:
         labels, images = [], []
         for i in indices:
-            rng = _rng(self.seed, "image", i)
+            rng = _rng(self.seed, "val-image" if val else "image", i)
             label = int(rng.integers(self.classes))
             noise = rng.standard_normal((3, self.size, self.size))
             labels.append(label)
@@ -125,21 +128,30 @@ class Task:
         return list(range(first, first + self.micro_batch_size))
 
     def batch(self, step: int, micro_batch: int) -> Batch:
-        indices = self.sample_indices(step, micro_batch)
+        return self._batch(self.sample_indices(step, micro_batch), val=False)
+
+    def eval_batch(self, index: int) -> Batch:
+        """Held-out micro-batch `index` (of `micro_batch_size` samples from the val split),
+        a pure function of (seed, index): every layout evaluates the very same samples."""
+        first = index * self.micro_batch_size
+        return self._batch(list(range(first, first + self.micro_batch_size)), val=True)
+
+    def _batch(self, indices: list[int], val: bool) -> Batch:
         family = self.preset.family
         if family == "cnn":
             assert self.images is not None
-            x, y = self.images.images(indices)
+            x, y = self.images.images(indices, val)
             return Batch(torch.from_numpy(x), torch.from_numpy(y))
         assert self.source is not None
-        if family == "gpt2":
-            seq = torch.from_numpy(self.source.sequences(indices, self.preset.context + 1))
+        if family in CAUSAL_FAMILIES:
+            seq = torch.from_numpy(self.source.sequences(indices, self.preset.context + 1, val))
             return Batch(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
-        return self._masked(indices)
+        return self._masked(indices, val)
 
-    def _masked(self, indices: list[int]) -> Batch:
-        seq = self.source.sequences(indices, self.preset.context)
-        masks = np.stack([_rng(self.seed, "mask", i).random(seq.shape[1]) < MASK_RATE
+    def _masked(self, indices: list[int], val: bool) -> Batch:
+        seq = self.source.sequences(indices, self.preset.context, val)
+        kind = "val-mask" if val else "mask"
+        masks = np.stack([_rng(self.seed, kind, i).random(seq.shape[1]) < MASK_RATE
                           for i in indices])
         masks[:, 0] |= ~masks.any(axis=1)  # at least one target per sample
         inputs = np.where(masks, self.preset.vocab - 1, seq)

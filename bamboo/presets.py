@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name"]
+__all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name",
+           "CAUSAL_FAMILIES"]
+
+CAUSAL_FAMILIES = frozenset({"gpt2", "llama", "custom"})
+"""Families trained on next-token prediction (bert is masked-LM, cnn classifies images)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
