@@ -39,7 +39,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
     opt("--config", help="a YAML or TOML job file (see `bamboo config --example`); flags override it")
     opt("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}; or a Hugging Face "
-        "model: hf:gpt2, hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR (see docs/models.md)")
+        "model: hf:gpt2, hf:llama, hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR; or your own "
+        "model: MODULE:FUNCTION or FILE.py:FUNCTION (see docs/models.md)")
     opt("--nodes", type=int, default=d.nodes, help="worker processes (default 4)")
     opt("--stages", type=int, default=d.stages, help="pipeline stages P (default 4)")
     opt("--pipelines", type=int, help="data-parallel pipelines D (default nodes // stages)")
@@ -62,7 +63,17 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         "pipeline order: every layout gives the same bits (default: fp32 and a collective)")
     opt("--activation-checkpointing", action="store_true", default=False,
         help="recompute each layer's activations in the backward instead of keeping them")
-    opt("--data", help="UTF-8 text file (byte tokens); default synthetic")
+    opt("--data", help="a directory written by `bamboo data prepare` (the model's vocabulary "
+        "follows its tokenizer's), or a UTF-8 text file (byte tokens); default synthetic")
+    opt("--eval-every", type=int, default=d.eval_every, metavar="K",
+        help="every K steps and after the last, the held-out loss on the val split "
+        "(eval_losses in summary.json; default 0: never)")
+    opt("--eval-batches", type=int, default=d.eval_batches, metavar="N",
+        help=f"val micro-batches per evaluation (default {d.eval_batches})")
+    opt("--tensorboard", metavar="DIR", help="write TensorBoard event files to DIR "
+        "(tensorboard --logdir DIR)")
+    opt("--wandb", metavar="PROJECT", help="log the same scalars to a Weights & Biases project "
+        "(needs the wandb package; WANDB_MODE=offline logs without network)")
     opt("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
     opt("--warmup-steps", type=int, default=d.warmup_steps)
     opt("--weight-decay", type=float, default=d.weight_decay)
@@ -115,7 +126,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
            "seed", "redundancy", "frc_offload", "comm", "precision", "exact",
-           "activation_checkpointing", "data", "lr", "warmup_steps", "weight_decay", "grad_clip",
+           "activation_checkpointing", "data", "eval_every", "eval_batches", "tensorboard",
+           "wandb", "lr", "warmup_steps", "weight_decay", "grad_clip",
            "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
            "notice_s", "checkpoint_every", "recovery", "resume", "out", "keep_checkpoints",
            "checkpoint_dir")
@@ -522,6 +534,16 @@ def _profile(argv: list[str]) -> int:
     return profile_main(argv)
 
 
+def _data(argv: list[str]) -> int:
+    from bamboo.tokendata import main as data_main
+    return data_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from bamboo.export import main as export_main
+    return export_main(argv)
+
+
 def _config_command(argv: list[str]) -> int:
     p = UsageParser(prog="bamboo config", description="Job files for `bamboo train --config`.")
     p.add_argument("--example", action="store_true", help="print a commented example job file")
@@ -534,20 +556,24 @@ def _config_command(argv: list[str]) -> int:
 
 
 _COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command,
-             "profile": _profile, "coordinator": _coordinator, "agent": _agent, "lab": _lab}
+             "profile": _profile, "coordinator": _coordinator, "agent": _agent, "lab": _lab,
+             "data": _data, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,coordinator,agent,lab,simulate,report,config,profile} ...\n\n"
+        print("usage: bamboo {train,coordinator,agent,lab,data,simulate,report,config,profile,"
+              "export} ...\n\n"
               "  train        train a model on a local cluster of worker processes\n"
               "  coordinator  run a job whose nodes are agents on other machines\n"
               "  agent        run one machine's workers for a coordinator (--join)\n"
               "  lab          a coordinator and agents on hosts made of network namespaces\n"
+              "  data         tokenize text files for --data (data prepare FILE... --out DIR)\n"
               "  simulate     project throughput and cost of a spot trace\n"
               "  report       write the text summary and plots of a run directory\n"
               "  profile      measure a model's step costs here for `simulate --costs`\n"
+              "  export       write a finished run's model as a Hugging Face directory\n"
               "  config       print an example job file (--example)", file=sys.stderr)
         return 0 if argv else EXIT_USAGE
     command = _COMMANDS.get(argv[0])

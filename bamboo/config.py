@@ -5,13 +5,14 @@ ConfigError with one line that names the field and says what to change.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bamboo.presets import preset
+from bamboo.presets import ModelPreset, preset, with_vocab
 
 __all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "REDUNDANCY_MODES", "COMM_MODES",
            "PRECISIONS",
@@ -100,7 +101,18 @@ class JobConfig:
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward instead of keeping them."""
     data: str | None = None
-    """A UTF-8 text file to train on as byte tokens; default: a synthetic language."""
+    """A directory written by `bamboo data prepare` (token files; the model's vocabulary
+    follows its tokenizer's), or a UTF-8 text file to train on as byte tokens; default: a
+    synthetic language."""
+    eval_every: int = 0
+    """Every K steps (and after the last), the held-out loss on the val split; 0: never."""
+    eval_batches: int = 8
+    """Val micro-batches (of --micro-batch-size windows each) in one evaluation."""
+    tensorboard: str | None = None
+    """Write TensorBoard event files to this directory."""
+    wandb: str | None = None
+    """Log the same scalars to this Weights & Biases project (WANDB_MODE=offline works
+    without network)."""
     lr: float = 3e-3
     warmup_steps: int = 5
     """Linear warm-up steps, then cosine decay to lr / 10 at the last step."""
@@ -154,6 +166,21 @@ class JobConfig:
     @property
     def active_nodes(self) -> int:
         return self.data_parallel * self.stages
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the held-out loss is taken after `step` steps: every --eval-every steps
+        and after the last."""
+        return self.eval_every > 0 and 0 < step <= self.steps and \
+            (step % self.eval_every == 0 or step == self.steps)
+
+    def model_preset(self) -> ModelPreset:
+        """The model's preset, its vocabulary that of the --data directory when there is one
+        (ValueError with one line when the model cannot take it)."""
+        p = preset(self.model)
+        if self.data is None or p.family == "cnn" or not Path(self.data).is_dir():
+            return p
+        from bamboo.tokendata import read_header
+        return with_vocab(p, read_header(self.data).vocab_size)
 
     def validate(self) -> JobConfig:
         """Check every field; raise ConfigError with a one-line fix. (One check per field,
@@ -265,8 +292,31 @@ class JobConfig:
                               f"directory of a run that saved checkpoints")
         self._validate_out()
         self._validate_data(p.family)
+        self._validate_eval_and_logging()
         self._validate_kills()
         return self
+
+    def _validate_eval_and_logging(self) -> None:
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be an integer >= 0 (got {self.eval_every}); "
+                              f"0 evaluates never")
+        if not isinstance(self.eval_batches, int) or not 1 <= self.eval_batches <= 4096:
+            raise ConfigError(f"--eval-batches must be an integer from 1 to 4096 (got "
+                              f"{self.eval_batches})")
+        if self.tensorboard is not None:
+            if Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
+                raise ConfigError(f"--tensorboard {self.tensorboard} exists and is not a "
+                                  f"directory: give a directory for the event files")
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ConfigError("--tensorboard needs the tensorboard package: "
+                                  "pip install tensorboard")
+        if self.wandb is not None:
+            if not re.fullmatch(r"[\w.-]{1,128}", self.wandb):
+                raise ConfigError(f"--wandb '{self.wandb}' is not a project name: use letters, "
+                                  f"digits, '-', '_' and '.'")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--wandb needs the wandb package: pip install wandb (set "
+                                  "WANDB_MODE=offline to log without network)")
 
     @property
     def node_cap(self) -> int:
@@ -292,15 +342,39 @@ class JobConfig:
             raise ConfigError(f"--data is for token models; {self.model} trains on synthetic images")
         path = Path(self.data)
         if path.is_dir():
-            raise ConfigError(f"--data '{self.data}' is a directory: give a path to a UTF-8 "
-                              f"text file")
+            self._validate_token_dir()
+            return
         if not path.is_file():
-            raise ConfigError(f"--data file '{self.data}' does not exist: give a path to a "
-                              f"UTF-8 text file")
-        need = preset(self.model).context + 1
-        if path.stat().st_size < need:
-            raise ConfigError(f"--data file '{self.data}' has {path.stat().st_size} bytes; "
+            raise ConfigError(f"--data file '{self.data}' does not exist: give a directory written "
+                              f"by `bamboo data prepare` or a path to a UTF-8 text file")
+        need = self.model_preset().context + 1
+        size = path.stat().st_size
+        if size < need:
+            raise ConfigError(f"--data file '{self.data}' has {size} bytes; "
                               f"{self.model} needs at least {need}")
+        if size < 2 * need:
+            raise ConfigError(f"--data file '{self.data}' has {size} bytes; {self.model} needs "
+                              f"at least {2 * need}: {need} to train on and {need} held out")
+
+    def _validate_token_dir(self) -> None:
+        from bamboo.tokendata import open_split, read_header
+        try:
+            header = read_header(self.data)
+            p = self.model_preset()
+        except ValueError as e:  # read_header's lines start with the directory's name
+            raise ConfigError(f"--data {e}" if str(e).startswith("'") else
+                              f"--data {self.data}: {e}") from None
+        need = p.context + 1
+        for split, count in header.tokens.items():
+            if count < need:
+                raise ConfigError(f"--data {self.data}: its {split} split has {count} tokens; "
+                                  f"{self.model} needs at least {need} (context + 1): prepare "
+                                  f"more text" + (" or a larger --val-fraction"
+                                                  if split == "val" else ""))
+            try:
+                open_split(self.data, header, split)
+            except ValueError as e:
+                raise ConfigError(f"--data {self.data}: {e}") from None
 
     def _validate_kills(self) -> None:
         for k in self.kills:
@@ -325,7 +399,8 @@ class JobConfig:
                 "comm": self.comm, "precision": self.precision, "exact": self.exact,
                 "activation_checkpointing": self.activation_checkpointing,
                 "model": self.model, "seed": self.seed,
-                "steps": self.steps, "data": self.data, "trace": self.trace,
+                "steps": self.steps, "data": self.data, "eval_every": self.eval_every,
+                "eval_batches": self.eval_batches, "trace": self.trace,
                 "time_scale": self.time_scale, "max_nodes": self.node_cap,
                 "notice_s": self.notice_s, "checkpoint_every": self.checkpoint_every,
                 "recovery": self.recovery}

@@ -46,6 +46,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "training": ("steps", "seed", "lr", "warmup_steps", "weight_decay", "grad_clip"),
     "runtime": ("threads", "comm_timeout_s", "device", "comm", "precision", "exact",
                 "activation_checkpointing"),
+    "evaluation": ("eval_every", "eval_batches"),
+    "logging": ("tensorboard", "wandb"),
     "faults": ("kills",),
     "checkpointing": ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "recovery",
                       "resume"),
@@ -167,7 +169,8 @@ def _check_choice(name: str, value: Any, where: str) -> None:
     if name == "model" and isinstance(value, str) and value.startswith("hf:"):
         return  # a Hugging Face model name: checked by the preset parser
     if allowed and value is not None and value not in allowed:
-        more = ", or an hf: model (hf:gpt2, hf:bert, hf:DIR)" if name == "model" else ""
+        more = (", an hf: model (hf:gpt2, hf:llama, hf:bert, hf:DIR) or MODULE:FUNCTION"
+                if name == "model" else "")
         raise ConfigError(f"{where}: '{value}' is not one of {', '.join(allowed)}{more}")
 
 

@@ -7,7 +7,9 @@ build any micro-batch (a shadow loads its failed peer's data), and any layout th
 covers the same G micro-batches per step trains on the very same samples.
 
 Sources: a learnable synthetic language (a sparse Markov chain drawn from the
-seed), any UTF-8 text file as byte tokens, and synthetic images for the CNN.
+seed), a directory written by `bamboo data prepare` (token windows read through a
+memory map), any UTF-8 text file as byte tokens, and synthetic images for the CNN.
+Each has a held-out split that `Task.eval_batch` draws from.
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ import numpy as np
 import torch
 
 from bamboo.presets import CAUSAL_FAMILIES, ModelPreset
+from bamboo.tokendata import SPLITS, open_split, read_header, text_split
 
-__all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "SyntheticImages", "Task",
+__all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "TokenFile", "SyntheticImages",
+           "Task",
            "make_task", "MASK_RATE"]
 
 MASK_RATE = 0.15
@@ -67,21 +71,54 @@ class SyntheticLanguage(DataSource):
         return self.alphabet[out]
 
 
+def _windows(tokens: np.ndarray, seed: int, kind: str, indices: list[int],
+             length: int) -> np.ndarray:
+    """Windows of `length` tokens at offsets drawn from (seed, kind, sample index)."""
+    last = len(tokens) - length
+    starts = [int(_rng(seed, kind, i).integers(0, last + 1)) for i in indices]
+    return np.stack([tokens[s:s + length] for s in starts]).astype(np.int64)
+
+
 class TextFile(DataSource):
-    """Windows of a text file's bytes, at offsets drawn from (seed, sample index)."""
+    """Windows of a text file's bytes, at offsets drawn from (seed, sample index).
+
+    The file's last 5% of bytes (at least one window) is held out: val windows come from
+    there, train windows from the rest."""
 
     def __init__(self, path: str | Path, seed: int, length: int) -> None:
-        self.tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
-        if len(self.tokens) < length:
-            raise ValueError(f"data file {path} has {len(self.tokens)} bytes; it needs at "
-                             f"least {length} (the model's context + 1)")
+        tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
+        if len(tokens) < 2 * length:
+            raise ValueError(f"data file {path} has {len(tokens)} bytes; it needs at least "
+                             f"{2 * length} (the model's context + 1, to train on and held out)")
+        cut = text_split(len(tokens), length)
+        self.train, self.val = tokens[:cut], tokens[cut:]
         self.seed = seed
 
     def sequences(self, indices: list[int], length: int, val: bool = False) -> np.ndarray:
-        # TODO held-out split of the file
-        last = len(self.tokens) - length
-        starts = [int(_rng(self.seed, "offset", i).integers(0, last + 1)) for i in indices]
-        return np.stack([self.tokens[s:s + length] for s in starts]).astype(np.int64)
+        if val:
+            return _windows(self.val, self.seed, "val-offset", indices, length)
+        return _windows(self.train, self.seed, "offset", indices, length)
+
+
+class TokenFile(DataSource):
+    """Windows of a prepared token directory (`bamboo data prepare`), read through np.memmap:
+    only the pages a window touches are read, whatever the size of the files."""
+
+    def __init__(self, directory: str | Path, seed: int, length: int) -> None:
+        header = read_header(directory)
+        self.vocab = header.vocab_size
+        self.splits = {s: open_split(directory, header, s) for s in SPLITS}
+        for split, tokens in self.splits.items():
+            if len(tokens) < length:
+                raise ValueError(f"the {split} split of {directory} has {len(tokens)} tokens; "
+                                 f"the model needs at least {length} (its context + 1): "
+                                 f"prepare more text")
+        self.seed = seed
+
+    def sequences(self, indices: list[int], length: int, val: bool = False) -> np.ndarray:
+        # a plain ndarray view of the map: slicing an np.memmap costs a subclass hook per window
+        tokens = self.splits["val" if val else "train"].view(np.ndarray)
+        return _windows(tokens, self.seed, "val-offset" if val else "offset", indices, length)
 
 
 class SyntheticImages:
@@ -161,11 +198,20 @@ class Task:
 
 def make_task(p: ModelPreset, *, seed: int, global_micro_batches: int, micro_batch_size: int,
               data_file: str | None = None) -> Task:
-    """The task for preset `p`: synthetic by default, or byte windows of `data_file`."""
+    """The task for preset `p`: synthetic by default, token windows of a prepared directory
+    or byte windows of a text file when `data_file` is one."""
     task = Task(preset=p, seed=seed, global_micro_batches=global_micro_batches,
                 micro_batch_size=micro_batch_size)
     if p.family == "cnn":
         task.images = SyntheticImages(seed, p.classes, p.image_size)
+    elif data_file is not None and Path(data_file).is_dir():
+        source = TokenFile(data_file, seed, p.context + 1)
+        # masked-LM families use id vocab-1 as [MASK], past the data's ids
+        room = p.vocab - 1 if p.family not in CAUSAL_FAMILIES else p.vocab
+        if source.vocab > room:
+            raise ValueError(f"model {p.name} has {p.vocab} token ids but {data_file} holds "
+                             f"{source.vocab}: build the model from JobConfig.model_preset()")
+        task.source = source
     elif data_file is not None:
         task.source = TextFile(data_file, seed, p.context + 1)
     else:

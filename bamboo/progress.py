@@ -46,6 +46,8 @@ class ProgressDisplay:
         self.total = total_steps
         self._rows: list[str] = []
         self._standbys = ""
+        self._eval = ""
+        """The latest held-out loss, shown after the training loss."""
         self._progress: Progress | None = None
         self._live: Live | None = None
         if self.live:
@@ -94,12 +96,19 @@ class ProgressDisplay:
         if not self.enabled:
             return
         stages = "/".join(f"{ms:.0f}" for ms in node_ms)
-        info = f"loss {loss:.4f}  {samples_per_s:,.0f} samples/s  node ms {stages}"
+        info = f"loss {loss:.4f}{self._eval}  {samples_per_s:,.0f} samples/s  node ms {stages}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, info=info)
             self._refresh()
         else:
             print(f"step {step + 1}/{self.total}  {info}", file=sys.stderr, flush=True)
+
+    def evaluation(self, step: int, loss: float) -> None:
+        """The held-out loss after `step` steps: a line, and beside the loss from now on."""
+        if not self.enabled:
+            return
+        self._eval = f"  eval {loss:.4f} @{step}"
+        self.message(f"eval after step {step}: loss {loss:.4f}")
 
     def close(self) -> None:
         if self._live is not None:

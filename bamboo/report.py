@@ -228,6 +228,15 @@ def _pauses(run: Run, failures: list[Failure]) -> list[float]:
     return [f.pause_s for f in failures]
 
 
+def eval_losses(run: Run) -> list[tuple[int, float]]:
+    """(steps done, held-out loss) of every evaluation: summary.json's, else the events'."""
+    rows = run.summary.get("eval_losses")
+    if not isinstance(rows, list):
+        rows = [[e.get("step"), e.get("loss")] for e in run.of("eval")]
+    return [(int(k), float(x)) for k, x in (r for r in rows if isinstance(r, list) and len(r) == 2)
+            if isinstance(k, int) and _is_num(x)]
+
+
 def _losses(run: Run) -> list[float]:
     if isinstance(run.summary.get("losses"), list):
         return [float(x) for x in run.summary["losses"]]
@@ -355,6 +364,11 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
         out.append(f"loss: {first:.4f} first -> {last:.4f} last ({100 * drop:.1f}% drop)")
     else:
         out.append("loss: no completed step")
+    evals = eval_losses(run)
+    if evals:
+        (a, first), (b, last) = evals[0], evals[-1]
+        out.append(f"eval loss (held-out): {first:.4f} after step {a} -> {last:.4f} after "
+                   f"step {b} ({len(evals)} evaluations)")
     median = s.get("median_step_s")
     out.append(f"throughput: {throughput:.2f} samples/s; wall time {wall:.2f} s"
                + (f"; median step {median:.3f} s" if _is_num(median) else ""))

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.report import (_DPI, _OTHER_COLOUR, HANDLED_COLOURS, PLOT_SIZE_PX, Failure, Prices,
-                           Run, _cost, _is_num, _live_nodes, _losses, _pauses,
+                           Run, _cost, _is_num, _live_nodes, _losses, _pauses, eval_losses,
                            _samples_per_step, _write_atomic)
 
 __all__ = ["write_plots"]
@@ -70,6 +70,10 @@ def _plot_loss(run: Run, failures: list[Failure], path: Path) -> Path:
                 markersize=3, color="tab:blue", label="loss")
     else:
         _empty(ax, "no completed step")
+    evals = eval_losses(run)
+    if evals:  # after k steps: the parameters step k's training loss was taken with
+        ax.plot([k for k, _ in evals], [x for _, x in evals], marker="s", markersize=4,
+                color="tab:green", label="eval loss (held-out)")
     _mark_failures(ax, failures, lambda f: f.step)
     if losses or failures:
         ax.legend(loc="upper right", fontsize=8)

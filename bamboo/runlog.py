@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,15 @@ class EventLog:
     def __init__(self, path: Path, t0: float) -> None:
         self._file = open(path, "a", buffering=1, encoding="utf-8")
         self._t0 = t0
+        self.listeners: list[Callable[[dict], None]] = []
+        """Called with every record once it is written (TensorBoard and W&B scalars)."""
 
     def write(self, event: str, **fields: Any) -> dict:
         record = {"t": round(time.monotonic() - self._t0, 4), "event": event, **fields}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def close(self) -> None:

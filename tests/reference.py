@@ -12,14 +12,16 @@ from torch import nn
 
 from bamboo.config import JobConfig
 from bamboo.data import make_task
-from bamboo.models import build_layers, loss_fn, preset
+from bamboo.models import build_layers, loss_fn
 from bamboo.pipeline.optim import clip_coefficient, learning_rate, make_optimizer
 
 
-def train_reference(cfg: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses per step and final parameters (named like model.pt's keys)."""
+def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses per step and final parameters (named like model.pt's keys); with `evals`, the
+    held-out losses `[steps done, loss]` at the config's evaluation points go there."""
     torch.set_num_threads(1)
-    p = preset(cfg.model)
+    p = cfg.model_preset()
     G = cfg.global_micro_batches
     model = nn.Sequential(*build_layers(p, range(p.layers), cfg.seed))
     task = make_task(p, seed=cfg.seed, global_micro_batches=G,
@@ -29,6 +31,8 @@ def train_reference(cfg: JobConfig) -> tuple[list[float], dict[str, torch.Tensor
     params = list(model.parameters())
     losses = []
     for step in range(cfg.steps):
+        if evals is not None and cfg.evaluates_at(step):
+            evals.append([step, evaluate(model, task, criterion, cfg.eval_batches)])
         acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
         step_loss = 0.0
         for g in range(G):
@@ -49,5 +53,14 @@ def train_reference(cfg: JobConfig) -> tuple[list[float], dict[str, torch.Tensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
+    if evals is not None and cfg.evaluates_at(cfg.steps):
+        evals.append([cfg.steps, evaluate(model, task, criterion, cfg.eval_batches)])
     named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
     return losses, named
+
+
+def evaluate(model: nn.Module, task, criterion, batches: int) -> float:
+    """The mean loss over val micro-batches 0..batches-1, summed in index order."""
+    with torch.no_grad():
+        return math.fsum(float(criterion(model(b.inputs), b.targets)) / batches
+                         for b in map(task.eval_batch, range(batches)))

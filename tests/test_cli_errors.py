@@ -64,7 +64,8 @@ def test_unknown_command() -> None:
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
-                                   "train, simulate, report, config, profile, coordinator, agent, lab")
+                                   "train, simulate, report, config, profile, coordinator, agent, "
+                                   "lab, data, export")
 
 
 def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:

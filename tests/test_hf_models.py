@@ -1,4 +1,4 @@
-"""transformers' GPT-2 and BERT as pipeline layers (`--model hf:...`).
+"""transformers' GPT-2, Llama and BERT as pipeline layers (`--model hf:...`).
 
 The split must be faithful (the layers compose to transformers' own model), pipelined
 training must equal the plain single-process loop as for bamboo's own models, local
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
 
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.models import (boundary_shapes, build_layer, build_layers, layer_param_counts,
                            loss_fn, preset)
-from bamboo.models.hf import Checkpoint, hf_config, load_layer
+from bamboo.models.hf import Checkpoint, hf_config, hf_state_key, load_layer
 from bamboo.presets import HF_SIZES
 from conftest import REPO, assert_close
 
@@ -29,7 +30,10 @@ from reference import train_reference  # noqa: E402
 GPT2 = "hf:gpt2:n_layer=3,n_embd=32,n_head=4,n_positions=32,vocab_size=256"
 BERT = ("hf:bert:num_hidden_layers=3,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
         "max_position_embeddings=32,vocab_size=257")
-HF_MODELS = {"gpt2": (GPT2, GPT2LMHeadModel), "bert": (BERT, BertForMaskedLM)}
+LLAMA = ("hf:llama:num_hidden_layers=3,hidden_size=32,num_attention_heads=4,"
+         "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=32,vocab_size=256")
+HF_MODELS = {"gpt2": (GPT2, GPT2LMHeadModel), "llama": (LLAMA, LlamaForCausalLM),
+             "bert": (BERT, BertForMaskedLM)}
 
 
 def _compose(layers: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +64,7 @@ def test_the_layers_compose_to_the_transformers_model(kind: str) -> None:
     with torch.no_grad():
         expected = model(input_ids=batch.inputs).logits
     torch.testing.assert_close(x.detach(), expected, rtol=1e-4, atol=1e-5)
-    if kind == "gpt2":  # causal: a later token changes no earlier logit
+    if kind != "bert":  # causal: a later token changes no earlier logit
         changed = batch.inputs.clone()
         changed[:, -1] = (changed[:, -1] + 1) % 256
         torch.testing.assert_close(_compose(layers, changed)[:, :-1], x[:, :-1])
@@ -80,8 +84,12 @@ def test_each_hf_layer_is_a_pure_function_of_seed_and_index(kind: str) -> None:
 
 
 def test_default_names_have_the_real_sizes() -> None:
-    for kind, config in (("gpt2", GPT2Config()), ("bert", BertConfig())):
+    for kind, config in (("gpt2", GPT2Config()), ("llama", LlamaConfig()), ("bert", BertConfig())):
         assert HF_SIZES[kind] == {key: getattr(config, key) for key in HF_SIZES[kind]}
+    llama = preset("hf:llama")
+    assert (llama.layers, llama.d_model, llama.heads, llama.context, llama.vocab) == \
+        (32, 4096, 32, 2048, 32000)
+    assert llama.family == "llama"
     gpt2, bert = preset("hf:gpt2"), preset("hf:bert")
     assert (gpt2.layers, gpt2.d_model, gpt2.heads, gpt2.context) == (12, 768, 12, 1024)
     assert (bert.layers, bert.d_model, bert.heads, bert.context) == (12, 768, 12, 512)
@@ -158,6 +166,8 @@ BAD_NAMES = {
     "dropout key": ("hf:gpt2:attn_pdrop=0.1", "dropout is fixed at 0"),
     "bad value": ("hf:bert:hidden_size=big", "hidden_size=big is not a positive integer"),
     "not key=value": ("hf:gpt2:n_layer", "'n_layer' is not KEY=VALUE"),
+    "llama dropout": ("hf:llama:attention_dropout=0.1", "dropout is fixed at 0"),
+    "llama gpt2 key": ("hf:llama:n_layer=2", "unknown key 'n_layer'"),
     "missing directory": ("hf:/no/such/model", "directory '/no/such/model' does not exist"),
     "stages past layers": (GPT2, "--stages 4 is more than the 3 layers"),
 }
@@ -183,6 +193,9 @@ def test_bad_hf_names_fail_with_one_line(case: str, tmp_path: Path) -> None:
     (GPT2.replace("vocab_size=256", "vocab_size=200"), "needs vocab_size >= 256"),
     (BERT.replace("vocab_size=257", "vocab_size=256"), "needs vocab_size >= 257"),
     (GPT2.replace("n_head=4", "n_head=5"), "not a multiple of the 5 attention heads"),
+    (LLAMA.replace("num_key_value_heads=2", "num_key_value_heads=3"),
+     "the 4 attention heads are not a multiple of the 3 key/value heads"),
+    (LLAMA.replace("vocab_size=256", "vocab_size=255"), "needs vocab_size >= 256"),
 ])
 def test_unusable_configs_are_refused(name: str, expected: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -199,12 +212,68 @@ def test_a_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     presets._hf_preset.cache_clear()
 
 
-def test_a_directory_needs_a_gpt2_or_bert_config(tmp_path: Path) -> None:
+def test_a_directory_needs_a_gpt2_llama_or_bert_config(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no config.json"):
         preset(f"hf:{tmp_path}")
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ValueError, match="model_type 'llama'"):
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    with pytest.raises(ValueError, match="model_type 'mistral'"):
         preset(f"hf:{tmp_path}")
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="only context=N may follow a directory"):
         preset(f"hf:{tmp_path}:n_layer=2")
+
+
+@pytest.mark.timeout(60)
+def test_a_llama_directory_with_tied_safetensors_gives_the_models_logits(tmp_path: Path) -> None:
+    """As Llama 3.2 ships: safetensors, head tied to the embedding, several eos ids."""
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=1, intermediate_size=48, max_position_embeddings=64,
+                         vocab_size=300, rope_theta=500000.0, tie_word_embeddings=True,
+                         bos_token_id=128000, eos_token_id=[128001, 7])
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    p = preset(f"hf:{tmp_path}:context=16")
+    assert (p.family, p.layers, p.kv_heads, p.context, p.vocab) == ("llama", 2, 1, 16, 300)
+    layers = build_layers(p, range(p.layers), seed=9)
+    assert torch.equal(layers[-1].lm_head.weight, model.model.embed_tokens.weight)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+    torch.testing.assert_close(_compose(layers, x).detach(), expected, rtol=1e-4, atol=1e-5)
+
+
+def _llama_key(index: int, name: str, last: int) -> str:
+    """Where parameter `name` of bamboo's llama layer `index` lives in a LlamaForCausalLM."""
+    part, rest = name.split(".", 1)
+    if part == "block":
+        return f"model.layers.{index}.{rest}"
+    return rest if rest.startswith("lm_head") else f"model.{rest}"
+
+
+@pytest.mark.timeout(60)
+def test_in_house_llama_weights_give_llama_for_causal_lm_the_same_logits() -> None:
+    """bamboo's own llama-tiny, its weights loaded into transformers' LlamaForCausalLM under
+    transformers' names, gives the same logits: what `bamboo export` relies on."""
+    p = preset("llama-tiny")
+    layers = build_layers(p, range(p.layers), seed=11)
+    config = LlamaConfig(num_hidden_layers=p.layers, hidden_size=p.d_model,
+                         num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
+                         intermediate_size=p.ffn_dim, max_position_embeddings=p.context,
+                         vocab_size=p.vocab, rms_norm_eps=p.norm_eps, rope_theta=p.rope_theta,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "eager"  # an independent attention path: explicit mask, repeat_kv
+    model = LlamaForCausalLM(config).eval()
+    state = {_llama_key(i, name, p.layers - 1): t
+             for i, layer in enumerate(layers) for name, t in layer.named_parameters()}
+    assert state.keys() == model.state_dict().keys()
+    model.load_state_dict(state, strict=True)
+    for i, layer in enumerate(layers):  # the names export writes are these
+        for name, _ in layer.named_parameters():
+            bare = name.removeprefix("embed.").removeprefix("head.")
+            assert hf_state_key("llama", i, bare) == _llama_key(i, name, p.layers - 1)
+    x = make_task(p, seed=0, global_micro_batches=1, micro_batch_size=3).batch(0, 0).inputs
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        got = _compose(layers, x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

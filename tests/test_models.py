@@ -11,7 +11,7 @@ from bamboo.models import (PRESETS, boundary_shapes, build_layer, build_layers,
 from bamboo.models.gpt2 import GPTBlock
 from bamboo.models.layer import PipelineLayer
 
-SMALL = ["gpt2-tiny", "bert-tiny", "cnn-tiny"]
+SMALL = ["gpt2-tiny", "llama-tiny", "bert-tiny", "cnn-tiny"]
 
 
 @pytest.mark.parametrize("name", SMALL)
@@ -46,6 +46,27 @@ def test_gpt2_small_has_gpt2_small_sizes() -> None:
     # 124M with a tied head; ours is untied, which adds vocab x d = 38.6M.
     total = sum(layer_param_counts(preset("gpt2-small")))
     assert total == 124_439_808 + 50257 * 768
+
+
+def test_llama_1b_has_llama_3_2_1b_sizes() -> None:
+    # 1,235,814,400 with the head tied to the embedding; ours is untied: + vocab x d.
+    p = preset("llama-1b")
+    counts = layer_param_counts(p)  # on the meta device: no memory, no init
+    assert len(counts) == 16 and counts[1] == counts[-2]
+    assert sum(counts) == 1_235_814_400 + 128256 * 2048
+    assert boundary_shapes(p, 1)[-1].shape == (1, 2048, 128256)
+
+
+def test_llama_is_causal_with_grouped_query_attention() -> None:
+    p = preset("llama-tiny")
+    layer = build_layer(p, 1, seed=0)
+    attn = layer.block.self_attn
+    assert attn.k_proj.weight.shape == (2 * 16, 64) and attn.q_proj.weight.shape == (64, 64)
+    x = torch.randn(2, 10, p.d_model)
+    y = x.clone()
+    y[:, 7:] += 1.0  # change only the future of position 6
+    assert torch.allclose(layer(x)[:, :7], layer(y)[:, :7], atol=1e-6)
+    assert not torch.allclose(layer(x)[:, 7:], layer(y)[:, 7:])
 
 
 def test_gpt2_is_causal() -> None:
@@ -90,7 +111,7 @@ def test_every_preset_is_described() -> None:
         assert p.description and p.layers >= 2
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def test_transformers_share_one_layer_wrapper_with_the_same_parameter_names(name: str) -> None:
     """GPT-2 and BERT layers are both `PipelineLayer`: embed (layer 0), block, head (last
     layer), the names model.pt and checkpoints hold."""

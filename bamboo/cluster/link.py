@@ -22,8 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bamboo.cluster.protocol import (Decision, Go, MicroBatchesDone, Progress, RoundDone, Verdict,
-                                     StepReport, WorkerMessage, decide_key, epoch_key, go_key)
+from bamboo.cluster.protocol import (Decision, EvalDone, Go, MicroBatchesDone, Progress,
+                                     RoundDone, StepReport, Verdict, WorkerMessage, decide_key,
+                                     epoch_key, eval_key, go_key)
 from bamboo.redundancy.roles import RoleMap
 
 __all__ = ["CoordinatorLink", "CoordinatorGone"]
@@ -107,6 +108,10 @@ class CoordinatorLink:
         self.report(RoundDone, step=step, epoch=epoch, ok=ok, losses=losses)
         return Verdict.decode(self._vote_answer(decide_key(step, epoch), epoch,
                                                 Decision.REDO.value))
+
+    def eval_done(self, step: int, epoch: int, losses: list[tuple[int, float, float]]) -> Go:
+        self.report(EvalDone, step=step, epoch=epoch, losses=losses)
+        return Go(self._vote_answer(eval_key(step, epoch), epoch, Go.ABORT.value))
 
     def next_epochs(self, current: int, wait: bool) -> list[RoleMap]:
         """Role maps newer than `current`: waits for the first one if `wait`."""

@@ -23,9 +23,10 @@ from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Verdic
 
 __all__ = [
     "Go", "Decision", "BoundaryFlag", "Verdict",
-    "SHUTDOWN_KEY", "plan_key", "epoch_key", "go_key", "decide_key",
+    "SHUTDOWN_KEY", "plan_key", "epoch_key", "go_key", "decide_key", "eval_key",
     "PHASES", "Progress",
-    "WorkerMessage", "Ready", "MicroBatchesDone", "RoundDone", "StepReport", "LayerParams",
+    "WorkerMessage", "Ready", "MicroBatchesDone", "RoundDone", "EvalDone", "StepReport",
+    "LayerParams",
     "GenerationReady", "GenerationEnd", "CheckpointPart", "Notice", "Left", "Done",
     "WorkerError",
     "AgentMessage", "Hello", "Job", "Refused", "KillOrder", "NoticeOrder", "Ping", "Finished",
@@ -51,6 +52,10 @@ def go_key(step: int, epoch: int) -> str:
 
 def decide_key(step: int, epoch: int) -> str:
     return f"decide/{step}/{epoch}"
+
+
+def eval_key(step: int, epoch: int) -> str:
+    return f"eval/{step}/{epoch}"
 
 
 # -- shared arrays ------------------------------------------------------------------------
@@ -117,6 +122,18 @@ class RoundDone(WorkerMessage):
     ok: bool
     losses: list[tuple[int, float, float]]
     """(global micro-batch, loss, weight) of every micro-batch whose loss this node computed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalDone(WorkerMessage):
+    """The evaluation vote: this node's part of the held-out pass after `step` steps is done
+    under role epoch `epoch`; answered go (all live nodes done under that epoch) or abort
+    (the roles changed: every node evaluates again under the new ones)."""
+
+    step: int
+    epoch: int
+    losses: list[tuple[int, float, float]]
+    """(val micro-batch, loss, weight) of every val micro-batch whose loss this node computed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -286,5 +303,5 @@ class Exit(AgentMessage):
 
 AGENT_MESSAGES = (Hello, Job, Refused, KillOrder, NoticeOrder, Ping, Finished, FromWorker,
                   Beat, Exit)
-WORKER_MESSAGES = (Ready, MicroBatchesDone, RoundDone, StepReport, LayerParams, GenerationReady,
-                   GenerationEnd, CheckpointPart, Notice, Left, Done, WorkerError)
+WORKER_MESSAGES = (Ready, MicroBatchesDone, RoundDone, EvalDone, StepReport, LayerParams,
+                   GenerationReady, GenerationEnd, CheckpointPart, Notice, Left, Done, WorkerError)

@@ -44,7 +44,7 @@ from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart,
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
-from bamboo.models import layer_param_counts, preset
+from bamboo.models import layer_param_counts
 from bamboo.pipeline.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
                                   form_interruptibly)
 from bamboo.pipeline.engine import GenerationEnded, NodeEngine, TrainingHyper
@@ -189,7 +189,7 @@ class _Node:
         self.bind = collective_binding(spec.store_host, spec.store_port)
         self.progress = progress
         cfg = self.cfg = spec.config
-        self.preset = preset(cfg.model)
+        self.preset = cfg.model_preset()
         self.task = make_task(self.preset, seed=cfg.seed,
                               global_micro_batches=cfg.global_micro_batches,
                               micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
@@ -275,8 +275,14 @@ class _Node:
                          replica=engine.replica.stage if engine.replica is not None else None,
                          **loaded)
         done_step = plan.start_step
-        for step in range(plan.start_step, cfg.steps):
+        finished = False
+        for step in range(plan.start_step, cfg.steps + 1):
             try:
+                if cfg.evaluates_at(step):  # the parameters after `step` steps
+                    engine.evaluate(step, cfg.eval_batches)
+                if step == cfg.steps:
+                    finished = True
+                    break
                 report = engine.run_step(step)
             except GenerationEnded:
                 break
@@ -286,7 +292,7 @@ class _Node:
                 self._send_checkpoint_part(engine, step + 1)
             if BoundaryFlag.RECONFIGURE in engine.flags:
                 break
-        else:
+        if finished:
             # The first live holder of each stage writes its final layers to storage (after
             # any checkpoint write still going); the coordinator reads them back.
             layers, error = _write_final(self, engine)

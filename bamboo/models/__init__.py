@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.models.api import custom_layer, load_model
 from bamboo.models.bert import bert_layer
 from bamboo.models.cnn import _block_widths, cnn_layer
 from bamboo.models.gpt2 import gpt2_layer
 from bamboo.models.hf import hf_layer, load_transformers
+from bamboo.models.llama import llama_layer
 from bamboo.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
@@ -26,8 +28,15 @@ __all__ = [
     "boundary_shapes", "loss_fn", "BoundarySpec", "derive_seed",
 ]
 
+
+def _custom_layer(p: ModelPreset, index: int) -> nn.Module:
+    """Your own model's layer (bamboo.models.api), built for the preset's vocabulary."""
+    return custom_layer(load_model(p.name, p.vocab), index)
+
+
 _BUILDERS: dict[str, Callable[[ModelPreset, int], nn.Module]] = {
-    "gpt2": gpt2_layer, "bert": bert_layer, "cnn": cnn_layer,
+    "custom": _custom_layer,
+    "gpt2": gpt2_layer, "bert": bert_layer, "cnn": cnn_layer, "llama": llama_layer,
 }
 
 
@@ -83,6 +92,13 @@ def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
         load_transformers()  # before the init functions are stubbed: it keeps references
         with _shapes_only():
             return hf_layer(p, index, init=False)
+    if p.family == "custom":
+        try:
+            with _shapes_only():
+                return _custom_layer(p, index)
+        except Exception:  # a constructor that needs real tensors: count them on the CPU
+            with torch.random.fork_rng(devices=[]):
+                return _custom_layer(p, index)
     with _shapes_only():
         return _BUILDERS[p.family](p, index)
 
@@ -114,6 +130,9 @@ def boundary_shapes(p: ModelPreset, micro_batch_size: int) -> list[BoundarySpec]
     a test checks it against real forward passes.
     """
     b = micro_batch_size
+    if p.family == "custom":
+        return [BoundarySpec((b, *spec.shape), spec.dtype)
+                for spec in load_model(p.name, p.vocab).boundaries]
     if p.family == "cnn":
         shapes, size = [(b, p.channels, p.image_size, p.image_size)], p.image_size
         for _, c_out, stride in _block_widths(p):
@@ -129,6 +148,8 @@ def loss_fn(p: ModelPreset) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     """Mean loss of a micro-batch: next-token, masked-token or class cross-entropy."""
     if p.family == "cnn":
         return F.cross_entropy
+    if p.family == "custom":
+        return load_model(p.name, p.vocab).loss
 
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),

@@ -1,21 +1,25 @@
-"""Hugging Face GPT-2 and BERT as lists of pipeline layers.
+"""Hugging Face GPT-2, Llama and BERT as lists of pipeline layers.
 
-`hf:gpt2` and `hf:bert` build transformers' own modules (GPT2Block, BertLayer,
-BertEmbeddings, BertOnlyMLMHead) from a config, cut the same way as bamboo's own
-models: layer 0 holds the embeddings and the first block, the last layer holds the
-last block and the head, so every boundary is a float32 [B, T, d] tensor.
+`hf:gpt2`, `hf:llama` and `hf:bert` build transformers' own modules (GPT2Block,
+LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, BertLayer, BertEmbeddings,
+BertOnlyMLMHead) from a config, cut the same way as bamboo's own models: layer 0 holds
+the embeddings and the first block, the last layer holds the last block and the head, so
+every boundary is a float32 [B, T, d] tensor.
 
     hf:gpt2                     GPT2Config() defaults (GPT-2 small)
+    hf:llama                    LlamaConfig() defaults (Llama-2-7B sizes)
     hf:bert                     BertConfig() defaults (BERT-base)
     hf:gpt2:n_layer=2,n_embd=64 the defaults with overrides
     hf:/path/to/dir             config.json of a local directory, and its weights
                                 (model.safetensors or pytorch_model.bin) if present
 
 Dropout is forced to 0 (a pipelined run and a single process must draw the same
-numbers, and dropout masks would differ), attention runs through SDPA (GPT-2 is
-causal through SDPA's `is_causal`; eager with an explicit mask where a transformers
+numbers, and dropout masks would differ), attention runs through SDPA (GPT-2 and Llama
+are causal through SDPA's `is_causal`; eager with an explicit mask where a transformers
 release lacks SDPA), and the LM head is untied from the token embedding (tying would
-couple the first and last stage every step). See docs/models.md.
+couple the first and last stage every step). Every Llama layer holds its own rotary
+module and computes the (cos, sin) position embeddings itself, so nothing but the hidden
+state crosses a pipeline boundary. See docs/models.md.
 
 Names are parsed, sized and checked in `bamboo.presets` without torch or
 transformers; transformers (an optional dependency) is imported here, once an hf:
@@ -35,7 +39,7 @@ from torch import nn
 from bamboo.presets import INSTALL_HF, ModelPreset
 
 __all__ = ["hf_layer", "hf_config", "load_transformers", "load_layer",
-           "layer_state_from", "Checkpoint"]
+           "layer_state_from", "hf_state_key", "Checkpoint"]
 
 
 def load_transformers() -> Any:
@@ -48,6 +52,7 @@ def load_transformers() -> Any:
         import transformers
         from transformers.models.bert import modeling_bert  # noqa: F401
         from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
     except ImportError:
         raise ValueError(f"hf: models need the transformers package: {INSTALL_HF}") from None
     return transformers
@@ -60,14 +65,19 @@ def load_transformers() -> Any:
 def hf_config(config_json: str) -> Any:
     """The transformers config of a preset's `hf_config` values, with SDPA attention
     where this transformers has it for the model (eager otherwise)."""
-    transformers = load_transformers()
     values = json.loads(config_json)
-    gpt2 = values["model_type"] == "gpt2"
-    config = (transformers.GPT2Config if gpt2 else transformers.BertConfig).from_dict(values)
-    model_class = transformers.GPT2PreTrainedModel if gpt2 else transformers.BertPreTrainedModel
+    config_class, model_class = _classes(values["model_type"])
+    config = config_class.from_dict(values)
     sdpa = getattr(model_class, "_supports_sdpa", False)
     config._attn_implementation = "sdpa" if sdpa else "eager"
     return config
+
+
+def _classes(kind: str) -> tuple[Any, Any]:
+    """The config class and PreTrainedModel class of model_type `kind`."""
+    transformers = load_transformers()
+    name = {"gpt2": "GPT2", "llama": "Llama", "bert": "Bert"}[kind]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}PreTrainedModel")
 
 
 def _config_of(p: ModelPreset) -> Any:
@@ -83,11 +93,8 @@ def _config_of(p: ModelPreset) -> Any:
 @functools.cache
 def _initialiser(config_json: str) -> Callable[[nn.Module], None]:
     """The `_init_weights` of the model's PreTrainedModel class (holds no parameters)."""
-    from transformers.models.bert.modeling_bert import BertPreTrainedModel
-    from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
     config = hf_config(config_json)
-    cls = GPT2PreTrainedModel if config.model_type == "gpt2" else BertPreTrainedModel
-    return cls(config)._init_weights
+    return _classes(config.model_type)[1](config)._init_weights
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -136,6 +143,35 @@ class HFGPT2Layer(nn.Module):
         return x
 
 
+class HFLlamaLayer(nn.Module):
+    """A LlamaDecoderLayer with its own rotary embedding, with the token embedding before it
+    or the final RMSNorm + LM head after it."""
+
+    def __init__(self, config: Any, index: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
+                                                              LlamaRotaryEmbedding)
+        first, last = index == 0, index == config.num_hidden_layers - 1
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d) if first else None
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.block = LlamaDecoderLayer(config, layer_idx=index)
+        self.eager = config._attn_implementation == "eager"
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        cos_sin = self.rotary_emb(x, positions)
+        x = _first(self.block(x, attention_mask=_causal_mask(x) if self.eager else None,
+                              position_ids=positions, position_embeddings=cos_sin))
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
 class HFBertLayer(nn.Module):
     """A BertLayer, with BertEmbeddings before it or the masked-LM head after it."""
 
@@ -169,7 +205,8 @@ class HFBertLayer(nn.Module):
 def hf_layer(p: ModelPreset, index: int, *, init: bool = True) -> nn.Module:
     """Layer `index` of hf preset `p`: random from the current RNG, or the file's weights."""
     config = _config_of(p)
-    layer: nn.Module = (HFGPT2Layer if p.family == "gpt2" else HFBertLayer)(config, index)
+    layer_class = {"gpt2": HFGPT2Layer, "llama": HFLlamaLayer, "bert": HFBertLayer}[p.family]
+    layer: nn.Module = layer_class(config, index)
     if init and not p.hf_weights:
         layer.apply(_initialiser(p.hf_config))
     if isinstance(layer, HFBertLayer):
@@ -182,12 +219,16 @@ def hf_layer(p: ModelPreset, index: int, *, init: bool = True) -> nn.Module:
 # -- weights ---------------------------------------------------------------------------
 
 
+_PREFIX = {"gpt2": "transformer.", "llama": "model.", "bert": "bert."}
+"""The base model's prefix in a head model's file (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
+
+
 class Checkpoint:
-    """Tensors of a weights file under normalised names (no `transformer.`/`bert.` prefix,
-    LayerNorm gamma/beta as weight/bias); safetensors read per tensor."""
+    """Tensors of a weights file under normalised names (no `transformer.`/`model.`/`bert.`
+    prefix, LayerNorm gamma/beta as weight/bias); safetensors read per tensor."""
 
     def __init__(self, tensors: Callable[[str], torch.Tensor], names: list[str], kind: str) -> None:
-        prefix = "transformer." if kind == "gpt2" else "bert."
+        prefix = _PREFIX[kind]
         self._raw: dict[str, str] = {}
         for raw in names:
             key = raw.removeprefix(prefix)
@@ -222,11 +263,26 @@ class Checkpoint:
 
 _PLACES = {"gpt2": {"wte.": "wte.", "wpe.": "wpe.", "block.": "h.{i}.", "ln_f.": "ln_f.",
                     "lm_head.": "lm_head."},
+           "llama": {"embed_tokens.": "embed_tokens.", "block.": "layers.{i}.",
+                     "norm.": "norm.", "lm_head.": "lm_head."},
            "bert": {"embeddings.": "embeddings.", "block.": "encoder.layer.{i}.", "cls.": "cls."}}
 # Tied checkpoints store the head once, as the embedding (and BERT's bias as predictions.bias).
-_FALLBACKS = {"lm_head.weight": "wte.weight",
-              "cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
-              "cls.predictions.decoder.bias": "cls.predictions.bias"}
+_FALLBACKS = {"gpt2": {"lm_head.weight": "wte.weight"},
+              "llama": {"lm_head.weight": "embed_tokens.weight"},
+              "bert": {"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
+                       "cls.predictions.decoder.bias": "cls.predictions.bias"}}
+
+
+def _normalised_key(kind: str, index: int, name: str) -> str:
+    prefix = next(p for p in _PLACES[kind] if name.startswith(p))
+    return _PLACES[kind][prefix].format(i=index) + name[len(prefix):]
+
+
+def hf_state_key(kind: str, index: int, name: str) -> str:
+    """The name parameter `name` of layer `index` has in transformers' own head model
+    (GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM) of an untied checkpoint."""
+    key = _normalised_key(kind, index, name)
+    return key if key.startswith(("lm_head.", "cls.")) else _PREFIX[kind] + key
 
 
 def layer_state_from(ckpt: Checkpoint, kind: str, index: int,
@@ -234,11 +290,10 @@ def layer_state_from(ckpt: Checkpoint, kind: str, index: int,
     """The checkpoint tensors of layer `index`'s parameters `names` (ValueError if missing)."""
     out = {}
     for name in names:
-        prefix = next(p for p in _PLACES[kind] if name.startswith(p))
-        key = _PLACES[kind][prefix].format(i=index) + name[len(prefix):]
+        key = _normalised_key(kind, index, name)
         tensor = ckpt.get(key)
-        if tensor is None and name in _FALLBACKS:
-            tensor = ckpt.get(_FALLBACKS[name])
+        if tensor is None and name in _FALLBACKS[kind]:
+            tensor = ckpt.get(_FALLBACKS[kind][name])
         if tensor is None:
             raise ValueError(f"the weights file has no tensor '{key}' for layer {index}")
         out[name] = tensor

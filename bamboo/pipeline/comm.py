@@ -41,9 +41,10 @@ import torch.distributed as dist
 
 __all__ = ["PeerLost", "Interrupted", "P2P", "Key", "GroupFormer", "tag_for", "ACTIVATION",
            "GRADIENT", "DP_UP", "DP_DOWN", "REPLICA", "NORM_UP", "NORM_DOWN", "RESTORE",
-           "MANIFEST", "form_interruptibly", "needs_host_staging", "StagedWork"]
+           "MANIFEST", "EVAL", "form_interruptibly", "needs_host_staging", "StagedWork"]
 
-ACTIVATION, GRADIENT, DP_UP, DP_DOWN, REPLICA, NORM_UP, NORM_DOWN, RESTORE, MANIFEST = range(9)
+(ACTIVATION, GRADIENT, DP_UP, DP_DOWN, REPLICA, NORM_UP, NORM_DOWN, RESTORE, MANIFEST,
+ EVAL) = range(10)
 
 Key = tuple[int, int, int]
 """(kind, stage, micro-batch): what a transfer carries."""
@@ -85,8 +86,9 @@ class Interrupted(Exception):
 
 
 def tag_for(kind: int, stage: int, mb: int = 0) -> int:
-    """A distinct tag per transfer of a step: kind < 16, stage < 1024, micro-batch < 2**18."""
-    return (kind << 28) | (stage << 18) | mb
+    """A distinct tag per transfer of a step: kind < 16, stage < 512, micro-batch < 2**18
+    (31 bits: gloo's tags are signed 32-bit integers)."""
+    return (kind << 27) | (stage << 18) | mb
 
 
 def needs_host_staging(backend: str, device: torch.device | str) -> bool:

@@ -9,6 +9,9 @@ B. the commit round (`commit.py`): data-parallel sums, the replica's gradient, t
    global norm; the coordinator says "commit" only if every survivor's round worked;
 C. the optimizer step, on every stage the node holds and on its replica.
 
+Between steps, `evaluate` runs the held-out pass: forward only, no state changes, closed by
+a vote of its own; a loss during it means new roles and the pass again under them.
+
 When a peer is lost the node asks the coordinator for the new role map and applies
 it to the step under way: a shadow adopts the lost stage (from its replica, with the
 eager FRC results, or restored from a peer pipeline) and its list grows by that
@@ -33,7 +36,7 @@ from bamboo.data import Batch, Task
 from bamboo.faults import FaultPlan
 from bamboo.models import ModelPreset, boundary_shapes, loss_fn
 from bamboo.pipeline import schedule as S
-from bamboo.pipeline.comm import (ACTIVATION, GRADIENT, MANIFEST, RESTORE, P2P, GroupFormer,
+from bamboo.pipeline.comm import (ACTIVATION, EVAL, GRADIENT, MANIFEST, RESTORE, P2P, GroupFormer,
                                   Interrupted, Key, PeerLost, form_interruptibly)
 from bamboo.pipeline.commit import RoundResult, commit_round
 from bamboo.pipeline.layout import Layout
@@ -43,7 +46,11 @@ from bamboo.pipeline.stage import StageState
 from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 from bamboo.redundancy.roles import RoleMap, Takeover
 
-__all__ = ["TrainingHyper", "NodeEngine", "GenerationEnded"]
+__all__ = ["TrainingHyper", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
+
+EVAL_FAULT_INDEX = -1
+"""A fault's instruction index that means: in the evaluation after `step` steps, after each
+of this node's val micro-batches."""
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
 """Phase indices a node marks its progress with (`bamboo.cluster.protocol.PHASES` names them)."""
@@ -262,6 +269,65 @@ class NodeEngine:
             self.replica.apply(result.replica_grad, coef, lr)
         s.report.grad_norm, s.report.lr = result.norm, lr
         s.report.optim_s += time.perf_counter() - start
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self, step: int, batches: int) -> list[tuple[int, float, float]]:
+        """The held-out loss of the parameters after `step` steps: val micro-batches
+        0..batches-1 (pipeline d takes those with index % D == d) go forward through the
+        pipeline with nothing saved and nothing updated; the last stage's holder returns
+        (index, loss, weight) for its pipeline's share. The pass ends with a vote: if the
+        roles changed meanwhile (a node was lost), every node applies the new roles (a
+        failover, as between steps) and runs the pass again, so the result is that of
+        the failure-free run. GenerationEnded as in `run_step`."""
+        scratch = _Step(step)  # what a role change applies to: nothing of a step is done yet
+        scratch.report = StepReport(step=step, rank=self.rank, stages=[])
+        while True:
+            wait = False
+            try:
+                losses = self._eval_pass(step, batches)
+                if self.link.eval_done(step, self.roles.epoch, losses) is Go.GO:
+                    return losses
+            except PeerLost as e:
+                wait = e.peer not in self.roles.dead
+            except Interrupted:
+                pass
+            self._recover(scratch, wait)
+
+    def _eval_pass(self, step: int, batches: int) -> list[tuple[int, float, float]]:
+        # Each node walks its val micro-batches in order and, within one, its stages in
+        # order: between any two nodes the messages of a direction come in one order on
+        # both sides (what strict communication needs), whatever stages each holds. The
+        # epoch is in the tagged key: a message of a pass cut short never matches a later one.
+        pipelines = self.roles.pipelines
+        mine = sorted(self.stages)
+        losses = []
+        for index in range(self.pipeline, batches, pipelines):
+            seq = ((self.roles.epoch % 64) << 12) | index
+            batch, x = None, None
+            for stage in mine:
+                source = self._holder(stage - 1) if stage > 0 else self.rank
+                if stage == 0:
+                    batch = self.task.eval_batch(index)
+                    x = batch.inputs.to(self.device)
+                elif source != self.rank:
+                    spec = self.specs[self.parts[stage].start - 1]
+                    x = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, source,
+                                                    (EVAL, stage - 1, seq), self._interrupted)
+                with torch.no_grad(), self._autocast():
+                    out = self.stages[stage].module(x)
+                if stage == self.P - 1:
+                    batch = batch or self.task.eval_batch(index)
+                    loss = self.loss(out.float(), batch.targets.to(self.device))
+                    losses.append((index, float(loss), 1.0 / batches))
+                    continue
+                x = out.to(self.specs[self.parts[stage].stop - 1].dtype)
+                target = self._holder(stage + 1)
+                if target != self.rank:
+                    self.p2p.send(x, target, (EVAL, stage, seq))
+            self.faults.check(step, EVAL_FAULT_INDEX, False, True)
+        self.p2p.flush(set(self.roles.dead), self._interrupted)
+        return losses
 
     # -- instructions -----------------------------------------------------------------------
 

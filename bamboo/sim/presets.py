@@ -83,6 +83,15 @@ PRESETS: dict[str, ModelPreset] = {
         on_demand_nodes=20, on_demand_step_s=2.51,
         source="Bamboo authors' measured step times (traces README)", measured=True,
     ),
+    "llama1b": ModelPreset(
+        name="llama-1b", stages=8, samples_per_step=16,
+        step_s={4: 1.512, 3: 1.569, 2: 1.628, 1: 1.800},
+        rebalance_s=20.0, restart_s=30.0, ckpt_save_s=11.5, ckpt_restart_s=71.5,
+        on_demand_nodes=32, on_demand_step_s=5.055,
+        source="illustrative: GPT-2's measured step times x 12/8 (Llama-3.2-1B sizes, 1.5B "
+               "parameters with the untied head, on 8 stages; 16 x 2048 tokens per step, as "
+               "GPT-2's 32 x 1024)",
+    ),
     "resnet": ModelPreset(
         name="resnet", stages=8, samples_per_step=384,
         step_s={4: 1.6, 3: 2.4, 2: 3.2, 1: 6.1},

@@ -57,7 +57,8 @@ class CheckpointAssembly:
         meta = {"unit": "layer", "model": cfg.model, "seed": cfg.seed,
                 "global_micro_batches": cfg.global_micro_batches,
                 "micro_batch_size": cfg.micro_batch_size, "steps": cfg.steps,
-                "losses": ctx.losses[:msg.step]}
+                "losses": ctx.losses[:msg.step],
+                "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step]}
         start = ctx.clock()
         try:
             path = publish(checkpoint_location(cfg), msg.step, sorted(parts), meta,

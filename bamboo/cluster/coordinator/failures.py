@@ -114,7 +114,7 @@ class FailureHandler:
         loss = Loss(node=n.name, rank=n.rank, step=step, phase=phase,
                     handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame)
         self.losses.append(loss)
-        if step >= ctx.cfg.steps:
+        if step >= ctx.cfg.steps and not self.steps.eval_pending(step):
             # After the last commit: nothing to redo; the final parameters come from the
             # layers' other copies (every node also reports its replica's parameters).
             loss.handled_as, loss.phase = HandledAs.FAILOVER, "after the last step"

@@ -42,13 +42,13 @@ from bamboo.cluster.coordinator.restore import RestorePoints
 from bamboo.cluster.coordinator.results import Results
 from bamboo.cluster.coordinator.state import RunContext, RunFailed, Stop
 from bamboo.cluster.coordinator.steps import PendingStep, StepProtocol
-from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
+from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done, EvalDone,
                                      GenerationEnd, GenerationReady, LayerParams, Left,
                                      MicroBatchesDone, Notice, Ready, RoundDone, StepReport,
                                      WorkerError, WorkerMessage)
 from bamboo.config import JobConfig
 from bamboo.faults import Fault
-from bamboo.models import layer_param_counts, preset
+from bamboo.models import layer_param_counts
 from bamboo.progress import ProgressDisplay
 from bamboo.runlog import RunDir, RunDirError, write_atomic
 
@@ -86,6 +86,8 @@ class Coordinator:
         """RemoteAgents: the machines whose workers are nodes (agents)."""
         self.health: Any = None
         """The --http feed (bamboo.cluster.coordinator.health), while the run lasts."""
+        self.scalars: Any = None
+        """--tensorboard / --wandb logging (`scalars.ScalarLog`), fed from the event log."""
         self.final_status: str | None = None
         """"completed" or "failed" once the run has ended so (not when interrupted)."""
 
@@ -105,6 +107,7 @@ class Coordinator:
         self.events = self.rundir.events(t0)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self._start_scalars()
             self.events.write("run_start", config=self.cfg.to_dict(),
                               resumed_from=str(self.resume.path) if self.resume else None)
             if self.health is not None:
@@ -127,6 +130,8 @@ class Coordinator:
             if self.membership is not None:
                 self.membership[0].close()
             self.display.close()
+            if self.scalars is not None:
+                self.scalars.close()
             self._close_health()
             self.events.close()
 
@@ -161,14 +166,32 @@ class Coordinator:
         self.events.write("store", port=self.store.port,
                           advertised=self.store_host or "the address each agent joined on")
 
+    def _start_scalars(self) -> None:
+        """--tensorboard / --wandb: scalars from every event from now on."""
+        cfg = self.cfg
+        if cfg.tensorboard is None and cfg.wandb is None:
+            return
+        from bamboo.cluster.coordinator.scalars import ScalarLog
+        try:
+            self.scalars = ScalarLog(cfg, self.rundir.path, self.display.message,
+                                     live_nodes=lambda: self.nodes.alive_count()
+                                     if hasattr(self, "nodes") else None)
+        except Exception as e:
+            which = "--wandb" if cfg.wandb is not None else "--tensorboard"
+            raise Stop(f"cannot start {which} logging: {type(e).__name__}: {e}".splitlines()[0],
+                       exit_code=2) from None
+        self.events.listeners.append(self.scalars.on_event)
+
     def _build_parts(self, t0: float) -> None:
         cfg, resume = self.cfg, self.resume
         start = resume.step if resume is not None else 0
         ctx = self.ctx = RunContext(
             cfg=cfg, store=self.store, events=self.events, display=self.display,
-            run_path=self.rundir.path, param_counts=layer_param_counts(preset(cfg.model)),
+            run_path=self.rundir.path, param_counts=layer_param_counts(cfg.model_preset()),
             t0=t0, rc=cfg.redundancy != "off", committed=start,
             losses=list(resume.meta.get("losses", []))[:start] if resume else [],
+            eval_losses=[e for e in resume.meta.get("eval_losses", []) if e[0] <= start]
+            if resume else [],
             resume_step=resume.step if resume else None,
             resume_path=resume.path if resume else None)
         slots = 2 * max(cfg.nodes, cfg.node_cap) + 4
@@ -181,7 +204,9 @@ class Coordinator:
         self.steps = StepProtocol(ctx, member_node=lambda r: self.gens.member(r).node,
                                   gone=self._gone_nodes, boundary=self._boundary,
                                   on_commit=self._on_commit, on_record=self._on_record,
+                                  on_eval=self._on_eval,
                                   check_replicas=self.check_replicas)
+        self.steps.evaluated.update(step for step, _ in ctx.eval_losses)
         self.checkpoints = CheckpointAssembly(ctx)
         self.restore = RestorePoints(ctx, rewind=self._rewind)
         self.gens = Generations(ctx, self.nodes, self.restore,
@@ -191,7 +216,8 @@ class Coordinator:
                                        kill_fired=self.preemptions.kill_fired,
                                        respawn=self._respawn,
                                        layout_changed=lambda: self.view.layout_changed())
-        self.results = Results(ctx, self.display.step)
+        self.results = Results(ctx, self.display.step,
+                               getattr(self.display, "evaluation", lambda step, loss: None))
         if self.health is not None:
             self.health.attach(ctx, self.nodes, self.results, self.failures, self.gens)
         self.auto = None
@@ -203,6 +229,7 @@ class Coordinator:
         self.handlers: dict[type, Callable[[Node, Any], None]] = {
             MicroBatchesDone: lambda n, m: self.steps.on_micro_batches_done(m),
             RoundDone: lambda n, m: self.steps.on_round_done(m),
+            EvalDone: lambda n, m: self.steps.on_eval_done(m),
             StepReport: lambda n, m: self.steps.on_step_report(n.node, m),
             LayerParams: lambda n, m: self.results.on_params(m),
             Ready: self._on_ready,
@@ -474,6 +501,11 @@ class Coordinator:
             self.gens.step_begins_pending = step + 1  # once the next generation runs
         else:
             self.preemptions.step_begins(step + 1)
+
+    def _on_eval(self, step: int, loss: float) -> None:
+        self.results.record_eval(step, loss)
+        if step >= self.cfg.steps:  # no step record follows: close the losses of the last pass
+            self.failures.close(step, [], 0.0, self.results.records)
 
     def _on_record(self, p: PendingStep, reports: list[StepReport]) -> None:
         names = {id(r): self.nodes[node].name for node, r in p.reports.items()}

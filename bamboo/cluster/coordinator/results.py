@@ -40,9 +40,11 @@ def _node_order(name: str) -> tuple[int, str]:
 
 
 class Results:
-    def __init__(self, ctx: RunContext, display_step: Any) -> None:
+    def __init__(self, ctx: RunContext, display_step: Any,
+                 display_eval: Any = lambda step, loss: None) -> None:
         self.ctx = ctx
         self.display_step = display_step
+        self.display_eval = display_eval
         self.records: list[dict] = []
         self.final: set[int] = set()
         """Layers whose final parameters a node reported written."""
@@ -66,6 +68,14 @@ class Results:
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
                           [1000 * r.step_s for r in reports])
         return record
+
+    def record_eval(self, step: int, loss: float) -> None:
+        """The held-out loss of the parameters after `step` steps."""
+        self.ctx.eval_losses.append([step, loss])
+        self.ctx.eval_losses.sort()
+        self.ctx.events.write("eval", step=step, loss=loss,
+                              batches=self.ctx.cfg.eval_batches)
+        self.display_eval(step, loss)
 
     def _note_memory(self, name: str, r: StepReport) -> None:
         """Keep node `name`'s running peaks of device and host bytes."""
@@ -148,6 +158,7 @@ class Results:
         return {
             "status": status, "error": error,
             "steps_completed": steps, "samples": steps * batch, "losses": ctx.losses,
+            "eval_losses": ctx.eval_losses,
             "param_l2": l2 if params else None,
             "param_sha256": sha.hexdigest() if params else None,
             "preemptions": len(losses) + standby_losses,

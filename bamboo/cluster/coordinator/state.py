@@ -123,6 +123,8 @@ class RunContext:
     committed: int = 0
     """Steps committed: the next step to run."""
     losses: list[float] = field(default_factory=list)
+    eval_losses: list[list[float]] = field(default_factory=list)
+    """[steps done, held-out loss] of every evaluation, in step order."""
     plan: GenerationPlan | None = None
     roles: RoleMap | None = None
     reconf: Reconfiguration | None = None

@@ -7,6 +7,10 @@ and step k's loss is the sum of the micro-batch losses. A vote under an older ep
 answered ABORT/REDO. After the commit each node sends its `StepReport`; when every
 expected report is in, the step's record (`step_done` event) is written in order, the
 replicas' digests are compared, and the losses of that step are closed.
+
+Evaluation (`--eval-every`) has a vote of its own between steps: after k steps, every live
+active node votes `EvalDone` with the val losses it computed; when all have under the
+current epoch, `eval/k/e` is GO and the held-out loss after k steps is recorded (once).
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bamboo.cluster.coordinator.state import RunContext, Stop
-from bamboo.cluster.protocol import (BoundaryFlag, Decision, Go, MicroBatchesDone, RoundDone,
-                                     StepReport, Verdict, decide_key, go_key)
+from bamboo.cluster.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
+                                     RoundDone, StepReport, Verdict, decide_key, eval_key, go_key)
 
 __all__ = ["StepProtocol", "PendingStep"]
 
@@ -38,6 +42,7 @@ class StepProtocol:
                  gone: Callable[[], set[int]], boundary: Callable[[int], frozenset[BoundaryFlag]],
                  on_commit: Callable[[int, frozenset[BoundaryFlag]], None],
                  on_record: Callable[[PendingStep, list[StepReport]], None],
+                 on_eval: Callable[[int, float], None] = lambda step, loss: None,
                  check_replicas: bool = False) -> None:
         self.ctx = ctx
         self.member_node = member_node
@@ -47,6 +52,11 @@ class StepProtocol:
         self.boundary = boundary
         self.on_commit = on_commit
         self.on_record = on_record
+        self.on_eval = on_eval
+        self.eval_votes: dict[tuple[int, int], dict[int, EvalDone]] = {}
+        self.evaluated: set[int] = set()
+        """Steps whose held-out loss is recorded (a generation that starts again at an
+        evaluation point evaluates again: the first result stands)."""
         self.check_replicas = check_replicas
         self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
         self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}
@@ -75,6 +85,26 @@ class StepProtocol:
         for (step, epoch), done in list(self.micro_batches_done.items()):
             if epoch == self.ctx.roles.epoch and done >= self.live_active():
                 self.ctx.set_once(go_key(step, epoch), Go.GO.value)
+
+    def on_eval_done(self, msg: EvalDone) -> None:
+        key = eval_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self.ctx.set_once(key, Go.ABORT.value)
+            return
+        votes = self.eval_votes.setdefault((msg.step, msg.epoch), {})
+        votes[msg.rank] = msg
+        if set(votes) >= self.live_active():
+            self.ctx.set_once(key, Go.GO.value)
+            del self.eval_votes[(msg.step, msg.epoch)]
+            if msg.step not in self.evaluated:
+                self.evaluated.add(msg.step)
+                losses = dict(sorted((i, (loss, w)) for v in votes.values()
+                                     for i, loss, w in v.losses))
+                self.on_eval(msg.step, math.fsum(loss * w for loss, w in losses.values()))
+
+    def eval_pending(self, step: int) -> bool:
+        """An evaluation after `step` steps is due and not recorded yet."""
+        return self.ctx.cfg.evaluates_at(step) and step not in self.evaluated
 
     def moot(self, step: int, epoch: int) -> None:
         """Roles changed in `step`: votes under `epoch` are answered abort and redo."""

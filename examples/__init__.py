@@ -1,0 +1,1 @@
+"""Examples: run configurations and a model of your own (`custom_model.py`)."""
