@@ -20,8 +20,17 @@ system-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
 	  else echo "etcd is missing: install Debian's etcd-server (sudo apt-get install etcd-server)"; fi; }
 
-demo: setup
-	$(BIN)/bamboo train --config examples/demo.yaml --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+# The demo trains on real text: the project's own docs, tokenized once (a BPE of 1024 ids
+# trained on them) into runs/demo-data; TensorBoard event files go beside the report.
+DEMO_TEXT := README.md $(wildcard docs/*.md)
+
+demo: setup runs/demo-data/header.json
+	run=runs/demo-$$(date +%Y%m%d-%H%M%S) && \
+	$(BIN)/bamboo train --config examples/demo.yaml --out $$run --tensorboard $$run/tensorboard
+
+runs/demo-data/header.json: $(DEMO_TEXT) | setup
+	rm -rf runs/demo-data
+	$(BIN)/bamboo data prepare $(DEMO_TEXT) --out runs/demo-data --tokenizer bpe:1024
 
 test: setup
 	$(BIN)/python -m pytest -q
