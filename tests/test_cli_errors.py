@@ -120,6 +120,10 @@ FLAG_CASES: dict[str, list[tuple]] = {
                (["--data", "{small}"], "has 3 bytes; gpt2-tiny needs at least 65"),
                (["--data", "{small}", "--model", "cnn-tiny", "--stages", "2"],
                 "is for token models")],
+    "--eval-every": [(["--eval-every", "-1"], "--eval-every must be an integer >= 0")],
+    "--eval-batches": [(["--eval-batches", "5000"], "must be an integer from 1 to 4096")],
+    "--tensorboard": [(["--tensorboard", "{small}"], "exists and is not a directory")],
+    "--wandb": [(["--wandb", "team/project"], "is not a project name")],
     "--lr": [(["--lr", "0"], "must be positive"), (["--lr", "inf"], "must be positive"),
              (["--lr", "nan"], "must be positive")],
     "--warmup-steps": [(["--warmup-steps", "-1"], "must be an integer >= 0")],
@@ -187,7 +191,8 @@ TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--mic
                "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
                "--threads": "int", "--comm-timeout": "float", "--lease": "float",
                "--time-scale": "float", "--max-nodes": "int", "--notice-s": "float",
-               "--checkpoint-every": "int", "--keep-checkpoints": "int"}
+               "--checkpoint-every": "int", "--keep-checkpoints": "int", "--eval-every": "int",
+               "--eval-batches": "int"}
 """Flags argparse converts: a word instead of a number is its own one-line error."""
 
 
