@@ -127,3 +127,23 @@ def test_prepared_data_with_eval_through_a_kill(model: str, prepared: Path,
     assert trained.keys() == params.keys()
     for name, t in params.items():
         assert torch.allclose(trained[name], t, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_keeps_the_evaluations_before_its_checkpoint(tmp_path: Path) -> None:
+    """Evaluations recorded before the checkpoint a run resumes from travel in its metadata;
+    the resumed run adds the rest: the failure-free run's list, each step once."""
+    from conftest import run_bamboo
+    out = tmp_path / "run"
+    job = ["train", "--nodes", "2", "--stages", "2", "--eval-every", "1", "--eval-batches", "2",
+           "--json", "--quiet"]
+    first = run_bamboo([*job, "--steps", "4", "--checkpoint-every", "2"], out)
+    assert first.code == 0, first.stderr
+    second = run_bamboo([*job, "--steps", "7", "--resume", str(out)], None)
+    assert second.code == 0, second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["resumed_from_step"] == 2
+    cfg = config(dict(nodes=2, stages=2, steps=7, eval_every=1, eval_batches=2))
+    assert [s for s, _ in summary["eval_losses"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert_evals_equal(summary, cfg)  # warm-up's lr does not depend on --steps
