@@ -65,6 +65,8 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         help="recompute each layer's activations in the backward instead of keeping them")
     opt("--data", help="a directory written by `bamboo data prepare` (the model's vocabulary "
         "follows its tokenizer's), or a UTF-8 text file (byte tokens); default synthetic")
+    opt("--layer-costs", metavar="FILE", help="cut stages by measured seconds per layer "
+        "(bamboo profile --layers-only) instead of parameter counts")
     opt("--eval-every", type=int, default=d.eval_every, metavar="K",
         help="every K steps and after the last, the held-out loss on the val split "
         "(eval_losses in summary.json; default 0: never)")
@@ -126,7 +128,7 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
            "seed", "redundancy", "frc_offload", "comm", "precision", "exact",
-           "activation_checkpointing", "data", "eval_every", "eval_batches", "tensorboard",
+           "activation_checkpointing", "data", "layer_costs", "eval_every", "eval_batches", "tensorboard",
            "wandb", "lr", "warmup_steps", "weight_decay", "grad_clip",
            "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
            "notice_s", "checkpoint_every", "recovery", "resume", "out", "keep_checkpoints",

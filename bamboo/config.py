@@ -104,6 +104,9 @@ class JobConfig:
     """A directory written by `bamboo data prepare` (token files; the model's vocabulary
     follows its tokenizer's), or a UTF-8 text file to train on as byte tokens; default: a
     synthetic language."""
+    layer_costs: str | None = None
+    """A file of measured seconds per layer (`bamboo profile --layers-only`): stages are cut
+    by those instead of by parameter counts."""
     eval_every: int = 0
     """Every K steps (and after the last), the held-out loss on the val split; 0: never."""
     eval_batches: int = 8
@@ -293,8 +296,31 @@ class JobConfig:
         self._validate_out()
         self._validate_data(p.family)
         self._validate_eval_and_logging()
+        self._validate_layer_costs(p.layers)
         self._validate_kills()
         return self
+
+    def _validate_layer_costs(self, layers: int) -> None:
+        if self.layer_costs is None:
+            return
+        from bamboo.pipeline.layer_costs import load_layer_costs
+        try:
+            costs = load_layer_costs(self.layer_costs)
+        except ValueError as e:
+            raise ConfigError(f"--layer-costs: {e}") from None
+        if costs.model != self.model:
+            raise ConfigError(f"--layer-costs {self.layer_costs} was measured for "
+                              f"{costs.model}, not {self.model}: profile this model")
+        if len(costs.layer_s) != layers:
+            raise ConfigError(f"--layer-costs {self.layer_costs} has {len(costs.layer_s)} "
+                              f"layers; {self.model} has {layers}: profile this model")
+
+    def partition_costs(self, param_counts: list[int]) -> list[float]:
+        """What stages are cut by: --layer-costs' seconds, else parameter counts."""
+        if self.layer_costs is None:
+            return [float(c) for c in param_counts]
+        from bamboo.pipeline.layer_costs import load_layer_costs
+        return load_layer_costs(self.layer_costs).layer_s
 
     def _validate_eval_and_logging(self) -> None:
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -400,7 +426,8 @@ class JobConfig:
                 "activation_checkpointing": self.activation_checkpointing,
                 "model": self.model, "seed": self.seed,
                 "steps": self.steps, "data": self.data, "eval_every": self.eval_every,
-                "eval_batches": self.eval_batches, "trace": self.trace,
+                "eval_batches": self.eval_batches, "layer_costs": self.layer_costs,
+                "trace": self.trace,
                 "time_scale": self.time_scale, "max_nodes": self.node_cap,
                 "notice_s": self.notice_s, "checkpoint_every": self.checkpoint_every,
                 "recovery": self.recovery}

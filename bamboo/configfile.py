@@ -42,7 +42,8 @@ from bamboo.presets import PRESETS
 __all__ = ["load_job_config", "example_config", "field_paths", "SECTIONS"]
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "layout": ("nodes", "stages", "pipelines", "micro_batches", "micro_batch_size"),
+    "layout": ("nodes", "stages", "pipelines", "micro_batches", "micro_batch_size",
+               "layer_costs"),
     "training": ("steps", "seed", "lr", "warmup_steps", "weight_decay", "grad_clip"),
     "runtime": ("threads", "comm_timeout_s", "device", "comm", "precision", "exact",
                 "activation_checkpointing"),

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser  # one-line usage errors
 
@@ -131,13 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="steps of each engine run")
     parser.add_argument("--out", default="costs.json")
+    parser.add_argument("--data", help="with --layers-only: a prepared token directory whose "
+                        "vocabulary the model takes (as bamboo train --data)")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="only time each layer alone and write a layer-costs file for "
+                        "`bamboo train --layer-costs` (no engine runs)")
     args = parser.parse_args(argv)
 
     from bamboo.config import ConfigError, JobConfig
     try:
-        JobConfig(model=args.model, nodes=args.stages, stages=args.stages,
-                  micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                  steps=args.steps).validate()
+        job = JobConfig(model=args.model, nodes=args.stages, stages=args.stages,
+                        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                        steps=args.steps, data=args.data).validate()
+        if args.data is not None and not args.layers_only:
+            raise ConfigError("--data goes with --layers-only (the step costs use synthetic data)")
         if args.repeats < 1 or args.steps < 4:
             raise ConfigError("--repeats must be >= 1 and --steps >= 4")
         if Path(args.out).exists():
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bamboo profile: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
+    if args.layers_only:
+        return _layers_only(args, job)
     from bamboo.redundancy.timeline import Costs, compare
     from bamboo.sim.costs import StepCosts, save_costs
 
@@ -169,4 +179,16 @@ def main(argv: list[str] | None = None) -> int:
           f"(timeline model, one processor per node); failover pause "
           f"{engine['failover_pause_s']:.3f} s; peer restore {engine['reconfiguration_s']:.3f} s; "
           f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _layers_only(args: Any, job: Any) -> int:
+    from bamboo.pipeline.layer_costs import measure_layer_costs, save_layer_costs
+    p = job.model_preset()
+    print(f"timing each layer of {args.model} (vocabulary {p.vocab}) alone: micro-batches of "
+          f"{args.micro_batch_size}, median of {args.repeats}", file=sys.stderr)
+    costs = measure_layer_costs(args.model, args.micro_batch_size, args.repeats, data=args.data)
+    save_layer_costs(costs, args.out)
+    print(f"ms per layer {[round(1000 * t, 2) for t in costs.layer_s]}; wrote {args.out} "
+          f"(bamboo train --model {args.model} --layer-costs {args.out})", file=sys.stderr)
     return 0

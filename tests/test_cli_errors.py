@@ -120,6 +120,8 @@ FLAG_CASES: dict[str, list[tuple]] = {
                (["--data", "{small}"], "has 3 bytes; gpt2-tiny needs at least 65"),
                (["--data", "{small}", "--model", "cnn-tiny", "--stages", "2"],
                 "is for token models")],
+    "--layer-costs": [(["--layer-costs", "{missing}"], "does not exist"),
+                      (["--layer-costs", "{small}"], "cannot read layer-costs file")],
     "--eval-every": [(["--eval-every", "-1"], "--eval-every must be an integer >= 0")],
     "--eval-batches": [(["--eval-batches", "5000"], "must be an integer from 1 to 4096")],
     "--tensorboard": [(["--tensorboard", "{small}"], "exists and is not a directory")],

@@ -184,6 +184,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "exact": [("yes", "expected true or false")],
     "activation_checkpointing": [(2, "expected true or false")],
     "data": [(MISSING, "does not exist"), (12, "expected a string, got an integer (12)")],
+    "layer_costs": [(MISSING, "does not exist")],
     "eval_every": [(-2, "--eval-every must be an integer >= 0"), ("often", "expected an integer")],
     "eval_batches": [(0, "--eval-batches must be an integer from 1 to 4096")],
     "tensorboard": [("{job}", "exists and is not a directory")],

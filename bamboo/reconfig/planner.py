@@ -112,9 +112,12 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
                     stages: int, param_counts: Sequence[int], global_micro_batches: int,
                     redundancy: bool, checkpoint: str | None = None,
                     max_pipelines: int | None = None, reason: str = "",
-                    machine_of: Callable[[str], str | None] | None = None) -> GenerationPlan:
+                    machine_of: Callable[[str], str | None] | None = None,
+                    partition_costs: Sequence[float] | None = None) -> GenerationPlan:
     """The plan of generation `gen` over `nodes` (live, ready, in order of preference).
 
+    Stages are cut by `partition_costs` (measured seconds per layer) when given, else by
+    `param_counts`, which also weigh the state a node holds.
     `machine_of` names each node's machine (agents with several workers): replicas are
     then placed off their primary's machine where the machines allow.
     `holdings` maps every live node (`leaving` ones included) to the layers whose state
@@ -125,7 +128,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
     layers = len(param_counts)
     d, p = choose_layout(len(nodes), stages=stages, layers=layers,
                          global_micro_batches=global_micro_batches, max_pipelines=max_pipelines)
-    parts = partition(list(param_counts), p)
+    parts = partition(list(partition_costs or param_counts), p)
     rc = redundancy and p > 1
 
     # Every (slot, node) pair scored by the state the node already holds for the slot; the

@@ -96,7 +96,7 @@ class Generations:
     def first_plan(self) -> GenerationPlan:
         ctx = self.ctx
         d, p = ctx.cfg.data_parallel, ctx.cfg.stages
-        parts = partition(ctx.param_counts, p)
+        parts = partition(ctx.partition_costs, p)
         resumed = ctx.resume_path is not None
         members = self.first_members = spread([f"n{i}" for i in range(d * p)],
                                               self.machine_of, p)
@@ -139,7 +139,8 @@ class Generations:
         if not self.running():
             return False
         took = self.ctx.clock() - self.started
-        self.ctx.events.write("generation_ready", gen=self.ctx.plan.gen, took_s=round(took, 4))
+        self.ctx.events.write("generation_ready", gen=self.ctx.plan.gen, took_s=round(took, 4),
+                              parts=self.ctx.plan.parts)
         if self.times and self.times[-1]["gen"] == self.ctx.plan.gen:
             self.times[-1]["setup_s"] = took
             self.times[-1]["total_s"] = self.ctx.clock() - self.times[-1]["t"]
@@ -269,7 +270,7 @@ class Generations:
             return None  # wait for the trace to add nodes
         kwargs = dict(gen=ctx.plan.gen + 1, epoch=ctx.roles.epoch + 1, nodes=names,
                       holdings=holdings, leaving=leaving, stages=ctx.cfg.stages,
-                      param_counts=ctx.param_counts,
+                      param_counts=ctx.param_counts, partition_costs=ctx.partition_costs,
                       global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
                       max_pipelines=ctx.cfg.pipelines, reason=r.reason,
                       machine_of=self.machine_of)

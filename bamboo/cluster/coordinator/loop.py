@@ -185,9 +185,11 @@ class Coordinator:
     def _build_parts(self, t0: float) -> None:
         cfg, resume = self.cfg, self.resume
         start = resume.step if resume is not None else 0
+        counts = layer_param_counts(cfg.model_preset())
         ctx = self.ctx = RunContext(
             cfg=cfg, store=self.store, events=self.events, display=self.display,
-            run_path=self.rundir.path, param_counts=layer_param_counts(cfg.model_preset()),
+            run_path=self.rundir.path, param_counts=counts,
+            partition_costs=cfg.partition_costs(counts),
             t0=t0, rc=cfg.redundancy != "off", committed=start,
             losses=list(resume.meta.get("losses", []))[:start] if resume else [],
             eval_losses=[e for e in resume.meta.get("eval_losses", []) if e[0] <= start]

@@ -116,6 +116,8 @@ class RunContext:
     display: Display
     run_path: Path
     param_counts: list[int]
+    partition_costs: list[float] = field(default_factory=list)
+    """What stages are cut by (`JobConfig.partition_costs`): parameter counts by default."""
     clock: Callable[[], float] = time.monotonic
     t0: float = 0.0
     rc: bool = True
