@@ -167,8 +167,8 @@ def _show(value: Any) -> str:
 
 def _check_choice(name: str, value: Any, where: str) -> None:
     allowed = _CHOICES.get(name)
-    if name == "model" and isinstance(value, str) and value.startswith("hf:"):
-        return  # a Hugging Face model name: checked by the preset parser
+    if name == "model" and isinstance(value, str) and ":" in value:
+        return  # hf:... or MODULE:FUNCTION: checked by the preset parser
     if allowed and value is not None and value not in allowed:
         more = (", an hf: model (hf:gpt2, hf:llama, hf:bert, hf:DIR) or MODULE:FUNCTION"
                 if name == "model" else "")

@@ -144,15 +144,15 @@ def _hf_model(p: Any, layers: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]
 
     from bamboo.models.hf import hf_state_key
     from bamboo.models.llama import ffn_dim
+    from bamboo.presets import drop_special_tokens
     vocab = layers[0][_EMBEDDING[p.family][1 if p.hf_config else 0]].shape[0]
     no_tokens = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if p.hf_config:
         values = json.loads(p.hf_config)
         values["vocab_size"] = vocab
-        for key in no_tokens:
-            token = values.get(key)
-            if isinstance(token, int) and token >= vocab:
-                values[key] = None
+        drop_special_tokens(values, vocab, {})
+        for key in ("torch_dtype", "dtype"):  # a bf16 checkpoint's: the run's weights are fp32
+            values.pop(key, None)
         config_class = transformers.GPT2Config if p.family == "gpt2" else transformers.LlamaConfig
         config = config_class.from_dict(values)
         state = {hf_state_key(p.family, i, name): t
@@ -175,6 +175,7 @@ def _hf_model(p: Any, layers: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]
         state = {hf_state_key("llama", i, name.removeprefix("embed.").removeprefix("head.")): t
                  for i, params in enumerate(layers) for name, t in params.items()}
     config.architectures = ["GPT2LMHeadModel" if p.family == "gpt2" else "LlamaForCausalLM"]
+    config.dtype = "float32"  # what model.safetensors holds; `dtype="auto"` loads that
     return config, state
 
 
@@ -194,10 +195,19 @@ def _check_names(config: Any, state: dict[str, Any]) -> None:
                          f"{missing}, unexpected {extra}, other shapes {shapes}")
 
 
-def _tokenizer_files(config: dict[str, Any]) -> tuple[Path | None, list[str]]:
-    """The prepared data directory's tokenizer files, if the run trained on one."""
+def _tokenizer_files(config: dict[str, Any], vocab: int) -> tuple[Path | None, list[str]]:
+    """The prepared data directory's tokenizer files, if the run trained on one (its path as
+    the run's summary recorded it) and it is that data's (as many ids as the model takes)."""
     data = config.get("data")
     if not isinstance(data, str) or not (Path(data) / "tokenizer.json").is_file():
+        return None, []
+    try:
+        ids = json.loads((Path(data) / "header.json").read_text(encoding="utf-8"))["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        ids = None
+    if ids != vocab:
+        print(f"bamboo export: warning: the tokenizer in {data} has {ids} ids, the model {vocab}: "
+              f"not copied", file=sys.stderr)
         return None, []
     return Path(data), [n for n in _TOKENIZER_FILES if (Path(data) / n).is_file()]
 
@@ -213,11 +223,15 @@ def _check_out(out: Path) -> None:
 
 def export(run_dir: Path, out: Path) -> str:
     """Write the run's model to `out` as a save_pretrained directory; one line saying what."""
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("bamboo export needs the transformers package: pip install "
+                         "'bamboo-train[hf]'")
     _check_out(out)
     p, config, layers = read_run(run_dir)
     hf_config, state = _hf_model(p, layers)
     _check_names(hf_config, state)
-    source, names = _tokenizer_files(config)
+    source, names = _tokenizer_files(config, hf_config.vocab_size)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))

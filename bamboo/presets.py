@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name",
-           "CAUSAL_FAMILIES", "custom_preset", "with_vocab"]
+           "CAUSAL_FAMILIES", "drop_special_tokens", "custom_preset", "with_vocab"]
 
 CAUSAL_FAMILIES = frozenset({"gpt2", "llama", "custom"})
 """Families trained on next-token prediction (bert is masked-LM, cnn classifies images)."""
@@ -104,6 +104,18 @@ def preset(name: str) -> ModelPreset:
                          f"see docs/models.md)") from None
 
 
+def drop_special_tokens(config: dict[str, Any], vocab: int, defaults: dict[str, Any]) -> None:
+    """Set bos/eos/pad ids that lie outside a vocabulary of `vocab` ids (transformers' default
+    when unset: GPT-2's 50256) to None; from a list (Llama 3's several end-of-sequence ids)
+    keep the ones inside."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token = config.get(key, defaults.get(key))
+        if isinstance(token, int) and not isinstance(token, bool) and token >= vocab:
+            config[key] = None
+        elif isinstance(token, list):
+            config[key] = [t for t in token if isinstance(t, int) and t < vocab] or None
+
+
 def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     """`p` sized for data of `vocab` token ids (a prepared --data directory's tokenizer).
 
@@ -114,6 +126,10 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     if p.family == "cnn" or need == p.vocab:
         return p
     if p.hf_weights:
+        if p.family == "bert":
+            raise ValueError(f"{p.name} is a pretrained BERT: it cannot train on a prepared "
+                             f"directory yet (its [MASK] id comes from its own tokenizer); "
+                             f"train it on --data FILE or give it no pretrained weights")
         if need > p.vocab:
             raise ValueError(f"the data's {vocab} token ids are a vocabulary the model cannot "
                              f"take: {p.name} has pretrained weights for {p.vocab}; prepare "
@@ -122,11 +138,11 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     if p.hf_config:
         config = json.loads(p.hf_config)
         config["vocab_size"] = need
-        defaults = _SPECIAL_TOKENS.get(config.get("model_type", ""), {})
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            token = config.get(key, defaults.get(key))  # transformers' default when unset
-            if isinstance(token, int) and token >= need:
-                config[key] = None
+        drop_special_tokens(config, need, _SPECIAL_TOKENS.get(config.get("model_type", ""), {}))
+        if config.get("model_type") == "bert":
+            # bamboo never pads, and a BPE's end-of-text is id 0: as BERT's padding_idx its
+            # embedding would never learn
+            config["pad_token_id"] = None
         return replace(p, vocab=need, hf_config=json.dumps(config, sort_keys=True),
                        description=p.description.replace(f"vocab {p.vocab}", f"vocab {need}"))
     if p.family in ("gpt2", "llama", "bert"):
@@ -254,12 +270,7 @@ def _hf_preset(name: str) -> ModelPreset:
                          f"byte tokens, so hf:{kind} needs vocab_size >= {_MIN_VOCAB[kind]}")
     if values.get("add_cross_attention") or values.get("is_decoder"):
         raise ValueError(f"model '{name}': decoder and cross-attention configs are not supported")
-    for key, default in _SPECIAL_TOKENS[kind].items():
-        token = values.get(key, default)
-        if isinstance(token, int) and token >= vocab:
-            values[key] = None  # GPT-2's 50256 lies outside a smaller vocabulary
-        elif isinstance(token, list):  # Llama 3 lists several end-of-sequence ids
-            values[key] = [t for t in token if isinstance(t, int) and t < vocab] or None
+    drop_special_tokens(values, vocab, _SPECIAL_TOKENS[kind])
     values.update(_FIXED[kind], model_type=kind)
     source = f", weights from {spec.weights}" if spec.weights else ""
     return ModelPreset(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import importlib.util
 import json
 import math
 import mmap
@@ -156,6 +157,9 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, Any]:
     kind, sep, arg = spec.partition(":")
     if spec == "bytes":
         return "bytes", None
+    if kind in ("bpe", "hf") and sep and importlib.util.find_spec("tokenizers") is None:
+        raise ValueError(f"--tokenizer {spec} needs the tokenizers package: pip install "
+                         f"tokenizers (or the hf extra: pip install 'bamboo-train[hf]')")
     if kind == "bpe" and sep:
         try:
             vocab = int(arg)
@@ -347,8 +351,12 @@ def prepare(files: list[str], out: str | Path, tokenizer: str = "bytes",
         what = "is not empty" if target.is_dir() else "exists and is not a directory"
         raise ValueError(f"--out {target} {what}: choose a new directory (nothing is overwritten)")
     sources = _check_sources(files, val_fraction)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",
+                                    dir=target.parent))
+    except OSError as e:
+        raise ValueError(f"cannot write beside --out {target}: {e.strerror or e}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)

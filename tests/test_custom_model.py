@@ -268,3 +268,10 @@ def test_the_example_trains_the_same_in_every_layout_and_through_a_kill(bamboo) 
     [lost] = [e for e in killed.events() if e["event"] == "node_lost"]
     assert (lost["node"], lost["step"], lost["handled_as"]) == ("n1", 1, "failover")
 
+
+
+def test_a_job_file_names_a_model_by_import_path(tmp_path: Path) -> None:
+    from bamboo.configfile import load_job_config
+    job = tmp_path / "job.yaml"
+    job.write_text("model: examples.custom_model:build\nlayout:\n  nodes: 2\n  stages: 2\n")
+    assert load_job_config(str(job), {}).model == "examples.custom_model:build"

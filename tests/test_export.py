@@ -114,9 +114,14 @@ def test_an_hf_llama_run_exports_under_its_own_names(tmp_path: Path, capsys) -> 
     _export(run, out, capsys)
     _check_same_model(run, out, "LlamaForCausalLM", 256)
     # The exported directory is an hf:DIR model: it trains on from the run's parameters.
+    # Its config says bf16, as released Llama checkpoints do: the run's weights are fp32, and
+    # so must its export say, or transformers would load them rounded to bf16.
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
     again = _train(tmp_path, "again", "--model", f"hf:{out}", "--steps", "1", "--lr", "1e-30")
     _export(again, tmp_path / "hf-again", capsys)
     _check_same_model(again, tmp_path / "hf-again", "LlamaForCausalLM", 256)
+    assert json.loads((tmp_path / "hf-again" / "config.json").read_text())["dtype"] == "float32"
     before, after = (torch.load(r / "model.pt", weights_only=True) for r in (run, again))
     assert before.keys() == after.keys()
     for key, tensor in before.items():  # a step of lr 1e-30 moves nothing measurable

@@ -305,3 +305,31 @@ def test_training_on_bpe_tokens_is_the_same_in_two_layouts(bamboo, tmp_path: Pat
     ends = {name: tuple(t.shape) for name, t in params.items()
             if name.endswith(("embed.tokens.weight", "head.out.weight"))}
     assert sorted(ends.values()) == [(300, 64), (300, 64)], ends  # embedding and head
+
+
+def test_with_vocab_drops_special_ids_outside_the_vocabulary() -> None:
+    """Llama 3 lists several end-of-sequence ids; BERT's pad id (0, a BPE's end-of-text)
+    would never learn as padding_idx, and bamboo never pads."""
+    import dataclasses
+    import json as _json
+    from bamboo.presets import preset, with_vocab
+    p = preset("hf:llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,"
+               "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=32,"
+               "vocab_size=1000")
+    config = _json.loads(p.hf_config) | {"bos_token_id": 900, "eos_token_id": [250, 901, 902]}
+    sized = with_vocab(dataclasses.replace(p, hf_config=_json.dumps(config)), 300)
+    values = _json.loads(sized.hf_config)
+    assert (values["vocab_size"], values["bos_token_id"], values["eos_token_id"]) == \
+        (300, None, [250])
+    bert = with_vocab(preset("hf:bert:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,"
+                             "max_position_embeddings=32,vocab_size=400"), 300)
+    assert _json.loads(bert.hf_config)["pad_token_id"] is None and bert.vocab == 301
+
+
+def test_a_pretrained_bert_refuses_a_prepared_directory() -> None:
+    import dataclasses
+    from bamboo.presets import preset, with_vocab
+    p = dataclasses.replace(preset("hf:bert:num_hidden_layers=2,hidden_size=32,"
+                                   "num_attention_heads=4,vocab_size=400"), hf_weights="w")
+    with pytest.raises(ValueError, match="its \\[MASK\\] id comes from its own tokenizer"):
+        with_vocab(p, 300)
