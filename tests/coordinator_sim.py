@@ -68,6 +68,9 @@ class QuietDisplay:
     def step(self, *args: Any) -> None:
         pass
 
+    def evaluation(self, step: int, loss: float) -> None:
+        self.lines.append(f"eval after step {step}: loss {loss:.4f}")
+
     def close(self) -> None:
         pass
 

@@ -218,8 +218,7 @@ class Coordinator:
                                        kill_fired=self.preemptions.kill_fired,
                                        respawn=self._respawn,
                                        layout_changed=lambda: self.view.layout_changed())
-        self.results = Results(ctx, self.display.step,
-                               getattr(self.display, "evaluation", lambda step, loss: None))
+        self.results = Results(ctx, self.display.step, self.display.evaluation)
         if self.health is not None:
             self.health.attach(ctx, self.nodes, self.results, self.failures, self.gens)
         self.auto = None

@@ -40,8 +40,7 @@ def _node_order(name: str) -> tuple[int, str]:
 
 
 class Results:
-    def __init__(self, ctx: RunContext, display_step: Any,
-                 display_eval: Any = lambda step, loss: None) -> None:
+    def __init__(self, ctx: RunContext, display_step: Any, display_eval: Any) -> None:
         self.ctx = ctx
         self.display_step = display_step
         self.display_eval = display_eval
