@@ -22,7 +22,7 @@ def test_profile_then_simulate(tmp_path: Path, capsys) -> None:
     assert all(b > 0 for b in costs.backward_s) and costs.rc_overhead >= 0
     assert costs.reconfiguration_s > 0  # a real peer restore was timed
     capsys.readouterr()
-    trace = REPO.parent / "shared" / "traces" / "aws-p3-2xlarge.csv"
+    trace = REPO / "traces" / "aws-p3-2xlarge.csv"
     assert simulate_main(["--trace", str(trace), "--costs", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["policies"]["bamboo"]["throughput"] > 0

@@ -10,7 +10,7 @@ from bamboo.sim.policies import AdaptivePolicy
 from bamboo.sim.presets import get_preset
 from bamboo.sim.traces import generate_synthetic, load_trace, parse_synthetic_spec
 
-P3 = Path(__file__).resolve().parents[3] / "shared" / "traces" / "aws-p3-2xlarge.csv"
+P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
 
 
 class Recording(AdaptivePolicy):

@@ -15,7 +15,7 @@ from bamboo.sim.policies import make_policy
 from bamboo.sim.presets import ModelPreset, get_preset
 from bamboo.sim.traces import ADD, REMOVE, Trace, load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 P3 = TRACES / "aws-p3-2xlarge.csv"
 
 # A tiny 4-stage model: 2 pipelines of 4 need 8 nodes.

@@ -9,7 +9,7 @@ import pytest
 
 from bamboo.sim.traces import ADD, REMOVE, TraceError, generate_synthetic, load_trace, parse_synthetic_spec
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 P3 = TRACES / "aws-p3-2xlarge.csv"
 GCP = TRACES / "gcp-a100-counts.txt"
 
