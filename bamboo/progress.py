@@ -92,11 +92,15 @@ class ProgressDisplay:
             for row in rows + ([self._standbys] if self._standbys else []):
                 print(f"  {row}", file=sys.stderr, flush=True)
 
-    def step(self, step: int, loss: float, samples_per_s: float, node_ms: list[float]) -> None:
+    def step(self, step: int, loss: float, samples_per_s: float, node_ms: list[float],
+             rss_max_bytes: int = 0) -> None:
+        """A committed step; `rss_max_bytes` is the largest worker's resident memory."""
         if not self.enabled:
             return
         stages = "/".join(f"{ms:.0f}" for ms in node_ms)
         info = f"loss {loss:.4f}{self._eval}  {samples_per_s:,.0f} samples/s  node ms {stages}"
+        if rss_max_bytes:
+            info += f"  rss {rss_max_bytes / 2**20:,.0f} MiB max"
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, info=info)
             self._refresh()

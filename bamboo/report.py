@@ -10,7 +10,8 @@ Writes, into the run directory:
 - `loss.png` (loss per step, a vertical line at each failure's step, coloured by how it
   was handled), `throughput.png` (samples/s of each step over time), `nodes.png` (live
   nodes over time), `cost.png` (cumulative $ on spot against on-demand, per step) and
-  `pauses.png` (the wall time each failure cost).
+  `pauses.png` (the wall time each failure cost) and `memory.png` (each worker's resident
+  memory at the end of each step, over time).
 
 It needs no torch and works on a finished, a failed and a cut-short run (one whose
 launcher was killed: then summary.json may be missing and the figures come from the
@@ -372,6 +373,7 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
     median = s.get("median_step_s")
     out.append(f"throughput: {throughput:.2f} samples/s; wall time {wall:.2f} s"
                + (f"; median step {median:.3f} s" if _is_num(median) else ""))
+    out += _memory_lines(s)
     out += _failure_lines(run, failures, pauses)
     out += _mode_lines(run)
     out.append(f"reconfigurations: {int(s.get('reconfigurations', 0))}; "
@@ -379,6 +381,19 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
     out += _cost_lines(_cost(run, failures, prices), prices)
     out += [f"warning: {w}" for w in run.warnings]
     return "\n".join(out) + "\n"
+
+
+def _memory_lines(s: dict[str, Any]) -> list[str]:
+    """Peak resident memory per node, and how fast it grew over the run's second half."""
+    names, peaks = s.get("memory_nodes"), s.get("rss_per_node_bytes")
+    if not isinstance(names, list) or not isinstance(peaks, list) or not any(peaks):
+        return []
+    growth = s.get("rss_growth_per_step_bytes") or [None] * len(names)
+    cells = []
+    for name, peak, g in zip(names, peaks, growth):
+        rate = f", {g / 2**20:+.2f} MiB/step" if _is_num(g) else ""
+        cells.append(f"{name} {peak / 2**20:.0f} MiB{rate}")
+    return ["resident memory (peak, growth over the second half): " + "; ".join(cells)]
 
 
 def _mode_lines(run: Run) -> list[str]:

@@ -1,5 +1,5 @@
-"""The five PNG plots of a run's report (`bamboo.report`): loss, throughput, live nodes,
-cost and pauses, drawn on matplotlib's Agg canvas (no display needed)."""
+"""The six PNG plots of a run's report (`bamboo.report`): loss, throughput, live nodes,
+cost, pauses and the workers' resident memory, drawn on matplotlib's Agg canvas (no display needed)."""
 from __future__ import annotations
 
 import io
@@ -14,12 +14,13 @@ __all__ = ["write_plots"]
 
 
 def write_plots(run: Run, failures: list[Failure], prices: Prices, path: Path) -> list[Path]:
-    """loss.png, throughput.png, nodes.png, cost.png and pauses.png in `path`."""
+    """loss.png, throughput.png, nodes.png, cost.png, pauses.png and memory.png in `path`."""
     return [_plot_loss(run, failures, path / "loss.png"),
             _plot_throughput(run, failures, path / "throughput.png"),
             _plot_nodes(run, failures, path / "nodes.png"),
             _plot_cost(run, failures, prices, path / "cost.png"),
-            _plot_pauses(run, failures, path / "pauses.png")]
+            _plot_pauses(run, failures, path / "pauses.png"),
+            _plot_memory(run, failures, path / "memory.png")]
 
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -107,6 +108,34 @@ def _plot_nodes(run: Run, failures: list[Failure], path: Path) -> Path:
         _empty(ax, "no node_up event")
     _mark_failures(ax, failures, lambda f: f.t)
     ax.legend(loc="best", fontsize=8)
+    return _png(fig, path)
+
+
+def memory_series(run: Run) -> dict[str, list[tuple[float, int]]]:
+    """Node -> [(t, resident bytes at the end of a step)], from the step_done records."""
+    series: dict[str, list[tuple[float, int]]] = {}
+    for e in run.of("step_done"):
+        for n in e.get("nodes") or []:
+            if isinstance(n, dict) and _is_num(n.get("rss_bytes")) and n["rss_bytes"] > 0:
+                series.setdefault(str(n.get("node")), []).append((float(e["t"]),
+                                                                  int(n["rss_bytes"])))
+    return series
+
+
+def _plot_memory(run: Run, failures: list[Failure], path: Path) -> Path:
+    fig, ax = _figure("Resident memory of each worker", "time since start (s)", "MiB")
+    series = memory_series(run)
+    for name in sorted(series, key=lambda n: (len(n), n)):
+        ts, bs = zip(*series[name])
+        ax.plot(ts, [b / 2**20 for b in bs], marker="." if len(ts) < 40 else None,
+                label=name)
+    if series:
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax, "no step reported its memory")
+    _mark_failures(ax, failures, lambda f: f.t)
+    if series or failures:
+        ax.legend(loc="lower right", fontsize=8, ncol=2)
     return _png(fig, path)
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["RunDir", "RunDirError", "EventLog", "write_atomic", "default_run_dir",
-           "checkpoint_root"]
+__all__ = ["RunDir", "RunDirError", "EventLog", "read_events", "write_atomic",
+           "default_run_dir", "checkpoint_root"]
 
 _RUN_FILES = ("summary.json", "events.jsonl")
 
@@ -88,6 +88,27 @@ class EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The records of an events.jsonl, in order: whole lines only (a last line without its
+    newline is still being written by a running coordinator and is left out). A whole line
+    that is not a JSON object is a ValueError naming the file and line."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object")
+            records.append(record)
+    return records
 
 
 class RunDir:

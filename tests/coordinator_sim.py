@@ -38,6 +38,9 @@ class DictStore:
     def set(self, key: str, value: str) -> None:
         self.data[key] = value
 
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
 
 class ListEvents:
     def __init__(self) -> None:

@@ -17,7 +17,7 @@ import pytest
 from bamboo.report import PLOT_SIZE_PX, Prices, ReportError, load_run, main, report_text, write_report
 from conftest import REPO
 
-PLOTS = ("loss.png", "throughput.png", "nodes.png", "cost.png", "pauses.png")
+PLOTS = ("loss.png", "throughput.png", "nodes.png", "cost.png", "pauses.png", "memory.png")
 CONFIG = {"nodes": 5, "stages": 2, "pipelines": 2, "micro_batches": 2, "micro_batch_size": 4,
           "redundancy": "eager", "model": "gpt2-tiny", "seed": 0, "steps": 10, "data": None}
 SAMPLES_PER_STEP = 2 * 2 * 4
@@ -29,8 +29,10 @@ def _stages(wall: float) -> list[dict]:
 
 
 def _step(t: float, step: int, loss: float, wall: float = 0.5) -> dict:
+    nodes = [{"node": f"n{i}", "step_s": wall, "rss_bytes": (300 + 10 * i + step) << 20}
+             for i in range(4)]
     return {"t": t, "event": "step_done", "step": step, "loss": loss, "wall_s": wall,
-            "grad_norm": 1.5, "lr": 0.003, "stages": _stages(wall)}
+            "grad_norm": 1.5, "lr": 0.003, "stages": _stages(wall), "nodes": nodes}
 
 
 def _node_up(t: float, node: str, pid: int, pipeline: int | None, stage: int | None) -> dict:
@@ -85,7 +87,9 @@ def failures_run(path: Path) -> Path:
     merged = sorted(events + steps + lost, key=lambda e: e["t"])
     merged.append({"t": 7.0, "event": "run_done", "steps": 10, "wall_s": 7.0})
     summary = _summary(LOSSES, preemptions=3, failovers=1, drains=1, peer_restores=1,
-                       reconfigurations=1, redone_steps=1, pause_s=[0.4, 0.2, 1.0])
+                       reconfigurations=1, redone_steps=1, pause_s=[0.4, 0.2, 1.0],
+                       memory_nodes=["n0", "n1"], rss_per_node_bytes=[309 << 20, 319 << 20],
+                       rss_growth_per_step_bytes=[1 << 20, None])
     return _write(path, summary, merged)
 
 
@@ -158,6 +162,8 @@ def test_text_has_the_runs_figures(reports: dict[str, list[Path]]) -> None:
         "n4 lost in step 7 (forward): peer_restore, pause 1.00 s",
         "pause per failure: 0.40, 0.20, 1.00 s (total 1.60 s, mean 0.53 s)",
         "reconfigurations: 1; redone steps: 1",
+        "resident memory (peak, growth over the second half): n0 309 MiB, +1.00 MiB/step; "
+        "n1 319 MiB",
         # live nodes: 5 x 2.6 s + 4 x 1.0 + 3 x 0.2 + 4 x 0.9 + 3 x 1.3 = 25.1 node-seconds
         "cost on spot: $0.0063 for 25.1 node-seconds at $0.91/node-hour",
         # 2 x 2 nodes for 7.0 - 1.0 - 1.6 s = 4.4 s at $3.06/h = $0.0150

@@ -65,6 +65,9 @@ class RunMetrics:
             "bamboo_stages_without_redundancy",
             "Stages (of every pipeline) with no live replica: a loss there cannot fail over",
             registry=r)
+        self.worker_rss = Gauge("bamboo_worker_rss_bytes_max",
+                                "Largest resident memory of any worker at its last step report",
+                                registry=r)
         self.preemptions = Counter("bamboo_preemptions_total",
                                    "Nodes lost, by how the run covered them", ["handled_as"],
                                    registry=r)
@@ -93,6 +96,10 @@ class RunMetrics:
     def set_live_nodes(self, count: int) -> None:
         with self.lock:
             self.live_nodes.set(count)
+
+    def set_worker_rss(self, value: int) -> None:
+        with self.lock:
+            self.worker_rss.set(value)
 
     def set_stages_without_redundancy(self, count: int) -> None:
         with self.lock:

@@ -36,11 +36,12 @@ import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write 
 
 from bamboo.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
+from bamboo.cluster import procmem
 from bamboo.cluster.link import CoordinatorLink
 from bamboo.cluster.netif import collective_binding
 from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
-                                     Progress, Ready, WorkerError, plan_key)
+                                     Progress, Ready, StepReport, WorkerError, plan_key)
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
@@ -287,6 +288,7 @@ class _Node:
             except GenerationEnded:
                 break
             done_step = step + 1
+            self._sample_memory(report)
             self.link.send(report)
             if BoundaryFlag.CHECKPOINT in engine.flags:
                 self._send_checkpoint_part(engine, step + 1)
@@ -305,6 +307,12 @@ class _Node:
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
+
+    def _sample_memory(self, report: StepReport) -> None:
+        """The process's real memory at the end of the step, into its report."""
+        m = procmem.sample(self.device if self.device.type == "cuda" else None)
+        report.rss_bytes, report.rss_peak_bytes = m.rss, m.rss_peak
+        report.cuda_peak_bytes, report.cuda_reserved_bytes = m.cuda_peak, m.cuda_reserved
 
     def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
         """The generation's process group. Building it waits for every member, so it is

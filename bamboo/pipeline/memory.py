@@ -14,6 +14,11 @@ out): the bytes of the tensors the engine holds. Two parts make a node's peak in
 saves (each storage once; parameters and the stage's input leaf are held elsewhere and
 not counted) and, for an offloaded forward, move it to host memory (pinned, with
 non-blocking copies, where an accelerator is present; a plain copy on a CPU-only machine).
+Counting keeps nothing alive: the hooks keep storage keys, never tensors, and what they
+hand autograd holds no reference back to the graph (see `SavedTensors.pack`).
+
+What the process really holds (resident memory, the CUDA allocator's figures) is measured
+apart, by `bamboo.cluster.procmem`.
 """
 from __future__ import annotations
 
@@ -70,25 +75,40 @@ class SavedTensors:
         self.host_bytes = 0
         self._seen: set[tuple[str, int]] = set()
 
-    def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+    def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor, int]:
         """Called by autograd for every tensor a forward op saves for its backward."""
         if t.is_leaf and t.requires_grad:  # a parameter or the stage's input: held anyway
-            return None, t
+            return None, t, t._version
         if self.offload:
             host = to_host(t)
             self.host_bytes += host.numel() * host.element_size()
-            return t.device, host
+            return t.device, host, -1
         key = _storage_key(t)
         if key not in self._seen:
             self._seen.add(key)
             self.device_bytes += storage_bytes(t)
-        return None, t
+        # Never `t` itself: for an op that saves its own output (softmax, exp, tanh) the
+        # packed value would hold the output, whose grad_fn holds the packed value, a cycle
+        # through autograd's C++ graph that Python's collector cannot see. It is freed only
+        # by a backward, which a redundant forward never gets unless a failover adopts it:
+        # every eager FRC graph would leak. A detached alias shares the storage and the
+        # version counter and holds no grad_fn; autograd re-attaches the grad_fn to what
+        # `unpack` returns.
+        return None, t.detach(), t._version
 
     @staticmethod
-    def unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
-        """Called in the backward: an offloaded tensor goes back to its device."""
-        device, t = packed
-        return t if device is None else t.to(device, non_blocking=True)
+    def unpack(packed: tuple[torch.device | None, torch.Tensor, int]) -> torch.Tensor:
+        """Called in the backward: an offloaded tensor goes back to its device. Under hooks
+        autograd skips its own check that a saved tensor was not changed in place since it
+        was saved: the shared version counter makes it here."""
+        device, t, version = packed
+        if device is not None:
+            return t.to(device, non_blocking=True)
+        if t._version != version:
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               f"modified by an inplace operation (version {t._version}, saved "
+                               f"at {version})")
+        return t
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -103,6 +103,15 @@ class StepReport:
     host_bytes: int = 0
     """Peak host bytes offload put there: FRC saved tensors and the replica's optimizer
     state under --frc-offload (counted as host memory even on a CPU-only machine)."""
+    rss_bytes: int = 0
+    """The process's resident memory at the end of the step (after the optimizer step and
+    the step's buffers are dropped): real memory, not tensor accounting."""
+    rss_peak_bytes: int = 0
+    """The process's resident high-water mark so far."""
+    cuda_peak_bytes: int = 0
+    """On CUDA: the caching allocator's peak allocated bytes during the step (0 on CPU)."""
+    cuda_reserved_bytes: int = 0
+    """On CUDA: the bytes the caching allocator holds at the end of the step (0 on CPU)."""
     digests: dict[str, str] = field(default_factory=dict)
 
 

@@ -8,7 +8,8 @@ reports them (`LayerParams`); once every layer is reported, they are read back f
 (`param_l2`, `param_sha256`) in `summary.json`, the contract's record of the run. Each
 node's peak device and host bytes over the steps it reported (the engine's tensor
 accounting, `StepReport.device_bytes`/`host_bytes`) become `memory_per_node_bytes` and
-`host_memory_per_node_bytes`, in node order.
+`host_memory_per_node_bytes`, in node order; their real memory (resident bytes, on CUDA
+the allocator's) becomes `rss_per_node_bytes` and the rest of `MemoryWatch.fields`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401 - imported (1.5 s) while the workers start
 
 from bamboo.checkpoint import CheckpointError, checkpoint_location, final_dir, load_layer_tensors
+from bamboo.cluster.coordinator.memory import MemoryWatch
 from bamboo.cluster.coordinator.state import RunContext, Stop
 from bamboo.cluster.coordinator.steps import PendingStep
 from bamboo.cluster.protocol import LayerParams, StepReport
@@ -30,7 +32,8 @@ __all__ = ["Results"]
 
 _TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
-             "device_bytes", "host_bytes", "rebuilds")
+             "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "cuda_peak_bytes",
+             "cuda_reserved_bytes")
 
 
 def _node_order(name: str) -> tuple[int, str]:
@@ -51,6 +54,8 @@ class Results:
         """Layer -> [(name, tensor)], read back from storage once every layer is in."""
         self.memory: dict[str, list[int]] = {}
         """Node name -> [peak device bytes, peak host bytes] over the steps it reported."""
+        self.real_memory = MemoryWatch(self._memory_warning)
+        """The workers' resident memory, from the same reports."""
 
     def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
@@ -62,11 +67,17 @@ class Results:
         for r in reports:
             self._note_memory(str(node_name(r)), r)
         self.ctx.events.write("step_done", **record)
+        for r in reports:
+            self.real_memory.note(str(node_name(r)), r)
         cfg = self.ctx.cfg
         samples = cfg.global_micro_batches * cfg.micro_batch_size
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
-                          [1000 * r.step_s for r in reports])
+                          [1000 * r.step_s for r in reports], self.real_memory.largest())
         return record
+
+    def _memory_warning(self, node: str, text: str, fields: dict) -> None:
+        self.ctx.events.write("memory_growth", **fields)
+        self.ctx.say(f"warning: {text}")
 
     def record_eval(self, step: int, loss: float) -> None:
         """The held-out loss of the parameters after `step` steps."""
@@ -88,6 +99,7 @@ class Results:
         names = sorted(self.memory, key=_node_order)
         return {"memory_per_node_bytes": [self.memory[n][0] for n in names],
                 "host_memory_per_node_bytes": [self.memory[n][1] for n in names],
+                **self.real_memory.fields(names),
                 "memory_nodes": names}
 
     @staticmethod

@@ -45,6 +45,8 @@ class Store(Protocol):
 
     def set(self, key: str, value: str) -> None: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 class Events(Protocol):
     def write(self, event: str, **fields: Any) -> dict: ...
@@ -142,3 +144,9 @@ class RunContext:
         if key not in self.written:
             self.written.add(key)
             self.store.set(key, value)
+
+    def forget(self, key: str) -> None:
+        """Delete a decision key no node can still wait for (the store stays bounded)."""
+        if key in self.written:
+            self.written.discard(key)
+            self.store.delete_key(key)

@@ -11,6 +11,10 @@ replicas' digests are compared, and the losses of that step are closed.
 Evaluation (`--eval-every`) has a vote of its own between steps: after k steps, every live
 active node votes `EvalDone` with the val losses it computed; when all have under the
 current epoch, `eval/k/e` is GO and the held-out loss after k steps is recorded (once).
+
+Nothing here grows with the run: when step k commits, every survivor has read the
+decisions of step k-1 (it voted in step k after them), so the votes and the store keys of
+steps up to k-2 are deleted (`FORGET_AFTER`).
 """
 from __future__ import annotations
 
@@ -22,7 +26,10 @@ from bamboo.cluster.coordinator.state import RunContext, Stop
 from bamboo.cluster.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
                                      RoundDone, StepReport, Verdict, decide_key, eval_key, go_key)
 
-__all__ = ["StepProtocol", "PendingStep"]
+__all__ = ["StepProtocol", "PendingStep", "FORGET_AFTER"]
+
+FORGET_AFTER = 2
+"""When step k commits, the votes and decision keys of steps <= k - FORGET_AFTER go."""
 
 
 @dataclass(slots=True)
@@ -61,6 +68,8 @@ class StepProtocol:
         self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
         self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}
         self.pending: dict[int, PendingStep] = {}
+        self.decided: dict[int, set[str]] = {}
+        """Step -> the decision keys written for it (deleted once no node can wait for them)."""
         self.round_failed_at: float | None = None
         self.last_commit_t = ctx.clock()
 
@@ -73,28 +82,28 @@ class StepProtocol:
     def on_micro_batches_done(self, msg: MicroBatchesDone) -> None:
         key = go_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
-            self.ctx.set_once(key, Go.ABORT.value)
+            self._decide(key, Go.ABORT.value, msg.step)
             return
         done = self.micro_batches_done.setdefault((msg.step, msg.epoch), set())
         done.add(msg.rank)
         if done >= self.live_active():
-            self.ctx.set_once(key, Go.GO.value)
+            self._decide(key, Go.GO.value, msg.step)
 
     def release_waiting_votes(self) -> None:
         """After a role change: a vote that only the lost node was missing is complete."""
         for (step, epoch), done in list(self.micro_batches_done.items()):
             if epoch == self.ctx.roles.epoch and done >= self.live_active():
-                self.ctx.set_once(go_key(step, epoch), Go.GO.value)
+                self._decide(go_key(step, epoch), Go.GO.value, step)
 
     def on_eval_done(self, msg: EvalDone) -> None:
         key = eval_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
-            self.ctx.set_once(key, Go.ABORT.value)
+            self._decide(key, Go.ABORT.value, msg.step)
             return
         votes = self.eval_votes.setdefault((msg.step, msg.epoch), {})
         votes[msg.rank] = msg
         if set(votes) >= self.live_active():
-            self.ctx.set_once(key, Go.GO.value)
+            self._decide(key, Go.GO.value, msg.step)
             del self.eval_votes[(msg.step, msg.epoch)]
             if msg.step not in self.evaluated:
                 self.evaluated.add(msg.step)
@@ -108,14 +117,14 @@ class StepProtocol:
 
     def moot(self, step: int, epoch: int) -> None:
         """Roles changed in `step`: votes under `epoch` are answered abort and redo."""
-        self.ctx.set_once(go_key(step, epoch), Go.ABORT.value)
-        self.ctx.set_once(decide_key(step, epoch), Decision.REDO.value)
+        self._decide(go_key(step, epoch), Go.ABORT.value, step)
+        self._decide(decide_key(step, epoch), Decision.REDO.value, step)
         self.round_failed_at = None
 
     def on_round_done(self, msg: RoundDone) -> None:
         key = decide_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
-            self.ctx.set_once(key, Decision.REDO.value)
+            self._decide(key, Decision.REDO.value, msg.step)
             return
         reports = self.rounds.setdefault((msg.step, msg.epoch), {})
         reports[msg.rank] = msg
@@ -123,7 +132,7 @@ class StepProtocol:
             self.round_failed_at = self.ctx.clock()
         if set(reports) >= self.live_active() and all(r.ok for r in reports.values()):
             flags = self.boundary(msg.step)
-            self.ctx.set_once(key, Verdict(Decision.COMMIT, flags).encode())
+            self._decide(key, Verdict(Decision.COMMIT, flags).encode(), msg.step)
             self._commit(msg.step, reports)
             self.on_commit(msg.step, flags)
 
@@ -139,7 +148,23 @@ class StepProtocol:
         ctx.committed = step + 1
         del ctx.losses[step:]
         ctx.losses.append(loss)
+        self._forget(step - FORGET_AFTER)
         self.emit()
+
+    def _forget(self, upto: int) -> None:
+        """Drop the votes of steps <= `upto` and delete their decision keys from the store:
+        every survivor read them before it voted in a later step."""
+        for votes in (self.micro_batches_done, self.rounds, self.eval_votes):
+            for step, epoch in [k for k in votes if k[0] <= upto]:
+                del votes[(step, epoch)]
+        for step in [s for s in self.decided if s <= upto]:
+            for key in self.decided.pop(step):
+                self.ctx.forget(key)
+
+    def _decide(self, key: str, value: str, step: int) -> None:
+        """Write a decision key of `step` (once), remembered for `_forget`."""
+        self.ctx.set_once(key, value)
+        self.decided.setdefault(step, set()).add(key)
 
     def on_step_report(self, node: int, msg: StepReport) -> None:
         pending = self.pending.get(msg.step)
