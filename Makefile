@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test bench clean
+.PHONY: setup system-deps demo test test-fast bench clean
 
 setup: $(STAMP) system-deps
 
@@ -34,6 +34,10 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Unit, property and decision tests: no worker processes, a few minutes (after each change).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q --fast
 
 bench: setup
 	$(BIN)/python benchmarks/engine_vs_torch.py

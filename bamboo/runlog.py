@@ -75,12 +75,16 @@ class EventLog:
     def __init__(self, path: Path, t0: float) -> None:
         self._file = open(path, "a", buffering=1, encoding="utf-8")
         self._t0 = t0
+        self.bytes_written = 0
+        """Bytes appended by this process (the log's growth, for the run's summary)."""
         self.listeners: list[Callable[[dict], None]] = []
         """Called with every record once it is written (TensorBoard and W&B scalars)."""
 
     def write(self, event: str, **fields: Any) -> dict:
         record = {"t": round(time.monotonic() - self._t0, 4), "event": event, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self._file.write(line)
+        self.bytes_written += len(line)
         self._file.flush()
         for listener in self.listeners:
             listener(record)

@@ -1,8 +1,17 @@
-"""Shared helpers: run the real `bamboo` command in a subprocess and read its results."""
+"""Shared helpers: run the real `bamboo` command in a subprocess and read its results; the
+two test tiers.
+
+`make test` runs everything. `make test-fast` (`pytest --fast`) runs the tests that start no
+process: unit, property and decision tests. A test that starts one (a subprocess, a
+multiprocessing child, a fork) is in the `procs` tier: every test that uses the `bamboo`
+fixture is marked so at collection, others by `@pytest.mark.procs` or a module's
+`pytestmark`. Under `--fast` an unmarked test that starts a process fails at once, naming
+the marker it lacks, so the fast tier cannot silently start to spawn workers."""
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -37,6 +46,42 @@ def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Resul
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     return Result(proc.returncode, proc.stdout, proc.stderr, out or Path("/nonexistent"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", default=False,
+                     help="only the tests that start no process (make test-fast)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    procs = pytest.mark.procs
+    for item in items:
+        if "bamboo" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow"):
+            item.add_marker(procs)
+    if not config.getoption("--fast"):
+        return
+    kept = [i for i in items if i.get_closest_marker("procs") is None]
+    config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("procs")])
+    items[:] = kept
+
+
+class StartsProcess(AssertionError):
+    """A test of the fast tier started a process."""
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_tier(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if not request.config.getoption("--fast"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise StartsProcess(f"{request.node.nodeid} starts a process: mark it "
+                            f"@pytest.mark.procs (it belongs to make test, not test-fast)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 @pytest.fixture

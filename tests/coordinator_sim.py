@@ -41,10 +41,14 @@ class DictStore:
     def delete_key(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
 
+    def num_keys(self) -> int:
+        return len(self.data)
+
 
 class ListEvents:
     def __init__(self) -> None:
         self.items: list[dict] = []
+        self.bytes_written = 0
 
     def write(self, event: str, **fields: Any) -> dict:
         record = {"event": event, **json.loads(json.dumps(fields, default=str))}
@@ -102,6 +106,18 @@ class FakeProcess:
     def join(self, timeout: float | None = None) -> None:
         pass
 
+    def close(self) -> None:
+        assert self.exitcode is not None, "closed while running"
+
+
+class FakePipe:
+    """A node's pipe: the simulation hands messages to the handlers directly."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
 
 @dataclass
 class SimWorker:
@@ -137,7 +153,7 @@ class SimCluster:
 
     def _admit(self) -> SimWorker:
         node = self.coord.nodes.admit(lambda spec, slot: (FakeProcess(pid=10_000 + spec.node),
-                                                          None), first_gen=0)
+                                                          FakePipe()), first_gen=0)
         self.workers[node.node] = w = SimWorker(node)
         return w
 

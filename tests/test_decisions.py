@@ -264,3 +264,30 @@ def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, no
         assert "no live node is left" in sim.stopped, sim.stopped
     else:
         assert sim.ctx.committed == config.steps
+
+
+def test_nothing_of_old_steps_stays_in_the_store_or_the_votes(tmp_path: Path) -> None:
+    """A long run keeps a bounded store: when step k commits, the decision keys and the
+    votes of steps <= k - FORGET_AFTER are gone (every survivor read them), through a loss."""
+    from bamboo.cluster.coordinator.steps import FORGET_AFTER
+    steps = 12
+    sim = run(tmp_path, cfg(steps=steps), {5: lambda s: s.kill(node_of(s, 0, 2))})
+    assert sim.ctx.committed == steps
+    keys = [k for k in sim.coord.store.data if k.split("/")[0] in ("go", "decide", "eval")]
+    old = [k for k in keys if int(k.split("/")[1]) <= steps - 1 - FORGET_AFTER]
+    assert not old, old
+    assert keys, "the newest steps' decisions must still be there"
+    p = sim.coord.steps
+    for votes in (p.micro_batches_done, p.rounds, p.eval_votes):
+        assert all(step > steps - 1 - FORGET_AFTER for step, _ in votes), votes
+    assert all(k in sim.coord.ctx.written or k.startswith(("gen/", "epoch/"))
+               for k in sim.coord.store.data)
+
+
+def test_a_lost_nodes_handles_are_closed(tmp_path: Path) -> None:
+    from bamboo.cluster.coordinator.nodes import EndedProcess
+    sim = run(tmp_path, cfg(steps=6), {2: lambda s: s.kill(node_of(s, 0, 1))})
+    lost = [n for n in sim.coord.nodes if n.exited]
+    assert lost and all(isinstance(n.process, EndedProcess) and n.conn.closed for n in lost)
+    assert all(n.process.exitcode is not None for n in lost)
+    accounted(sim, {n.name for n in lost})

@@ -18,7 +18,7 @@ import resource
 import sys
 from dataclasses import dataclass
 
-__all__ = ["MemorySample", "sample", "rss_bytes", "rss_peak_bytes"]
+__all__ = ["MemorySample", "sample", "rss_bytes", "rss_peak_bytes", "open_fds"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -55,6 +55,14 @@ def rss_peak_bytes() -> int:
     except (OSError, IndexError, ValueError):
         pass
     return _maxrss_bytes()
+
+
+def open_fds() -> int | None:
+    """File descriptors this process has open (None where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
 
 
 def sample(cuda_device: object | None = None) -> MemorySample:

@@ -260,6 +260,13 @@ class RemoteProcess:
     def is_alive(self) -> bool:
         return self.exitcode is None
 
+    def close(self) -> None:
+        """Release the pipes, once it has ended (as `multiprocessing.Process.close`)."""
+        if self.exitcode is None:
+            raise ValueError(f"worker {self.index} of {self.host} is still running")
+        self.reader.close()
+        os.close(self._sentinel_r)
+
     def kill(self) -> None:
         """Order the agent to kill this worker, and count it gone now: a frozen or cut-off
         machine would never answer (fencing)."""

@@ -92,7 +92,7 @@ class AutoRedundancy:
         eager = self._timed_steps("eager")
         if "lazy" not in step_s and len(eager) >= 2:
             lazy = statistics.median(
-                r["wall_s"] - max((x["frc_s"] for x in r["nodes"]), default=0.0) for r in eager)
+                r["wall_s"] - r["frc_s"] for r in eager)
             if lazy > 0:
                 step_s["lazy"] = lazy
         if not step_s:

@@ -53,7 +53,13 @@ class FailureHandler:
     # -- a process ended --------------------------------------------------------------------
 
     def on_exit(self, n: Node) -> None:
-        """`n`'s process is gone (its pipe already drained)."""
+        """`n`'s process is gone (its pipe already drained); its handles are closed after."""
+        try:
+            self._on_exit(n)
+        finally:
+            self.nodes.release(n)
+
+    def _on_exit(self, n: Node) -> None:
         self.nodes.exited(n)
         if self.ctx.reconf is not None:
             self.ctx.reconf.ending.discard(n.node)

@@ -88,6 +88,34 @@ class NodeState(enum.Enum):
     """Its process ended by a signal: preempted (or fenced)."""
 
 
+@dataclass(frozen=True, slots=True)
+class EndedProcess:
+    """What is left of a node's process once its exit is handled: its pid and exit code.
+    The real handle (a local process's sentinel, an agent worker's pipes) is closed, so a
+    long run that loses many nodes holds no descriptor for any of them."""
+
+    pid: int | None
+    exitcode: int | None
+    host: str | None = None
+    """The agent's host, for a worker of another machine (None: a local process)."""
+    sentinel: None = None
+
+    @staticmethod
+    def of(process: Any) -> EndedProcess:
+        ended = EndedProcess(process.pid, process.exitcode, getattr(process, "host", None))
+        process.close()
+        return ended
+
+    def is_alive(self) -> bool:
+        return False
+
+    def kill(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class Node:
     node: int
@@ -117,7 +145,7 @@ class Node:
     @property
     def pid_local(self) -> int | None:
         """The pid of a worker process on this machine (None for an agent's)."""
-        return None if hasattr(self.process, "host") else self.process.pid
+        return None if getattr(self.process, "host", None) is not None else self.process.pid
 
     @property
     def is_gone(self) -> bool:
@@ -297,6 +325,13 @@ class Supervisor:
         """The process of `n` is gone: free its slot."""
         n.exited = True
         self.free_slots.append(n.slot)
+
+    @staticmethod
+    def release(n: Node) -> None:
+        """`n`'s exit is handled: close its pipe and its process handle (descriptors)."""
+        n.conn.close()
+        if not isinstance(n.process, EndedProcess):
+            n.process = EndedProcess.of(n.process)
 
     def stop_all(self) -> None:
         for n in self.nodes.values():

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint  # noqa: F401 - imported (1.5 s) while the workers start
 
 from bamboo.checkpoint import CheckpointError, checkpoint_location, final_dir, load_layer_tensors
+from bamboo.cluster import procmem
 from bamboo.cluster.coordinator.memory import MemoryWatch
 from bamboo.cluster.coordinator.state import RunContext, Stop
 from bamboo.cluster.coordinator.steps import PendingStep
@@ -32,8 +33,9 @@ __all__ = ["Results"]
 
 _TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
-             "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "cuda_peak_bytes",
-             "cuda_reserved_bytes")
+             "device_bytes", "host_bytes", "rebuilds", "rss_bytes")
+_CUDA_COUNTERS = ("cuda_peak_bytes", "cuda_reserved_bytes")
+"""Recorded only when a node measured them (it runs on CUDA)."""
 
 
 def _node_order(name: str) -> tuple[int, str]:
@@ -48,6 +50,9 @@ class Results:
         self.display_step = display_step
         self.display_eval = display_eval
         self.records: list[dict] = []
+        """Per committed step, what later decisions read: step, wall_s and the largest
+        node's frc_s (the full record goes to the event log only: this list is kept for
+        the whole run, so it stays a few numbers a step)."""
         self.final: set[int] = set()
         """Layers whose final parameters a node reported written."""
         self.params: dict[int, list] | None = None
@@ -63,7 +68,8 @@ class Results:
                   "lr": reports[0].lr if reports else None,
                   "attempts": max((r.attempts for r in reports), default=1),
                   "nodes": [self._node_timers(r, node_name(r)) for r in reports]}
-        self.records.append(record)
+        self.records.append({"step": p.step, "wall_s": p.wall_s,
+                             "frc_s": max((r.frc_s for r in reports), default=0.0)})
         for r in reports:
             self._note_memory(str(node_name(r)), r)
         self.ctx.events.write("step_done", **record)
@@ -102,10 +108,20 @@ class Results:
                 **self.real_memory.fields(names),
                 "memory_nodes": names}
 
+    def coordinator_fields(self, steps: int) -> dict[str, Any]:
+        """What the coordinator process itself holds at the end: its resident memory, open
+        descriptors, keys in its store and the event log's size (per step too)."""
+        events = self.ctx.events.bytes_written
+        return {"rss_bytes": procmem.rss_bytes(), "rss_peak_bytes": procmem.rss_peak_bytes(),
+                "open_fds": procmem.open_fds(), "store_keys": self.ctx.store.num_keys(),
+                "events_bytes": events,
+                "events_bytes_per_step": round(events / steps) if steps else None}
+
     @staticmethod
     def _node_timers(r: StepReport, name: str) -> dict:
         return {"node": name, "stages": r.stages} | \
-            {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS}
+            {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS} | \
+            {k: getattr(r, k) for k in _CUDA_COUNTERS if getattr(r, k)}
 
     def final_dir(self) -> Any:
         return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.steps)
@@ -184,5 +200,6 @@ class Results:
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
             **self.memory_fields(),
+            "coordinator": self.coordinator_fields(steps),
             "config": ctx.cfg.summary_fields(),
         }

@@ -47,8 +47,12 @@ class Store(Protocol):
 
     def delete_key(self, key: str) -> bool: ...
 
+    def num_keys(self) -> int: ...
+
 
 class Events(Protocol):
+    bytes_written: int
+
     def write(self, event: str, **fields: Any) -> dict: ...
 
 
