@@ -46,6 +46,7 @@ def test_no_other_module_subclasses_argument_parser() -> None:
     assert found == ["bamboo/argparsing.py UsageParser"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_commands_do_not_import_the_cli() -> None:
     """`bamboo profile` took its parser from bamboo.cli, which imports it back: a circle."""

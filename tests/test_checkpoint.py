@@ -280,6 +280,7 @@ def test_a_gap_is_caught_without_knowing_the_model(tmp_path):
         load_latest(tmp_path)
 
 
+@pytest.mark.procs
 def test_finding_whole_checkpoints_needs_no_torch(tmp_path):
     two_checkpoints(tmp_path)
     _damage(tmp_path / "step-00000020", "truncated")
@@ -322,6 +323,7 @@ def _leftovers(folder: Path, pid: int, host: str | None = None) -> list[str]:
     return sorted([partial.name, f".old-layer-0002-{tag}", f".manifest.json.tmp-{tag}"])
 
 
+@pytest.mark.procs
 def test_the_next_write_removes_what_interrupted_writes_of_this_machine_left(tmp_path):
     folder = step_dir(tmp_path, 20)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -342,6 +344,7 @@ def test_the_next_write_removes_what_interrupted_writes_of_this_machine_left(tmp
     assert sorted(p.name for p in folder.iterdir()) == sorted(["layer-0000", *elsewhere])
 
 
+@pytest.mark.procs
 def test_a_real_full_disk_is_one_error_naming_the_layer_and_leaves_no_temporaries(tmp_path):
     """A 256 kB tmpfs, a layer of 400 kB."""
     with mounted_tmpfs(tmp_path / "disk", "size=256k") as disk:
@@ -396,6 +399,7 @@ def _recorded(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch):
     """No live copy of stage 2 survives: the run restores from the checkpoint its holders
@@ -425,6 +429,7 @@ def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch
     assert finals == list(range(8))  # each layer's final copy written once
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_keep_checkpoints_one_leaves_one_and_model_pt_matches_the_final_layers(tmp_path):
     out = tmp_path / "run"

@@ -32,6 +32,7 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=60, cwd=REPO)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_gives_one_line_and_touches_nothing(name: str, tmp_path: Path) -> None:
     args, expected = CASES[name]
@@ -48,6 +49,7 @@ def test_bad_input_gives_one_line_and_touches_nothing(name: str, tmp_path: Path)
     assert (out / "keep.txt").read_text() == "precious"
 
 
+@pytest.mark.procs
 def test_a_finished_run_is_never_overwritten(tmp_path: Path) -> None:
     out = tmp_path / "done"
     out.mkdir()
@@ -59,6 +61,7 @@ def test_a_finished_run_is_never_overwritten(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
 
+@pytest.mark.procs
 def test_unknown_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "bamboo", "trian"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
@@ -68,6 +71,7 @@ def test_unknown_command() -> None:
                                    "lab, data, export")
 
 
+@pytest.mark.procs
 def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text("layout:\n  nodes: 0\n")
@@ -80,6 +84,7 @@ def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path:
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.procs
 def test_the_example_job_file_is_valid(tmp_path: Path) -> None:
     example = subprocess.run([sys.executable, "-m", "bamboo", "config", "--example"],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -236,6 +241,7 @@ def _assert_one_line_error(stderr: str, flag: str) -> str:
     return lines[0]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("flag,case", _flag_cases())
 def test_every_flag_with_a_wrong_value_gives_one_line(flag: str, case: tuple, tmp_path: Path,
                                                       files: dict[str, Path]) -> None:
@@ -324,6 +330,7 @@ def test_the_lease_must_outlast_a_heartbeat() -> None:
         JobConfig(lease_s=HEARTBEAT_S).validate()
 
 
+@pytest.mark.procs
 def test_out_on_a_read_only_disk_is_one_line(tmp_path: Path, no_start: None,
                                              capsys: pytest.CaptureFixture) -> None:
     from bamboo.cli import main

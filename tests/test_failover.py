@@ -89,6 +89,7 @@ def config(flags: dict) -> JobConfig:
     return JobConfig(kills=kills, **flags).validate()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
@@ -125,6 +126,7 @@ TAGGED = ("kill stage 2", "two non-adjacent kills in one step",
           "adjacent kills, restored from the peer pipeline")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", TAGGED)
 def test_tagged_comm_fails_over_equal_to_failure_free(name: str, tmp_path: Path) -> None:
@@ -138,6 +140,7 @@ def test_tagged_comm_fails_over_equal_to_failure_free(name: str, tmp_path: Path)
     assert all(n["rebuilds"] == 0 for e in steps for n in e["nodes"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_adjacent_kills_without_a_peer_pipeline_restart_from_the_initial_state(
         tmp_path: Path) -> None:
@@ -149,6 +152,7 @@ def test_adjacent_kills_without_a_peer_pipeline_restart_from_the_initial_state(
     assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
     cfg = config(dict(steps=4, redundancy="off", kills=["0:2@1"]))
@@ -160,6 +164,7 @@ def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
     assert "--redundancy off keeps no in-flight copy" in lost[0]["error"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
     cfg = config(dict(steps=2))
@@ -203,6 +208,7 @@ def kill_cases(draw) -> tuple[JobConfig, dict[int, list[Fault]]]:
     return cfg, faults
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60 * 30)
 @settings(max_examples=CASES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -240,6 +246,7 @@ def test_the_acceptance_command_line(bamboo) -> None:
     assert (lost["node"], lost["step"], lost["handled_as"], lost["shadow"]) == ("n2", 5, "failover", "n1")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_frozen_node_is_fenced_then_failed_over(tmp_path: Path) -> None:
     """SIGSTOP (a frozen VM) is invisible to gloo: the lease notices, the coordinator fences."""

@@ -92,6 +92,7 @@ def wait_for_steps(out: Path, proc: subprocess.Popen, timeout: float = 60) -> No
     raise AssertionError("training never reached its first step")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_the_launcher_stops_everything(tmp_path: Path, signum: int) -> None:
@@ -109,6 +110,7 @@ def test_interrupting_the_launcher_stops_everything(tmp_path: Path, signum: int)
     assert wait_gone(pids) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -121,6 +123,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     assert wait_gone(pids, timeout=15) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
     """A `kill -9` nobody in bamboo sent: the node is lost, accounted, and covered (with
@@ -160,6 +163,7 @@ def test_a_full_disk_at_the_end_is_one_line_with_the_summary(tmp_path: Path, bam
         assert [p.name for p in out.iterdir() if "tmp" in p.name] == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> None:
     """Killed while generation 0 forms (nothing trained yet): the seven others train on

@@ -173,6 +173,7 @@ BAD_NAMES = {
 }
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", BAD_NAMES)
 def test_bad_hf_names_fail_with_one_line(case: str, tmp_path: Path) -> None:

@@ -145,6 +145,7 @@ def _bamboo(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
                           cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("value", ["nonsense", "127.0.0.1:99999", ":80"])
 def test_a_bad_http_value_is_one_line(tmp_path: Path, value: str) -> None:
@@ -155,6 +156,7 @@ def test_a_bad_http_value_is_one_line(tmp_path: Path, value: str) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_taken_http_port_is_one_line(tmp_path: Path) -> None:
     with socket.socket() as busy:

@@ -21,6 +21,8 @@ import pytest
 from bamboo.cluster.membership import (EmbeddedMembership, EtcdMembership, LeaseExpired,
                                        MembershipError, MembershipEvent)
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 TTL = 1.0
 SLACK = 1.5  # expiry is seen within TTL + SLACK after the last heartbeat (etcd checks leases every 0.5 s)
 TOKEN = "s3cret-token"

@@ -229,6 +229,7 @@ def test_sigterm_handler_installed_and_restored():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(30)
 def test_sigterm_to_a_process_becomes_a_notice():
     """A separate process, as Kubernetes would signal it: it reports the notice and exits 0."""

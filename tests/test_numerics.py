@@ -54,6 +54,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
 # -- bf16 --------------------------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_bf16_trains_close_to_fp32(run) -> None:
     fp32, bf16 = run(**TINY), run(**TINY, precision="bf16")
@@ -66,6 +67,7 @@ def test_bf16_trains_close_to_fp32(run) -> None:
     assert max(bf16["memory_per_node_bytes"]) < max(fp32["memory_per_node_bytes"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_bf16_survives_a_kill_and_ends_equal_to_its_failure_free_run(run) -> None:
     free, killed = run(**TINY, precision="bf16"), run(**TINY, precision="bf16", kills=["0:2@3"])
@@ -74,6 +76,7 @@ def test_bf16_survives_a_kill_and_ends_equal_to_its_failure_free_run(run) -> Non
     assert_close(killed["param_l2"], free["param_l2"], rel=KILL_REL)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_bf16_boundaries_travel_in_their_spec_dtype(run) -> None:
     """cnn-tiny's layers give bf16 under autocast; stage outputs are cast to the boundary
@@ -85,6 +88,7 @@ def test_bf16_boundaries_travel_in_their_spec_dtype(run) -> None:
 # -- activation checkpointing ------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_activation_checkpointing_is_bit_identical_and_saves_memory(run) -> None:
     """Per-layer checkpoints for the primaries and the replica's FRC: a run with a failover
@@ -102,6 +106,7 @@ def test_activation_checkpointing_is_bit_identical_and_saves_memory(run) -> None
 # -- memory accounting and --frc-offload --------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_memory_orders_the_redundancy_modes_and_offload_bounds_eager(run) -> None:
     off, lazy, eager = (run(**MINI, redundancy=m) for m in ("off", "lazy", "eager"))

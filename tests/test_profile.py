@@ -12,6 +12,7 @@ from bamboo.sim.costs import load_costs
 from conftest import REPO
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_profile_then_simulate(tmp_path: Path, capsys) -> None:
     out = tmp_path / "costs.json"

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reference import train_reference  # noqa: E402
 from test_failover import reference, run_in_process  # noqa: E402
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 REL = 1e-4
 KINDS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses")
 

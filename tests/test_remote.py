@@ -20,6 +20,8 @@ from conftest import BAMBOO, REPO, assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconfig import config, reference  # noqa: E402
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 
 def _free_port() -> int:
     with socket.socket() as s:

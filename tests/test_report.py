@@ -239,6 +239,7 @@ def test_bad_run_directory_is_one_line_and_exit_2(tmp_path: Path, case: str,
     assert "Traceback" not in out.err and out.out == ""
 
 
+@pytest.mark.procs
 def test_command_line_exit_code_and_debug(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     cmd = [sys.executable, "-m", "bamboo.report", str(missing)]

@@ -12,6 +12,7 @@ from bamboo.runlog import RunDir, RunDirError, write_atomic
 from conftest import mounted_tmpfs
 
 
+@pytest.mark.procs
 def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "disk", "size=64k") as disk:
         model = disk / "model.pt"
@@ -40,6 +41,7 @@ def test_check_writable_leaves_nothing_behind(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and not any((tmp_path / "old").iterdir())
 
 
+@pytest.mark.procs
 def test_check_writable_on_a_read_only_disk(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "ro", "ro") as ro:
         with pytest.raises(ConfigError) as info:

@@ -111,6 +111,7 @@ def root_network() -> tuple[str, str]:
     return addrs, routes
 
 
+@pytest.mark.procs
 def test_hosts_reach_each_other_over_tcp_but_not_over_loopback(lab_factory):
     before = root_network()
     lab = lab_factory(3)
@@ -133,6 +134,7 @@ def test_hosts_reach_each_other_over_tcp_but_not_over_loopback(lab_factory):
         stop(server)
 
 
+@pytest.mark.procs
 def test_cut_host_is_unreachable_until_reconnected(lab_factory):
     lab = lab_factory(3)
     a1 = lab["a1"].address
@@ -152,6 +154,7 @@ def test_cut_host_is_unreachable_until_reconnected(lab_factory):
         stop(server)
 
 
+@pytest.mark.procs
 def test_cap_installs_tbf_both_ways_and_limits_a_transfer(lab_factory):
     lab = lab_factory(2)
     size = 2 * 1024 * 1024
@@ -175,6 +178,7 @@ def test_cap_installs_tbf_both_ways_and_limits_a_transfer(lab_factory):
         stop(server)
 
 
+@pytest.mark.procs
 def test_delay_adds_latency_or_says_netem_is_unavailable(lab_factory):
     lab = lab_factory(2)
     # Probe netem directly with tc (not through Lab.delay), on a1's loopback.
@@ -203,6 +207,7 @@ def test_delay_adds_latency_or_says_netem_is_unavailable(lab_factory):
         stop(server)
 
 
+@pytest.mark.procs
 def test_close_removes_every_namespace_even_when_the_body_raised():
     if unsupported_reason() is not None:
         pytest.skip(unsupported_reason())
@@ -222,6 +227,7 @@ def test_close_removes_every_namespace_even_when_the_body_raised():
     assert sleeper.poll() == -signal.SIGKILL, "close() kills the hosts' processes"
 
 
+@pytest.mark.procs
 def test_sigterm_and_exit_of_the_owner_remove_its_labs(tmp_path):
     if unsupported_reason() is not None:
         pytest.skip(unsupported_reason())
@@ -247,6 +253,7 @@ def test_sigterm_and_exit_of_the_owner_remove_its_labs(tmp_path):
         assert leftover_namespaces(prefix) == [], how
 
 
+@pytest.mark.procs
 def test_kill_host_kills_every_process_in_it(lab_factory):
     lab = lab_factory(3)
     # a process and a child of it in a1, and a bystander in a2

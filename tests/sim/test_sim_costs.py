@@ -47,6 +47,7 @@ def test_invalid_costs_name_the_field(tmp_path, mutate, needle):
     assert needle in str(exc.value) and str(f) in str(exc.value)
 
 
+@pytest.mark.procs
 def test_simulate_with_costs_file(tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps(GOOD))

@@ -103,6 +103,7 @@ def _sim(*args):
     return subprocess.run([sys.executable, "-m", "bamboo.sim", *args], capture_output=True, text=True)
 
 
+@pytest.mark.procs
 def test_same_seed_gives_byte_identical_json():
     args = ["--trace", "synthetic:p=0.1,hours=4", "--runs", "8", "--seed", "3", "--json",
             "--policies", "bamboo,checkpoint,on-demand,adaptive"]
@@ -133,6 +134,7 @@ def test_p3_trace_calibration_and_speed():
     assert res["bamboo"].throughput > res["checkpoint"].throughput
 
 
+@pytest.mark.procs
 def test_every_format_end_to_end_and_plots(tmp_path):
     jl = tmp_path / "t.jsonl"
     jl.write_text("\n".join(json.dumps([i * 60000, "add", {"nodes": [f"n{i}"]}]) for i in range(30)) + "\n"
@@ -150,6 +152,7 @@ def test_every_format_end_to_end_and_plots(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_every_format_json_end_to_end_and_same_seed_same_bytes(tmp_path):
     """Each trace format through `python -m bamboo.sim --json`: valid contract JSON, and byte-identical
@@ -177,6 +180,7 @@ def test_every_format_json_end_to_end_and_same_seed_same_bytes(tmp_path):
             assert e["throughput"] >= 0 and e["cost_per_hour"] > 0 and e["steps"] >= 0, (trace, e)
 
 
+@pytest.mark.procs
 def test_user_errors_are_one_line(tmp_path):
     for args in (["--trace", str(P3), "--model", "llama"], ["--trace", str(P3), "--policies", "magic"],
                  ["--trace", str(P3), "--costs", str(tmp_path / "none.json")], ["--trace", "synthetic:p=7"],

@@ -76,6 +76,7 @@ def test_out_of_order_rows_are_sorted_stably(tmp_path):
     assert tr.kinds == [ADD, ADD, REMOVE, ADD]
 
 
+@pytest.mark.procs
 def test_cli_warns_once_about_unsorted_rows_and_errors_on_bad_line(tmp_path):
     good = tmp_path / "t.csv"
     good.write_text("0,add,a\n" + "".join(f"0,add,n{i}\n" for i in range(12)) + "9000000,remove,a\n60000,add,z\n")
