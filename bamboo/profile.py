@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser  # one-line usage errors
+from bamboo.runlog import read_events
 
 __all__ = ["main", "stage_times"]
 
@@ -94,8 +95,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
     restored, restored_dir = run(nodes=2 * stages, micro_batches=max(1, micro_batches // 2),
                       kills=[f"0:{victim - 1}@{steps // 2}", f"0:{victim}@{steps // 2}"]) \
         if stages >= 3 else (None, None)
-    import json
-    records = [json.loads(line) for line in (clean_dir / "events.jsonl").read_text().splitlines()]
+    records = read_events(clean_dir / "events.jsonl")
     nodes = [n for r in records if r["event"] == "step_done" and r["step"] > 0 for n in r["nodes"]]
     return {
         "failover_pause_s": killed["pause_s"][0] if killed["pause_s"] else 0.0,
@@ -112,8 +112,7 @@ def _restore_pause(summary: dict, run_dir: Path) -> float:
     extra = sum(summary["pause_s"])
     if extra > 0:
         return extra
-    import json
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir / "events.jsonl")
     fault = next((e for e in events if e["event"] == "fault_detected"
                   and e.get("handled_as") == "peer_restore"), None)
     if fault is None:

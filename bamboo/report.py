@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser
+from bamboo.runlog import EventLogError, read_events
 
 __all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report", "main",
            "PLOT_SIZE_PX"]
@@ -163,34 +164,22 @@ def _is_num(value: Any) -> bool:
 
 
 def _read_events(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    def cut_short(number: int) -> None:
+        warnings.append(f"events.jsonl line {number} is cut short (the run was stopped "
+                        f"while writing it) and was ignored")
+
     try:
-        text = path.read_text(encoding="utf-8")
+        events = read_events(path, check=_check_event, on_cut_short=cut_short)
+    except EventLogError as e:
+        raise ReportError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ReportError(f"{path} cannot be read: {e}") from None
-    lines = text.split("\n")
-    events: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            events.append(_parse_event(line))
-        except ValueError as e:
-            if number == len(lines):  # no newline after it: cut short by a killed writer
-                warnings.append(f"events.jsonl line {number} is cut short (the run was stopped "
-                                f"while writing it) and was ignored")
-                continue
-            raise ReportError(f"{path} line {number}: {e}") from None
     events.sort(key=lambda e: e["t"])  # stable: same-time events keep their order
     return events
 
 
-def _parse_event(line: str) -> dict[str, Any]:
-    try:
-        event = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg}, column {e.colno})") from None
-    if not isinstance(event, dict):
-        raise ValueError("not a JSON object")
+def _check_event(event: dict[str, Any]) -> None:
+    """ValueError unless `event` has what the report reads."""
     if not _is_num(event.get("t")):
         raise ValueError("no numeric 't' (seconds since the run began)")
     if not isinstance(event.get("event"), str):
@@ -200,7 +189,6 @@ def _parse_event(line: str) -> dict[str, Any]:
         raise ValueError("step_done needs an integer 'step' and a numeric 'loss'")
     if kind in ("node_up", "node_lost") and not isinstance(event.get("node"), str):
         raise ValueError(f"{kind} needs a 'node' name")
-    return event
 
 
 # -- figures ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["RunDir", "RunDirError", "EventLog", "read_events", "write_atomic",
+__all__ = ["RunDir", "RunDirError", "EventLog", "EventLogError", "read_events", "write_atomic",
            "default_run_dir", "checkpoint_root"]
 
 _RUN_FILES = ("summary.json", "events.jsonl")
@@ -94,24 +94,45 @@ class EventLog:
         self._file.close()
 
 
-def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The records of an events.jsonl, in order: whole lines only (a last line without its
-    newline is still being written by a running coordinator and is left out). A whole line
-    that is not a JSON object is a ValueError naming the file and line."""
-    records = []
+class EventLogError(ValueError):
+    """A whole line of an events.jsonl that is not an event; str() names the file and line."""
+
+    def __init__(self, path: str | Path, line: int, reason: str) -> None:
+        super().__init__(f"{path} line {line}: {reason}")
+        self.path, self.line, self.reason = path, line, reason
+
+
+def read_events(path: str | Path, *, check: Callable[[dict], None] | None = None,
+                on_cut_short: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """The records of an events.jsonl, in file order: the one reader of what `EventLog`
+    writes (reports, the timeline model, profiles, tests).
+
+    A last line without its newline that does not parse is being written by a running
+    coordinator, or was cut short by a killed one: it is left out (`on_cut_short(line)`
+    is told). Any other line that is not a JSON object, or that `check` rejects with a
+    ValueError, is an EventLogError naming the file and line. Blank lines are skipped."""
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                break
-            if not line.strip():
-                continue
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+                raise ValueError(f"not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: not a JSON object")
-            records.append(record)
+                raise ValueError("not a JSON object")
+            if check is not None:
+                check(record)
+        except ValueError as e:
+            if number == len(lines):  # no newline after it
+                if on_cut_short is not None:
+                    on_cut_short(number)
+                break
+            raise EventLogError(path, number, str(e)) from None
+        records.append(record)
     return records
 
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import multiprocessing.process
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from bamboo.runlog import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 BAMBOO = [sys.executable, "-m", "bamboo"]
@@ -37,7 +40,21 @@ class Result:
         return json.loads((self.out / "summary.json").read_text())
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in (self.out / "events.jsonl").read_text().splitlines()]
+        return run_events(self.out)
+
+
+def run_events(out: Path) -> list[dict]:
+    """The events of the run directory `out`: whole lines only (its coordinator may be
+    writing the last one right now); [] before the file exists."""
+    path = out / "events.jsonl"
+    return read_events(path) if path.exists() else []
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Result:

@@ -8,7 +8,6 @@ among the survivors addresses them by their old ranks.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
@@ -16,14 +15,9 @@ import torch
 import torch.distributed as dist
 
 from bamboo.pipeline.comm import ACTIVATION, GRADIENT, P2P, PeerLost
+from conftest import free_port
 
 pytestmark = pytest.mark.procs  # every test here starts processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroup:
@@ -72,7 +66,7 @@ def _peer(rank: int, port: int, strict: bool, out: mp.Queue) -> None:
 def _run(strict: bool) -> list[tuple]:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_peer, args=(r, port, strict, out)) for r in range(3)]
     for p in procs:
         p.start()

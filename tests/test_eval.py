@@ -11,7 +11,7 @@ import pytest
 from bamboo.config import JobConfig
 from bamboo.faults import Fault
 from bamboo.pipeline.engine import EVAL_FAULT_INDEX
-from conftest import assert_close
+from conftest import assert_close, run_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import train_reference  # noqa: E402
@@ -37,10 +37,6 @@ def assert_evals_equal(summary: dict, cfg: JobConfig) -> None:
     assert_close(summary["losses"], losses, rel=REL)
 
 
-def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-
-
 def test_evaluation_points() -> None:
     cfg = JobConfig(steps=7, eval_every=3)
     assert [k for k in range(9) if cfg.evaluates_at(k)] == [3, 6, 7]
@@ -58,7 +54,7 @@ def test_eval_losses_equal_the_single_process_model(layout: dict, tmp_path: Path
     assert_evals_equal(summary, cfg)
     assert [s for s, _ in summary["eval_losses"]] == [2, 4, 5]
     assert summary["eval_losses"][-1][1] < summary["eval_losses"][0][1]  # it learns
-    recorded = [e for e in events(tmp_path / "run") if e["event"] == "eval"]
+    recorded = [e for e in run_events(tmp_path / "run") if e["event"] == "eval"]
     assert [[e["step"], e["loss"]] for e in recorded] == summary["eval_losses"]
 
 
@@ -91,7 +87,7 @@ def test_a_kill_during_the_held_out_pass(name: str, tmp_path: Path) -> None:
     summary = run_in_process(cfg, tmp_path / "run", faults)
     assert_evals_equal(summary, cfg)
     assert summary["failovers"] == 1 and summary["checkpoint_restores"] == 0
-    [lost] = [e for e in events(tmp_path / "run") if e["event"] == "node_lost"]
+    [lost] = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
     assert lost["step"] == at and lost["handled_as"] == "failover"
 
 

@@ -22,7 +22,7 @@ from bamboo.faults import Fault
 from bamboo.pipeline import schedule as S
 from bamboo.progress import ProgressDisplay
 from bamboo.runlog import RunDir
-from conftest import assert_close
+from conftest import assert_close, run_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import train_reference  # noqa: E402
@@ -101,7 +101,7 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
     assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
     assert summary["preemptions"] == len(cfg.kills) == len(summary["pause_s"])
     events = RunDir(tmp_path / "run")
-    lost = [e for e in _events(tmp_path / "run") if e["event"] == "node_lost"]
+    lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
     assert len(lost) == len(cfg.kills)
     for e in lost:
         assert e["handled_as"] in ("failover", "peer_restore")
@@ -109,17 +109,12 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
         if cfg.redundancy == "lazy":
             assert e["frc_reused"] == 0
     # strict (the default): every survivor dropped the group and formed the survivors' one
-    rebuilt = [n for e in _events(tmp_path / "run") if e["event"] == "step_done"
+    rebuilt = [n for e in run_events(tmp_path / "run") if e["event"] == "step_done"
                for n in e["nodes"] if n["rebuilds"]]
     assert {n["node"] for n in rebuilt} >= {e["shadow"] for e in lost if e["shadow"]}
-    checked = [e for e in _events(tmp_path / "run") if e["event"] == "replicas_checked"]
+    checked = [e for e in run_events(tmp_path / "run") if e["event"] == "replicas_checked"]
     assert len(checked) == cfg.steps and any(e["replicas"] > 0 for e in checked)
     assert events.path.exists()
-
-
-def _events(out: Path) -> list[dict]:
-    import json
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
 TAGGED = ("kill stage 2", "two non-adjacent kills in one step",
@@ -136,7 +131,7 @@ def test_tagged_comm_fails_over_equal_to_failure_free(name: str, tmp_path: Path)
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equals_failure_free(summary, cfg)
     assert (summary["failovers"], summary["peer_restores"]) == (failovers, peer_restores)
-    steps = [e for e in _events(tmp_path / "run") if e["event"] == "step_done"]
+    steps = [e for e in run_events(tmp_path / "run") if e["event"] == "step_done"]
     assert all(n["rebuilds"] == 0 for e in steps for n in e["nodes"])
 
 
@@ -160,7 +155,7 @@ def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
     assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL)
     assert summary["failovers"] == 0 and summary["checkpoint_restores"] == 1
     assert summary["redone_steps"] == 1
-    lost = [e for e in _events(tmp_path / "run") if e["event"] == "fault_detected"]
+    lost = [e for e in run_events(tmp_path / "run") if e["event"] == "fault_detected"]
     assert "--redundancy off keeps no in-flight copy" in lost[0]["error"]
 
 
@@ -169,7 +164,7 @@ def test_redundancy_off_never_fails_over(tmp_path: Path) -> None:
 def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
     cfg = config(dict(steps=2))
     run_in_process(cfg, tmp_path / "run")
-    step = [e for e in _events(tmp_path / "run") if e["event"] == "step_done"][-1]
+    step = [e for e in run_events(tmp_path / "run") if e["event"] == "step_done"][-1]
     from bamboo.models import layer_param_counts, preset
     from bamboo.pipeline.partition import partition
     counts = layer_param_counts(preset("gpt2-tiny"))
@@ -250,7 +245,6 @@ def test_the_acceptance_command_line(bamboo) -> None:
 @pytest.mark.timeout(180)
 def test_a_frozen_node_is_fenced_then_failed_over(tmp_path: Path) -> None:
     """SIGSTOP (a frozen VM) is invisible to gloo: the lease notices, the coordinator fences."""
-    import json
     import signal
     import threading
     import time
@@ -258,13 +252,12 @@ def test_a_frozen_node_is_fenced_then_failed_over(tmp_path: Path) -> None:
     out = tmp_path / "run"
 
     def freeze_n2_after_step_2() -> None:
-        events = out / "events.jsonl"
         while True:
-            lines = events.read_text().splitlines() if events.exists() else []
-            done = [json.loads(x) for x in lines if '"step_done"' in x]
+            events = run_events(out)
+            done = [e for e in events if e["event"] == "step_done"]
             if len(done) >= 2:
-                pid = next(json.loads(x)["pid"] for x in lines
-                           if '"node_up"' in x and '"n2"' in x)
+                pid = next(e["pid"] for e in events
+                           if e["event"] == "node_up" and e["node"] == "n2")
                 os.kill(pid, signal.SIGSTOP)
                 return
             time.sleep(0.05)
@@ -273,7 +266,7 @@ def test_a_frozen_node_is_fenced_then_failed_over(tmp_path: Path) -> None:
     summary = run_in_process(cfg, out)
     assert_equals_failure_free(summary, cfg)
     assert summary["failovers"] == 1
-    events = _events(out)
+    events = run_events(out)
     assert [e["node"] for e in events if e["event"] == "fenced"] == ["n2"]
     lost = next(e for e in events if e["event"] == "fault_detected")
     fenced_t = next(e["t"] for e in events if e["event"] == "fenced")

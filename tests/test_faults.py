@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO, assert_close
+from conftest import BAMBOO, REPO, assert_close, run_events
 
 
 def alive(pid: int) -> bool:
@@ -82,10 +82,9 @@ def start_training(out: Path, *extra: str) -> subprocess.Popen:
 
 
 def wait_for_steps(out: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
-    events = out / "events.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if events.exists() and '"step_done"' in events.read_text():
+        if any(e["event"] == "step_done" for e in run_events(out)):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
@@ -99,8 +98,7 @@ def test_interrupting_the_launcher_stops_everything(tmp_path: Path, signum: int)
     out = tmp_path / "run"
     proc = start_training(out)
     wait_for_steps(out, proc)
-    pids = [int(line.split('"pid": ')[1].split(",")[0])
-            for line in (out / "events.jsonl").read_text().splitlines() if "node_up" in line]
+    pids = [e["pid"] for e in run_events(out) if e["event"] == "node_up"]
     sent = time.monotonic()
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=30)
@@ -116,8 +114,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start_training(out)
     wait_for_steps(out, proc)
-    pids = [int(line.split('"pid": ')[1].split(",")[0])
-            for line in (out / "events.jsonl").read_text().splitlines() if "node_up" in line]
+    pids = [e["pid"] for e in run_events(out) if e["event"] == "node_up"]
     proc.kill()
     proc.communicate(timeout=30)
     assert wait_gone(pids, timeout=15) == []
@@ -131,20 +128,19 @@ def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start_training(out, "--redundancy", "off")
     wait_for_steps(out, proc)
-    victim = next(line for line in (out / "events.jsonl").read_text().splitlines()
-                  if '"node": "n2"' in line and "node_up" in line)
-    os.kill(int(victim.split('"pid": ')[1].split(",")[0]), signal.SIGKILL)
-    events = out / "events.jsonl"
+    victim = next(e for e in run_events(out) if e["event"] == "node_up" and e["node"] == "n2")
+    os.kill(victim["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while '"generation_ready", "gen": 1' not in events.read_text():
+    while not any(e["event"] == "generation_ready" and e.get("gen") == 1
+                  for e in run_events(out)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=30)
-    lost = [json.loads(line) for line in events.read_text().splitlines()
-            if '"node_lost"' in line]
+    lost = [e for e in run_events(out) if e["event"] == "node_lost"]
     assert [(e["node"], e["handled_as"], e["signal"]) for e in lost] == [
         ("n2", "checkpoint_restore", "SIGKILL")]
+
 
 @pytest.mark.timeout(180)
 def test_a_full_disk_at_the_end_is_one_line_with_the_summary(tmp_path: Path, bamboo) -> None:
@@ -172,13 +168,12 @@ def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> No
     proc = subprocess.Popen([*BAMBOO, "train", "--nodes", "8", "--stages", "4", "--steps", "3",
                              "--quiet", "--json", "--no-report", "--out", str(out)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    events = out / "events.jsonl"
     deadline = time.monotonic() + 60
-    while not (events.exists() and '"node": "n7"' in events.read_text()):
+    while not (up := [e for e in run_events(out) if e["event"] == "node_up"
+                      and e["node"] == "n7"]):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.01)
-    pid = next(json.loads(line)["pid"] for line in events.read_text().splitlines()
-               if '"node": "n7"' in line)
+    pid = up[0]["pid"]
     os.kill(pid, signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bamboo.cluster.http import HealthServer, RunMetrics
-from conftest import BAMBOO, REPO
+from conftest import BAMBOO, REPO, free_port, run_events
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str, str]:
@@ -35,12 +35,6 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of a /metrics body."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- unit ------------------------------------------------------------------------------------
@@ -176,7 +170,7 @@ def test_a_taken_http_port_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_a_run_is_scraped_while_it_trains(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "run"
     steps = 30
     proc = subprocess.Popen(
@@ -222,7 +216,7 @@ def test_a_run_is_scraped_while_it_trains(tmp_path: Path) -> None:
 
     summary = json.loads((out / "summary.json").read_text())
     assert json.loads(stdout) == summary
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events = run_events(out)
     assert [e["address"] for e in events if e["event"] == "http"] == [f"127.0.0.1:{port}"]
 
     step = int(scraped[("bamboo_step", ())])
@@ -245,5 +239,10 @@ def test_a_run_is_scraped_while_it_trains(tmp_path: Path) -> None:
         pytest.approx(summary["pause_s"][0], abs=1e-4)
     for kind in ("drain", "peer_restore", "checkpoint_restore", "standby"):
         assert scraped[("bamboo_preemptions_total", (("handled_as", kind),))] == 0
+    # The largest worker's resident memory at a recent step report (the records lag).
+    rss = {e["step"]: max(n["rss_bytes"] for n in e["nodes"]) for e in events
+           if e["event"] == "step_done"}
+    assert scraped[("bamboo_worker_rss_bytes_max", ())] in \
+        [rss[k] for k in range(step - 4, step) if k in rss]
     with pytest.raises(urllib.error.URLError):  # the run is over: so is the server
         _get(base + "/healthz", timeout=2)

@@ -12,6 +12,7 @@ from bamboo.pipeline.layer_costs import (SCHEMA, LayerCosts, load_layer_costs,
                                          measure_layer_costs, save_layer_costs)
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import run_events  # noqa: E402
 from test_failover import assert_equals_failure_free, config, run_in_process  # noqa: E402
 
 
@@ -63,8 +64,7 @@ def test_stages_follow_the_measured_costs_and_a_kill_ends_equal(tmp_path: Path) 
     cfg = config(dict(steps=6, kills=["0:2@3"], layer_costs=str(costs)))
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equals_failure_free(summary, cfg)
-    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text()
-              .splitlines()]
+    events = run_events(tmp_path / "run")
     ready = next(e for e in events if e["event"] == "generation_ready")
     assert ready["parts"] == [[0, 5], [5, 6], [6, 7], [7, 8]]
     assert summary["failovers"] == 1

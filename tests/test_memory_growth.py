@@ -135,7 +135,6 @@ def test_a_node_that_keeps_growing_is_reported_once() -> None:
     assert summary["rss_growth_per_step_bytes"][1] == 5 << 20
     assert abs(summary["rss_growth_per_step_bytes"][0]) < 1 << 20
     assert summary["rss_growth_per_step_bytes"][2] is None  # no samples
-    assert watch.largest() == (300 << 20) + 39 * (5 << 20)
 
 
 def test_small_steady_growth_is_not_a_warning() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from bamboo.config import JobConfig, parse_kill
 from bamboo.faults import Fault
-from conftest import assert_close, run_bamboo
+from conftest import assert_close, run_bamboo, run_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import train_reference  # noqa: E402
@@ -43,10 +43,6 @@ def assert_equal_and_accounted(summary: dict, cfg: JobConfig, lost: int | None =
         assert summary["preemptions"] == lost, summary
 
 
-def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.timeout(180)
 def test_drain_to_a_standby(tmp_path: Path) -> None:
     """A noticed node hands its stage to the standby at the step boundary and leaves."""
@@ -55,10 +51,10 @@ def test_drain_to_a_standby(tmp_path: Path) -> None:
     assert_equal_and_accounted(summary, cfg, lost=1)
     assert summary["drains"] == 1 and summary["failovers"] == 0
     assert summary["reconfigurations"] == 1
-    moved = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"]
+    moved = [e for e in run_events(tmp_path / "run") if e["event"] == "reconfigured"]
     assert moved[0]["members"][:4] == ["n0", "n1", "n4", "n3"]  # n4 took stage 2
     assert moved[0]["step"] == 4
-    roles = [e for e in events(tmp_path / "run") if e["event"] == "role"]
+    roles = [e for e in run_events(tmp_path / "run") if e["event"] == "role"]
     assert sorted((e["node"], e["pipeline"], e["stage"]) for e in roles) == [
         ("n2", None, None), ("n4", 0, 2)]  # n2 leaves its stage, n4 takes it
 
@@ -69,7 +65,7 @@ def test_drain_without_a_standby_moves_to_fewer_stages(tmp_path: Path) -> None:
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=1)
     assert summary["drains"] == 1
-    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    plan = [e for e in run_events(tmp_path / "run") if e["event"] == "reconfigured"][0]
     assert (plan["pipelines"], plan["stages"]) == (1, 3) and "n1" not in plan["members"][:3]
 
 
@@ -89,7 +85,7 @@ def test_failover_then_rebalance_restores_a_replica_for_every_stage(tmp_path: Pa
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=1)
     assert summary["failovers"] == 1 and summary["reconfigurations"] == 1
-    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    plan = [e for e in run_events(tmp_path / "run") if e["event"] == "reconfigured"][0]
     assert (plan["pipelines"], plan["stages"], plan["step"]) == (1, 3, 3)
 
 
@@ -103,7 +99,7 @@ def test_whole_pipeline_lost_continues_on_the_other(tmp_path: Path) -> None:
     # stages over, its survivor is dropped to a standby before it reaches its kill point.
     assert summary["preemptions"] in (3, 4), summary
     assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
-    plan = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"][0]
+    plan = [e for e in run_events(tmp_path / "run") if e["event"] == "reconfigured"][0]
     assert (plan["pipelines"], plan["stages"]) == (1, 4)
 
 
@@ -116,7 +112,7 @@ def test_adjacent_kills_with_one_pipeline_restore_the_checkpoint(tmp_path: Path)
     assert_equal_and_accounted(summary, cfg, lost=2)
     assert summary["checkpoint_restores"] >= 1
     assert summary["redone_steps"] == 1
-    restore = [e for e in events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    restore = [e for e in run_events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
     assert restore[0]["step"] == 4
 
 
@@ -139,7 +135,7 @@ def test_adjacent_kills_without_a_checkpoint_restart_from_the_initial_state(tmp_
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=2)
     assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3
-    restores = [e for e in events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    restores = [e for e in run_events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
     assert [(e["checkpoint"], e["step"], e["redone_steps"]) for e in restores] == [(None, 0, 3)]
 
 
@@ -161,7 +157,7 @@ def test_trace_replay_preempts_and_adds_nodes(tmp_path: Path) -> None:
                  max_nodes=4)
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg)
-    ev = events(tmp_path / "run")
+    ev = run_events(tmp_path / "run")
     ups = [e["node"] for e in ev if e["event"] == "node_up"]
     assert ups[:4] == ["n0", "n1", "n2", "n3"] and len(ups) >= 5
     assert any(e["event"] == "trace_add_ignored" for e in ev)  # f: 4 alive already
@@ -177,7 +173,7 @@ def test_standbys_joining_grow_the_layout(tmp_path: Path) -> None:
                  time_scale=3600.0, max_nodes=4)
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=0)
-    plans = [e for e in events(tmp_path / "run") if e["event"] == "reconfigured"]
+    plans = [e for e in run_events(tmp_path / "run") if e["event"] == "reconfigured"]
     assert plans and (plans[-1]["pipelines"], plans[-1]["stages"]) == (2, 2)
 
 
@@ -255,7 +251,7 @@ def test_checkpoint_restart_baseline_restarts_every_worker_and_ends_equal(tmp_pa
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=1)
     assert (summary["checkpoint_restores"], summary["redone_steps"]) == (1, 1)
-    ev = events(tmp_path / "run")
+    ev = run_events(tmp_path / "run")
     restart = [e for e in ev if e["event"] == "restart_all"]
     assert restart and restart[0]["workers"] == 3
     assert sum(e["event"] == "node_up" for e in ev) == 4 + 3  # three fresh processes
@@ -268,7 +264,7 @@ def test_redundancy_auto_chooses_per_generation_and_ends_equal(tmp_path: Path) -
     cfg = config(nodes=5, stages=4, steps=8, redundancy="auto", kills=["0:1@3", "0:2@6"])
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=2)
-    ev = events(tmp_path / "run")
+    ev = run_events(tmp_path / "run")
     modes = [e for e in ev if e["event"] == "redundancy_mode"]
     assert [e["gen"] for e in modes] == list(range(summary["reconfigurations"] + 1))
     for e in modes:

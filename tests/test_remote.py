@@ -15,18 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO, assert_close
+from conftest import BAMBOO, REPO, assert_close, free_port, run_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconfig import config, reference  # noqa: E402
 
 pytestmark = pytest.mark.procs  # every test here starts processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args: list[str], session: bool = False) -> subprocess.Popen:
@@ -55,15 +49,9 @@ def _assert_failure_free(summary: dict, **layout: int) -> None:
     assert_close(summary["param_l2"], l2, rel=1e-4)
 
 
-def _events(out: Path) -> list[dict]:
-    """Whole lines only: the coordinator may be writing the last one right now."""
-    text = (out / "events.jsonl").read_text()
-    return [json.loads(x) for x in text.split("\n")[:-1] if x.strip()]
-
-
 @pytest.mark.timeout(240)
 def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_path: Path) -> None:
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "4", "--stages",
                     "4", "--steps", "8", "--kill", "0:2@4", "--out", str(out), "--json",
                     "--quiet", "--no-report"])
@@ -88,10 +76,10 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
     summary = json.loads(stdout)
     _assert_failure_free(summary, nodes=4, stages=4, steps=8)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
-    ups = [e for e in _events(out) if e["event"] == "node_up"]
+    ups = [e for e in run_events(out) if e["event"] == "node_up"]
     assert all(e["host"] for e in ups)
     # The killed worker's machine stayed: a replacement standby took its GPU (worker index).
-    lost = next(e["node"] for e in _events(out) if e["event"] == "node_lost")
+    lost = next(e["node"] for e in run_events(out) if e["event"] == "node_lost")
     killed = next(e for e in ups if e["node"] == lost)
     assert len(ups) == 5 and (ups[4]["machine"], ups[4]["worker"]) == (killed["machine"],
                                                                      killed["worker"])
@@ -99,7 +87,7 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
 
 @pytest.mark.timeout(240)
 def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     secret = tmp_path / "secret"  # a token made beforehand, as a mounted secret would be
     secret.write_text("f" * 64 + "\n")
     coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--token-file", str(secret),
@@ -113,11 +101,11 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
         agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token", token])
                   for _ in range(3)]  # the third is a standby
         deadline = time.monotonic() + 150
-        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
             assert time.monotonic() < deadline and coord.poll() is None
             time.sleep(0.2)
         # An agent with a node (one refused for --max-nodes keeps retrying, and has none).
-        nodes_of = {e["pid"] for e in _events(out) if e["event"] == "node_up"}
+        nodes_of = {e["pid"] for e in run_events(out) if e["event"] == "node_up"}
         victim = next(p for p in agents if p.pid in nodes_of)
         victim.send_signal(signal.SIGKILL)  # the machine is gone, worker and all
         stdout, stderr = coord.communicate(timeout=150)
@@ -131,7 +119,7 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_coordinator_is_one_line() -> None:
-    port = _free_port()
+    port = free_port()
     result = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "x",
                                       "--rejoin-s", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -158,7 +146,7 @@ def test_coordinator_rejects_a_bad_bind_and_local_only_flags(tmp_path: Path) -> 
     for args, message in ((["--bind", "localhost"], "--bind 'localhost' is not ADDRESS:PORT"),
                           (["--trace", str(REPO / "traces/aws-p3-2xlarge.csv")],
                            "need local workers"),
-                          (["--bind", f"127.0.0.1:{_free_port()}", "--etcd",
+                          (["--bind", f"127.0.0.1:{free_port()}", "--etcd",
                             "http://127.0.0.1:1"], "etcd at http://127.0.0.1:1 is unreachable")):
         result = subprocess.run(BAMBOO + ["coordinator", *args, "--out", str(tmp_path / "x")],
                                 cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -177,7 +165,7 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
     imds = MetadataServer("aws")
     threading.Thread(target=imds.serve_forever, kwargs={"poll_interval": 0.05},
                      daemon=True).start()
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
                     "2", "--pipelines", "1", "--max-nodes", "3", "--steps", "16",
                     "--out", str(out), "--json", "--quiet", "--no-report"])
@@ -189,11 +177,11 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
         join = ["agent", "--join", f"127.0.0.1:{port}", "--token", token]
         agents.append(_start([*join, "--notices", "aws", "--metadata-url", imds.url]))
         deadline = time.monotonic() + 60
-        while not any(e["event"] == "node_up" for e in _events(out)):
+        while not any(e["event"] == "node_up" for e in run_events(out)):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         agents += [_start(join), _start(join)]  # n1, and n2 as a standby
-        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
             assert time.monotonic() < deadline + 90 and coord.poll() is None
             time.sleep(0.2)
         imds.notice = True
@@ -207,14 +195,14 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
     assert (summary["drains"], summary["failovers"], summary["preemptions"]) == (1, 0, 1)
     assert summary["redone_steps"] == 0 and noticed_agent == 3  # EXIT_DRAINED
     _assert_failure_free(summary, nodes=2, stages=2, steps=16)
-    notices = [e for e in _events(out) if e["event"] == "notice"]
+    notices = [e for e in run_events(out) if e["event"] == "notice"]
     assert [e["node"] for e in notices] == ["n0"]
 
 
 def test_coordinator_token_file_too_short_is_one_line(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("short\n")
-    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{_free_port()}",
+    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{free_port()}",
                                       "--token-file", str(token), "--out", str(tmp_path / "r")],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -232,7 +220,7 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
     expires the lease, the coordinator's watch sees it and fences n0, the shadow takes
     over, and the run ends equal to the failure-free one."""
     from bamboo.cluster.membership import EtcdMembership
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--etcd", etcd_url,
                     "--nodes", "2", "--stages", "2", "--pipelines", "1", "--max-nodes", "3",
                     "--steps", "40", "--out", str(out), "--json", "--quiet", "--no-report"])
@@ -243,11 +231,11 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
         join = ["agent", "--join", f"127.0.0.1:{port}", "--token-file", str(out / "join-token")]
         agents.append(_start(join, session=True))
         deadline = time.monotonic() + 90
-        while not any(e["event"] == "node_up" for e in _events(out)):
+        while not any(e["event"] == "node_up" for e in run_events(out)):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         agents += [_start(join), _start(join)]
-        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in _events(out)):
+        while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
             assert time.monotonic() < deadline + 60 and coord.poll() is None
             time.sleep(0.2)
         view = EtcdMembership.connect(etcd_url, job=out.name).alive()
@@ -265,7 +253,7 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
     summary = json.loads(stdout)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
     _assert_failure_free(summary, nodes=2, stages=2, steps=40)
-    fenced = [e for e in _events(out) if e["event"] == "fenced"]
+    fenced = [e for e in run_events(out) if e["event"] == "fenced"]
     assert fenced and fenced[0]["node"] == "n0" and fenced[0]["why"] == "etcd lease expired"
 
 
@@ -285,7 +273,7 @@ def _agent(out: Path, port: int, *extra: str) -> subprocess.Popen:
 def _wait_step(out: Path, step: int, coord: subprocess.Popen, timeout: float = 150) -> None:
     deadline = time.monotonic() + timeout
     while not (out / "events.jsonl").exists() or not any(
-            e["event"] == "step_done" and e["step"] >= step for e in _events(out)):
+            e["event"] == "step_done" and e["step"] >= step for e in run_events(out)):
         assert time.monotonic() < deadline and coord.poll() is None, "the run never got there"
         time.sleep(0.2)
 
@@ -309,7 +297,7 @@ def test_the_join_port_survives_probes_garbage_and_stalled_clients(tmp_path: Pat
     stops the listener; the agents then join and train to the failure-free result, and the
     stalled client is dropped after the handshake deadline."""
     import struct
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
                          "--steps", "6")
     agents: list[subprocess.Popen] = []
@@ -359,8 +347,8 @@ def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path
     replica on the other machine, so when one machine dies (its whole process group
     SIGKILLed), both of its workers are lost at once and both are failed over: no
     checkpoint, and the result equals the failure-free run."""
-    out, port = tmp_path / "run", _free_port()
-    http = _free_port()
+    out, port = tmp_path / "run", free_port()
+    http = free_port()
     coord = _coordinator(out, port, "--nodes", "4", "--stages", "2", "--steps", "10",
                          "--lease", "3", "--http", f"127.0.0.1:{http}")
     agents: list[subprocess.Popen] = []
@@ -386,10 +374,10 @@ def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path
     _assert_failure_free(summary, nodes=4, stages=2, steps=10)
     assert summary["preemptions"] == 2 and summary["failovers"] == 2, summary
     assert summary["checkpoint_restores"] == 0
-    ups = [e for e in _events(out) if e["event"] == "node_up"]
+    ups = [e for e in run_events(out) if e["event"] == "node_up"]
     assert sorted(e["worker"] for e in ups) == [0, 0, 1, 1]
     assert len({e["machine"] for e in ups}) == 2
-    lost = {e["node"] for e in _events(out) if e["event"] == "node_lost"}
+    lost = {e["node"] for e in run_events(out) if e["event"] == "node_lost"}
     machine = {e["node"]: e["machine"] for e in ups}
     assert len(lost) == 2 and len({machine[n] for n in lost}) == 1
 
@@ -400,7 +388,7 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
     workers and keep trying to rejoin; the same command line started again continues from
     the newest whole checkpoint (`--resume auto`), the agents rejoin, and the run ends equal
     to the failure-free one. A third start finds the run complete and does nothing."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     job = ["--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "16",
            "--checkpoint-every", "3", "--resume", "auto", "--lease", "3"]
     coord = _coordinator(out, port, *job)
@@ -435,13 +423,13 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
 
 @pytest.mark.timeout(200)
 def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -> None:
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
                          "--steps", "500", "--lease", "3")
     agent = None
     try:
         _wait_for(out / "join-token")
-        health = _free_port()
+        health = free_port()
         agent = _agent(out, port, "--workers", "2", "--rejoin-s", "2", "--http",
                        f"127.0.0.1:{health}")
         _wait_step(out, 2, coord)
@@ -471,7 +459,7 @@ def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -
 
 
 def test_a_coordinator_short_of_agents_gives_up_after_join_timeout(tmp_path: Path) -> None:
-    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{_free_port()}",
+    result = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{free_port()}",
                                       "--nodes", "2", "--stages", "2", "--join-timeout", "2",
                                       "--out", str(tmp_path / "r"), "--quiet"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -66,7 +66,7 @@ class RunMetrics:
             "Stages (of every pipeline) with no live replica: a loss there cannot fail over",
             registry=r)
         self.worker_rss = Gauge("bamboo_worker_rss_bytes_max",
-                                "Largest resident memory of any worker at its last step report",
+                                "Largest resident memory of the workers at the last recorded step",
                                 registry=r)
         self.preemptions = Counter("bamboo_preemptions_total",
                                    "Nodes lost, by how the run covered them", ["handled_as"],

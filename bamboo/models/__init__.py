@@ -116,13 +116,6 @@ class BoundarySpec:
     dtype: torch.dtype
 
 
-def input_spec(p: ModelPreset, micro_batch_size: int) -> BoundarySpec:
-    """What layer 0 consumes."""
-    if p.family == "cnn":
-        return BoundarySpec((micro_batch_size, 3, p.image_size, p.image_size), torch.float32)
-    return BoundarySpec((micro_batch_size, p.context), torch.int64)
-
-
 def boundary_shapes(p: ModelPreset, micro_batch_size: int) -> list[BoundarySpec]:
     """Output spec of every layer for a micro-batch of `micro_batch_size` samples.
 

@@ -722,11 +722,3 @@ class NodeEngine:
     def held(self) -> list[StageState]:
         """Every stage this node holds state for: its primaries, then its replica."""
         return list(self.stages.values()) + ([self.replica] if self.replica is not None else [])
-
-    def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
-        """Every held layer's parameters, the replica's included (identical to its primary's
-        at a step boundary): the final model survives a primary lost after the last step."""
-        out = []
-        for st in self.held():
-            out += st.parameters_by_layer()
-        return sorted(out, key=lambda x: x[0])

@@ -63,6 +63,3 @@ class Layout:
 
     def micro_batches(self, pipeline: int) -> list[int]:
         return micro_batch_blocks(self.global_micro_batches, self.pipelines)[pipeline]
-
-    def node_name(self, rank: int) -> str:
-        return f"n{rank}"

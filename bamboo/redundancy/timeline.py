@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bamboo.pipeline import schedule as S
+from bamboo.runlog import read_events
 
 __all__ = [
     "MODES",
@@ -321,11 +322,6 @@ def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None 
 # -- costs from a run -----------------------------------------------------------------------
 
 
-def _read_events(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float = 2.0,
                       latency: float = 0.0) -> tuple[int, int, Costs, dict]:
     """(P, M, costs, notes) from a run's events.jsonl. (One pass over the events with one
@@ -340,7 +336,7 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
     These are wall times as the workers saw them: with more processes than cores they
     include the slowdown of sharing the cores.
     """
-    events = _read_events(path)
+    events = read_events(path)
     start = next(e for e in events if e["event"] == "run_start")["config"]
     P, M = int(start["stages"]), int(start["micro_batches"])
     mode = start.get("redundancy", "eager") if P > 1 else "off"

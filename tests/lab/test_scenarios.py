@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO
+from conftest import BAMBOO, REPO, run_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_reconfig import assert_equal_and_accounted, config  # noqa: E402
@@ -20,14 +20,6 @@ from test_reconfig import assert_equal_and_accounted, config  # noqa: E402
 pytestmark = pytest.mark.slow
 JOIN = 29400
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")
-
-
-def _events(out: Path) -> list[dict]:
-    path = out / "events.jsonl"
-    if not path.exists():
-        return []
-    # only whole lines: the coordinator may be writing the last one right now
-    return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x.strip()]
 
 
 class Job:
@@ -71,7 +63,7 @@ class Job:
 
     def wait_step(self, step: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
-        while not any(e["event"] == "step_done" and e["step"] >= step for e in _events(self.out)):
+        while not any(e["event"] == "step_done" and e["step"] >= step for e in run_events(self.out)):
             assert time.monotonic() < deadline and self.coord.poll() is None, \
                 "the run never got there"
             time.sleep(0.2)
@@ -83,7 +75,7 @@ class Job:
 
 
 def _nodes_on(out: Path) -> dict[str, str]:
-    return {e["node"]: e["machine"] for e in _events(out) if e["event"] == "node_up"}
+    return {e["node"]: e["machine"] for e in run_events(out) if e["event"] == "node_up"}
 
 
 @pytest.mark.timeout(400)
@@ -130,7 +122,7 @@ def test_two_hosts_of_four_workers_survive_one_host_cut_off_mid_run(lab_factory,
     summary = job.finish()
     assert_equal_and_accounted(summary, cfg, lost=4)
     assert summary["failovers"] == 4 and summary["checkpoint_restores"] == 0, summary
-    fenced = {e["node"] for e in _events(job.out) if e["event"] == "fenced"}
+    fenced = {e["node"] for e in run_events(job.out) if e["event"] == "fenced"}
     machines = _nodes_on(job.out)
     assert len(fenced) == 4 and len({machines[n] for n in fenced}) == 1
     assert cut.wait(timeout=60) == 1  # gave up after its --rejoin-s, workers stopped
@@ -179,7 +171,7 @@ def test_a_bandwidth_capped_host_and_latency_where_the_kernel_has_netem(lab_fact
     job.start_agent("a2", "--workers", "2")
     summary = job.finish()
     assert_equal_and_accounted(summary, cfg, lost=1)
-    store = next(e for e in _events(job.out) if e["event"] == "store")
+    store = next(e for e in run_events(job.out) if e["event"] == "store")
     assert (store["port"], store["advertised"]) == (29555, lab["coord"].address)
 
 

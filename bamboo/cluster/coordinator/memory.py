@@ -90,10 +90,6 @@ class MemoryWatch:
         rising = all(b > a for a, b in zip(recent, recent[1:]))
         return rising and recent[-1] - recent[0] >= GROWTH_BYTES
 
-    def largest(self) -> int:
-        """The largest resident memory of any node at its latest report (0 before any)."""
-        return max((n.series[-1][1] for n in self.nodes.values() if n.series), default=0)
-
     def fields(self, names: list[str]) -> dict[str, list]:
         """The summary's lists, in the order of `names` (0 / null for a node without samples)."""
         empty = _Node()

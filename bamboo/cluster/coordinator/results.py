@@ -61,6 +61,8 @@ class Results:
         """Node name -> [peak device bytes, peak host bytes] over the steps it reported."""
         self.real_memory = MemoryWatch(self._memory_warning)
         """The workers' resident memory, from the same reports."""
+        self.largest_rss = 0
+        """The largest resident memory among the reports of the last recorded step."""
 
     def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
@@ -75,10 +77,11 @@ class Results:
         self.ctx.events.write("step_done", **record)
         for r in reports:
             self.real_memory.note(str(node_name(r)), r)
+        self.largest_rss = max((r.rss_bytes for r in reports), default=0)
         cfg = self.ctx.cfg
         samples = cfg.global_micro_batches * cfg.micro_batch_size
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
-                          [1000 * r.step_s for r in reports], self.real_memory.largest())
+                          [1000 * r.step_s for r in reports], self.largest_rss)
         return record
 
     def _memory_warning(self, node: str, text: str, fields: dict) -> None:
