@@ -29,10 +29,10 @@ def test_an_unknown_flag_is_one_line_and_exit_2_for_every_command(command: str,
 
 
 def test_the_parsers_are_the_shared_class() -> None:
-    from bamboo.cli import _train_parser
+    from bamboo.cli.train import train_parser
     from bamboo.report import _parser as report_parser
     from bamboo.sim.cli import build_parser
-    for parser in (_train_parser(), report_parser(), build_parser()):
+    for parser in (train_parser(), report_parser(), build_parser()):
         assert type(parser) is UsageParser
 
 

@@ -290,9 +290,9 @@ def test_every_flag_has_a_wrong_value_case() -> None:
     """A flag added to `bamboo train` without a wrong-value case above fails here."""
     import argparse
 
-    from bamboo.cli import _train_parser
+    from bamboo.cli.train import train_parser
     takes_value, switches, typed = set(), set(), {}
-    for action in _train_parser()._actions:
+    for action in train_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
         flag = max(action.option_strings, key=len)
@@ -390,10 +390,11 @@ def test_an_unexpected_error_is_one_line_that_names_it(error: Exception, line: s
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture) -> None:
     from bamboo import cli
+    from bamboo.cli import train
 
     def fail(argv: list[str]) -> int:
         raise error
-    monkeypatch.setitem(cli._COMMANDS, "train", fail)
+    monkeypatch.setattr(train, "main", fail)
     assert cli.main(["train"]) == 1
     assert capsys.readouterr().err == line + "\n"
     with pytest.raises(type(error)):  # --debug shows the traceback instead

@@ -4,7 +4,7 @@ systemd units, each checked against the `bamboo` command line they run.
 Every manifest is walked strictly against the `kubernetes` client's models (each key
 must be a field of that model, each value of the field's type) and then deserialized
 into them, which also enforces required fields. Then the wiring: the containers' argv
-(the image's ENTRYPOINT plus `args`) is parsed by `bamboo.cli.coordinator_parser()` /
+(the image's ENTRYPOINT plus `args`) is parsed by `bamboo.cli.coordinator.coordinator_parser()` /
 `agent_parser()` themselves, so an unknown or malformed flag fails here, and the ports of
 the Service, the containers and the probes are the ones those flags give; agents join
 the headless Service's DNS name that the coordinator advertises; the run directory lies
@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 import yaml
 
-from bamboo.cli import agent_parser, coordinator_parser
+from bamboo.cli.agent import agent_parser
+from bamboo.cli.coordinator import coordinator_parser
 from bamboo.config import JOIN_PORT, JobConfig, parse_kill
 from conftest import REPO
 

@@ -1,30 +1,25 @@
-"""The `bamboo` command: train, simulate.
+"""`bamboo train`: a job on a local cluster of worker processes (and, through a `NodeSource`,
+the same sequence for `bamboo coordinator`, whose nodes are agents on other machines).
 
-    bamboo train --nodes 4 --stages 4 --steps 50          # a local 4-stage pipeline
-    bamboo train --nodes 8 --stages 4 --json              # 2 pipelines, summary on stdout
-    bamboo simulate --trace traces/p3.csv --json          # project a spot trace
-
-Arguments are validated before torch is imported, so a user error costs a fraction
-of a second and prints one line: what is wrong and how to fix it.
+Arguments are validated before torch is imported, so a user error costs a fraction of a
+second and prints one line: what is wrong and how to fix it.
 """
 from __future__ import annotations
 
 import argparse
-import errno
-from pathlib import Path
 import json
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser
-from bamboo.config import (HEARTBEAT_S, JOIN_PORT, JOIN_TIMEOUT_S, REJOIN_S, ConfigError,
-                           JobConfig, parse_kill)
+from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig, parse_kill
 from bamboo.presets import PRESETS
 
-__all__ = ["main"]
+__all__ = ["main", "run", "train_parser", "job_config", "NodeSource", "LocalWorkers", "FIELDS"]
 
 
-def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
+def train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     """The parser of `bamboo train`; with `given_only`, flags the user did not type are absent
     (so a --config file's values are overridden only by flags actually given).
 
@@ -126,7 +121,7 @@ def _train_parser(given_only: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-_FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
+FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
            "seed", "redundancy", "frc_offload", "comm", "precision", "exact",
            "activation_checkpointing", "data", "layer_costs", "eval_every", "eval_batches", "tensorboard",
            "wandb", "lr", "warmup_steps", "weight_decay", "grad_clip",
@@ -135,65 +130,14 @@ _FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batc
            "checkpoint_dir")
 
 
-_COORDINATOR_FLAGS = ("--bind", "--advertise", "--store-port", "--token-file", "--etcd",
-                      "--join-timeout")
-
-
-def coordinator_parser() -> argparse.ArgumentParser:
-    """`bamboo coordinator`: the job's flags (as `bamboo train`) and where agents join."""
-    p = _train_parser()
-    p.prog = "bamboo coordinator"
-    p.description = ("Run a job whose nodes are agents (bamboo agent) on other machines; "
-                     "this process holds the store and takes every decision.")
-    p.add_argument("--bind", default=f"127.0.0.1:{JOIN_PORT}", metavar="ADDR:PORT",
-                   help=f"where agents join (default 127.0.0.1:{JOIN_PORT}; 0.0.0.0:PORT for "
-                   f"other machines)")
-    p.add_argument("--advertise", metavar="HOST",
-                   help="the host name or address workers reach this machine's store at "
-                   "(default: the --bind address, or with a wildcard bind the address each "
-                   "agent joined on)")
-    p.add_argument("--store-port", type=int, metavar="P",
-                   help="the store's fixed port (default: the --bind port + 1)")
-    p.add_argument("--token-file", metavar="PATH",
-                   help="the job's join token: read from PATH if it exists (e.g. a mounted "
-                   "secret), else generated and written there (mode 0600); default "
-                   "RUN_DIR/join-token")
-    p.add_argument("--etcd", metavar="URL",
-                   help="keep membership in this etcd (v3, e.g. http://10.0.0.5:2379): "
-                   "agents hold leases there, an expired lease is a lost node")
-    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S, metavar="S",
-                   help=f"seconds to wait for the job's --nodes agents before giving up with "
-                   f"exit code 1 (default {JOIN_TIMEOUT_S:g})")
-    return p
-
-
-def agent_parser() -> argparse.ArgumentParser:
-    p = UsageParser(prog="bamboo agent", description="Run one machine's workers for a job "
-                    "whose coordinator (bamboo coordinator) listens at ADDR:PORT.")
-    p.add_argument("--join", required=True, metavar="ADDR:PORT", help="the coordinator's --bind")
-    p.add_argument("--token", help="the job's join token (printed by the coordinator)")
-    p.add_argument("--token-file", help="a file holding the join token")
-    p.add_argument("--workers", type=int, default=1, metavar="K",
-                   help="worker processes on this machine, one per GPU (worker k uses GPU k; "
-                   "default 1)")
-    p.add_argument("--rejoin-s", type=float, default=REJOIN_S, metavar="S",
-                   help=f"when the coordinator goes away, keep trying to rejoin it for this "
-                   f"many seconds before exiting (default {REJOIN_S:g})")
-    p.add_argument("--notices", default="", help="preemption notice sources to watch besides "
-                   "SIGTERM: a comma list of aws, gcp, azure")
-    p.add_argument("--metadata-url", help="base URL of the notice source's metadata endpoint")
-    p.add_argument("--http", metavar="ADDR:PORT", help="serve /healthz there (for probes)")
-    p.add_argument("--quiet", action="store_true")
-    return p
-
-
-def _config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
+def job_config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
+    """The job the flags (and a --config file, which flags override) describe."""
     if args.config is None:
-        fields = {k: getattr(args, k) for k in _FIELDS}
+        fields = {k: getattr(args, k) for k in FIELDS}
         return JobConfig(kills=[parse_kill(k) for k in args.kill], **fields).validate()
     from bamboo.configfile import load_job_config
-    given = vars(_train_parser(given_only=True).parse_args(argv))
-    overrides = {k: v for k, v in given.items() if k in _FIELDS}
+    given = vars(train_parser(given_only=True).parse_args(argv))
+    overrides = {k: v for k, v in given.items() if k in FIELDS}
     if "kill" in given:
         overrides["kills"] = [parse_kill(k) for k in given["kill"]]
     return load_job_config(args.config, overrides)
@@ -215,7 +159,7 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
     return out
 
 
-def _write_report(path: Path, quiet: bool) -> None:
+def write_run_report(path: Path, quiet: bool) -> None:
     """report.txt and the PNG plots, at the end of every run (a failure here is a warning:
     the run's own files are already written)."""
     from bamboo.report import ReportError, write_report
@@ -315,37 +259,54 @@ def _load_resume(cfg: JobConfig) -> Any:
     return ckpt
 
 
-def train(argv: list[str], coordinator: bool = False) -> int:
-    """`bamboo train`; with `coordinator`, `bamboo coordinator`: the same job, its nodes
-    being agents that join over the network instead of local processes.
+class NodeSource(Protocol):
+    """Where a job's nodes come from: local worker processes, or agents that join."""
 
-    Long because it is the command's whole sequence, each stage a guard that ends in one
-    line and an exit code: parse, job file, checks without torch, resume, run directory,
-    agents and etcd, then the run and its report."""
-    prog = "bamboo coordinator" if coordinator else "bamboo train"
-    parser = coordinator_parser() if coordinator else _train_parser()
-    args = parser.parse_args(argv)
-    if coordinator:  # the job's own flags, for a --config file's overrides
-        own = _COORDINATOR_FLAGS
-        argv = [a for i, a in enumerate(argv) if not a.startswith(own)
-                and not (i > 0 and argv[i - 1] in own)]
+    prog: str
+
+    def parser(self) -> argparse.ArgumentParser: ...
+
+    def job_argv(self, argv: list[str]) -> list[str]:
+        """The flags that describe the job (a --config file's overrides)."""
+
+    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
+        """ConfigError for a flag of this source that is wrong (cfg None: before the job)."""
+
+    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> tuple[Any, Any] | int:
+        """(agents, membership) for `run_local`, or an exit code when it cannot start."""
+
+
+class LocalWorkers:
+    """`bamboo train`: the nodes are worker processes this command starts."""
+
+    prog = "bamboo train"
+
+    def parser(self) -> argparse.ArgumentParser:
+        return train_parser()
+
+    def job_argv(self, argv: list[str]) -> list[str]:
+        return argv
+
+    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
+        pass
+
+    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> tuple[Any, Any] | int:
+        return None, None
+
+
+def main(argv: list[str]) -> int:
+    return run(argv, LocalWorkers())
+
+
+def run(argv: list[str], source: NodeSource) -> int:
+    """The command's whole sequence, each stage a guard that ends in one line and an exit
+    code: parse, job file, checks without torch, resume, run directory, the nodes' source
+    (agents and etcd), then the run and its report."""
+    prog = source.prog
+    args = source.parser().parse_args(argv)
+    argv = source.job_argv(argv)
     try:
-        if coordinator:
-            from bamboo.cluster.remote import parse_address
-            try:
-                bind = parse_address(args.bind, "--bind")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            if args.store_port is not None and not 0 < args.store_port < 65536:
-                raise ConfigError(f"--store-port {args.store_port} is not a TCP port (1-65535)")
-            if args.store_port is not None and args.store_port == bind[1]:
-                raise ConfigError(f"--store-port {args.store_port} is the --bind port: the "
-                                  f"store needs a port of its own (default: bind port + 1)")
-            if not args.join_timeout > 0:
-                raise ConfigError(f"--join-timeout must be > 0 seconds (got {args.join_timeout:g})")
-            if args.advertise is not None and not args.advertise.strip():
-                raise ConfigError("--advertise is empty: give the host name or address the "
-                                  "agents reach this machine at")
+        source.check(args, None)
         http = None
         if args.http is not None:
             from bamboo.cluster.remote import parse_address
@@ -353,10 +314,8 @@ def train(argv: list[str], coordinator: bool = False) -> int:
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        cfg = _config(args, argv)
-        if coordinator and (cfg.trace is not None or cfg.recovery != "redundancy"):
-            raise ConfigError("--trace and --recovery checkpoint-restart need local workers: "
-                              "use bamboo train")
+        cfg = job_config(args, argv)
+        source.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
         _check_trace(cfg)
         from bamboo.runlog import RunDir, default_run_dir
@@ -375,45 +334,10 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    agents = membership = None
-    if coordinator:
-        from bamboo.cluster.remote import AgentListener, write_join_token
-        run.path.mkdir(parents=True, exist_ok=True)
-        token_file = Path(args.token_file) if args.token_file else run.path / "join-token"
-        generated = not token_file.exists()
-        if token_file.exists():
-            token = token_file.read_text().strip()
-            if len(token) < 16:
-                print(f"{prog}: error: --token-file {token_file} holds a token of "
-                      f"{len(token)} characters: use at least 16 (openssl rand -hex 32)",
-                      file=sys.stderr)
-                return EXIT_USAGE
-        else:
-            token = write_join_token(token_file)
-        try:
-            agents = AgentListener(bind, token, advertise=args.advertise,
-                                   store_port=args.store_port, join_timeout_s=args.join_timeout)
-        except OSError as e:
-            print(f"{prog}: error: cannot listen on {args.bind} ({e.strerror or e}): choose "
-                  f"another --bind", file=sys.stderr)
-            return EXIT_USAGE
-        if args.etcd:
-            from bamboo.cluster.membership import EtcdMembership, MembershipError
-            job = run.path.resolve().name
-            try:
-                membership = (EtcdMembership.host(args.etcd, token, job=job,
-                                                  ttl_s=min(3.0, cfg.lease_s)), args.etcd, job)
-            except MembershipError as e:
-                agents.close()
-                if generated:  # leave nothing behind for a job that never started
-                    token_file.unlink(missing_ok=True)
-                    if not any(run.path.iterdir()):
-                        run.path.rmdir()
-                print(f"{prog}: error: {e}", file=sys.stderr)
-                return EXIT_USAGE
-        if not args.token_file:
-            print(f"join token: {token} (also in {token_file}, mode 0600)",
-                  file=sys.stderr, flush=True)
+    started = source.start(args, cfg, run)
+    if isinstance(started, int):
+        return started
+    agents, membership = started
     import os
     # torch's C++ store logs a warning for every client that vanishes: here that is a
     # preemption the coordinator handles and reports itself.
@@ -447,12 +371,12 @@ def train(argv: list[str], coordinator: bool = False) -> int:
     except RunFailed as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         if not args.no_report:
-            _write_report(run.path, args.quiet)
+            write_run_report(run.path, args.quiet)
         if args.json:
             print(json.dumps(e.summary, indent=2))
         return e.exit_code
     if not args.no_report:
-        _write_report(run.path, args.quiet)
+        write_run_report(run.path, args.quiet)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -460,161 +384,3 @@ def train(argv: list[str], coordinator: bool = False) -> int:
         print(f"done: {summary['steps_completed']} steps, loss {first:.4f} -> {last:.4f}, "
               f"{summary['throughput']:.1f} samples/s; run directory {run.path}", file=sys.stderr)
     return 0
-
-
-def _coordinator(argv: list[str]) -> int:
-    return train(argv, coordinator=True)
-
-
-def _agent(argv: list[str]) -> int:
-    args = agent_parser().parse_args(argv)
-    from bamboo.cluster.agent import AgentOptions, run_agent
-    from bamboo.cluster.remote import JoinError, parse_address
-    try:
-        address = parse_address(args.join, "--join")
-        if (args.token is None) == (args.token_file is None):
-            raise ValueError("give the join token with exactly one of --token or --token-file")
-        token = args.token
-        if args.token_file is not None:
-            try:
-                token = Path(args.token_file).read_text().strip()
-            except OSError as e:
-                raise ValueError(f"--token-file {args.token_file}: {e.strerror or e}") from None
-        if not 1 <= args.workers <= 256:
-            raise ValueError(f"--workers must be between 1 and 256 (got {args.workers})")
-        if args.rejoin_s < 0:
-            raise ValueError(f"--rejoin-s must be >= 0 seconds (got {args.rejoin_s:g})")
-        sources = [x for x in args.notices.split(",") if x]
-        bad = [x for x in sources if x not in ("aws", "gcp", "azure", "sigterm")]
-        if bad:
-            raise ValueError(f"--notices: unknown source '{bad[0]}': choose from aws, gcp, azure")
-        http = parse_address(args.http, "--http") if args.http else None
-        say = (lambda text: None) if args.quiet else \
-            (lambda text: print(f"bamboo agent: {text}", file=sys.stderr, flush=True))
-        opts = AgentOptions(address=address, token=token, workers=args.workers,
-                            rejoin_s=args.rejoin_s, notice_sources=sources,
-                            metadata_url=args.metadata_url, say=say)
-        server = _agent_health(http, opts) if http else None
-        try:
-            return run_agent(opts)
-        finally:
-            if server is not None:
-                server.close()
-    except (ValueError, JoinError) as e:
-        print(f"bamboo agent: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-def _agent_health(http: tuple[str, int], opts: Any) -> Any:
-    """/healthz for an agent's probes: healthy while the process runs its loop."""
-    from bamboo.cluster.http import HealthServer, RunMetrics
-    try:
-        return HealthServer(http[0], http[1], metrics=RunMetrics(),
-                            health=lambda: (True, {"status": "agent", "join": "%s:%d" % opts.address,
-                                                   "workers": opts.workers}))
-    except OSError as e:
-        raise ValueError(f"cannot serve --http {http[0]}:{http[1]} ({e.strerror or e})") from None
-
-
-def _simulate(argv: list[str]) -> int:
-    from bamboo.sim.cli import main as simulate_main
-    return simulate_main(argv)
-
-
-def _lab(argv: list[str]) -> int:
-    from bamboo.lab.cli import main as lab_main
-    return lab_main(argv)
-
-
-def _report(argv: list[str]) -> int:
-    from bamboo.report import main as report_main
-    return report_main(argv)
-
-
-def _profile(argv: list[str]) -> int:
-    from bamboo.profile import main as profile_main
-    return profile_main(argv)
-
-
-def _data(argv: list[str]) -> int:
-    from bamboo.tokendata import main as data_main
-    return data_main(argv)
-
-
-def _export(argv: list[str]) -> int:
-    from bamboo.export import main as export_main
-    return export_main(argv)
-
-
-def _config_command(argv: list[str]) -> int:
-    p = UsageParser(prog="bamboo config", description="Job files for `bamboo train --config`.")
-    p.add_argument("--example", action="store_true", help="print a commented example job file")
-    args = p.parse_args(argv)
-    if not args.example:
-        p.error("nothing to do; use --example")
-    from bamboo.configfile import example_config
-    print(example_config(), end="")
-    return 0
-
-
-_COMMANDS = {"train": train, "simulate": _simulate, "report": _report, "config": _config_command,
-             "profile": _profile, "coordinator": _coordinator, "agent": _agent, "lab": _lab,
-             "data": _data, "export": _export}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,coordinator,agent,lab,data,simulate,report,config,profile,"
-              "export} ...\n\n"
-              "  train        train a model on a local cluster of worker processes\n"
-              "  coordinator  run a job whose nodes are agents on other machines\n"
-              "  agent        run one machine's workers for a coordinator (--join)\n"
-              "  lab          a coordinator and agents on hosts made of network namespaces\n"
-              "  data         tokenize text files for --data (data prepare FILE... --out DIR)\n"
-              "  simulate     project throughput and cost of a spot trace\n"
-              "  report       write the text summary and plots of a run directory\n"
-              "  profile      measure a model's step costs here for `simulate --costs`\n"
-              "  export       write a finished run's model as a Hugging Face directory\n"
-              "  config       print an example job file (--example)", file=sys.stderr)
-        return 0 if argv else EXIT_USAGE
-    command = _COMMANDS.get(argv[0])
-    if command is None:
-        print(f"bamboo: error: unknown command '{argv[0]}'; choose one of: "
-              f"{', '.join(_COMMANDS)}", file=sys.stderr)
-        return EXIT_USAGE
-    debug = "--debug" in argv
-    try:
-        return command(argv[1:])
-    except KeyboardInterrupt:
-        print("bamboo: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # the one place an unexpected error becomes a single line
-        if debug:
-            raise
-        print(f"bamboo: {_unexpected(e, argv[0])} (rerun with --debug for the traceback)",
-              file=sys.stderr)
-        return 1
-
-
-def _unexpected(e: BaseException, command: str) -> str:
-    """One line for an exception nobody handled: its type always, its message's first line
-    when it has one, and what to do for the ones a user can act on."""
-    kind = type(e).__name__
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    if isinstance(e, MemoryError) or kind == "OutOfMemoryError":  # torch.cuda's is a RuntimeError
-        what = f"{kind}: {text[:200]}" if text else kind
-        hint = ("reduce --micro-batch-size or the model size, or spread it over more --stages"
-                if command in ("train", "coordinator", "profile") else
-                "free memory or give it a smaller input")
-        return f"out of memory ({what}): {hint}"
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        where = f": {e.filename}" if e.filename else ""
-        return f"no space left on device ({kind}{where}): free some space or write elsewhere"
-    if not text:
-        return f"internal error: {kind} (it carries no message)"
-    return f"internal error: {kind}: {text}"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

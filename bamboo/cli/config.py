@@ -1,0 +1,17 @@
+"""`bamboo config --example`: a commented job file for `bamboo train --config`."""
+from __future__ import annotations
+
+from bamboo.argparsing import UsageParser
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    p = UsageParser(prog="bamboo config", description="Job files for `bamboo train --config`.")
+    p.add_argument("--example", action="store_true", help="print a commented example job file")
+    args = p.parse_args(argv)
+    if not args.example:
+        p.error("nothing to do; use --example")
+    from bamboo.configfile import example_config
+    print(example_config(), end="")
+    return 0
