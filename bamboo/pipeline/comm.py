@@ -168,7 +168,7 @@ class P2P:
     group formed among the survivors is addressed by node ranks as before.
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, strict: bool = False,
+    def __init__(self, group: dist.ProcessGroup, *, strict: bool = True,
                  gradient_group: dist.ProcessGroup | None = None,
                  ranks: Sequence[int] | None = None, device: torch.device | None = None,
                  former: GroupFormer | None = None, name: str = "g",
