@@ -1,4 +1,4 @@
-# The project's commands. `make demo` and `make test` are the two a user needs.
+# The project's commands: `make demo` and `make test` for a user; `make test-fast` after each change.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
