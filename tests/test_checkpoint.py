@@ -405,8 +405,9 @@ def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch
     """No live copy of stage 2 survives: the run restores from the checkpoint its holders
     wrote under a file:// URL; the parts and final reports are plain JSON."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_reconfig import assert_equal_and_accounted, config, events
+    from conftest import run_events
     from test_failover import run_in_process
+    from test_reconfig import assert_equal_and_accounted, config
     seen = _recorded(monkeypatch)
     url = f"file://{tmp_path}/shared/ckpt"
     cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"],
@@ -414,7 +415,7 @@ def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=2)
     assert summary["checkpoint_restores"] >= 1 and summary["redone_steps"] == 1
-    restore = [e for e in events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    restore = [e for e in run_events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
     assert restore[0]["step"] == 4 and restore[0]["checkpoint"] == f"{url}/step-00000004"
     assert not (tmp_path / "run" / "checkpoints").exists()
     shared = tmp_path / "shared" / "ckpt"

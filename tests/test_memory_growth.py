@@ -173,6 +173,10 @@ def test_resident_memory_is_flat_in_every_mode(bamboo, failure_free: Result, mod
         f"resident memory grows (bytes/step, second half): {growth}"
     assert all(p > 0 for p in s["rss_per_node_bytes"]), s["rss_per_node_bytes"]
     assert "memory leak" not in result.stderr, result.stderr
+    # The store keeps no step's decisions past two commits: two a step would be ~100 keys.
+    coordinator = s["coordinator"]
+    assert coordinator["store_keys"] < STEPS, coordinator
+    assert coordinator["rss_bytes"] > 0 and coordinator["open_fds"] > 0, coordinator
     if "kill" in mode:
         assert s["failovers"] == 1, s
     if "bf16" not in mode:  # every other mode trains the failure-free run's losses

@@ -113,12 +113,18 @@ class Results:
 
     def coordinator_fields(self, steps: int) -> dict[str, Any]:
         """What the coordinator process itself holds at the end: its resident memory, open
-        descriptors, keys in its store and the event log's size (per step too)."""
+        descriptors, keys in its store and what this process appended to the event log
+        (per step it ran, too). A figure that cannot be read is null: measuring never costs
+        the run its summary."""
+        try:
+            keys: int | None = self.ctx.store.num_keys()
+        except (RuntimeError, OSError):  # torch's DistStoreError is a RuntimeError
+            keys = None
         events = self.ctx.events.bytes_written
+        ran = steps - (self.ctx.resume_step or 0)
         return {"rss_bytes": procmem.rss_bytes(), "rss_peak_bytes": procmem.rss_peak_bytes(),
-                "open_fds": procmem.open_fds(), "store_keys": self.ctx.store.num_keys(),
-                "events_bytes": events,
-                "events_bytes_per_step": round(events / steps) if steps else None}
+                "open_fds": procmem.open_fds(), "store_keys": keys, "events_bytes": events,
+                "events_bytes_per_step": round(events / ran) if ran > 0 else None}
 
     @staticmethod
     def _node_timers(r: StepReport, name: str) -> dict:
