@@ -137,6 +137,18 @@ def test_a_node_that_keeps_growing_is_reported_once() -> None:
     assert summary["rss_growth_per_step_bytes"][2] is None  # no samples
 
 
+def test_what_a_node_keeps_is_bounded_and_its_slope_survives_thinning() -> None:
+    from bamboo.cluster.coordinator.memory import MAX_POINTS
+    watch = MemoryWatch(lambda *a: None)
+    steps = 10 * MAX_POINTS
+    for step in range(steps):  # 1 KiB a step, with +-64 KiB of alternating noise
+        watch.note("n0", _report(step, (300 << 20) + step * 1024 + (step % 2) * (64 << 10)))
+    node = watch.nodes["n0"]
+    assert MAX_POINTS <= len(node.series) < 2 * MAX_POINTS and len(node.recent) == GROWTH_STEPS + 1
+    assert node.series[-1][0] >= steps - node.stride
+    assert watch.fields(["n0"])["rss_growth_per_step_bytes"][0] == pytest.approx(1024, rel=0.05)
+
+
 def test_small_steady_growth_is_not_a_warning() -> None:
     warnings: list = []
     watch = MemoryWatch(lambda *a: warnings.append(a))

@@ -4,8 +4,9 @@ Tensor accounting (`bamboo.pipeline.memory`) counts what the engine knows it hol
 module reads what the process actually holds, so memory the engine lost track of (a
 reference cycle through autograd's graph, an allocator cache that only grows) shows up:
 
-- `rss`: resident set size now (`/proc/self/statm`, one read; `VmRSS`);
-- `rss_peak`: the process's high-water mark (`VmHWM` in `/proc/self/status`);
+- `rss`: resident set size now (`VmRSS`);
+- `rss_peak`: the process's high-water mark (`VmHWM`), both from one read of
+  `/proc/self/status`;
 - on CUDA, the caching allocator's peak allocated bytes since the last sample and its
   reserved bytes now (the peak is reset at each sample, so each sample is one step's).
 
@@ -20,9 +21,6 @@ from dataclasses import dataclass
 
 __all__ = ["MemorySample", "sample", "rss_bytes", "rss_peak_bytes", "open_fds"]
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
 @dataclass(frozen=True, slots=True)
 class MemorySample:
     rss: int
@@ -36,25 +34,26 @@ def _maxrss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes, Linux: KiB
 
 
+def _resident() -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes, from one read of /proc/self/status (the peak where the
+    file is not there)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return int(fields[b"VmRSS"].split()[0]) * 1024, int(fields[b"VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, IndexError, ValueError):
+        peak = _maxrss_bytes()
+        return peak, peak
+
+
 def rss_bytes() -> int:
     """This process's resident memory now, in bytes."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return _maxrss_bytes()
+    return _resident()[0]
 
 
 def rss_peak_bytes() -> int:
     """This process's peak resident memory so far, in bytes."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return _maxrss_bytes()
+    return _resident()[1]
 
 
 def open_fds() -> int | None:
@@ -75,5 +74,5 @@ def sample(cuda_device: object | None = None) -> MemorySample:
         cuda_peak = int(torch.cuda.max_memory_allocated(cuda_device))
         cuda_reserved = int(torch.cuda.memory_reserved(cuda_device))
         torch.cuda.reset_peak_memory_stats(cuda_device)
-    return MemorySample(rss=rss_bytes(), rss_peak=rss_peak_bytes(), cuda_peak=cuda_peak,
-                        cuda_reserved=cuda_reserved)
+    rss, peak = _resident()
+    return MemorySample(rss=rss, rss_peak=peak, cuda_peak=cuda_peak, cuda_reserved=cuda_reserved)

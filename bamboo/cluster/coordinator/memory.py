@@ -13,10 +13,15 @@ keeps the series of (step, rss) and gives the summary's fields:
 A node whose memory grew in each of its last `GROWTH_STEPS` steps, by at least
 `GROWTH_BYTES` in all, is reported once (`memory_growth` event and one line of output):
 allocator noise moves resident memory both ways between steps, a leak only up.
+
+What it keeps per node is bounded however long the run: the last `GROWTH_STEPS + 1`
+samples for the warning, and for the slope at most `2 * MAX_POINTS` samples, thinned to
+every other one (and the stride doubled) each time that fills up.
 """
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +38,8 @@ MIN_SLOPE_POINTS = 4
 """Fewest end-of-step samples in the second half that a growth slope is computed from."""
 WARM_UP_STEPS = 2
 """A node's first reported steps are left out of the warning (caches filling up)."""
+MAX_POINTS = 1024
+"""Samples kept per node for the slope: between MAX_POINTS and 2 * MAX_POINTS."""
 
 
 def growth_slope(series: list[tuple[int, int]]) -> float | None:
@@ -49,7 +56,11 @@ def growth_slope(series: list[tuple[int, int]]) -> float | None:
 @dataclass(slots=True)
 class _Node:
     series: list[tuple[int, int]] = field(default_factory=list)
-    """(step, resident bytes at the end of that step), in report order."""
+    """(step, resident bytes at the end of that step), every `stride`-th report, in order."""
+    stride: int = 1
+    reports: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=GROWTH_STEPS + 1))
+    """The last reports' resident bytes (the warning's window)."""
     peak: int = 0
     cuda_peak: int = 0
     cuda_reserved: int = 0
@@ -68,14 +79,19 @@ class MemoryWatch:
         if r.rss_bytes <= 0:  # a report from a worker that measured nothing
             return
         n = self.nodes.setdefault(name, _Node())
-        n.series.append((r.step, r.rss_bytes))
+        if n.reports % n.stride == 0:
+            n.series.append((r.step, r.rss_bytes))
+            if len(n.series) >= 2 * MAX_POINTS:
+                n.series, n.stride = n.series[::2], 2 * n.stride
+        n.reports += 1
+        if n.reports > WARM_UP_STEPS:
+            n.recent.append(r.rss_bytes)
         n.peak = max(n.peak, r.rss_peak_bytes, r.rss_bytes)
         n.cuda_peak = max(n.cuda_peak, r.cuda_peak_bytes)
         n.cuda_reserved = max(n.cuda_reserved, r.cuda_reserved_bytes)
-        if not n.warned and self._keeps_growing(n.series[WARM_UP_STEPS:]):
+        if not n.warned and self._keeps_growing(list(n.recent)):
             n.warned = True
-            recent = n.series[-(GROWTH_STEPS + 1):]
-            per_step = (recent[-1][1] - recent[0][1]) / GROWTH_STEPS
+            per_step = (n.recent[-1] - n.recent[0]) / GROWTH_STEPS
             self._warn(name, f"{name}'s resident memory grew in each of its last "
                              f"{GROWTH_STEPS} steps ({per_step / 2**20:.1f} MiB a step, "
                              f"now {r.rss_bytes / 2**20:.0f} MiB): a memory leak?",
@@ -83,10 +99,9 @@ class MemoryWatch:
                         "rss_bytes": r.rss_bytes, "step": r.step})
 
     @staticmethod
-    def _keeps_growing(series: list[tuple[int, int]]) -> bool:
-        if len(series) < GROWTH_STEPS + 1:
+    def _keeps_growing(recent: list[int]) -> bool:
+        if len(recent) < GROWTH_STEPS + 1:
             return False
-        recent = [b for _, b in series[-(GROWTH_STEPS + 1):]]
         rising = all(b > a for a, b in zip(recent, recent[1:]))
         return rising and recent[-1] - recent[0] >= GROWTH_BYTES
 

@@ -98,7 +98,6 @@ class EndedProcess:
     exitcode: int | None
     host: str | None = None
     """The agent's host, for a worker of another machine (None: a local process)."""
-    sentinel: None = None
 
     @staticmethod
     def of(process: Any) -> EndedProcess:

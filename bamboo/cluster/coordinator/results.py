@@ -122,7 +122,8 @@ class Results:
             keys = None
         events = self.ctx.events.bytes_written
         ran = steps - (self.ctx.resume_step or 0)
-        return {"rss_bytes": procmem.rss_bytes(), "rss_peak_bytes": procmem.rss_peak_bytes(),
+        own = procmem.sample()
+        return {"rss_bytes": own.rss, "rss_peak_bytes": own.rss_peak,
                 "open_fds": procmem.open_fds(), "store_keys": keys, "events_bytes": events,
                 "events_bytes_per_step": round(events / ran) if ran > 0 else None}
 
