@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,14 @@ def test_wandb_offline_logs_the_same_values(tmp_path: Path, monkeypatch) -> None
     summary = run_in_process(cfg, tmp_path / "run")
     assert summary["status"] == "completed", summary["error"]
     [log] = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
-    data = log.read_bytes()  # W&B's records keep each key and value as JSON text
-    for key in (b"train/loss", b"eval/loss", b"train/lr", b"perf/samples_per_s"):
+    keys = (b"train/loss", b"eval/loss", b"train/lr", b"perf/samples_per_s")
+    # W&B's records keep each key and value as JSON text; its service process may still be
+    # writing them when finish() returns on a loaded machine, so give it a few seconds.
+    deadline = time.monotonic() + 30
+    while not all(key in (data := log.read_bytes()) for key in keys) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    for key in keys:
         assert key in data
     for value in [summary["losses"][-1], *[x for _, x in summary["eval_losses"]]]:
         assert json.dumps(value).encode() in data
