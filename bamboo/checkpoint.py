@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import posixpath
 import re
 from collections.abc import Iterable
@@ -45,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.checkpoint_storage import (HOST, FsspecStore, LocalStore, is_url, single_process,
+from bamboo.checkpoint_storage import (FsspecStore, LocalStore, is_failure, is_url,
+                                       remove_stale_temporaries, single_process, why_failed,
                                        storage_for, writer_tag)
 from bamboo.runlog import checkpoint_root
 
@@ -113,95 +113,14 @@ def final_dir(root: str | Path, steps: int) -> Path | str:
 
 def checkpoint_location(cfg: Any) -> Path | str:
     """Where a job's checkpoints go: its --checkpoint-dir (a path or a URL), else the
-    checkpoints/ folder of its run directory (`cfg.out`, made absolute by the coordinator
+    checkpoints/ folder of its run directory (`cfg.logging.out`, made absolute by the coordinator
     before any worker starts)."""
-    if getattr(cfg, "checkpoint_dir", None):
-        return cfg.checkpoint_dir if is_url(cfg.checkpoint_dir) else Path(cfg.checkpoint_dir)
-    if cfg.out is None:
+    if cfg.checkpoints.dir:
+        return cfg.checkpoints.dir if is_url(cfg.checkpoints.dir) else Path(cfg.checkpoints.dir)
+    if cfg.logging.out is None:
         raise CheckpointError("the job names no run directory (--out) and no --checkpoint-dir: "
                               "nowhere to write checkpoints")
-    return checkpoint_root(cfg.out)
-
-
-# -- temporaries --------------------------------------------------------------------------
-
-_TEMPORARY = re.compile(r"^\.(?:tmp-layer-\d+|old-layer-\d+|tmp-step-\d+|old-step-\d+|"
-                        r"LATEST\.tmp|manifest\.json\.tmp)-(\d+)(?:-(.+))?$")
-"""What a write leaves behind when it is interrupted (killed, power cut) mid-way: the pid
-of the writer, and its host when the name says (a name without one is this machine's)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: someone else's live process
-        return True
-    return True
-
-
-def _remove_stale_temporaries(store: LocalStore | FsspecStore, folder: str) -> list[str]:
-    """Delete the temporaries in `folder` of earlier writes that never finished (this
-    process's, or a process of this machine that is gone); a write in progress elsewhere,
-    or one of another machine (whose processes cannot be seen from here), is left alone."""
-    removed = []
-    for name in store.ls(folder):
-        m = _TEMPORARY.match(name)
-        if m is None or (m[2] is not None and m[2] != HOST):
-            continue
-        if int(m[1]) != os.getpid() and _alive(int(m[1])):
-            continue
-        store.rmtree(store.join(folder, name))
-        removed.append(name)
-    if removed:
-        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), folder,
-                 ", ".join(sorted(removed)))
-    return removed
-
-
-# -- errors -------------------------------------------------------------------------------
-
-
-def _os_error_in(error: BaseException | None) -> OSError | None:
-    """The OSError (e.g. ENOSPC) somewhere in an exception's chain (or in a DCP
-    CheckpointException's failures), if any."""
-    seen, todo = 0, [error]
-    while todo and seen < 20:
-        e = todo.pop(0)
-        seen += 1
-        if e is None:
-            continue
-        if isinstance(e, OSError):
-            return e
-        todo += [e.__cause__, e.__context__]
-        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's wrapped ones
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return None
-
-
-def _failed(e: BaseException) -> bool:
-    """A failure to report (an Exception, or DCP's CheckpointException, which is a
-    BaseException), not an interrupt."""
-    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The first exception a DCP CheckpointException wraps (else `e`)."""
-    for failure in (getattr(e, "failures", None) or {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, BaseException):
-            return inner
-    return e
-
-
-def _why(e: BaseException) -> str:
-    cause = _os_error_in(e)
-    if cause is not None:  # as the OS says it: "No space left on device"
-        return cause.strerror or str(cause) or type(cause).__name__
-    e = _unwrap(e)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+    return checkpoint_root(cfg.logging.out)
 
 
 # -- writing (the holders) ----------------------------------------------------------------
@@ -220,9 +139,9 @@ def write_layers(directory: str | Path, layers: dict[int, dict[str, torch.Tensor
     store, d = storage_for(directory), str(directory)
     try:
         store.makedirs(d)
-        _remove_stale_temporaries(store, d)  # of writes interrupted earlier
+        remove_stale_temporaries(store, d)  # of writes interrupted earlier
     except OSError as e:
-        raise CheckpointError(f"could not write checkpoint folder {d}: {_why(e)}") from None
+        raise CheckpointError(f"could not write checkpoint folder {d}: {why_failed(e)}") from None
     for i in sorted(layers):
         _write_layer(store, d, i, layers[i])
     return sorted(layers)
@@ -245,8 +164,8 @@ def _write_layer(store: LocalStore | FsspecStore, d: str, i: int, tensors: dict[
         _replace_dir(store, d, tmp, name)
     except BaseException as e:
         store.rmtree(tmp)
-        if _failed(e):
-            raise CheckpointError(f"could not write layer {i} to {d}: {_why(e)}") from None
+        if is_failure(e):
+            raise CheckpointError(f"could not write layer {i} to {d}: {why_failed(e)}") from None
         raise
 
 
@@ -295,7 +214,7 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
                 f"{', '.join(map(str, missing))} reported written but not found in {d} (every "
                 f"machine must reach the checkpoint directory at the same path: give a shared "
                 f"--checkpoint-dir)")
-        _remove_stale_temporaries(store, r)
+        remove_stale_temporaries(store, r)
         manifest = {"format": FORMAT, "step": step, "layers": layers, "meta": meta or {}}
         store.write_atomic(store.join(d, _MANIFEST),
                            json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -303,12 +222,12 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
         kept = next((n for s, n in _steps(store, r)
                      if s != step and store.exists(store.join(r, n, _MANIFEST))), None)
         raise CheckpointError(f"checkpoint of step {step} not published in {root}: could not "
-                              f"write {writing}: {_why(e)}; "
+                              f"write {writing}: {why_failed(e)}; "
                               + (f"{kept} is kept" if kept else "no earlier checkpoint")) from None
     try:  # the checkpoint is whole: LATEST only names it for people
         store.write_atomic(store.join(r, "LATEST"), (name + "\n").encode())
     except OSError as e:
-        log.warning("checkpoint %s saved but %s/LATEST not updated: %s", name, r, _why(e))
+        log.warning("checkpoint %s saved but %s/LATEST not updated: %s", name, r, why_failed(e))
     _prune(store, r, keep, step)
     return _located(root, d)
 
@@ -361,7 +280,7 @@ def _read_manifest(store: LocalStore | FsspecStore, d: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError("manifest.json is missing (the save did not finish)") from None
     except OSError as e:
-        raise CheckpointError(f"manifest.json cannot be read ({_why(e)})") from None
+        raise CheckpointError(f"manifest.json cannot be read ({why_failed(e)})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"manifest.json is unreadable ({e})") from None
     meta = manifest.get("meta") or {}
@@ -392,7 +311,7 @@ def _read_sidecar(store: LocalStore | FsspecStore, d: str, layer: int) -> dict:
         what = name if not store.exists(ld) else f"{name}/{_SIDECAR}"
         raise CheckpointError(f"{what} is missing") from None
     except OSError as e:
-        raise CheckpointError(f"{name}/{_SIDECAR} cannot be read ({_why(e)})") from None
+        raise CheckpointError(f"{name}/{_SIDECAR} cannot be read ({why_failed(e)})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{name}/{_SIDECAR} is unreadable ({e})") from None
     for f, size in files.items():
@@ -401,7 +320,7 @@ def _read_sidecar(store: LocalStore | FsspecStore, d: str, layer: int) -> dict:
         except FileNotFoundError:
             raise CheckpointError(f"{name}/{f} is missing") from None
         except OSError as e:
-            raise CheckpointError(f"{name}/{f} cannot be read ({_why(e)})") from None
+            raise CheckpointError(f"{name}/{f} cannot be read ({why_failed(e)})") from None
         if actual != size:
             raise CheckpointError(f"{name}/{f} is truncated ({actual} of {size} bytes)"
                                   if actual < size else
@@ -483,9 +402,9 @@ def _load_layer(store: LocalStore | FsspecStore, d: str, layer: int) -> list[tup
         with single_process():
             dcp.load(state, storage_reader=store.reader(store.join(d, name)), no_dist=True)
     except BaseException as e:  # a damaged folder, whatever DCP makes of it
-        if not _failed(e):
+        if not is_failure(e):
             raise
-        raise CheckpointError(f"{name} cannot be read ({_why(e)})") from None
+        raise CheckpointError(f"{name} cannot be read ({why_failed(e)})") from None
     prefix = f"layer.{layer}."
     out = []
     for e in sidecar["tensors"]:

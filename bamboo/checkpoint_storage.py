@@ -1,9 +1,11 @@
 """Where checkpoints live: a local folder or an fsspec URL, behind one small interface
 (`storage_for`), and DCP's readers with their metadata unpickled safely (only DCP's own
-classes may be named in it). Used by `bamboo.checkpoint`."""
+classes may be named in it); the temporaries an interrupted write leaves there, and what
+a failed write or read says. Used by `bamboo.checkpoint`."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import posixpath
@@ -16,7 +18,8 @@ from typing import Any
 from bamboo.runlog import write_atomic
 
 __all__ = ["LocalStore", "FsspecStore", "storage_for", "safe_reader", "single_process",
-           "writer_tag", "fsync_dir", "MetadataUnpickler", "is_url", "HOST"]
+           "writer_tag", "fsync_dir", "MetadataUnpickler", "is_url", "HOST",
+           "remove_stale_temporaries", "os_error_in", "is_failure", "why_failed"]
 
 
 def is_url(location: str | Path) -> bool:
@@ -26,6 +29,8 @@ def is_url(location: str | Path) -> bool:
 
 
 # -- storage: a local folder or an fsspec URL -----------------------------------------------
+
+log = logging.getLogger("bamboo.checkpoint")
 
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 
@@ -230,3 +235,84 @@ def single_process() -> Any:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled",
                                 category=UserWarning)
     yield
+
+
+# -- temporaries --------------------------------------------------------------------------
+
+_TEMPORARY = re.compile(r"^\.(?:tmp-layer-\d+|old-layer-\d+|tmp-step-\d+|old-step-\d+|"
+                        r"LATEST\.tmp|manifest\.json\.tmp)-(\d+)(?:-(.+))?$")
+"""What a write leaves behind when it is interrupted (killed, power cut) mid-way: the pid
+of the writer, and its host when the name says (a name without one is this machine's)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(store: LocalStore | FsspecStore, folder: str) -> list[str]:
+    """Delete the temporaries in `folder` of earlier writes that never finished (this
+    process's, or a process of this machine that is gone); a write in progress elsewhere,
+    or one of another machine (whose processes cannot be seen from here), is left alone."""
+    removed = []
+    for name in store.ls(folder):
+        m = _TEMPORARY.match(name)
+        if m is None or (m[2] is not None and m[2] != HOST):
+            continue
+        if int(m[1]) != os.getpid() and _pid_alive(int(m[1])):
+            continue
+        store.rmtree(store.join(folder, name))
+        removed.append(name)
+    if removed:
+        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), folder,
+                 ", ".join(sorted(removed)))
+    return removed
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError (e.g. ENOSPC) somewhere in an exception's chain (or in a DCP
+    CheckpointException's failures), if any."""
+    seen, todo = 0, [error]
+    while todo and seen < 20:
+        e = todo.pop(0)
+        seen += 1
+        if e is None:
+            continue
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's wrapped ones
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def is_failure(e: BaseException) -> bool:
+    """A failure to report (an Exception, or DCP's CheckpointException, which is a
+    BaseException), not an interrupt."""
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+
+
+def unwrap_failure(e: BaseException) -> BaseException:
+    """The first exception a DCP CheckpointException wraps (else `e`)."""
+    for failure in (getattr(e, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def why_failed(e: BaseException) -> str:
+    cause = os_error_in(e)
+    if cause is not None:  # as the OS says it: "No space left on device"
+        return cause.strerror or str(cause) or type(cause).__name__
+    e = unwrap_failure(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

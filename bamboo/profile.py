@@ -84,7 +84,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
 
     def run(**kw: object) -> tuple[dict, Path]:
         kills = [parse_kill(k) for k in kw.pop("kills", [])]  # type: ignore[union-attr]
-        cfg = JobConfig(model=model, stages=stages, micro_batch_size=micro_batch_size,
+        cfg = JobConfig.of(model=model, stages=stages, micro_batch_size=micro_batch_size,
                         steps=steps, kills=kills, **kw).validate()  # type: ignore[arg-type]
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
         return run_local(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bamboo.config import ConfigError, JobConfig
     try:
-        job = JobConfig(model=args.model, nodes=args.stages, stages=args.stages,
+        job = JobConfig.of(model=args.model, nodes=args.stages, stages=args.stages,
                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
                         steps=args.steps, data=args.data).validate()
         if args.data is not None and not args.layers_only:

@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bamboo.redundancy.timeline import Costs, compare, costs_from_events, render
+from bamboo.redundancy.measured import costs_from_events
+from bamboo.redundancy.timeline import Costs, compare, render
 
 MODES = ("off", "lazy", "eager")
 

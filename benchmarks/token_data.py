@@ -41,7 +41,7 @@ import sys
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 before = peak_kb()
-p = JobConfig(model="gpt2-mini", data=sys.argv[1]).model_preset()
+p = JobConfig.of(model="gpt2-mini", data=sys.argv[1]).model_preset()
 task = make_task(p, seed=0, global_micro_batches=4, micro_batch_size=8,
                  data_file=sys.argv[1])
 for i in range(int(sys.argv[2])):
@@ -89,7 +89,7 @@ def _big_dir(directory: Path, gigabytes: float) -> int:
 def _batches_per_s(data: str, seconds: float = 1.5) -> float:
     from bamboo.config import JobConfig
     from bamboo.data import make_task
-    p = JobConfig(model="gpt2-mini", data=data).model_preset()
+    p = JobConfig.of(model="gpt2-mini", data=data).model_preset()
     task = make_task(p, seed=0, global_micro_batches=4, micro_batch_size=8,
                      data_file=data)
     task.batch(0, 0)

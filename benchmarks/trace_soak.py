@@ -68,7 +68,7 @@ def main() -> None:
             raise SystemExit(f"x{scale:g}: run failed: {proc.stderr.strip().splitlines()[-1]}")
         s = json.loads(proc.stdout)
         if steps not in references:
-            cfg = JobConfig(nodes=1, stages=1, steps=steps, micro_batches=8).validate()
+            cfg = JobConfig.of(nodes=1, stages=1, steps=steps, micro_batches=8).validate()
             losses, params = train_reference(cfg)
             # summed as summary.json sums it (math.fsum in layer order), so equal is 0.0
             l2 = math.sqrt(math.fsum(float(t.double().square().sum()) for t in params.values()))

@@ -1,8 +1,9 @@
-"""A cluster without processes: the real coordinator parts, driven by scripted workers.
+"""A cluster without processes: the real coordinator core, driven by scripted workers.
 
-`SimCluster` builds a `Coordinator`'s parts around a dict store, records events in a list,
-and plays every worker by the protocol: vote micro-batches done and the commit round for
-each step under the newest role epoch, report the step, end a generation with the
+`SimCluster` starts a `CoordinatorCore` through its public API (`start`, `handle`,
+`node_exited`, `tick`) with a dict store, a list of events and a fake clock, and plays
+every worker by the protocol (reading the store through `bamboo.cluster.protocol`'s
+keys): vote micro-batches done and the commit round for each step under the newest role epoch, report the step, end a generation with the
 layers it holds, enter the next one. Losses, notices, joins and checkpoints are methods,
 so a test can put them anywhere, including while a generation forms. No torch process,
 no sockets: a scenario runs in milliseconds.
@@ -17,16 +18,16 @@ from typing import Any
 import torch
 
 from bamboo.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
-from bamboo.cluster.coordinator.loop import Coordinator
+from bamboo.cluster.coordinator.core import CoordinatorCore
 from bamboo.cluster.coordinator.nodes import Node, NodeState
 from bamboo.cluster.coordinator.state import Stop
 from bamboo.cluster.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
                                      LayerParams, Left, MicroBatchesDone, Notice, Ready,
-                                     RoundDone, StepReport, decide_key, go_key)
+                                     RoundDone, StepReport, decide_key, epoch_key,
+                                     final_request_key, go_key, plan_key)
 from bamboo.config import JobConfig
 from bamboo.reconfig.planner import GenerationPlan
 from bamboo.redundancy.roles import RoleMap
-from bamboo.runlog import RunDir
 
 
 class DictStore:
@@ -130,36 +131,51 @@ class SimWorker:
     held_step: int = -1
 
 
+class SimNodes:
+    """The simulation's `NodeSource`: every node a scripted worker with a fake process."""
+
+    def __init__(self, sim: SimCluster) -> None:
+        self.sim = sim
+
+    def initial(self, core: CoordinatorCore) -> None:
+        for _ in range(core.cfg.layout.nodes):
+            self.sim._admit(first_gen=0)
+
+    def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
+        return self.sim._admit(first_gen=first_gen).node
+
+    def poll(self, core: CoordinatorCore) -> None:
+        pass
+
+    def none_coming(self, core: CoordinatorCore) -> bool:
+        return True
+
+
 class SimCluster:
     def __init__(self, cfg: JobConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self.clock = FakeClock()
-        self.coord = Coordinator(cfg, RunDir(run_dir), QuietDisplay())
-        c = self.coord
-        c.rundir.path.mkdir(parents=True, exist_ok=True)
-        c.store, c.store_host = DictStore(), "sim"
-        c.events = self.events = ListEvents()
-        c._build_parts(self.clock())
-        c.ctx.clock = self.clock
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[int, SimWorker] = {}
         self.stopped: str | None = None
-        for _ in range(cfg.nodes):
-            self._admit()
-        c.gens.enter(c.gens.first_plan())
+        self.core = CoordinatorCore(cfg.replace(out=str(run_dir.resolve())), run_dir,
+                                    QuietDisplay(), SimNodes(self))
+        self.store, self.events = DictStore(), ListEvents()
+        self.core.start(self.store, self.events, self.clock, store_host="sim")
         for w in self.workers.values():
             self._send(w, Ready(rank=w.node.node))
 
     # -- processes --------------------------------------------------------------------------
 
-    def _admit(self) -> SimWorker:
-        node = self.coord.nodes.admit(lambda spec, slot: (FakeProcess(pid=10_000 + spec.node),
-                                                          FakePipe()), first_gen=0)
+    def _admit(self, first_gen: int) -> SimWorker:
+        node = self.core.nodes.admit(lambda spec, slot: (FakeProcess(pid=10_000 + spec.node),
+                                                         FakePipe()), first_gen=first_gen)
         self.workers[node.node] = w = SimWorker(node)
         return w
 
     def join(self) -> SimWorker:
         """A new node starts (a trace add, an agent) and waits as a standby."""
-        w = self._admit()
+        w = self._admit(first_gen=self.ctx.plan.gen + 1)
         self._send(w, Ready(rank=w.node.node))
         return w
 
@@ -167,14 +183,19 @@ class SimCluster:
         """SIGKILL from outside: the process is gone."""
         w = self.workers[node]
         w.node.process.exitcode = -9
-        self._guard(self.coord.failures.on_exit, w.node)
+        self._guard(self.core.node_exited, w.node)
 
     def notice(self, node: int) -> None:
         self._send(self.workers[node], Notice(rank=node, source="test"))
 
     def _send(self, w: SimWorker, msg: Any) -> None:
         if not w.node.exited:
-            self._guard(self.coord.handlers[type(msg)], w.node, msg)
+            self._beat(w)
+            self._guard(self.core.handle, w.node, msg)
+
+    def _beat(self, w: SimWorker) -> None:
+        """A message is also a heartbeat (a real worker beats every half second)."""
+        self.core.nodes.beats[w.node.slot] = self.clock()
 
     def _guard(self, fn: Any, *args: Any) -> None:
         if self.stopped is not None:
@@ -183,7 +204,7 @@ class SimCluster:
             fn(*args)
         except Stop as e:  # as the coordinator's loop does: account, summarise, stop
             self.stopped = str(e)
-            self.failed = self.coord._failed(str(e), e.exit_code)
+            self.failed = self.core.fail(str(e))
             return
         self._sync_processes()
 
@@ -192,21 +213,20 @@ class SimCluster:
         for w in list(self.workers.values()):
             n = w.node
             if not n.exited and n.process.exitcode is not None:
-                self._guard(self.coord.failures.on_exit, n)
+                self._guard(self.core.node_exited, n)
 
     # -- the protocol, played by every live worker ------------------------------------------
 
     @property
     def ctx(self) -> Any:
-        return self.coord.ctx
+        return self.core.ctx
 
     def _plan(self, gen: int) -> GenerationPlan | None:
-        text = self.coord.store.data.get(f"gen/{gen}")
+        text = self.store.data.get(plan_key(gen))
         return GenerationPlan.from_json(text) if text else None
 
     def _roles(self) -> RoleMap:
-        epochs = [int(k.split("/")[1]) for k in self.coord.store.data if k.startswith("epoch/")]
-        return RoleMap.from_json(self.coord.store.data[f"epoch/{max(epochs)}"])
+        return RoleMap.from_json(self.store.data[epoch_key(self.ctx.roles.epoch)])
 
     def _members(self, plan: GenerationPlan) -> list[SimWorker]:
         return [self.workers[int(n[1:])] for n in plan.members]
@@ -229,7 +249,7 @@ class SimCluster:
             if rank >= plan.active:
                 self._send(w, Left(rank=rank, gen=plan.gen))
                 w.node.process.exitcode = 0
-                self._guard(self.coord.failures.on_exit, w.node)
+                self._guard(self.core.node_exited, w.node)
                 continue
             w.gen, w.epoch = plan.gen, plan.epoch
             w.layers, w.held_step = self._layers_of(plan, roles, rank), plan.start_step
@@ -239,7 +259,7 @@ class SimCluster:
             if not w.node.exited and name not in plan.members:
                 self._send(w, Left(rank=w.node.node, gen=plan.gen))
                 w.node.process.exitcode = 0
-                self._guard(self.coord.failures.on_exit, w.node)
+                self._guard(self.core.node_exited, w.node)
 
     def end_generation(self) -> None:
         """Every live member of the ending generation reports what it holds."""
@@ -264,17 +284,17 @@ class SimCluster:
                 return
             if self.ctx.reconf is not None:
                 self.end_generation()
-                self._guard(self.coord._try_plan)
+                self._guard(self.core.tick, self.clock())
             if self.ctx.reconf is None:
                 self.enter_generation()
-                if self.coord.gens.running():
+                if self.core.gens.running():
                     return
 
     def step(self, *, before_round: Any = None) -> None:
         """Every live active node runs the next step to its commit (`before_round`: a
         callback between the two votes, e.g. a loss in the commit phase)."""
         self.settle()
-        if self.stopped is not None or self.ctx.committed >= self.cfg.steps:
+        if self.stopped is not None or self.ctx.committed >= self.cfg.training.steps:
             return
         step = self.ctx.committed
         self.clock.t += 0.25  # every step takes a quarter of a second
@@ -283,10 +303,10 @@ class SimCluster:
                 return
             roles = self._roles()
             ranks = [r for r in roles.active_ranks()
-                     if not self.coord.gens.member(r).exited]
+                     if not self.core.gens.member(r).exited]
             for r in ranks:
                 self._send(self._worker(r), MicroBatchesDone(rank=r, step=step, epoch=roles.epoch))
-            if self.coord.store.data.get(go_key(step, roles.epoch)) != "go":
+            if self.core.store.data.get(go_key(step, roles.epoch)) != "go":
                 self.settle()
                 continue
             if before_round is not None:
@@ -298,7 +318,7 @@ class SimCluster:
             for r in ranks:
                 self._send(self._worker(r), RoundDone(rank=r, step=step, epoch=roles.epoch,
                                                       ok=True, losses=[(r, 1.0 + step, 0.0)]))
-            verdict = self.coord.store.data.get(decide_key(step, roles.epoch), "")
+            verdict = self.core.store.data.get(decide_key(step, roles.epoch), "")
             if verdict.startswith("commit"):
                 plan = self._plan(self.ctx.plan.gen)
                 for r in ranks:
@@ -314,7 +334,7 @@ class SimCluster:
         raise AssertionError(f"step {step} never committed")
 
     def _worker(self, rank: int) -> SimWorker:
-        return self.workers[self.coord.gens.member(rank).node]
+        return self.workers[self.core.gens.member(rank).node]
 
     def _checkpoint(self, step: int) -> None:
         """Rank 0 plays every holder: it writes every layer, then reports them durable."""
@@ -324,22 +344,51 @@ class SimCluster:
         self._send(self._worker(0), CheckpointPart(rank=0, step=step, layers=list(layers)))
 
     def finish(self) -> None:
-        while self.stopped is None and self.ctx.committed < self.cfg.steps:
+        while self.stopped is None and self.ctx.committed < self.cfg.training.steps:
             self.step()
         self.settle()
         if self.stopped is not None:
             return
-        written: set[int] = set()  # each layer's final copy is written once, by one node
-        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.steps)
-        for r in self.ctx.roles.active_ranks():
+        self.final_writes()
+
+    def final_writes(self, lost_before_writing: int | None = None) -> None:
+        """After the last step each stage's first live holder writes its layers (as
+        `worker._first_holder_stages`); node `lost_before_writing` is killed first (after
+        the last commit, before its write)."""
+        if lost_before_writing is not None:
+            self.kill(lost_before_writing)
+        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.training.steps)
+        roles, plan = self.ctx.roles, self.ctx.plan
+        for r in roles.active_ranks():
             w = self._worker(r)
-            if not w.node.exited:
-                mine = sorted(set(w.layers or ()) - written)
-                if mine:
-                    write_layers(final, {i: {"param.w": torch.zeros(1)} for i in mine})
-                written |= set(mine)
-                self._send(w, LayerParams(rank=r, layers=mine))
-                self._send(w, Done(rank=r))
+            if w.node.exited:
+                continue
+            mine = sorted(i for s in roles.stages_of(r) if self._first_holder(s) == r
+                          for i in range(*plan.parts[s]))
+            if mine:
+                write_layers(final, {i: {"param.w": torch.zeros(1)} for i in mine})
+            self._send(w, LayerParams(rank=r, layers=mine))
+            self._send(w, Done(rank=r))
+        self.serve_final_requests()
+
+    def _first_holder(self, stage: int) -> int:
+        """The stage's first holder not dead in the role map (a node lost after the last
+        commit is not: no new roles follow the last step)."""
+        roles = self.ctx.roles
+        return next(r for r in roles.stage_members(stage) if r not in roles.dead)
+
+    def serve_final_requests(self) -> None:
+        """A live worker asked to write final layers from its copy (their first holder was
+        lost after the last step) writes them and reports them, as `worker.py` does."""
+        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.training.steps)
+        self._guard(self.core.finished)  # the core asks while it cannot finish
+        for w in self.workers.values():
+            text = self.store.data.get(final_request_key(w.node.name))
+            if text is None or w.node.exited:
+                continue
+            layers = json.loads(text)
+            write_layers(final, {i: {"param.w": torch.zeros(1)} for i in layers})
+            self._send(w, LayerParams(rank=w.node.rank, layers=layers))
 
     # -- what the tests check ---------------------------------------------------------------
 
@@ -350,7 +399,7 @@ class SimCluster:
         roles = self.ctx.roles
         for d in range(roles.pipelines):
             for s in range(roles.stages):
-                holder = self.coord.gens.member(roles.holders[d][s])
+                holder = self.core.gens.member(roles.holders[d][s])
                 assert holder.state is not NodeState.LOST or holder.rank in roles.dead, \
                     f"stage {s} of pipeline {d} is held by lost {holder.name} outside dead"
 

@@ -23,16 +23,16 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
     torch.set_num_threads(1)
     p = cfg.model_preset()
     G = cfg.global_micro_batches
-    model = nn.Sequential(*build_layers(p, range(p.layers), cfg.seed))
-    task = make_task(p, seed=cfg.seed, global_micro_batches=G,
-                     micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
-    optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model = nn.Sequential(*build_layers(p, range(p.layers), cfg.training.seed))
+    task = make_task(p, seed=cfg.training.seed, global_micro_batches=G,
+                     micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
+    optimizer = make_optimizer(model, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
     criterion = loss_fn(p)
     params = list(model.parameters())
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.training.steps):
         if evals is not None and cfg.evaluates_at(step):
-            evals.append([step, evaluate(model, task, criterion, cfg.eval_batches)])
+            evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches)])
         acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
         step_loss = 0.0
         for g in range(G):
@@ -44,17 +44,18 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
                 a.add_(q.grad)
                 q.grad = None
         norm = math.sqrt(sum(float(a.square().sum()) for a in acc))
-        coef = clip_coefficient(norm, cfg.grad_clip)
+        coef = clip_coefficient(norm, cfg.training.grad_clip)
         for a, q in zip(acc, params):
             q.grad = a.float() * coef if coef != 1.0 else a.float()
-        lr = learning_rate(step, peak=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
+        lr = learning_rate(step, peak=cfg.training.lr, warmup=cfg.training.warmup_steps,
+                           total=cfg.training.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
-    if evals is not None and cfg.evaluates_at(cfg.steps):
-        evals.append([cfg.steps, evaluate(model, task, criterion, cfg.eval_batches)])
+    if evals is not None and cfg.evaluates_at(cfg.training.steps):
+        evals.append([cfg.training.steps, evaluate(model, task, criterion, cfg.evaluation.batches)])
     named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
     return losses, named
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import io
 import json
 import logging
 import os
@@ -457,7 +458,7 @@ def _finished_sim(tmp_path: Path, **kw):
     stage's first holder having written its final layers."""
     from bamboo.config import JobConfig
     from coordinator_sim import SimCluster
-    sim = SimCluster(JobConfig(**(dict(nodes=4, stages=4, steps=3) | kw)).validate(),
+    sim = SimCluster(JobConfig.of(**(dict(nodes=4, stages=4, steps=3) | kw)).validate(),
                      tmp_path / "run")
     sim.finish()
     assert sim.stopped is None, sim.stopped
@@ -466,10 +467,10 @@ def _finished_sim(tmp_path: Path, **kw):
 
 def test_the_model_is_read_back_from_the_final_layers_on_storage(tmp_path):
     sim = _finished_sim(tmp_path, nodes=8)
-    summary = sim.coord._finish()
+    summary = sim.core.final_summary()
     final = tmp_path / "run" / "checkpoints" / "final-00000003"
     assert sorted(p.name for p in final.iterdir()) == [f"layer-{i:04d}" for i in range(8)]
-    model = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    model = torch.load(io.BytesIO(sim.core.results.model_bytes()), weights_only=True)
     assert list(model) == [f"layers.{i}.w" for i in range(8)]  # the sim's one parameter
     assert summary["param_l2"] == 0.0 and summary["param_sha256"]
 
@@ -478,14 +479,14 @@ def test_the_model_is_read_back_from_the_final_layers_on_storage(tmp_path):
 def test_a_missing_or_broken_final_layer_fails_the_run_cleanly(tmp_path, damage):
     from bamboo.cluster.coordinator.state import Stop
     sim = _finished_sim(tmp_path)
-    results = sim.coord.results
+    results = sim.core.results
     if damage == "never_reported":  # its writer was lost after the last step
         results.final.discard(5)
     else:
         data = tmp_path / "run" / "checkpoints" / "final-00000003" / "layer-0005" / "__0_0.distcp"
         data.write_bytes(data.read_bytes()[:50])
     with pytest.raises(Stop) as info:
-        sim.coord._finish()
+        sim.core.final_summary()
     if damage == "never_reported":
         assert info.value.exit_code == 3
         assert str(info.value).startswith("the node writing layer 5's final parameters was lost")
@@ -494,7 +495,7 @@ def test_a_missing_or_broken_final_layer_fails_the_run_cleanly(tmp_path, damage)
         assert "the trained model cannot be read back" in str(info.value)
         assert "layer-0005/__0_0.distcp is truncated (50 of" in str(info.value)
     assert not (tmp_path / "run" / "model.pt").exists()
-    assert sim.coord._summary("failed", "x")["param_l2"] is None
+    assert sim.core.summary("failed", "x")["param_l2"] is None
 
 
 def test_a_failed_final_write_stops_the_run_naming_it(tmp_path):
@@ -503,5 +504,5 @@ def test_a_failed_final_write_stops_the_run_naming_it(tmp_path):
     sim = _finished_sim(tmp_path)
     with pytest.raises(Stop, match=r"^the trained model was not saved \(model.pt not written\): "
                                    r"could not write layer 2 to .*: No space left on device$"):
-        sim.coord.results.on_params(LayerParams(rank=1, layers=[], error=(
+        sim.core.results.on_params(LayerParams(rank=1, layers=[], error=(
             "could not write layer 2 to /x/final-00000003: No space left on device")))

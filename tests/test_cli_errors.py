@@ -91,9 +91,9 @@ def test_the_example_job_file_is_valid(tmp_path: Path) -> None:
     assert example.returncode == 0
     job = tmp_path / "job.yaml"
     job.write_text(example.stdout)
-    from bamboo.configfile import load_job_config
+    from bamboo.config.jobfile import load_job_config
     cfg = load_job_config(job, {})
-    assert (cfg.model, cfg.nodes, cfg.stages) == ("gpt2-tiny", 4, 4)
+    assert (cfg.model.name, cfg.layout.nodes, cfg.layout.stages) == ("gpt2-tiny", 4, 4)
 
 
 # -- every flag of `bamboo train` with a wrong value ---------------------------------------
@@ -146,6 +146,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
                  "--lease 2 or more"),
                 (["--lease", "0.1"], "is not longer than a worker's heartbeat interval")],
     "--device": [(["--device", "tpu"], "'tpu' is not one of auto, cpu, cuda")],
+    "--pin-cpus": [(["--pin-cpus", "always"], "--pin-cpus 'always' is not one of off, auto")],
     "--kill": [(["--kill", "0:1"], "is malformed: write PIPELINE:STAGE@STEP"),
                (["--kill", "0:7@1"], "names no node: pipelines are 0..0 and stages 0..3"),
                (["--kill", "1:0@1"], "names no node"),
@@ -173,7 +174,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--resume": [(["--resume", "{missing}"], "does not exist"),
                  (["--resume", "{small}"], "is not a directory"),
                  (["--resume", "{dir}"], "no checkpoint in")],
-    "--comm": [(["--comm", "loose"], "--comm 'loose' is not one of tagged, strict"),
+    "--comm": [(["--comm", "loose"], "--comm 'loose' is not one of strict, tagged"),
                (["--comm", "tagged", "--device", "cuda"], "--comm tagged needs gloo")],
     "--precision": [(["--precision", "fp16"], "'fp16' is not one of fp32, bf16"),
                     (["--precision", "bf16", "--exact"], "--exact needs --precision fp32")],
@@ -325,9 +326,9 @@ def test_the_lease_must_outlast_a_heartbeat() -> None:
     from bamboo.cluster.worker import HEARTBEAT_S as WORKER_HEARTBEAT_S
     from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig
     assert HEARTBEAT_S == WORKER_HEARTBEAT_S
-    JobConfig(lease_s=HEARTBEAT_S + 0.01).validate()
+    JobConfig.of(lease_s=HEARTBEAT_S + 0.01).validate()
     with pytest.raises(ConfigError, match="not longer than a worker's heartbeat interval"):
-        JobConfig(lease_s=HEARTBEAT_S).validate()
+        JobConfig.of(lease_s=HEARTBEAT_S).validate()
 
 
 @pytest.mark.procs
@@ -349,10 +350,10 @@ def _checkpointed_run(root: Path, steps: int) -> Path:
 
     from bamboo.checkpoint import checkpoint_root, publish, step_dir, write_layers
     from bamboo.config import JobConfig
-    cfg = JobConfig(steps=steps)
-    meta = {"unit": "layer", "model": cfg.model, "seed": cfg.seed, "steps": steps,
+    cfg = JobConfig.of(steps=steps)
+    meta = {"unit": "layer", "model": cfg.model.name, "seed": cfg.training.seed, "steps": steps,
             "global_micro_batches": cfg.global_micro_batches,
-            "micro_batch_size": cfg.micro_batch_size, "losses": [5.0, 4.5, 4.0, 3.5]}
+            "micro_batch_size": cfg.layout.micro_batch_size, "losses": [5.0, 4.5, 4.0, 3.5]}
     write_layers(step_dir(checkpoint_root(root), 4),
                  {i: {"state": torch.zeros(3)} for i in range(8)})
     publish(checkpoint_root(root), 4, range(8), meta)

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bamboo.cluster.worker import _device, choose_backend
+from bamboo.cluster.devices import choose_backend
+from bamboo.cluster.devices import worker_device as _device
 from bamboo.config import JobConfig
 from bamboo.pipeline.comm import (ACTIVATION, GRADIENT, P2P, StagedWork, needs_host_staging)
 
@@ -193,15 +194,15 @@ def test_device_takes_the_backend_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     try:
         monkeypatch.setenv("BAMBOO_BACKEND", "gloo")
-        assert _device(JobConfig(device="cuda"), 0, 3) == (torch.device("cuda", 0), "gloo")
-        assert _device(JobConfig(device="cpu"), 0, 0) == (torch.device("cpu"), "gloo")
+        assert _device(JobConfig.of(device="cuda"), 0, 3) == (torch.device("cuda", 0), "gloo")
+        assert _device(JobConfig.of(device="cpu"), 0, 0) == (torch.device("cpu"), "gloo")
         monkeypatch.setenv("BAMBOO_BACKEND", "nccl")
-        assert _device(JobConfig(device="cuda"), 0, 0) == (torch.device("cuda", 0), "nccl")
+        assert _device(JobConfig.of(device="cuda"), 0, 0) == (torch.device("cuda", 0), "nccl")
         with pytest.raises(RuntimeError, match="needs CUDA"):
-            _device(JobConfig(device="cpu"), 0, 0)
+            _device(JobConfig.of(device="cpu"), 0, 0)
         monkeypatch.delenv("BAMBOO_BACKEND")
-        assert _device(JobConfig(device="cuda"), 0, 0)[1] == "nccl"
-        assert _device(JobConfig(device="cpu"), 0, 0)[1] == "gloo"
+        assert _device(JobConfig.of(device="cuda"), 0, 0)[1] == "nccl"
+        assert _device(JobConfig.of(device="cpu"), 0, 0)[1] == "gloo"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from bamboo.config import ConfigError, JobConfig, KillSpec
-from bamboo.configfile import SECTIONS, example_config, field_paths, load_job_config
+from bamboo.config import SECTIONS, all_options
+from bamboo.config.jobfile import example_config, field_paths, load_job_config
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -44,11 +45,16 @@ def test_example_loads_validates_and_documents_every_field(tmp_path: Path) -> No
     assert "layout:" in text and "training:" in text
 
 
-def test_every_field_has_a_home() -> None:
+def test_every_field_is_a_declared_option_with_a_home() -> None:
     paths = field_paths()
-    assert set(paths) == {f.name for f in dataclasses.fields(JobConfig)}
-    assert paths["nodes"] == "layout.nodes" and paths["model"] == "model"
-    assert all(p.count(".") <= 1 for p in paths.values())
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
+    declared = {(f.section, f.name) for f in all_options()}
+    for section, cls in SECTIONS.items():  # a field without option() would have no flag
+        assert {(section, f.name) for f in dataclasses.fields(cls)} <= declared, section
+    assert len(paths) == len(all_options())  # flat keys are unique
+    assert paths["nodes"] == "layout.nodes" and paths["model"] == "model.name"
+    assert paths["checkpoint_every"] == "checkpoints.every"
+    assert all(p.count(".") == 1 for p in paths.values())
 
 
 def test_nested_file_and_hyphenated_keys(tmp_path: Path) -> None:
@@ -61,33 +67,36 @@ training:
   seed: 3
   lr: 1e-3            # YAML 1.1 reads this as a string; it is accepted as a number
 runtime: {device: cpu}
-faults: {kills: ["1:2@3", "0:0@5"]}
+cluster: {kills: ["1:2@3", "0:0@5"]}
+checkpoints: {every: 3, keep_checkpoints: 4}
 """)
     cfg = load_job_config(path, {})
-    assert (cfg.model, cfg.redundancy, cfg.nodes, cfg.stages, cfg.data_parallel) == (
+    assert (cfg.model.name, cfg.redundancy.mode, cfg.layout.nodes, cfg.layout.stages, cfg.data_parallel) == (
         "gpt2-mini", "lazy", 8, 4, 2)
-    assert (cfg.micro_batches, cfg.micro_batch_size, cfg.steps, cfg.seed, cfg.lr) == (2, 4, 7, 3, 1e-3)
-    assert cfg.kills == [KillSpec(1, 2, 3), KillSpec(0, 0, 5)]
+    assert (cfg.layout.micro_batches, cfg.layout.micro_batch_size, cfg.training.steps,
+            cfg.training.seed, cfg.training.lr) == (2, 4, 7, 3, 1e-3)
+    assert cfg.cluster.kills == [KillSpec(1, 2, 3), KillSpec(0, 0, 5)]
+    assert (cfg.checkpoints.every, cfg.checkpoints.keep) == (3, 4)
 
 
 def test_toml_file(tmp_path: Path) -> None:
     path = _write(tmp_path, 'model = "bert-tiny"\n[layout]\nnodes = 2\nstages = 2\n'
                             '[training]\nsteps = 3\n', "job.toml")
     cfg = load_job_config(path, {})
-    assert (cfg.model, cfg.nodes, cfg.stages, cfg.steps) == ("bert-tiny", 2, 2, 3)
+    assert (cfg.model.name, cfg.layout.nodes, cfg.layout.stages, cfg.training.steps) == ("bert-tiny", 2, 2, 3)
     bad = _write(tmp_path, "model = \n", "bad.toml")
     assert "bad.toml: TOML syntax error" in _error(bad)
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
     path = _write(tmp_path, "layout: {nodes: 8, stages: 4}\ntraining: {steps: 9, seed: 2}\n"
-                            "faults: {kills: ['0:1@2']}\n")
+                            "cluster: {kills: ['0:1@2']}\n")
     cfg = load_job_config(path, {"steps": 3, "kills": [KillSpec(1, 0, 1)]})
-    assert (cfg.nodes, cfg.stages, cfg.steps, cfg.seed) == (8, 4, 3, 2)
-    assert cfg.kills == [KillSpec(1, 0, 1)]
+    assert (cfg.layout.nodes, cfg.layout.stages, cfg.training.steps, cfg.training.seed) == (8, 4, 3, 2)
+    assert cfg.cluster.kills == [KillSpec(1, 0, 1)]
     # a flag may also repair a file value that would not validate
     bad = _write(tmp_path, "layout: {stages: 9}\n", "bad.yaml")
-    assert load_job_config(bad, {"stages": 2, "nodes": 2}).stages == 2
+    assert load_job_config(bad, {"stages": 2, "nodes": 2}).layout.stages == 2
     assert "layout.stages" in _error(bad, {"steps": 3})
 
 
@@ -101,26 +110,32 @@ def _wrong_value(tp: object) -> object:
     return "twelve" if tp is not bool else 3
 
 
-@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(JobConfig)])
-def test_every_field_with_a_wrong_value_names_it(tmp_path: Path, name: str) -> None:
-    tp = typing.get_type_hints(JobConfig, vars(__import__("bamboo.config").config))[name]
-    dotted = field_paths()[name]
-    path = _write(tmp_path, yaml.safe_dump(_nested(dotted, _wrong_value(tp))))
+@pytest.mark.parametrize("key", [f.key for f in all_options()])
+def test_every_field_with_a_wrong_value_names_it(tmp_path: Path, key: str) -> None:
+    [option] = [f for f in all_options() if f.key == key]
+    dotted = field_paths()[key]
+    path = _write(tmp_path, yaml.safe_dump(_nested(dotted, _wrong_value(option.type))))
     message = _error(path)
     assert f"job.yaml: {dotted}: expected " in message, message
 
 
 @pytest.mark.parametrize("dotted,value,expected", [
-    ("model", "gpt5", "model: 'gpt5' is not one of gpt2-tiny"),
+    ("model", "gpt5", "unknown model 'gpt5'; choose one of: bert-mini"),
+    ("model", "gpt5", "(in {path}: model)"),
+    ("model.name", "gpt5", "(in {path}: model.name)"),
     ("redundancy", "sometimes", "redundancy: 'sometimes' is not one of eager, lazy, off, auto"),
+    ("redundancy.mode", "sometimes", "redundancy.mode: 'sometimes' is not one of eager"),
     ("runtime.device", "tpu", "runtime.device: 'tpu' is not one of auto, cpu, cuda"),
     ("layout.nodes", 0, "--nodes must be a positive integer (got 0) (in {path}: layout.nodes)"),
     ("layout.stages", 9, "--stages 9 is more than the 8 layers"),
     ("training.lr", -1, "--lr must be positive"),
     ("runtime.comm_timeout_s", 0, "(in {path}: runtime.comm_timeout_s)"),
-    ("faults.kills", ["0:1@x"], "faults.kills[0]: --kill '0:1@x' is malformed"),
-    ("faults.kills", ["0:7@1"], "names no node"),
-    ("faults.kills", [3], "faults.kills[0]: expected a \"D:S@K\" string, got an integer (3)"),
+    ("cluster.kills", ["0:1@x"], "cluster.kills[0]: --kill '0:1@x' is malformed"),
+    ("cluster.kills", ["0:7@1"], "names no node"),
+    ("cluster.kills", [3], "cluster.kills[0]: expected a \"D:S@K\" string, got an integer (3)"),
+    ("checkpoints.every", -1, "--checkpoint-every must be an integer >= 0 (got -1) (in {path}: "
+                              "checkpoints.every)"),
+    ("redundancy.recovery", "checkpoint-restart", "(in {path}: redundancy.recovery)"),
     ("data", "/no/such/file.txt", "text file (in {path}: data)"),
     ("layout.nodes", True, "layout.nodes: expected an integer, got a boolean (True)"),
 ])
@@ -156,20 +171,24 @@ def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
 
 
 def test_override_of_unknown_field_is_an_error(tmp_path: Path) -> None:
-    assert "override 'nodez' is not a JobConfig field" in _error(_write(tmp_path, ""), {"nodez": 1})
+    assert "override 'nodez' is not an option" in _error(_write(tmp_path, ""), {"nodez": 1})
     assert "--steps: expected an integer" in _error(_write(tmp_path, ""), {"steps": "3"})
 
 
-def test_sections_do_not_overlap() -> None:
-    names = [n for members in SECTIONS.values() for n in members]
-    assert len(names) == len(set(names))
+def test_an_error_about_two_options_names_both_places(tmp_path: Path) -> None:
+    path = _write(tmp_path, "redundancy: {recovery: checkpoint-restart}\n"
+                            "checkpoints: {every: 2}\n")
+    message = _error(path)
+    assert message.endswith(f"(in {path}: redundancy.recovery, checkpoints.every)"), message
+    assert "(in " not in _error(path, {"recovery": "checkpoint-restart", "checkpoint_every": 2})
 
 
 # -- every field of a job file with a wrong value, through `bamboo train --config` --------
 
 MISSING = "/no/such/path"
 FIELD_CASES: dict[str, list[tuple[object, str]]] = {
-    "model": [("gpt5", "'gpt5' is not one of gpt2-tiny"), ("hf:/no/such/dir", "does not exist")],
+    "model": [("gpt5", "unknown model 'gpt5'; choose one of: bert-mini"),
+              ("hf:/no/such/dir", "does not exist")],
     "nodes": [(0, "--nodes must be a positive integer (got 0)"), (2.5, "expected an integer")],
     "stages": [(9, "--stages 9 is more than the 8 layers")],
     "pipelines": [(0, "--pipelines must be a positive integer"), (2, "needs 8 nodes")],
@@ -179,7 +198,9 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "seed": [(-1, "--seed must be >= 0")],
     "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off, auto")],
     "frc_offload": [("sometimes", "expected true or false"), (1, "expected true or false")],
-    "comm": [("loose", "'loose' is not one of tagged, strict")],
+    "comm": [("loose", "'loose' is not one of strict, tagged")],
+    "pin_cpus": [("always", "'always' is not one of off, auto")],
+    "check_replicas": [("yes", "expected true or false")],
     "precision": [("fp16", "'fp16' is not one of fp32, bf16")],
     "exact": [("yes", "expected true or false")],
     "activation_checkpointing": [(2, "expected true or false")],
@@ -211,7 +232,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
                                          "path or a URL")],
     "out": [("{job}", "exists and is not a directory"), ("{job}/run", "is a file, not a directory")],
 }
-"""JobConfig field -> wrong values in a job file; every field of `field_paths()` has one."""
+"""Option key -> wrong values in a job file; every option of `field_paths()` has one."""
 
 
 def _field_cases() -> list:

@@ -236,7 +236,7 @@ def test_a_module_on_pythonpath_trains_like_the_single_process_loop(
     result = bamboo(["--model", name, "--nodes", "2", "--stages", "2", "--steps", "3",
                      "--micro-batches", "2", "--micro-batch-size", "4", "--json", "--quiet"])
     assert result.code == 0, result.stderr
-    losses, params = train_reference(JobConfig(model=name, steps=3, micro_batches=2,
+    losses, params = train_reference(JobConfig.of(model=name, steps=3, micro_batches=2,
                                                micro_batch_size=4).validate())
     assert result.summary["config"]["model"] == name
     assert_close(result.summary["losses"], losses, rel=1e-5)
@@ -271,7 +271,7 @@ def test_the_example_trains_the_same_in_every_layout_and_through_a_kill(bamboo) 
 
 
 def test_a_job_file_names_a_model_by_import_path(tmp_path: Path) -> None:
-    from bamboo.configfile import load_job_config
+    from bamboo.config.jobfile import load_job_config
     job = tmp_path / "job.yaml"
     job.write_text("model: examples.custom_model:build\nlayout:\n  nodes: 2\n  stages: 2\n")
-    assert load_job_config(str(job), {}).model == "examples.custom_model:build"
+    assert load_job_config(str(job), {}).model.name == "examples.custom_model:build"

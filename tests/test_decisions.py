@@ -24,7 +24,7 @@ HANDLED = {"failover", "peer_restore", "checkpoint_restore", "drain"}
 
 def cfg(**kw) -> JobConfig:
     base = dict(nodes=4, stages=4, steps=6, micro_batches=4)
-    return JobConfig(**(base | kw)).validate()
+    return JobConfig.of(**(base | kw)).validate()
 
 
 def run(tmp_path: Path, config: JobConfig, script: dict[int, Callable[[SimCluster], None]],
@@ -34,7 +34,7 @@ def run(tmp_path: Path, config: JobConfig, script: dict[int, Callable[[SimCluste
     sim = SimCluster(config, tmp_path / "run")
     done: set[int] = set()
     for _ in range(200):
-        if sim.stopped is not None or sim.ctx.committed >= config.steps:
+        if sim.stopped is not None or sim.ctx.committed >= config.training.steps:
             break
         k = sim.ctx.committed
         if k in script and k not in done:
@@ -58,7 +58,7 @@ def accounted(sim: SimCluster, killed: set[str]) -> None:
 
 
 def node_of(sim: SimCluster, pipeline: int, stage: int) -> int:
-    return sim.coord.gens.member(sim.ctx.roles.holders[pipeline][stage]).node
+    return sim.core.gens.member(sim.ctx.roles.holders[pipeline][stage]).node
 
 
 def kill_stage(pipeline: int, stage: int) -> Callable[[SimCluster], None]:
@@ -107,13 +107,13 @@ def test_named_case(tmp_path: Path, name: str) -> None:
     config, script, expected = CASES[name]
     sim = run(tmp_path, config, dict(script))
     assert sim.stopped is None, sim.stopped
-    assert sim.ctx.committed == config.steps
-    assert sim.coord._finished()
+    assert sim.ctx.committed == config.training.steps
+    assert sim.core.finished()
     kinds = Counter(e["handled_as"] for e in sim.lost_events())
     if expected is not None:
         assert dict(kinds) == expected, sim.lost_events()
     accounted(sim, set())
-    summary = sim.coord._summary("completed", None)
+    summary = sim.core.summary("completed", None)
     assert sum(summary[k] for k in ("failovers", "drains", "peer_restores",
                                     "checkpoint_restores", "standby_losses")) == \
         summary["preemptions"]
@@ -127,7 +127,7 @@ def test_loss_while_generation_zero_forms_restarts_from_the_seed(tmp_path: Path)
     sim.finish()
     assert sim.stopped is None, sim.stopped
     assert [e["handled_as"] for e in sim.lost_events()] == ["checkpoint_restore"]
-    assert sim.coord.restore.redone_steps == 0
+    assert sim.core.restore.redone_steps == 0
     assert sim.ctx.plan.fresh_start
 
 
@@ -162,11 +162,10 @@ def test_a_stale_vote_is_answered_abort_and_redo(tmp_path: Path) -> None:
     sim.step()
     old = sim.ctx.roles.epoch
     sim.kill(node_of(sim, 0, 2))  # epoch old + 1
-    h = sim.coord.handlers
     n0 = sim.workers[0].node
-    h[MicroBatchesDone](n0, MicroBatchesDone(rank=0, step=1, epoch=old))
-    h[RoundDone](n0, RoundDone(rank=0, step=1, epoch=old, ok=True, losses=[]))
-    store = sim.coord.store.data
+    sim.core.handle(n0, MicroBatchesDone(rank=0, step=1, epoch=old))
+    sim.core.handle(n0, RoundDone(rank=0, step=1, epoch=old, ok=True, losses=[]))
+    store = sim.store.data
     assert store[go_key(1, old)] == "abort" and store[decide_key(1, old)] == "redo"
 
 
@@ -226,7 +225,7 @@ def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, no
             return []
         return [node_of(sim, d, s) for d in range(sim.ctx.roles.pipelines)
                 for s in range(sim.ctx.roles.stages)
-                if not sim.coord.gens.member(sim.ctx.roles.holders[d][s]).exited]
+                if not sim.core.gens.member(sim.ctx.roles.holders[d][s]).exited]
 
     def kill_one(i: int) -> None:
         live = live_members()
@@ -238,7 +237,7 @@ def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, no
     seen: set[int] = set()
     for _ in range(100):
         k = sim.ctx.committed
-        if sim.stopped is not None or k >= config.steps:
+        if sim.stopped is not None or k >= config.training.steps:
             break
         before = None
         if k not in seen:
@@ -263,7 +262,7 @@ def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, no
     if sim.stopped is not None:
         assert "no live node is left" in sim.stopped, sim.stopped
     else:
-        assert sim.ctx.committed == config.steps
+        assert sim.ctx.committed == config.training.steps
 
 
 def test_nothing_of_old_steps_stays_in_the_store_or_the_votes(tmp_path: Path) -> None:
@@ -273,21 +272,57 @@ def test_nothing_of_old_steps_stays_in_the_store_or_the_votes(tmp_path: Path) ->
     steps = 12
     sim = run(tmp_path, cfg(steps=steps), {5: lambda s: s.kill(node_of(s, 0, 2))})
     assert sim.ctx.committed == steps
-    keys = [k for k in sim.coord.store.data if k.split("/")[0] in ("go", "decide", "eval")]
+    keys = [k for k in sim.store.data if k.split("/")[0] in ("go", "decide", "eval")]
     old = [k for k in keys if int(k.split("/")[1]) <= steps - 1 - FORGET_AFTER]
     assert not old, old
     assert keys, "the newest steps' decisions must still be there"
-    p = sim.coord.steps
+    p = sim.core.steps
     for votes in (p.micro_batches_done, p.rounds, p.eval_votes):
         assert all(step > steps - 1 - FORGET_AFTER for step, _ in votes), votes
-    assert all(k in sim.coord.ctx.written or k.startswith(("gen/", "epoch/"))
-               for k in sim.coord.store.data)
+    assert all(k in sim.core.ctx.written or k.startswith(("gen/", "epoch/"))
+               for k in sim.store.data)
 
 
 def test_a_lost_nodes_handles_are_closed(tmp_path: Path) -> None:
     from bamboo.cluster.coordinator.nodes import EndedProcess
     sim = run(tmp_path, cfg(steps=6), {2: lambda s: s.kill(node_of(s, 0, 1))})
-    lost = [n for n in sim.coord.nodes if n.exited]
+    lost = [n for n in sim.core.nodes if n.exited]
     assert lost and all(isinstance(n.process, EndedProcess) and n.conn.closed for n in lost)
     assert all(n.process.exitcode is not None for n in lost)
     accounted(sim, {n.name for n in lost})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("redundancy,nodes", [("lazy", 4), ("off", 8)])
+def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
+        tmp_path: Path, redundancy: str, nodes: int) -> None:
+    sim = SimCluster(cfg(redundancy=redundancy, nodes=nodes, steps=3), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < sim.cfg.training.steps:
+        sim.step()
+    sim.settle()
+    victim = node_of(sim, 0, 1)
+    sim.final_writes(lost_before_writing=victim)
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.finished()
+    [rewrite] = sim.events.of("final_rewrite")
+    stage_1 = list(range(*sim.ctx.plan.parts[1]))
+    assert rewrite["layers"] == stage_1 and rewrite["node"] != f"n{victim}"
+    copy = sim.core.nodes.by_name(rewrite["node"]).rank
+    roles = sim.ctx.roles
+    assert copy == (roles.replicas[0][1] if redundancy == "lazy" else roles.holders[1][1])
+    summary = sim.core.final_summary()
+    assert summary["preemptions"] == summary["failovers"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_with_no_live_copy_of_a_lost_writer_the_model_is_incomplete(tmp_path: Path) -> None:
+    from bamboo.cluster.coordinator.state import Stop
+    sim = SimCluster(cfg(redundancy="off", steps=3), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < sim.cfg.training.steps:
+        sim.step()
+    sim.settle()
+    sim.final_writes(lost_before_writing=node_of(sim, 0, 1))
+    assert sim.core.finished() and not sim.events.of("final_rewrite")
+    with pytest.raises(Stop, match="trained model is incomplete") as info:
+        sim.core.final_summary()
+    assert info.value.exit_code == 3

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tomllib
 from argparse import ArgumentParser, Namespace
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import yaml
 
 from bamboo.cli.agent import agent_parser
 from bamboo.cli.coordinator import coordinator_parser
-from bamboo.config import JOIN_PORT, JobConfig, parse_kill
+from bamboo.config import JOIN_PORT, JobConfig
 from conftest import REPO
 
 k8s = pytest.importorskip("kubernetes.client", reason="the `kubernetes` test dependency")
@@ -369,9 +368,8 @@ def _agent_args() -> Namespace:
 
 def _job_config(args: Namespace) -> JobConfig:
     """The job the coordinator's flags describe, validated as `bamboo coordinator` does."""
-    names = {f.name for f in fields(JobConfig)}
-    given = {k: v for k, v in vars(args).items() if k in names and k != "kills"}
-    return JobConfig(kills=[parse_kill(k) for k in args.kill], **given).validate()
+    from bamboo.cli.train import job_config
+    return job_config(args, [], coordinator_parser(given_only=True))
 
 
 def _token_path(spec: dict) -> str:
@@ -468,9 +466,9 @@ def test_coordinator_job_resumes_on_failure_and_ends_with_the_run() -> None:
     mount = _runs_mount(spec)
     assert Path(args.out).is_relative_to(mount) and Path(args.out) != Path(mount)
     cfg = _job_config(args)
-    assert cfg.checkpoint_every > 0, "a resumed coordinator needs checkpoints to resume from"
-    assert cfg.keep_checkpoints >= 2
-    assert args.join_timeout >= 600
+    assert cfg.checkpoints.every > 0, "a resumed coordinator needs checkpoints to resume from"
+    assert cfg.checkpoints.keep >= 2
+    assert args.join_timeout_s >= 600
     # memory sized for a process that holds no tensors (docs: ~550 MiB measured)
     parse_quantity = pytest.importorskip("kubernetes.utils").parse_quantity
     resources = spec["containers"][0]["resources"]
@@ -510,7 +508,7 @@ def test_agents_join_the_advertised_coordinator() -> None:
     # one worker per GPU; the job's nodes are every agent's workers
     workers = args.workers
     assert str(workers) == container["resources"]["limits"]["nvidia.com/gpu"]
-    assert _job_config(coordinator).nodes == job["spec"]["parallelism"] * workers
+    assert _job_config(coordinator).layout.nodes == job["spec"]["parallelism"] * workers
     assert args.rejoin_s >= 300, "rejoin for longer than the kubelet's longest back-off (5 min)"
     assert set(args.notices.split(",")) <= {"aws", "gcp", "azure"}
     http_host, http = _hostport(args.http)
@@ -645,7 +643,7 @@ def test_systemd_command_lines_parse_and_agree() -> None:
     assert coordinator.token_file == agent.token_file == "/etc/bamboo/token"
     # restarts continue the run in the shared directory
     assert coordinator.resume == "auto" and coordinator.out == env["BAMBOO_OUT"]
-    assert _job_config(coordinator).checkpoint_every > 0
+    assert _job_config(coordinator).checkpoints.every > 0
     # agents join the advertised name on the join port; the store is the next port
     join_host, join_port = _hostport(agent.join)
     assert join_host == coordinator.advertise

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from bamboo.cluster.coordinator.nodes import Supervisor, free_device_slot
-from bamboo.cluster.worker import WorkerSpec, _device, choose_device_index, configure_tf32
+from bamboo.cluster.devices import choose_device_index, configure_tf32
+from bamboo.cluster.devices import worker_device as _device
+from bamboo.cluster.worker import WorkerSpec
 from bamboo.config import JobConfig
 from bamboo.models import build_layers, preset
 from bamboo.pipeline.optim import _steps_on_param_device, adamw_options, make_optimizer
@@ -74,7 +76,7 @@ def tf32_flags():
 def test_device_uses_the_slot_not_the_node(monkeypatch: pytest.MonkeyPatch, tf32_flags) -> None:
     cuda = _FakeCuda(monkeypatch, 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    cfg = JobConfig(device="cuda")
+    cfg = JobConfig.of(device="cuda")
     assert _device(cfg, 7, 1) == (torch.device("cuda", 1), "nccl")  # node 7, slot 1
     assert _device(cfg, 6, None) == (torch.device("cuda", 0), "nccl")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -84,10 +86,10 @@ def test_device_uses_the_slot_not_the_node(monkeypatch: pytest.MonkeyPatch, tf32
 
 def test_device_cpu_and_auto_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     _FakeCuda(monkeypatch, 0)
-    assert _device(JobConfig(device="cpu"), 0, 3) == (torch.device("cpu"), "gloo")
-    assert _device(JobConfig(device="auto"), 0, 3) == (torch.device("cpu"), "gloo")
+    assert _device(JobConfig.of(device="cpu"), 0, 3) == (torch.device("cpu"), "gloo")
+    assert _device(JobConfig.of(device="auto"), 0, 3) == (torch.device("cpu"), "gloo")
     with pytest.raises(RuntimeError, match="no GPU is visible"):
-        _device(JobConfig(device="cuda"), 0, 0)
+        _device(JobConfig.of(device="cuda"), 0, 0)
 
 
 def test_tf32_on_unless_exact(monkeypatch: pytest.MonkeyPatch, tf32_flags) -> None:
@@ -97,9 +99,9 @@ def test_tf32_on_unless_exact(monkeypatch: pytest.MonkeyPatch, tf32_flags) -> No
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     _FakeCuda(monkeypatch, 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    _device(JobConfig(device="cuda"), 0, 0)
+    _device(JobConfig.of(device="cuda"), 0, 0)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    _device(JobConfig(device="cuda", exact=True), 0, 0)
+    _device(JobConfig.of(device="cuda", exact=True), 0, 0)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 
@@ -152,7 +154,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Supervisor:
     from bamboo.cluster import forkserver
     monkeypatch.setattr(forkserver, "context", lambda: _FakeContext)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig(device="cuda" if gpus else "cpu"))
+    ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"))
 
     def spec_for(node: int, slot: int, first_gen: int) -> WorkerSpec:
         return WorkerSpec(node=node, slot=slot, first_gen=first_gen, store_host="127.0.0.1",

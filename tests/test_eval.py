@@ -22,10 +22,11 @@ REL = 1e-6
 
 def reference_evals(cfg: JobConfig) -> tuple[list[float], list[list[float]]]:
     evals: list[list[float]] = []
-    losses, _ = train_reference(JobConfig(
-        model=cfg.model, seed=cfg.seed, nodes=1, stages=1, steps=cfg.steps, micro_batches=cfg.global_micro_batches,
-        micro_batch_size=cfg.micro_batch_size, eval_every=cfg.eval_every,
-        eval_batches=cfg.eval_batches, data=cfg.data).validate(), evals)
+    losses, _ = train_reference(JobConfig.of(
+        model=cfg.model.name, seed=cfg.training.seed, nodes=1, stages=1,
+        steps=cfg.training.steps, micro_batches=cfg.global_micro_batches,
+        micro_batch_size=cfg.layout.micro_batch_size, eval_every=cfg.evaluation.every,
+        eval_batches=cfg.evaluation.batches, data=cfg.data.path).validate(), evals)
     return losses, evals
 
 
@@ -38,9 +39,9 @@ def assert_evals_equal(summary: dict, cfg: JobConfig) -> None:
 
 
 def test_evaluation_points() -> None:
-    cfg = JobConfig(steps=7, eval_every=3)
+    cfg = JobConfig.of(steps=7, eval_every=3)
     assert [k for k in range(9) if cfg.evaluates_at(k)] == [3, 6, 7]
-    assert not any(JobConfig(steps=7).evaluates_at(k) for k in range(9))
+    assert not any(JobConfig.of(steps=7).evaluates_at(k) for k in range(9))
 
 
 @pytest.mark.slow
@@ -82,7 +83,7 @@ def test_a_kill_during_the_held_out_pass(name: str, tmp_path: Path) -> None:
     the pass again under the new roles; the run ends equal to the failure-free one."""
     flags, pipeline, stage, at = KILLS_IN_EVAL[name]
     cfg = config(dict(flags, steps=4, eval_every=2, eval_batches=4))
-    victim = pipeline * cfg.stages + stage
+    victim = pipeline * cfg.layout.stages + stage
     faults = {victim: [Fault("kill", at, EVAL_FAULT_INDEX)]}
     summary = run_in_process(cfg, tmp_path / "run", faults)
     assert_evals_equal(summary, cfg)
@@ -116,9 +117,9 @@ def test_prepared_data_with_eval_through_a_kill(model: str, prepared: Path,
     assert_evals_equal(summary, cfg)
     assert summary["failovers"] == 1 and summary["checkpoint_restores"] == 0
     assert summary["eval_losses"][-1][1] < summary["eval_losses"][0][1]
-    _, params = train_reference(JobConfig(
-        model=model, data=str(prepared), nodes=1, stages=1, steps=cfg.steps,
-        micro_batches=cfg.global_micro_batches, micro_batch_size=cfg.micro_batch_size).validate())
+    _, params = train_reference(JobConfig.of(
+        model=model, data=str(prepared), nodes=1, stages=1, steps=cfg.training.steps,
+        micro_batches=cfg.global_micro_batches, micro_batch_size=cfg.layout.micro_batch_size).validate())
     import torch
     trained = torch.load(tmp_path / "run" / "model.pt")
     assert trained.keys() == params.keys()

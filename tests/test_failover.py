@@ -32,7 +32,7 @@ REL = 1e-6
 
 @lru_cache(maxsize=None)
 def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> tuple:
-    losses, params = train_reference(JobConfig(
+    losses, params = train_reference(JobConfig.of(
         nodes=1, stages=1, steps=steps, micro_batches=global_micro_batches,
         micro_batch_size=micro_batch_size).validate())
     l2 = float(torch.sqrt(sum(t.double().square().sum() for t in params.values())))
@@ -40,7 +40,7 @@ def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> t
 
 
 def assert_equals_failure_free(summary: dict, cfg: JobConfig, rel: float = REL) -> None:
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
     assert summary["status"] == "completed", summary["error"]
     assert_close(summary["losses"], losses, rel=rel)
     assert_close(summary["param_l2"], l2, rel=rel)
@@ -54,8 +54,9 @@ def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | N
                    check_replicas: bool = True) -> dict:
     """The launcher in this process: its fork server stays warm across runs."""
     try:
-        return run_local(cfg, RunDir(out), ProgressDisplay(cfg.steps, enabled=False),
-                         faults or {}, check_replicas=check_replicas)
+        cfg = cfg.replace(check_replicas=check_replicas)
+        return run_local(cfg, RunDir(out), ProgressDisplay(cfg.training.steps, enabled=False),
+                         faults or {})
     except RunFailed as e:
         return e.summary | {"exit_code": e.exit_code}
 
@@ -86,7 +87,7 @@ SCENARIOS = {
 def config(flags: dict) -> JobConfig:
     flags = dict(flags)
     kills = [parse_kill(k) for k in flags.pop("kills", [])]
-    return JobConfig(kills=kills, **flags).validate()
+    return JobConfig.of(kills=kills, **flags).validate()
 
 
 @pytest.mark.procs
@@ -99,22 +100,42 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
     assert_equals_failure_free(summary, cfg)
     assert summary["failovers"] == failovers and summary["peer_restores"] == peer_restores
     assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
-    assert summary["preemptions"] == len(cfg.kills) == len(summary["pause_s"])
+    assert summary["preemptions"] == len(cfg.cluster.kills) == len(summary["pause_s"])
     events = RunDir(tmp_path / "run")
     lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
-    assert len(lost) == len(cfg.kills)
+    assert len(lost) == len(cfg.cluster.kills)
     for e in lost:
         assert e["handled_as"] in ("failover", "peer_restore")
-        assert e["brc"] >= cfg.micro_batches  # every backward of the lost stage, redone
-        if cfg.redundancy == "lazy":
+        assert e["brc"] >= cfg.layout.micro_batches  # every backward of the lost stage, redone
+        if cfg.redundancy.mode == "lazy":
             assert e["frc_reused"] == 0
     # strict (the default): every survivor dropped the group and formed the survivors' one
     rebuilt = [n for e in run_events(tmp_path / "run") if e["event"] == "step_done"
                for n in e["nodes"] if n["rebuilds"]]
     assert {n["node"] for n in rebuilt} >= {e["shadow"] for e in lost if e["shadow"]}
     checked = [e for e in run_events(tmp_path / "run") if e["event"] == "replicas_checked"]
-    assert len(checked) == cfg.steps and any(e["replicas"] > 0 for e in checked)
+    assert len(checked) == cfg.training.steps and any(e["replicas"] > 0 for e in checked)
     assert events.path.exists()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("redundancy,nodes", [("lazy", 2), ("off", 4)])
+def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
+        redundancy: str, nodes: int, tmp_path: Path) -> None:
+    """Stage 0's first holder dies after the last step's commit, before it writes its
+    layers' final parameters: another live copy (its replica holder; with no redundancy, the
+    stage's holder in the other pipeline) writes them, and the run ends equal."""
+    cfg = JobConfig.of(nodes=nodes, stages=2, micro_batches=3, micro_batch_size=2, steps=3,
+                       redundancy=redundancy).validate()
+    after_commit = victim_schedule_length(cfg, 0, 0) - 1  # the index after the optimizer step
+    summary = run_in_process(cfg, tmp_path / "run", {0: [Fault("kill", 2, after_commit)]})
+    assert_equals_failure_free(summary, cfg)
+    [lost] = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
+    assert (lost["node"], lost["phase"]) == ("n0", "after the last step")
+    [rewrite] = [e for e in run_events(tmp_path / "run") if e["event"] == "final_rewrite"]
+    assert rewrite["node"] == ("n1" if redundancy == "lazy" else "n2")
+    assert rewrite["layers"] == [0, 1, 2, 3]  # gpt2-tiny's first stage of two
 
 
 TAGGED = ("kill stage 2", "two non-adjacent kills in one step",
@@ -182,8 +203,8 @@ CASES = int(os.environ.get("BAMBOO_FAILOVER_CASES", "30"))
 
 
 def victim_schedule_length(cfg: JobConfig, pipeline: int, stage: int) -> int:
-    frc = (stage + 1) % cfg.stages if cfg.redundancy == "eager" else None
-    return len(S.node_schedule([stage], cfg.stages, cfg.micro_batches, frc_stage=frc)) + 4
+    frc = (stage + 1) % cfg.layout.stages if cfg.redundancy.mode == "eager" else None
+    return len(S.node_schedule([stage], cfg.layout.stages, cfg.layout.micro_batches, frc_stage=frc)) + 4
 
 
 @st.composite
@@ -191,13 +212,13 @@ def kill_cases(draw) -> tuple[JobConfig, dict[int, list[Fault]]]:
     stages = draw(st.integers(2, 4))
     pipelines = draw(st.integers(1, 2))
     micro_batches = draw(st.integers(1, 3))
-    cfg = JobConfig(nodes=stages * pipelines, stages=stages, micro_batches=micro_batches,
+    cfg = JobConfig.of(nodes=stages * pipelines, stages=stages, micro_batches=micro_batches,
                     micro_batch_size=2, steps=3,
                     redundancy=draw(st.sampled_from(["eager", "lazy"]))).validate()
     faults: dict[int, list[Fault]] = {}
     for _ in range(draw(st.integers(1, 2))):
         d, s = draw(st.integers(0, pipelines - 1)), draw(st.integers(0, stages - 1))
-        step = draw(st.integers(0, cfg.steps - 1))
+        step = draw(st.integers(0, cfg.training.steps - 1))
         after = draw(st.integers(0, victim_schedule_length(cfg, d, s) - 1))
         faults[d * stages + s] = [Fault("kill", step, after)]
     return cfg, faults
@@ -217,13 +238,13 @@ def test_random_kills_end_equal_to_the_failure_free_run(case, tmp_path_factory) 
     if summary["status"] == "failed":  # only when every node was killed
         assert summary["exit_code"] == 3, summary["error"]
         assert "no live node is left" in summary["error"], summary["error"]
-        assert len(faults) == cfg.nodes
+        assert len(faults) == cfg.layout.nodes
         return
     assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL if summary["reconfigurations"]
                                else REL)
     lost = summary["failovers"] + summary["peer_restores"] + summary["checkpoint_restores"]
     assert summary["preemptions"] == lost
-    assert 0 < lost <= len(faults) or all(f.step >= cfg.steps for fs in faults.values() for f in fs)
+    assert 0 < lost <= len(faults) or all(f.step >= cfg.training.steps for fs in faults.values() for f in fs)
 
 
 @pytest.mark.timeout(180)

@@ -107,7 +107,7 @@ def test_pipelined_training_equals_the_single_process_loop(bamboo, kind: str) ->
                      "--json", "--quiet"])
     assert result.code == 0, result.stderr
     ref_losses, ref_params = train_reference(
-        JobConfig(model=name, nodes=2, stages=2, steps=3).validate())
+        JobConfig.of(model=name, nodes=2, stages=2, steps=3).validate())
     summary = result.summary
     assert summary["steps_completed"] == 3
     assert_close(summary["losses"], ref_losses, rel=1e-6)

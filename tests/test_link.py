@@ -112,7 +112,7 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
     from bamboo.config import JobConfig
     from bamboo.reconfig.planner import GenerationPlan
 
-    cfg = JobConfig(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()
+    cfg = JobConfig.of(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()
     spec = WorkerSpec(node=0, slot=0, first_gen=0, store_host="127.0.0.1",
                       store_port=store.port, config=cfg)
     link, _ = link_for(store)

@@ -1,6 +1,6 @@
-"""One membership suite, run against both backends: the embedded TCPStore and a real etcd.
+"""The membership suite, run against a real etcd (`bamboo coordinator --etcd`).
 
-The etcd backend needs `/usr/bin/etcd` (Debian's etcd-server); the module starts its own
+It needs `/usr/bin/etcd` (Debian's etcd-server); the module starts its own
 etcd on a free loopback port with a temporary data directory, and FAILS (never skips)
 when the binary is missing. Each test uses its own job name, so tests do not see each
 other's nodes.
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.cluster.membership import (EmbeddedMembership, EtcdMembership, LeaseExpired,
-                                       MembershipError, MembershipEvent)
+from bamboo.cluster.membership import EtcdMembership, LeaseExpired, MembershipError, MembershipEvent
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
@@ -77,28 +76,20 @@ def etcd_url(tmp_path_factory):
 
 
 class Backend:
-    """Makes a coordinator (`host`) and node clients (`client`) of one backend."""
+    """Makes a coordinator (`host`) and node clients (`client`) of one job in etcd."""
 
-    def __init__(self, kind: str, etcd_url: str | None) -> None:
-        self.kind, self.etcd_url = kind, etcd_url
+    def __init__(self, etcd_url: str) -> None:
+        self.etcd_url = etcd_url
         self.job = "job-" + uuid.uuid4().hex[:8]
         self.opened: list = []
-        self.addr = ""
 
     def host(self, ttl_s: float = TTL, token: str = TOKEN):
-        if self.kind == "embedded":
-            m = EmbeddedMembership.host(token, ttl_s=ttl_s)
-            self.addr = m.addr
-        else:
-            m = EtcdMembership.host(self.etcd_url, token, job=self.job, ttl_s=ttl_s)
+        m = EtcdMembership.host(self.etcd_url, token, job=self.job, ttl_s=ttl_s)
         self.opened.append(m)
         return m
 
     def client(self):
-        if self.kind == "embedded":
-            m = EmbeddedMembership.connect(self.addr)
-        else:
-            m = EtcdMembership.connect(self.etcd_url, job=self.job)
+        m = EtcdMembership.connect(self.etcd_url, job=self.job)
         self.opened.append(m)
         return m
 
@@ -107,10 +98,9 @@ class Backend:
             m.close()
 
 
-@pytest.fixture(params=["embedded", "etcd"])
-def backend(request):
-    url = request.getfixturevalue("etcd_url") if request.param == "etcd" else None
-    b = Backend(request.param, url)
+@pytest.fixture
+def backend(etcd_url):
+    b = Backend(etcd_url)
     yield b
     b.close()
 
@@ -206,16 +196,13 @@ def test_same_node_id_twice_is_refused(backend):
 
 
 @pytest.mark.timeout(30)
-def test_unreachable_backend_is_one_clear_line(backend):
+def test_unreachable_backend_is_one_clear_line():
     port = free_port()  # nothing listens there
     with pytest.raises(MembershipError) as info:
-        if backend.kind == "embedded":
-            EmbeddedMembership.connect(f"127.0.0.1:{port}", timeout_s=1)
-        else:
-            EtcdMembership.connect(f"http://127.0.0.1:{port}", timeout_s=1)
+        EtcdMembership.connect(f"http://127.0.0.1:{port}", timeout_s=1)
     text = str(info.value)
     assert "\n" not in text and f"127.0.0.1:{port}" in text and "unreachable" in text, text
-    assert ("start etcd" in text) if backend.kind == "etcd" else ("start the coordinator" in text)
+    assert "start etcd" in text
 
 
 @pytest.mark.timeout(30)

@@ -30,12 +30,12 @@ KINDS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby
 
 def config(**flags) -> JobConfig:
     kills = [parse_kill(k) for k in flags.pop("kills", [])]
-    return JobConfig(kills=kills, **flags).validate()
+    return JobConfig.of(kills=kills, **flags).validate()
 
 
 def assert_equal_and_accounted(summary: dict, cfg: JobConfig, lost: int | None = None) -> None:
     assert summary["status"] == "completed", summary["error"]
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
     assert_close(summary["losses"], losses, rel=REL)
     assert_close(summary["param_l2"], l2, rel=REL)
     assert sum(summary[k] for k in KINDS) == summary["preemptions"]
@@ -227,7 +227,7 @@ def test_the_demo_job_survives_its_trace_and_writes_the_report(tmp_path: Path) -
     summary = json.loads(result.stdout)
     cfg = config(nodes=8, stages=4, steps=40, data=str(data), eval_every=10)
     evals: list[list[float]] = []
-    losses, params = train_reference(JobConfig(
+    losses, params = train_reference(JobConfig.of(
         nodes=1, stages=1, steps=40, micro_batches=cfg.global_micro_batches, data=str(data),
         eval_every=10).validate(), evals)
     assert summary["status"] == "completed", summary["error"]

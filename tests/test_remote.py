@@ -44,7 +44,7 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 
 def _assert_failure_free(summary: dict, **layout: int) -> None:
     cfg = config(**layout)
-    losses, l2 = reference(cfg.steps, cfg.global_micro_batches, cfg.micro_batch_size)
+    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
     assert_close(summary["losses"], losses, rel=1e-4)
     assert_close(summary["param_l2"], l2, rel=1e-4)
 

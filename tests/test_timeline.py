@@ -6,14 +6,8 @@ import json
 import pytest
 
 from bamboo.pipeline import schedule as S
-from bamboo.redundancy.timeline import (
-    Costs,
-    compare,
-    costs_from_events,
-    main,
-    render,
-    simulate_step,
-)
+from bamboo.redundancy.measured import costs_from_events
+from bamboo.redundancy.timeline import Costs, compare, main, render, simulate_step
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (4, 4), (4, 8), (3, 2), (6, 12)])

@@ -233,7 +233,7 @@ def test_train_rejects_bad_data_directories_in_one_line(tmp_path: Path, capsys) 
     assert 65 <= val < 129  # enough for gpt2-tiny's context, too few for gpt2-mini's
     with pytest.raises(ConfigError, match=f"its val split has {val} tokens; gpt2-mini needs "
                        f"at least 129 \\(context \\+ 1\\)"):
-        JobConfig(data=str(small), model="gpt2-mini").validate()
+        JobConfig.of(data=str(small), model="gpt2-mini").validate()
     bare = tmp_path / "bare"
     bare.mkdir()
     cases = [(["--data", str(bare)], "is a directory without header.json"),
@@ -246,20 +246,20 @@ def test_train_rejects_bad_data_directories_in_one_line(tmp_path: Path, capsys) 
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="has 100 bytes; gpt2-tiny needs at least 130: 65 to "
                        "train on and 65 held out"):
-        JobConfig(data=str(_write(tmp_path / "100.txt", "x" * 100))).validate()
+        JobConfig.of(data=str(_write(tmp_path / "100.txt", "x" * 100))).validate()
     (small / "val.bin").write_bytes(b"\0\0")  # truncated after it was prepared
     with pytest.raises(ConfigError, match=f"its header says {val} uint16 tokens"):
-        JobConfig(data=str(small)).validate()
+        JobConfig.of(data=str(small)).validate()
 
 
 def test_the_model_vocabulary_follows_the_data(tmp_path: Path, capsys) -> None:
     files = docs_text(tmp_path, ("architecture",), size=20000)
     out = tmp_path / "bpe"
     assert prepare(capsys, str(files[0]), "--out", str(out), "--tokenizer", "bpe:300")[0] == 0
-    assert JobConfig(data=str(out)).validate().model_preset().vocab == 300
-    assert JobConfig(data=str(out), model="bert-tiny").validate().model_preset().vocab == 301
-    assert JobConfig(data=str(files[0])).validate().model_preset().vocab == 256  # bytes
-    assert JobConfig(model="gpt2-small").model_preset().vocab == 50257
+    assert JobConfig.of(data=str(out)).validate().model_preset().vocab == 300
+    assert JobConfig.of(data=str(out), model="bert-tiny").validate().model_preset().vocab == 301
+    assert JobConfig.of(data=str(files[0])).validate().model_preset().vocab == 256  # bytes
+    assert JobConfig.of(model="gpt2-small").model_preset().vocab == 50257
     hf = with_vocab(preset("hf:gpt2:n_layer=2,n_embd=32,n_head=2,n_positions=64"), 300)
     config = json.loads(hf.hf_config)
     assert hf.vocab == config["vocab_size"] == 300 and config["eos_token_id"] is None
@@ -281,7 +281,7 @@ def test_pretrained_hf_weights_keep_their_vocabulary(tmp_path: Path, capsys) -> 
     assert prepare(capsys, str(files[0]), "--out", str(big), "--tokenizer", "bpe:300")[0] == 0
     assert prepare(capsys, str(files[0]), "--out", str(small))[0] == 0
     name = f"hf:{model_dir}"
-    assert JobConfig(model=name, stages=2, data=str(small)).validate().model_preset().vocab == 280
+    assert JobConfig.of(model=name, stages=2, data=str(small)).validate().model_preset().vocab == 280
     assert cli.main(["train", "--model", name, "--stages", "2", "--data", str(big)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "a vocabulary the model cannot take" in lines[0], lines

@@ -30,7 +30,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return train_reference(JobConfig(steps=STEPS, micro_batches=4).validate())
+    return train_reference(JobConfig.of(steps=STEPS, micro_batches=4).validate())
 
 
 @pytest.mark.timeout(180)

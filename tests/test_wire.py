@@ -27,7 +27,7 @@ def _pair() -> tuple[Channel, Channel]:
 
 
 def test_messages_round_trip_as_json() -> None:
-    cfg = JobConfig(nodes=4, stages=2, kills=[parse_kill("0:1@3+notice")])
+    cfg = JobConfig.of(nodes=4, stages=2, kills=[parse_kill("0:1@3+notice")])
     spec = WorkerSpec(node=3, slot=1, first_gen=0, store_host="10.0.0.1", store_port=29401,
                       config=cfg, faults=(Fault("kill", 3, pipeline=0, stage=1),))
     report = StepReport(step=2, rank=1, stages=[1], losses=[(0, 1.5, 0.25)],
@@ -45,7 +45,7 @@ def test_messages_round_trip_as_json() -> None:
     a, b = _pair()
     a.send(Job(worker=0, spec=spec))
     got = b.recv(timeout=5).spec
-    assert got.config.kills == cfg.kills and list(got.faults) == list(spec.faults)
+    assert got.config.cluster.kills == cfg.cluster.kills and list(got.faults) == list(spec.faults)
 
 
 def test_nothing_but_registered_plain_data_travels() -> None:

@@ -12,6 +12,6 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.example:
         p.error("nothing to do; use --example")
-    from bamboo.configfile import example_config
+    from bamboo.config.jobfile import example_config
     print(example_config(), end="")
     return 0

@@ -10,22 +10,31 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bamboo.argparsing import EXIT_USAGE, UsageParser
-from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig, parse_kill
-from bamboo.presets import PRESETS
+from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, parse_kill
+from bamboo.config.options import add_flags
 
-__all__ = ["main", "run", "train_parser", "job_config", "NodeSource", "LocalWorkers", "FIELDS"]
+__all__ = ["main", "run", "train_parser", "job_config", "NodeSource", "NodesStarted", "LocalWorkers"]
+
+
+SECTION_TITLES = {
+    "model": "model", "data": "data", "layout": "layout: nodes, pipelines, stages, micro-batches",
+    "training": "training", "redundancy": "redundancy and recovery",
+    "runtime": "runtime: devices, threads, communication",
+    "cluster": "the local cluster: injected preemptions and trace replay",
+    "checkpoints": "checkpoints", "evaluation": "evaluation",
+    "logging": "the run directory and logging",
+}
 
 
 def train_parser(given_only: bool = False) -> argparse.ArgumentParser:
-    """The parser of `bamboo train`; with `given_only`, flags the user did not type are absent
-    (so a --config file's values are overridden only by flags actually given).
-
-    Long because it is the flat list of every flag with its help, which reads best in one
-    place (tests/test_cli_errors.py holds a wrong-value case for each)."""
-    d = JobConfig()
+    """The parser of `bamboo train`: one flag per job option (from its declaration in
+    `bamboo.config.sections`), then this command's own. With `given_only`, flags the user
+    did not type are absent (so a --config file's values are overridden only by flags
+    actually given)."""
     p = UsageParser(prog="bamboo train", description="Train on a local cluster of worker "
                     "processes, one per node, with a coordinator process holding the store.")
 
@@ -33,113 +42,32 @@ def train_parser(given_only: bool = False) -> argparse.ArgumentParser:
         p.add_argument(*names, default=argparse.SUPPRESS if given_only else default, **kw)
 
     opt("--config", help="a YAML or TOML job file (see `bamboo config --example`); flags override it")
-    opt("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}; or a Hugging Face "
-        "model: hf:gpt2, hf:llama, hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR; or your own "
-        "model: MODULE:FUNCTION or FILE.py:FUNCTION (see docs/models.md)")
-    opt("--nodes", type=int, default=d.nodes, help="worker processes (default 4)")
-    opt("--stages", type=int, default=d.stages, help="pipeline stages P (default 4)")
-    opt("--pipelines", type=int, help="data-parallel pipelines D (default nodes // stages)")
-    opt("--micro-batches", type=int, default=d.micro_batches,
-        help="micro-batches per pipeline per step (default 4)")
-    opt("--micro-batch-size", type=int, default=d.micro_batch_size,
-        help="samples per micro-batch (default 8)")
-    opt("--steps", type=int, default=d.steps, help="optimizer steps (default 50)")
-    opt("--seed", type=int, default=d.seed)
-    opt("--redundancy", default=d.redundancy, help="eager | lazy | off | auto (default eager; "
-        "auto picks one at every generation from the preemption rate and costs measured)")
-    opt("--frc-offload", action="store_true", default=False,
-        help="keep eager FRC's saved tensors in CPU memory until a failover needs them")
-    opt("--comm", default=d.comm, help="strict (default): NCCL's rules on every backend (no "
-        "tags, batched two-way exchanges, the group rebuilt after every loss) | tagged: gloo "
-        "only, tagged transfers on a group that outlives lost peers")
-    opt("--precision", default=d.precision, help="fp32 (default) | bf16: autocast bf16 "
-        "compute with fp32 weights, gradients and optimizer state")
-    opt("--exact", action="store_true", default=False, help="float64 gradient sums in "
-        "pipeline order: every layout gives the same bits (default: fp32 and a collective)")
-    opt("--activation-checkpointing", action="store_true", default=False,
-        help="recompute each layer's activations in the backward instead of keeping them")
-    opt("--data", help="a directory written by `bamboo data prepare` (the model's vocabulary "
-        "follows its tokenizer's), or a UTF-8 text file (byte tokens); default synthetic")
-    opt("--layer-costs", metavar="FILE", help="cut stages by measured seconds per layer "
-        "(bamboo profile --layers-only) instead of parameter counts")
-    opt("--eval-every", type=int, default=d.eval_every, metavar="K",
-        help="every K steps and after the last, the held-out loss on the val split "
-        "(eval_losses in summary.json; default 0: never)")
-    opt("--eval-batches", type=int, default=d.eval_batches, metavar="N",
-        help=f"val micro-batches per evaluation (default {d.eval_batches})")
-    opt("--tensorboard", metavar="DIR", help="write TensorBoard event files to DIR "
-        "(tensorboard --logdir DIR)")
-    opt("--wandb", metavar="PROJECT", help="log the same scalars to a Weights & Biases project "
-        "(needs the wandb package; WANDB_MODE=offline logs without network)")
-    opt("--lr", type=float, default=d.lr, help="peak learning rate (default 3e-3)")
-    opt("--warmup-steps", type=int, default=d.warmup_steps)
-    opt("--weight-decay", type=float, default=d.weight_decay)
-    opt("--grad-clip", type=float, default=d.grad_clip,
-        help="global gradient-norm clip, 0 to disable (default 1.0)")
-    opt("--threads", type=int, default=d.threads, help="torch threads per worker")
-    opt("--comm-timeout", type=float, default=d.comm_timeout_s, dest="comm_timeout_s",
-        help="seconds any communication call may block (default 60)")
-    opt("--lease", type=float, default=d.lease_s, dest="lease_s",
-        help=f"seconds without a heartbeat before a node is fenced (default 10; more than "
-        f"the {HEARTBEAT_S:g} s between two heartbeats)")
-    opt("--device", default=d.device, help="auto | cpu | cuda")
-    opt("--kill", action="append", default=[], metavar="D:S@K[+notice]",
-        help="SIGKILL the holder of stage S of pipeline D inside step K (repeatable)")
+    add_flags(p, list(all_options()), given_only=given_only, titles=SECTION_TITLES)
     opt("--crash", action="append", default=[], metavar="D:S@K",
         help="make that node raise a Python exception in step K (software-error test)")
-    opt("--trace", help="replay this preemption trace on the local cluster (Bamboo CSV, count "
-        "rows or JSON rows)")
-    opt("--time-scale", type=float, default=d.time_scale,
-        help="trace seconds per wall second when replaying (default 360)")
-    opt("--max-nodes", type=int, help="at most this many workers alive at once (default --nodes)")
-    opt("--notice-s", type=float,
-        help="a preemption notice (SIGTERM) this many wall seconds before each kill")
-    opt("--checkpoint-every", type=int, default=d.checkpoint_every,
-        help="durable checkpoint every K steps, used only when every copy of a stage is lost")
-    opt("--recovery", default=d.recovery,
-        help="redundancy (default) | checkpoint-restart: the baseline that restarts every "
-        "worker from the last checkpoint on each preemption (needs --redundancy off)")
-    opt("--resume", metavar="DIR|auto", help="continue the run in DIR from its latest whole "
-        "checkpoint; auto: continue the --out directory's run if it has a whole checkpoint, "
-        "else start it (one command line for the first start and every restart)")
-    opt("--keep-checkpoints", type=int, default=d.keep_checkpoints,
-        help=f"whole checkpoints kept; older ones are pruned (default {d.keep_checkpoints})")
-    opt("--checkpoint-dir", metavar="PATH|URL",
-        help="where the nodes write checkpoints and the trained model's layers: an absolute "
-        "path or a URL (s3://..., file:///...) every machine reaches at the same address "
-        "(default RUN_DIR/checkpoints)")
     opt("--http", metavar="ADDR:PORT", help="serve /healthz and Prometheus /metrics there "
         "(e.g. 0.0.0.0:29402)")
     opt("--no-report", action="store_true", default=False,
         help="skip writing report.txt and the PNG plots at the end of the run")
-    opt("--check-replicas", action="store_true", default=False,
-        help="compare every replica's digest with its primary's after every step")
-    opt("--out", help="run directory (default runs/<timestamp>)")
     opt("--json", action="store_true", default=False, help="print summary.json on stdout when done")
     opt("--quiet", action="store_true", default=False, help="no progress on stderr")
     opt("--debug", action="store_true", default=False, help="show tracebacks")
     return p
 
 
-FIELDS = ("model", "nodes", "stages", "pipelines", "micro_batches", "micro_batch_size", "steps",
-           "seed", "redundancy", "frc_offload", "comm", "precision", "exact",
-           "activation_checkpointing", "data", "layer_costs", "eval_every", "eval_batches", "tensorboard",
-           "wandb", "lr", "warmup_steps", "weight_decay", "grad_clip",
-           "threads", "comm_timeout_s", "lease_s", "device", "trace", "time_scale", "max_nodes",
-           "notice_s", "checkpoint_every", "recovery", "resume", "out", "keep_checkpoints",
-           "checkpoint_dir")
-
-
-def job_config(args: argparse.Namespace, argv: list[str]) -> JobConfig:
-    """The job the flags (and a --config file, which flags override) describe."""
+def job_config(args: argparse.Namespace, argv: list[str],
+               given: argparse.ArgumentParser) -> JobConfig:
+    """The job the flags (and a --config file, which flags override) describe; `given` is
+    the command's parser that leaves out what the user did not type."""
+    keys = options_by_key()
     if args.config is None:
-        fields = {k: getattr(args, k) for k in FIELDS}
-        return JobConfig(kills=[parse_kill(k) for k in args.kill], **fields).validate()
-    from bamboo.configfile import load_job_config
-    given = vars(train_parser(given_only=True).parse_args(argv))
-    overrides = {k: v for k, v in given.items() if k in FIELDS}
-    if "kill" in given:
-        overrides["kills"] = [parse_kill(k) for k in given["kill"]]
+        values = {k: v for k, v in vars(args).items() if k in keys}
+        values["kills"] = [parse_kill(k) for k in values["kills"]]
+        return JobConfig.of(**values).validate()
+    from bamboo.config.jobfile import load_job_config
+    overrides = {k: v for k, v in vars(given.parse_args(argv)).items() if k in keys}
+    if "kills" in overrides:
+        overrides["kills"] = [parse_kill(k) for k in overrides["kills"]]
     return load_job_config(args.config, overrides)
 
 
@@ -155,7 +83,7 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
             raise ConfigError(f"--crash '{text}' is malformed: write PIPELINE:STAGE@STEP, "
                               f"e.g. --crash 0:2@5")
         cfg.check_target("--crash", text, k)
-        out.setdefault(k.pipeline * cfg.stages + k.stage, []).append(Fault("raise", k.step))
+        out.setdefault(k.pipeline * cfg.layout.stages + k.stage, []).append(Fault("raise", k.step))
     return out
 
 
@@ -174,20 +102,20 @@ def write_run_report(path: Path, quiet: bool) -> None:
 
 def _check_trace(cfg: JobConfig) -> None:
     """Parse the trace now, so a malformed row is a one-line error before anything starts."""
-    if cfg.trace is None:
+    if cfg.cluster.trace is None:
         return
     from bamboo.sim.traces import TraceError, load_trace
     try:
-        trace = load_trace(cfg.trace)
+        trace = load_trace(cfg.cluster.trace)
     except TraceError as e:
         raise ConfigError(f"--trace: {e}") from None
     if trace.unsorted_rows:
-        print(f"bamboo train: warning: {cfg.trace}: {trace.unsorted_rows} row(s) out of time "
+        print(f"bamboo train: warning: {cfg.cluster.trace}: {trace.unsorted_rows} row(s) out of time "
               f"order were sorted", file=sys.stderr)
     added = len({n for n, k in zip(trace.nodes, trace.kinds) if k == 1})
-    if added < cfg.nodes:
-        raise ConfigError(f"--trace {cfg.trace} adds {added} distinct node(s) but --nodes is "
-                          f"{cfg.nodes}: the replay's initial workers are the trace's first "
+    if added < cfg.layout.nodes:
+        raise ConfigError(f"--trace {cfg.cluster.trace} adds {added} distinct node(s) but --nodes is "
+                          f"{cfg.layout.nodes}: the replay's initial workers are the trace's first "
                           f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
 
 
@@ -195,32 +123,31 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
     """`--resume auto`: the --out run continues from its newest whole checkpoint when it has
     one, else starts there afresh (a restart before the first checkpoint starts over). None
     when that run already finished (a restarted job has nothing left to do)."""
-    import dataclasses
-    out = Path(cfg.out)
+    out = Path(cfg.logging.out)
     summary = out / "summary.json"
     if summary.is_file():
         try:
             done = json.loads(summary.read_text())
         except (OSError, ValueError):
             done = {}
-        if done.get("status") == "completed" and done.get("steps_completed", -1) >= cfg.steps:
-            print(f"{prog}: the run in {out} already completed {cfg.steps} steps; nothing to "
+        if done.get("status") == "completed" and done.get("steps_completed", -1) >= cfg.training.steps:
+            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; nothing to "
                   f"do (pass more --steps, or another --out for a new run)", file=sys.stderr)
             return None, False
     from bamboo.checkpoint import has_whole_checkpoint
     from bamboo.runlog import checkpoint_root
-    if has_whole_checkpoint(cfg.checkpoint_dir or checkpoint_root(out)):
-        return dataclasses.replace(cfg, resume=str(out)), False
-    return dataclasses.replace(cfg, resume=None), out.exists()
+    if has_whole_checkpoint(cfg.checkpoints.dir or checkpoint_root(out)):
+        return cfg.replace(resume=str(out)), False
+    return cfg.replace(resume=None), out.exists()
 
 
 def _load_resume(cfg: JobConfig) -> Any:
     """The checkpoint `--resume` continues from, checked against this job."""
-    if cfg.resume is None:
-        if cfg.checkpoint_dir is not None:
+    if cfg.checkpoints.resume is None:
+        if cfg.checkpoints.dir is not None:
             from bamboo.checkpoint import has_whole_checkpoint
-            if has_whole_checkpoint(cfg.checkpoint_dir):  # a restore would take another run's
-                raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir} holds the checkpoints "
+            if has_whole_checkpoint(cfg.checkpoints.dir):  # a restore would take another run's
+                raise ConfigError(f"--checkpoint-dir {cfg.checkpoints.dir} holds the checkpoints "
                                   f"of an earlier run: continue it with --resume, or choose an "
                                   f"empty --checkpoint-dir")
         return None
@@ -229,33 +156,33 @@ def _load_resume(cfg: JobConfig) -> Any:
     from bamboo.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.runlog import checkpoint_root
     # A run that wrote to --checkpoint-dir is resumed from there.
-    root = cfg.checkpoint_dir or checkpoint_root(cfg.resume)
+    root = cfg.checkpoints.dir or checkpoint_root(cfg.checkpoints.resume)
     if not list_checkpoints(root):
-        raise ConfigError(f"--resume {cfg.resume}: no checkpoint in {root}: pass the --out "
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: no checkpoint in {root}: pass the --out "
                           f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
     try:
         ckpt = load_latest(root)
     except CheckpointError as e:
-        raise ConfigError(f"--resume {cfg.resume}: {e}") from None
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
     meta = ckpt.meta
-    for key, value in (("model", cfg.model), ("seed", cfg.seed),
+    for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
                        ("global_micro_batches", cfg.global_micro_batches),
-                       ("micro_batch_size", cfg.micro_batch_size)):
+                       ("micro_batch_size", cfg.layout.micro_batch_size)):
         if key in meta and meta[key] != value:
-            raise ConfigError(f"--resume {cfg.resume}: its checkpoint was made with {key} "
+            raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint was made with {key} "
                               f"{meta[key]!r}, this job has {value!r}: use the same settings")
     if ckpt.warning:
         print(f"bamboo train: warning: {ckpt.warning}", file=sys.stderr)
-    if ckpt.step >= cfg.steps:
-        raise ConfigError(f"--resume {cfg.resume}: its checkpoint is at step {ckpt.step}, "
-                          f"--steps is {cfg.steps}: ask for more steps")
+    if ckpt.step >= cfg.training.steps:
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint is at step {ckpt.step}, "
+                          f"--steps is {cfg.training.steps}: ask for more steps")
     planned = meta.get("steps")
-    if isinstance(planned, int) and planned != cfg.steps:
+    if isinstance(planned, int) and planned != cfg.training.steps:
         # The learning rate's cosine decay ends at --steps (bamboo.pipeline.optim).
-        how = "stretched" if cfg.steps > planned else "shortened"
+        how = "stretched" if cfg.training.steps > planned else "shortened"
         print(f"bamboo train: note: resuming a run planned for {planned} steps with --steps "
-              f"{cfg.steps}: the learning-rate schedule is {how} to {cfg.steps} steps (pass "
-              f"--steps {planned} to keep it)", file=sys.stderr)
+              f"{cfg.training.steps}: the learning-rate schedule is {how} to "
+              f"{cfg.training.steps} steps (pass --steps {planned} to keep it)", file=sys.stderr)
     return ckpt
 
 
@@ -264,16 +191,29 @@ class NodeSource(Protocol):
 
     prog: str
 
-    def parser(self) -> argparse.ArgumentParser: ...
-
-    def job_argv(self, argv: list[str]) -> list[str]:
-        """The flags that describe the job (a --config file's overrides)."""
+    def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
+        """The command's parser (the job's flags and the source's own)."""
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         """ConfigError for a flag of this source that is wrong (cfg None: before the job)."""
 
-    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> tuple[Any, Any] | int:
-        """(agents, membership) for `run_local`, or an exit code when it cannot start."""
+    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
+        """What `run_local` needs of this source, or an exit code when it cannot start."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodesStarted:
+    """Where the nodes come from, once the source has started: None and None for local
+    workers; for agents the join listener and, with --etcd, the membership."""
+
+    agents: Any = None
+    membership: Any = None
+
+    def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
+        if self.membership is not None:
+            self.membership.close()
 
 
 class LocalWorkers:
@@ -281,17 +221,14 @@ class LocalWorkers:
 
     prog = "bamboo train"
 
-    def parser(self) -> argparse.ArgumentParser:
-        return train_parser()
-
-    def job_argv(self, argv: list[str]) -> list[str]:
-        return argv
+    def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
+        return train_parser(given_only)
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         pass
 
-    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> tuple[Any, Any] | int:
-        return None, None
+    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
+        return NodesStarted()
 
 
 def main(argv: list[str]) -> int:
@@ -304,7 +241,6 @@ def run(argv: list[str], source: NodeSource) -> int:
     (agents and etcd), then the run and its report."""
     prog = source.prog
     args = source.parser().parse_args(argv)
-    argv = source.job_argv(argv)
     try:
         source.check(args, None)
         http = None
@@ -314,18 +250,19 @@ def run(argv: list[str], source: NodeSource) -> int:
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        cfg = job_config(args, argv)
+        cfg = job_config(args, argv, source.parser(given_only=True))
         source.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
         _check_trace(cfg)
         from bamboo.runlog import RunDir, default_run_dir
         auto_fresh = False
-        if cfg.resume == "auto":
+        if cfg.checkpoints.resume == "auto":
             cfg, auto_fresh = _resolve_auto_resume(cfg, prog)
             if cfg is None:
                 return 0
-        run = RunDir(cfg.out or cfg.resume or default_run_dir())
-        same_dir = cfg.resume is not None and run.path.resolve() == Path(cfg.resume).resolve()
+        run = RunDir(cfg.logging.out or cfg.checkpoints.resume or default_run_dir())
+        resume_dir = cfg.checkpoints.resume
+        same_dir = resume_dir is not None and run.path.resolve() == Path(resume_dir).resolve()
         run.restarting = auto_fresh
         if not same_dir and not auto_fresh:
             run.check_usable()
@@ -337,7 +274,6 @@ def run(argv: list[str], source: NodeSource) -> int:
     started = source.start(args, cfg, run)
     if isinstance(started, int):
         return started
-    agents, membership = started
     import os
     # torch's C++ store logs a warning for every client that vanishes: here that is a
     # preemption the coordinator handles and reports itself.
@@ -347,20 +283,16 @@ def run(argv: list[str], source: NodeSource) -> int:
     from bamboo.cluster.coordinator import RunFailed, run_local
     from bamboo.progress import ProgressDisplay
     from bamboo.runlog import RunDirError
-    display = ProgressDisplay(cfg.steps, enabled=not args.quiet)
+    display = ProgressDisplay(cfg.training.steps, enabled=not args.quiet)
     serve_error: Any = ()  # catches nothing unless --http (prometheus_client loads only then)
     if http is not None:
         from bamboo.cluster.http import HttpServeError
         serve_error = HttpServeError
     try:
-        summary = run_local(cfg, run, display, crash, debug=args.debug,
-                            check_replicas=args.check_replicas, resume=resume, agents=agents,
-                            membership=membership, http=http)
+        summary = run_local(cfg, run, display, crash, debug=args.debug, resume=resume,
+                            agents=started.agents, membership=started.membership, http=http)
     except serve_error as e:  # --http's address is taken or not this machine's
-        if agents is not None:
-            agents.close()
-        if membership is not None:
-            membership[0].close()
+        started.close()
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunDirError as e:  # the run's own files could not be written (a full disk)

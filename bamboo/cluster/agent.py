@@ -100,11 +100,11 @@ class _Worker:
     """One worker process of this agent (local index k)."""
 
     def __init__(self, k: int, job: Job, join_host: str, token: str, progress: Progress,
-                 beats: Any, cells: Any, say: Any) -> None:
+                 beats: Any, cells: Any, say: Any, workers: int) -> None:
         from bamboo.cluster import forkserver
         from bamboo.cluster.worker import worker_main
         self.k = k
-        self.spec = dataclasses.replace(job.spec, slot=k, device_index=k,
+        self.spec = dataclasses.replace(job.spec, slot=k, device_index=k, local_workers=workers,
                                         store_host=job.spec.store_host or join_host)
         progress.reset(k, time.monotonic() + 60.0)
         ctx = forkserver.context()
@@ -200,7 +200,7 @@ class _Session:
             if msg.worker in self.workers or not 0 <= msg.worker < self.opts.workers:
                 return None
             w = _Worker(msg.worker, msg, self.opts.address[0], self.opts.token, self.progress,
-                        self.beats, self.cells, self.opts.say)
+                        self.beats, self.cells, self.opts.say, self.opts.workers)
             self.workers[msg.worker] = w
             self.opts.say(f"worker {msg.worker} is node n{w.spec.node}")
         elif isinstance(msg, KillOrder):

@@ -1,13 +1,11 @@
 """Cluster membership: which nodes are alive, by leases that their heartbeats renew.
 
-One interface, `Membership`, and two backends with the same behaviour:
-
-- `EmbeddedMembership` (default, zero set-up): state lives in a torch `TCPStore` hosted
-  by the coordinator process; a reaper thread there expires nodes whose heartbeat
-  counter has not moved for `ttl_s`, and publishes the live view and an event log.
-- `EtcdMembership`: a real etcd (3.4+) through its v3 JSON gateway, with the standard
-  library only (no etcd client package): a node's key is bound to an etcd lease, so etcd
-  itself deletes it when heartbeats (lease keep-alives) stop; changes come from a watch.
+One interface, `Membership`, and its backend `EtcdMembership` (`bamboo coordinator
+--etcd URL`): a real etcd (3.4+) through its v3 JSON gateway, with the standard library
+only (no etcd client package): a node's key is bound to an etcd lease, so etcd itself
+deletes it when heartbeats (lease keep-alives) stop; changes come from a watch. Without
+--etcd there is no membership service: leases are the heartbeat arrays
+(`protocol.Progress`) and the agents' relays.
 
 The coordinator calls `host(...)` (it sets the job's join token and TTL); a node calls
 `connect(...)`, then `join(node_id, info, token)`, `heartbeat(node_id)` more often than
@@ -28,17 +26,15 @@ import logging
 import math
 import socket
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 __all__ = ["Membership", "MembershipError", "LeaseExpired", "Lease", "MembershipEvent",
-           "EmbeddedMembership", "EtcdMembership"]
+           "EtcdMembership"]
 
 log = logging.getLogger(__name__)
 
@@ -127,237 +123,6 @@ def _call_back(callback: Callback, event: MembershipEvent) -> None:
         callback(event)
     except Exception as e:  # noqa: BLE001 - a callback bug must not end the watch
         log.error("membership callback failed on %s: %s", event, e)
-
-
-# ----------------------------------------------------------------------------- embedded
-
-def _probe(host: str, port: int, timeout_s: float) -> None:
-    """Fail with one line (not torch's C++ log) when nothing listens at host:port."""
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as e:
-        raise MembershipError(
-            f"coordinator store at {host}:{port} is unreachable: {e.strerror or e}; "
-            f"start the coordinator or pass --join ADDR:PORT") from None
-
-
-def _client(host: str, port: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    _probe(host, port, timeout_s)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MembershipError(f"coordinator store at {host}:{port} is unreachable: {first}; "
-                              f"start the coordinator or pass --join ADDR:PORT") from None
-    return dist.PrefixStore(EmbeddedMembership.PREFIX, store)
-
-
-class EmbeddedMembership(Membership):
-    """Membership in a TCPStore hosted by the coordinator (see the module docstring).
-
-    Keys under `bamboo/membership/`: `token`, `ttl`, the lease counter `leases`,
-    `lease/N` (node and info), its counters `lease/N/hb`, `/left`, `/expired`,
-    `owner/NODE` (the live lease), `view` (JSON of live nodes) and the event log
-    `events` (a counter) with `event/K`.
-    """
-
-    PREFIX = "bamboo/membership/"
-
-    def __init__(self, host: str, port: int, *, timeout_s: float = 5.0,
-                 poll_s: float = 0.05) -> None:
-        """A client of the store at host:port (use `connect` or `host`)."""
-        self.addr = f"{host}:{port}"
-        self._host, self._port = host, port
-        self.timeout_s, self.poll_s = timeout_s, poll_s
-        self._store = _client(host, port, timeout_s)
-        self._lock = threading.Lock()
-        self._leases: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._server: Any = None
-        self.ttl_s = float(self._get("ttl") or 0.0)
-
-    @classmethod
-    def connect(cls, addr: str, *, timeout_s: float = 5.0) -> EmbeddedMembership:
-        """A node's client of the coordinator at `HOST:PORT`."""
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise MembershipError(f"coordinator address '{addr}' is malformed: write HOST:PORT")
-        return cls(host, int(port), timeout_s=timeout_s)
-
-    @classmethod
-    def host(cls, token: str, *, ttl_s: float = 3.0, host: str = "127.0.0.1", port: int = 0,
-             store: Any = None) -> EmbeddedMembership:
-        """The coordinator's side: serve (or reuse) a TCPStore and run the reaper."""
-        import torch.distributed as dist
-
-        server = store or dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=10))
-        prefixed = dist.PrefixStore(cls.PREFIX, server)
-        prefixed.set("ttl", str(ttl_s))
-        prefixed.set("view", "{}")
-        prefixed.set("token", _digest(token))
-        self = cls(server.host, server.port)
-        self._server = server  # the store lives as long as this object
-        self._spawn(_Reaper(self, ttl_s).run, "bamboo-membership-reaper")
-        return self
-
-    # --- store helpers (the client is shared by threads: one call at a time)
-    def _get(self, key: str) -> str | None:
-        with self._lock:
-            if not self._store.check([key]):
-                return None
-            return self._store.get(key).decode()
-
-    def _add(self, key: str, n: int = 0) -> int:
-        with self._lock:
-            return self._store.add(key, n)
-
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def _view(self) -> dict[str, dict]:
-        return json.loads(self._get("view") or "{}")
-
-    def _wait_view(self, done: Callable[[dict], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s + self.ttl_s
-        while not done(self._view()):
-            if time.monotonic() > deadline:
-                raise MembershipError(f"coordinator at {self.addr} did not confirm {what} "
-                                      f"within {self.timeout_s + self.ttl_s:.0f} s")
-            time.sleep(self.poll_s)
-
-    # --- Membership
-    def join(self, node_id: str, info: dict, token: str) -> Lease:
-        _check_token(self._get("token"), token, f"coordinator at {self.addr}")
-        n = self._add("leases", 1)
-        with self._lock:
-            owner = self._store.compare_set(f"owner/{node_id}", "", str(n)).decode()
-            record = {"node": node_id, "info": info, "refused": owner != str(n)}
-            self._store.set(f"lease/{n}", json.dumps(record))
-        if owner != str(n):
-            raise MembershipError(f"join refused: node '{node_id}' is already a member; "
-                                  f"pick another node id or wait for its lease to expire")
-        self._leases[node_id] = n
-        self._wait_view(lambda v: v.get(node_id, {}).get("lease") == n, f"{node_id}'s join")
-        return Lease(node_id=node_id, lease_id=str(n), ttl_s=self.ttl_s)
-
-    def _lease(self, node_id: str) -> int:
-        if node_id not in self._leases:
-            raise MembershipError(f"node '{node_id}' has not joined through this client")
-        return self._leases[node_id]
-
-    def heartbeat(self, node_id: str) -> None:
-        n = self._lease(node_id)
-        if self._add(f"lease/{n}/expired") > 0:
-            raise LeaseExpired(f"node '{node_id}' missed its heartbeats for {self.ttl_s} s "
-                               f"and is no longer a member; join again")
-        self._add(f"lease/{n}/hb", 1)
-
-    def leave(self, node_id: str) -> None:
-        n = self._leases.pop(node_id, None)
-        if n is None:
-            return
-        self._add(f"lease/{n}/left", 1)
-        self._wait_view(lambda v: v.get(node_id, {}).get("lease") != n, f"{node_id}'s leave")
-
-    def alive(self) -> dict[str, dict]:
-        return {node: entry["info"] for node, entry in self._view().items()}
-
-    def watch(self, callback: Callback) -> None:
-        store = _client(self._host, self._port, self.timeout_s)
-        seen = store.add("events", 0)
-
-        def run() -> None:
-            nonlocal seen
-            while not self._stop.wait(self.poll_s):
-                try:
-                    count = store.add("events", 0)
-                    for k in range(seen + 1, count + 1):
-                        event = json.loads(store.get(f"event/{k}"))
-                        _call_back(callback, MembershipEvent(**event))
-                    seen = count
-                except Exception as e:  # noqa: BLE001 - the coordinator went away
-                    log.warning("membership watch on %s stopped: %s", self.addr, e)
-                    return
-        self._spawn(run, "bamboo-membership-watch")
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(5.0)
-        self._threads.clear()
-        self._server = None
-
-
-class _Reaper:
-    """The coordinator's thread: admits joins, notices leaves, expires silent nodes."""
-
-    def __init__(self, owner: EmbeddedMembership, ttl_s: float) -> None:
-        self.owner, self.ttl_s = owner, ttl_s
-        self.store = _client(owner._host, owner._port, owner.timeout_s)
-        self.next = 1
-        self.live: dict[int, dict[str, Any]] = {}
-        """lease -> node, info, last heartbeat count, when it last changed."""
-        self.pending_since: float | None = None
-
-    def run(self) -> None:
-        tick = max(0.02, min(0.2, self.ttl_s / 10))
-        while not self.owner._stop.wait(tick):
-            try:
-                changed = self._admit() | self._check()
-                if changed:
-                    view = {e["node"]: {"info": e["info"], "lease": n} for n, e in self.live.items()}
-                    self.store.set("view", json.dumps(view))
-            except Exception as e:  # noqa: BLE001 - keep reaping; say so once a tick
-                log.error("membership reaper: %s", e)
-
-    def _emit(self, kind: str, entry: dict) -> None:
-        k = self.store.add("events", 1)
-        self.store.set(f"event/{k}", json.dumps({"kind": kind, "node_id": entry["node"],
-                                                 "info": entry["info"]}))
-
-    def _admit(self) -> bool:
-        changed = False
-        while self.next <= self.store.add("leases", 0):
-            n = self.next
-            if not self.store.check([f"lease/{n}"]):  # a joiner between its two writes
-                self.pending_since = self.pending_since or time.monotonic()
-                if time.monotonic() - self.pending_since < self.ttl_s:
-                    break  # wait for it; a joiner that died there is skipped after a TTL
-            else:
-                record = json.loads(self.store.get(f"lease/{n}"))
-                if not record.get("refused"):
-                    hb = self.store.add(f"lease/{n}/hb", 0)
-                    self.live[n] = dict(record, hb=hb, at=time.monotonic())
-                    self._emit("joined", record)
-                    changed = True
-            self.next, self.pending_since = n + 1, None
-        return changed
-
-    def _check(self) -> bool:
-        changed = False
-        for n, entry in list(self.live.items()):
-            if self.store.add(f"lease/{n}/left", 0) > 0:
-                kind = "left"
-            else:
-                hb = self.store.add(f"lease/{n}/hb", 0)
-                if hb != entry["hb"]:
-                    entry["hb"], entry["at"] = hb, time.monotonic()
-                    continue
-                if time.monotonic() - entry["at"] <= self.ttl_s:
-                    continue
-                kind = "expired"
-                self.store.add(f"lease/{n}/expired", 1)
-            del self.live[n]
-            self.store.delete_key(f"owner/{entry['node']}")
-            self._emit(kind, entry)
-            changed = True
-        return changed
 
 
 # ----------------------------------------------------------------------------- etcd

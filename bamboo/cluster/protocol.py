@@ -12,6 +12,8 @@ Liveness and progress go through two shared arrays whose layout is defined here 
                        count on across generations, so keys never repeat
     go/<step>/<e>      Go: "go" when every live node finished its micro-batches, else "abort"
     decide/<step>/<e>  Verdict: "commit[+ckpt][+reconf]" or "redo"
+    final/<node>       after the last step: layers (JSON list) whose final parameters this
+                       node is to write from its copy, their first holder having been lost
     shutdown           the run is over: every worker exits
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Verdic
 __all__ = [
     "Go", "Decision", "BoundaryFlag", "Verdict",
     "SHUTDOWN_KEY", "plan_key", "epoch_key", "go_key", "decide_key", "eval_key",
+    "final_request_key",
     "PHASES", "Progress",
     "WorkerMessage", "Ready", "MicroBatchesDone", "RoundDone", "EvalDone", "StepReport",
     "LayerParams",
@@ -56,6 +59,10 @@ def decide_key(step: int, epoch: int) -> str:
 
 def eval_key(step: int, epoch: int) -> str:
     return f"eval/{step}/{epoch}"
+
+
+def final_request_key(node_name: str) -> str:
+    return f"final/{node_name}"
 
 
 # -- shared arrays ------------------------------------------------------------------------
@@ -104,6 +111,9 @@ class WorkerMessage:
 class Ready(WorkerMessage):
     """The worker process is up and waits for a plan."""
 
+    cpus: tuple[int, ...] = ()
+    """The cores `--pin-cpus auto` pinned it to (empty: not pinned)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroBatchesDone(WorkerMessage):
@@ -139,8 +149,9 @@ class EvalDone(WorkerMessage):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerParams(WorkerMessage):
     """After the last step: the layers whose final parameters this node wrote to the run's
-    checkpoint storage (`final-<steps>/`, as each stage's first live holder); empty from
-    every other node. `error`: the write failed (the trained model cannot be assembled)."""
+    checkpoint storage (`final-<steps>/`, as each stage's first live holder, or from its
+    copy when the coordinator asked: `final_request_key`); empty from every other node.
+    `error`: the write failed (the trained model cannot be assembled)."""
 
     layers: list[int] = field(default_factory=list)
     error: str | None = None

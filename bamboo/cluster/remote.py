@@ -67,9 +67,10 @@ def write_join_token(path: Path) -> str:
 def register_wire_types() -> None:
     """Every class that may travel between an agent and the coordinator."""
     from bamboo.cluster.worker import WorkerSpec
-    from bamboo.config import JobConfig, KillSpec
+    from bamboo.config import SECTION_CLASSES, JobConfig, KillSpec
     from bamboo.faults import Fault
-    register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, KillSpec, Fault)
+    register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, *SECTION_CLASSES,
+             KillSpec, Fault)
 
 
 def _hello(data: dict) -> Hello:

@@ -19,6 +19,7 @@ worker outlives the run.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import threading
@@ -37,11 +38,14 @@ import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write 
 from bamboo.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
 from bamboo.cluster import procmem
+from bamboo.cluster.devices import worker_device
 from bamboo.cluster.link import CoordinatorLink
 from bamboo.cluster.netif import collective_binding
 from bamboo.cluster.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
-                                     Progress, Ready, StepReport, WorkerError, plan_key)
+                                     Progress, Ready, StepReport, WorkerError,
+                                     final_request_key, plan_key)
+from bamboo.cluster.pinning import pin_this_process
 from bamboo.config import JobConfig
 from bamboo.data import make_task
 from bamboo.faults import Fault, FaultPlan
@@ -73,13 +77,15 @@ class WorkerSpec:
     store_port: int
     config: JobConfig
     faults: tuple[Fault, ...] = ()
-    check_replicas: bool = False
     device_index: int | None = None
     """With CUDA: the worker's slot on its machine, which picks its GPU (see
     `choose_device_index`): an agent's worker k has slot k; a local run gives each worker
     a slot no live local worker holds, on the least used GPU (`Supervisor.spawn_local`,
     `free_device_slot`). None: slot 0. Never the node id (node ids keep growing as
     replacements join)."""
+    local_workers: int = 1
+    """How many workers this machine runs at most at once: under `--pin-cpus auto` each gets
+    an equal share of its cores, by `device_index` (`bamboo.cluster.pinning`)."""
 
     @property
     def name(self) -> str:
@@ -93,74 +99,6 @@ class _TransferFailed(RuntimeError):
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def choose_device_index(slot: int | None, local_rank_env: str | None, device_count: int) -> int:
-    """The CUDA device index (into the visible devices) of the worker in `slot` on its
-    machine. `LOCAL_RANK` (a torchrun-style launch), when set, wins over the slot. The
-    index wraps around the `device_count` visible devices (torch's count already honours
-    CUDA_VISIBLE_DEVICES), so slots 0..count-1 get distinct GPUs and only more live
-    workers than GPUs share one."""
-    if device_count <= 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        raise RuntimeError(f"--device cuda, but no GPU is visible{where}")
-    if local_rank_env is not None and local_rank_env.strip():
-        try:
-            chosen = int(local_rank_env)
-        except ValueError:
-            raise ValueError(f"LOCAL_RANK={local_rank_env!r} is not a whole number") from None
-        if chosen < 0:
-            raise ValueError(f"LOCAL_RANK={local_rank_env!r} is negative")
-    else:
-        chosen = 0 if slot is None else slot
-        if chosen < 0:
-            raise ValueError(f"device slot {slot} is negative")
-    return chosen % device_count
-
-
-def configure_tf32(exact: bool) -> bool:
-    """TF32 for float32 matmuls and cuDNN convolutions, unless the job is `--exact`
-    (then both are turned off explicitly: cuDNN allows TF32 by default). Returns whether
-    TF32 is allowed."""
-    allow = not exact
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    torch.backends.cudnn.allow_tf32 = allow
-    return allow
-
-
-BACKENDS = ("nccl", "gloo")
-
-
-def choose_backend(use_cuda: bool, requested: str | None) -> str:
-    """The collective backend: `requested` (the `BAMBOO_BACKEND` environment variable:
-    nccl | gloo; unset or empty: nccl with CUDA, gloo on the CPU). gloo with CUDA lets
-    several workers share one GPU (NCCL refuses two ranks of one communicator on one
-    device); their transfers are staged through host memory (`bamboo.pipeline.comm`)."""
-    choice = (requested or "").strip().lower()
-    if not choice:
-        return "nccl" if use_cuda else "gloo"
-    if choice not in BACKENDS:
-        raise ValueError(f"BAMBOO_BACKEND={requested!r} is not one of {', '.join(BACKENDS)}")
-    if choice == "nccl" and not use_cuda:
-        raise RuntimeError("BAMBOO_BACKEND=nccl needs CUDA, but this worker runs on the CPU "
-                           "(use --device cuda, or BAMBOO_BACKEND=gloo or unset)")
-    return choice
-
-
-def _device(cfg: JobConfig, node: int, index: int | None = None) -> tuple[torch.device, str]:
-    """The worker's device and backend (`choose_backend`, from `BAMBOO_BACKEND`). `index`
-    is its slot on its machine (`WorkerSpec.device_index`); `node` is not used to pick a
-    GPU."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    backend = choose_backend(use_cuda, os.environ.get("BAMBOO_BACKEND"))
-    if use_cuda:
-        index = choose_device_index(index, os.environ.get("LOCAL_RANK"),
-                                    torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        configure_tf32(cfg.exact)
-        return torch.device("cuda", index), backend
-    return torch.device("cpu"), backend
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, size: int,
@@ -185,19 +123,21 @@ class _Node:
     """One worker's life: generations one after another."""
 
     def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
-                 device: torch.device, backend: str, progress: Progress) -> None:
+                 device: torch.device, backend: str, progress: Progress,
+                 cpus: list[int] | None = None) -> None:
         self.spec, self.link, self.store, self.device, self.backend = spec, link, store, device, backend
+        self.cpus = tuple(cpus or ())
         self.bind = collective_binding(spec.store_host, spec.store_port)
         self.progress = progress
         cfg = self.cfg = spec.config
         self.preset = cfg.model_preset()
-        self.task = make_task(self.preset, seed=cfg.seed,
+        self.task = make_task(self.preset, seed=cfg.training.seed,
                               global_micro_batches=cfg.global_micro_batches,
-                              micro_batch_size=cfg.micro_batch_size, data_file=cfg.data)
-        self.hyper = TrainingHyper(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                                   total_steps=cfg.steps, weight_decay=cfg.weight_decay,
-                                   grad_clip=cfg.grad_clip)
-        self.timeout = timedelta(seconds=cfg.comm_timeout_s)
+                              micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
+        self.hyper = TrainingHyper(lr=cfg.training.lr, warmup_steps=cfg.training.warmup_steps,
+                                   total_steps=cfg.training.steps, weight_decay=cfg.training.weight_decay,
+                                   grad_clip=cfg.training.grad_clip)
+        self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
         self.holdings: dict[int, torch.Tensor] = {}
         """Layer -> state vector at the last generation's end (what this node can give)."""
         self.holdings_step = -1
@@ -219,7 +159,7 @@ class _Node:
             time.sleep(0.05)
 
     def live(self) -> None:
-        self.link.report(Ready)
+        self.link.report(Ready, cpus=self.cpus)
         gen = self.spec.first_gen
         while True:
             plan = self.wait_plan(gen)
@@ -260,14 +200,15 @@ class _Node:
                         global_micro_batches=cfg.global_micro_batches)
         engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
                             rank=rank, roles=plan.roles(plan.redundancy != "off"), task=self.task,
-                            hyper=self.hyper, seed=cfg.seed, device=self.device, link=self.link,
+                            hyper=self.hyper, seed=cfg.training.seed, device=self.device, link=self.link,
                             redundancy=plan.redundancy, group=group,
                             former=self._former(plan, rank), slot=self.spec.slot,
                             faults=self.faults,
                             progress=self._mark,
-                            check_replicas=self.spec.check_replicas, frc_offload=cfg.frc_offload,
-                            comm=cfg.comm, precision=cfg.precision, exact=cfg.exact,
-                            activation_checkpointing=cfg.activation_checkpointing)
+                            check_replicas=cfg.redundancy.check_replicas,
+                            frc_offload=cfg.redundancy.frc_offload, comm=cfg.runtime.comm,
+                            precision=cfg.model.precision, exact=cfg.training.exact,
+                            activation_checkpointing=cfg.model.activation_checkpointing)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:
@@ -277,11 +218,11 @@ class _Node:
                          **loaded)
         done_step = plan.start_step
         finished = False
-        for step in range(plan.start_step, cfg.steps + 1):
+        for step in range(plan.start_step, cfg.training.steps + 1):
             try:
                 if cfg.evaluates_at(step):  # the parameters after `step` steps
-                    engine.evaluate(step, cfg.eval_batches)
-                if step == cfg.steps:
+                    engine.evaluate(step, cfg.evaluation.batches)
+                if step == cfg.training.steps:
                     finished = True
                     break
                 report = engine.run_step(step)
@@ -300,13 +241,27 @@ class _Node:
             layers, error = _write_final(self, engine)
             self.link.report(LayerParams, layers=layers, error=error)
             self.link.report(Done)
-            self.wait_plan(1 << 30)  # returns at shutdown
+            self._serve_final_requests(engine)  # returns at shutdown
             return "finished"
         engine.p2p.close()
         self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
+
+    def _serve_final_requests(self, engine: NodeEngine) -> None:
+        """Until the run shuts down: when the coordinator asks (a layer's first holder was
+        lost after the last step, before it wrote the layer), write those layers' final
+        parameters from this node's copy (its replica, or a data-parallel peer's stage)."""
+        key, served = final_request_key(self.spec.name), None
+        while not self.store.check([SHUTDOWN_KEY]):
+            if self.store.check([key]):
+                text = self.store.get(key).decode()
+                if text != served:
+                    served = text
+                    layers, error = _write_final(self, engine, json.loads(text))
+                    self.link.report(LayerParams, layers=layers, error=error)
+            time.sleep(0.05)
 
     def _sample_memory(self, report: StepReport) -> None:
         """The process's real memory at the end of the step, into its report."""
@@ -376,7 +331,7 @@ class _Node:
                   needed: set[int]) -> dict[int, torch.Tensor]:
         """Post this node's sends and receives of the plan; wait for all of them."""
         sends, recvs, received = [], [], {}
-        p2p = P2P(group, strict=self.cfg.comm == "strict", device=self.device)
+        p2p = P2P(group, strict=self.cfg.runtime.comm == "strict", device=self.device)
         engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
         abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731
         try:
@@ -451,18 +406,21 @@ def _writer(node: _Node) -> ThreadPoolExecutor:
     return pool
 
 
-def _write_final(node: _Node, engine: NodeEngine) -> tuple[list[int], str | None]:
+def _write_final(node: _Node, engine: NodeEngine,
+                 layers: list[int] | None = None) -> tuple[list[int], str | None]:
     """After the last step: write the parameters (named, as model.pt holds them) of the
-    layers this node is the first live holder of to `final-<steps>/`, after every earlier
-    write of this node; (layers written, error)."""
+    layers this node is the first live holder of (or of `layers`, from any copy it holds)
+    to `final-<steps>/`, after every earlier write of this node; (layers written, error)."""
+    states = _first_holder_stages(engine) if layers is None else engine.held()
     params = {i: {f"param.{name}": t for name, t in named}
-              for st in _first_holder_stages(engine) for i, named in st.parameters_by_layer()}
+              for st in states for i, named in st.parameters_by_layer()
+              if layers is None or i in layers}
 
     def write() -> tuple[list[int], str | None]:
         if not params:
             return [], None
         try:
-            return write_layers(final_dir(checkpoint_location(node.cfg), node.cfg.steps),
+            return write_layers(final_dir(checkpoint_location(node.cfg), node.cfg.training.steps),
                                 params), None
         except Exception as e:  # noqa: BLE001 - the coordinator stops the run with it
             return [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
@@ -498,17 +456,18 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> N
     progress = Progress(beats, cells)
     try:
         cfg = spec.config
-        torch.set_num_threads(cfg.threads)
-        timeout = timedelta(seconds=cfg.comm_timeout_s)
+        torch.set_num_threads(cfg.runtime.threads)
+        cpus = pin_this_process(cfg.runtime.pin_cpus, spec.device_index or 0, spec.local_workers)
+        timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         watch = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
         link = CoordinatorLink(rank=spec.node, conn=conn, store=store,
-                               timeout_s=cfg.comm_timeout_s, watch_store=watch)
+                               timeout_s=cfg.runtime.comm_timeout_s, watch_store=watch)
         signal.signal(signal.SIGTERM, _notice_handler(link))
         threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, progress, spec.slot),
                          daemon=True, name="heartbeat").start()
-        device, backend = _device(cfg, spec.node, spec.device_index)
-        _Node(spec, link, store, device, backend, progress).live()
+        device, backend = worker_device(cfg, spec.node, spec.device_index)
+        _Node(spec, link, store, device, backend, progress, cpus).live()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate
         try:

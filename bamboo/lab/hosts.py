@@ -33,34 +33,17 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from bamboo.lab.commands import (LabError, NetemUnavailable, del_root_qdisc, lab_prefix,
+                                 leftover_namespaces, namespaces, parse_rate, run_command,
+                                 tbf_args, unsupported_reason)
+
 __all__ = ["Host", "Lab", "LabError", "NetemUnavailable", "lab_prefix", "leftover_namespaces",
            "unsupported_reason"]
-
-COMMAND_TIMEOUT_S = 15.0
-"""Seconds any single `ip`/`tc` call may take before it is a `LabError`."""
 
 KILL_TIMEOUT_S = 10.0
 """Seconds `kill_host` keeps killing until the namespace holds no process."""
 
 MAX_HOSTS = 250
-
-
-class LabError(RuntimeError):
-    """An `ip`/`tc` command failed (or timed out, or is missing): the command and its stderr."""
-
-    def __init__(self, message: str, command: Sequence[str] = (), stderr: str = "") -> None:
-        self.command = list(command)
-        self.stderr = stderr
-        text = message
-        if command:
-            text += f": `{' '.join(self.command)}`"
-        if stderr.strip():
-            text += f": {stderr.strip()}"
-        super().__init__(text)
-
-
-class NetemUnavailable(LabError):
-    """This kernel has no netem qdisc (sch_netem), so `Lab.delay` cannot add latency."""
 
 
 @dataclass(frozen=True)
@@ -78,64 +61,6 @@ class Host:
 
     def __str__(self) -> str:
         return self.name
-
-
-def unsupported_reason() -> str | None:
-    """Why a lab cannot be built on this machine (not root, no `ip`), or None when it can."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root: run as root (or with sudo)"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
-
-
-def lab_prefix(pid: int | None = None) -> str:
-    """The prefix of every namespace made by labs of process `pid` (default: this one)."""
-    return f"bb{(os.getpid() if pid is None else pid) % 10000:04d}"
-
-
-def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run one `ip`/`tc` command; a nonzero exit is a `LabError` with its stderr."""
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise LabError(f"`{argv[0]}` is not installed", argv) from None
-    except subprocess.TimeoutExpired:
-        raise LabError(f"timed out after {timeout:g} s", argv) from None
-    if proc.returncode != 0:
-        raise LabError(f"exit status {proc.returncode}", argv, proc.stderr)
-    return proc
-
-
-def _namespaces() -> list[str]:
-    """Every named network namespace (`ip netns list`); [] when `ip` is missing."""
-    try:
-        out = _run(["ip", "netns", "list"]).stdout
-    except LabError:
-        if shutil.which("ip") is None:
-            return []
-        raise
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def leftover_namespaces(prefix: str) -> list[str]:
-    """The named network namespaces whose name starts with `prefix` (e.g. `lab_prefix()` for
-    every lab of this process, or `lab.prefix` for one lab), sorted."""
-    return sorted(n for n in _namespaces() if n.startswith(prefix))
-
-
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
-
-
-def parse_rate(rate: str) -> float:
-    """Bits per second of a tc rate such as "8mbit", "500kbit" or "1mbps" (bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(rate))
-    if m is None or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"bad rate '{rate}': use a number and one of "
-                         f"{', '.join(_RATE_UNITS)} (e.g. 8mbit)")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
 
 
 # Labs not closed yet, closed at interpreter exit and on SIGTERM (best effort).
@@ -235,23 +160,23 @@ class Lab:
         raise LabError(f"100 labs of this process ({lab_prefix()}*) already exist: close some")
 
     def _add_netns(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
+        run_command(["ip", "netns", "add", name])
         self._made.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        run_command(["ip", "-n", name, "link", "set", "lo", "up"])
 
     def _build(self) -> None:
         self._add_netns(self.switch)
-        _run(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
+        run_command(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
+        run_command(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
         for h in self.hosts:
             self._add_netns(h.netns)
             # Both ends are born in their namespaces: nothing passes through the root one.
-            _run(["ip", "-n", self.switch, "link", "add", h.port, "type", "veth",
+            run_command(["ip", "-n", self.switch, "link", "add", h.port, "type", "veth",
                   "peer", "name", h.interface, "netns", h.netns])
-            _run(["ip", "-n", self.switch, "link", "set", h.port, "master", self.bridge])
-            _run(["ip", "-n", self.switch, "link", "set", h.port, "up"])
-            _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.interface])
-            _run(["ip", "-n", h.netns, "link", "set", h.interface, "up"])
+            run_command(["ip", "-n", self.switch, "link", "set", h.port, "master", self.bridge])
+            run_command(["ip", "-n", self.switch, "link", "set", h.port, "up"])
+            run_command(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.interface])
+            run_command(["ip", "-n", h.netns, "link", "set", h.interface, "up"])
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -300,7 +225,7 @@ class Lab:
 
     @staticmethod
     def _netns_pids(netns: str) -> list[int]:
-        out = _run(["ip", "netns", "pids", netns]).stdout
+        out = run_command(["ip", "netns", "pids", netns]).stdout
         return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
 
     def kill_host(self, host: Host | str, timeout: float = KILL_TIMEOUT_S) -> list[int]:
@@ -341,13 +266,13 @@ class Lab:
         `reconnect`; its processes keep running."""
         self._check_open()
         h = self.host(host)
-        _run(["ip", "-n", h.netns, "link", "set", h.interface, "down"])
+        run_command(["ip", "-n", h.netns, "link", "set", h.interface, "down"])
 
     def reconnect(self, host: Host | str) -> None:
         """Bring `host`'s link back up (its address and route come back with it)."""
         self._check_open()
         h = self.host(host)
-        _run(["ip", "-n", h.netns, "link", "set", h.interface, "up"])
+        run_command(["ip", "-n", h.netns, "link", "set", h.interface, "up"])
 
     def cap(self, host: Host | str, rate: str = "8mbit") -> None:
         """Limit `host`'s bandwidth to `rate` (tc syntax, e.g. "8mbit") in both directions:
@@ -360,8 +285,8 @@ class Lab:
         self._caps[h.name] = rate
         try:
             self._shape_egress(h)
-            _run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", h.port,
-                  "root", *_tbf(rate)])
+            run_command(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", h.port,
+                  "root", *tbf_args(rate)])
         except LabError:
             if old is None:
                 self._caps.pop(h.name, None)
@@ -376,7 +301,7 @@ class Lab:
         if self._caps.pop(h.name, None) is None:
             return
         self._shape_egress(h)
-        _del_root_qdisc(self.switch, h.port)
+        del_root_qdisc(self.switch, h.port)
 
     def delay(self, host: Host | str, ms: float) -> None:
         """Add `ms` milliseconds to every packet `host` sends (tc netem on its veth), so
@@ -406,9 +331,9 @@ class Lab:
         h = self.host(host)
         self._need_tc()
         return {
-            "egress": _run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev",
+            "egress": run_command(["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev",
                             h.interface]).stdout.strip(),
-            "ingress": _run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "show", "dev",
+            "ingress": run_command(["ip", "netns", "exec", self.switch, "tc", "qdisc", "show", "dev",
                              h.port]).stdout.strip(),
         }
 
@@ -427,7 +352,7 @@ class Lab:
             if rate:
                 argv += ["rate", rate]
             try:
-                _run(argv)
+                run_command(argv)
             except LabError as e:
                 text = e.stderr.lower()
                 if any(s in text for s in ("unknown qdisc", "qdisc kind is unknown",
@@ -436,9 +361,9 @@ class Lab:
                                            "no delay can be added", argv, e.stderr) from None
                 raise
         elif rate:
-            _run([*base, *_tbf(rate)])
+            run_command([*base, *tbf_args(rate)])
         else:
-            _del_root_qdisc(h.netns, h.interface)
+            del_root_qdisc(h.netns, h.interface)
 
     # -- teardown -------------------------------------------------------------------------
 
@@ -452,7 +377,7 @@ class Lab:
             self._closed = True
         errors: list[str] = []
         try:  # one deleted from outside meanwhile is simply gone
-            existing = set(_namespaces())
+            existing = set(namespaces())
             self._made = [n for n in self._made if n in existing]
         except LabError:
             pass
@@ -465,10 +390,10 @@ class Lab:
                 errors.append(str(e))
         for netns in reversed(made):
             try:
-                _run(["ip", "netns", "del", netns])
+                run_command(["ip", "netns", "del", netns])
                 self._made.remove(netns)
             except LabError as e:
-                if netns in _namespaces():
+                if netns in namespaces():
                     errors.append(str(e))
                 else:
                     self._made.remove(netns)
@@ -510,21 +435,3 @@ def _host_names(hosts: int | Sequence[str]) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"host names repeat: {names}")
     return names
-
-
-def _tbf(rate: str) -> list[str]:
-    """tbf arguments for `rate`: a bucket of 10 ms of traffic (at least 32 KiB, so a
-    full-size segment always fits) and at most 100 ms of queue."""
-    burst = max(32 * 1024, int(parse_rate(rate) / 8 / 100))
-    return ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
-
-
-def _del_root_qdisc(netns: str, dev: str) -> None:
-    """Remove `dev`'s root qdisc, if it has one of its own."""
-    try:
-        _run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"])
-    except LabError as e:
-        text = e.stderr.lower()
-        if not any(s in text for s in ("no such file", "cannot delete qdisc with handle of zero",
-                                       "cannot find specified qdisc")):
-            raise

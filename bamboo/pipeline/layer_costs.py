@@ -78,7 +78,7 @@ def measure_layer_costs(model: str, micro_batch_size: int, repeats: int, seed: i
     from bamboo.models import build_layer, loss_fn
 
     torch.set_num_threads(1)
-    p = JobConfig(model=model, data=data).model_preset()
+    p = JobConfig.of(model=model, data=data).model_preset()
     batch = make_task(p, seed=seed, global_micro_batches=1, micro_batch_size=micro_batch_size,
                       data_file=data).batch(0, 0)
     criterion = loss_fn(p)

@@ -109,12 +109,12 @@ class AutoRedundancy:
         # reconfiguration plus two steps (the one thrown away and the new generation's first).
         restart_s = statistics.median(restarted) if restarted else reconf_s + 2 * tau
         done = ctx.committed - (ctx.resume_step or 0)
-        every = cfg.checkpoint_every
+        every = cfg.checkpoints.every
         rollback_steps = every / 2 if every else max(done, 1)
         plan = ctx.plan
-        stages, pipelines = (plan.stages, plan.pipelines) if plan else (cfg.stages,
+        stages, pipelines = (plan.stages, plan.pipelines) if plan else (cfg.layout.stages,
                                                                          cfg.data_parallel)
-        return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.micro_batch_size,
+        return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.layout.micro_batch_size,
                          stages=stages, pipelines=pipelines, step_s=step_s,
                          failover_pause_s=statistics.median(in_flight) if in_flight else tau,
                          reconfiguration_s=reconf_s, restart_s=restart_s,
@@ -133,7 +133,7 @@ class AutoRedundancy:
         self.observe()
         costs = self.costs()
         choice = choose_mode(costs, self.rate.rate_per_node_s)
-        left_s = max(self.ctx.cfg.steps - self.ctx.committed, 1) * min(choice.step_s.values())
+        left_s = max(self.ctx.cfg.training.steps - self.ctx.committed, 1) * min(choice.step_s.values())
         keep = left_s / (left_s + costs.reconfiguration_s)
         expected = {m: v * (1.0 if m == self.current or self.current is None else keep)
                     for m, v in choice.expected.items()}

@@ -54,15 +54,15 @@ class CheckpointAssembly:
             return
         del self.parts[msg.step]
         cfg = ctx.cfg
-        meta = {"unit": "layer", "model": cfg.model, "seed": cfg.seed,
+        meta = {"unit": "layer", "model": cfg.model.name, "seed": cfg.training.seed,
                 "global_micro_batches": cfg.global_micro_batches,
-                "micro_batch_size": cfg.micro_batch_size, "steps": cfg.steps,
+                "micro_batch_size": cfg.layout.micro_batch_size, "steps": cfg.training.steps,
                 "losses": ctx.losses[:msg.step],
                 "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step]}
         start = ctx.clock()
         try:
             path = publish(checkpoint_location(cfg), msg.step, sorted(parts), meta,
-                           keep=cfg.keep_checkpoints)
+                           keep=cfg.checkpoints.keep)
         except CheckpointError as e:
             ctx.events.write("checkpoint_failed", step=msg.step, error=str(e))
             ctx.say(f"warning: {e}")

@@ -24,7 +24,7 @@ from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
 from bamboo.cluster.coordinator.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.cluster.coordinator.steps import StepProtocol
-from bamboo.cluster.protocol import PHASES, StepReport
+from bamboo.cluster.protocol import PHASES, StepReport, epoch_key
 from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover
 
 __all__ = ["FailureHandler", "ZERO_COUNTS"]
@@ -43,7 +43,6 @@ class FailureHandler:
         self.layout_changed = layout_changed
         self.losses: list[Loss] = []
         self.standby_losses = 0
-        self.on_written: Callable[[Loss], None] | None = None
         """Told of each loss as its `node_lost` event is written (its handling final)."""
         self.restore_step: tuple[int, int] | None = None
         self.restores: list[Takeover] = []
@@ -101,7 +100,7 @@ class FailureHandler:
         """`n` was preempted. The cases, in the order tried: a standby; after the last step;
         while a generation forms; in flight (failover, peer restore); else abandon."""
         ctx = self.ctx
-        n.state = NodeState.LOST
+        self.nodes.set_state(n, NodeState.LOST)
         step = ctx.committed
         in_gen = n.rank is not None and ctx.plan.members[n.rank] == n.name
         if in_gen:
@@ -120,9 +119,9 @@ class FailureHandler:
         loss = Loss(node=n.name, rank=n.rank, step=step, phase=phase,
                     handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame)
         self.losses.append(loss)
-        if step >= ctx.cfg.steps and not self.steps.eval_pending(step):
-            # After the last commit: nothing to redo; the final parameters come from the
-            # layers' other copies (every node also reports its replica's parameters).
+        if step >= ctx.cfg.training.steps and not self.steps.eval_pending(step):
+            # After the last commit: nothing to redo; a final layer it did not write comes
+            # from another live copy (`final_layers.FinalLayers`).
             loss.handled_as, loss.phase = HandledAs.FAILOVER, "after the last step"
             loss.counts = dict(ZERO_COUNTS)
             self._write(loss)
@@ -145,7 +144,7 @@ class FailureHandler:
             return
         old_epoch = ctx.roles.epoch
         ctx.roles = plan.roles
-        ctx.store.set(f"epoch/{ctx.roles.epoch}", ctx.roles.to_json())
+        ctx.store.set(epoch_key(ctx.roles.epoch), ctx.roles.to_json())
         self.steps.moot(step, old_epoch)
         shadow = plan.takeovers[0].new_holder if plan.takeovers else None
         loss.handled_as = HandledAs(plan.handled_as)
@@ -195,7 +194,7 @@ class FailureHandler:
         r.lost.append(loss)
         if why and not r.why:
             r.why = why
-        if ctx.cfg.recovery == "checkpoint-restart":
+        if ctx.cfg.redundancy.recovery == "checkpoint-restart":
             self.restart_all()
 
     def restart_all(self) -> None:
@@ -208,7 +207,7 @@ class FailureHandler:
             if n.exited or n.state not in (NodeState.STARTING, NodeState.READY) or \
                     n.kill_at is not None or not n.process.is_alive() or n.node in r.restarting:
                 continue  # gone or going: counted when it ends, never restarted
-            n.state = NodeState.RETIRED
+            self.nodes.set_state(n, NodeState.RETIRED)
             n.kill_sent = True
             n.process.kill()
             r.restarting.add(self.respawn(n).node)
@@ -230,8 +229,6 @@ class FailureHandler:
         if loss.handled_as is not HandledAs.STOPPED:
             fields.update(pause_s=round(loss.pause_s, 4), **loss.counts)
         self.ctx.events.write("node_lost", **fields)
-        if self.on_written is not None:
-            self.on_written(loss)
 
     def close(self, step: int, reports: list[StepReport], wall_s: float,
               records: list[dict]) -> None:

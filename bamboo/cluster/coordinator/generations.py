@@ -84,7 +84,7 @@ class Generations:
         return self.nodes.by_name(name).machine
 
     def initial_role(self, node: int) -> tuple[int | None, int | None]:
-        d, p = self.ctx.cfg.data_parallel, self.ctx.cfg.stages
+        d, p = self.ctx.cfg.data_parallel, self.ctx.cfg.layout.stages
         if self.first_members is not None:  # placed (across machines): the first plan says
             name = f"n{node}"
             k = self.first_members.index(name) if name in self.first_members else None
@@ -95,7 +95,7 @@ class Generations:
 
     def first_plan(self) -> GenerationPlan:
         ctx = self.ctx
-        d, p = ctx.cfg.data_parallel, ctx.cfg.stages
+        d, p = ctx.cfg.data_parallel, ctx.cfg.layout.stages
         parts = partition(ctx.partition_costs, p)
         resumed = ctx.resume_path is not None
         members = self.first_members = spread([f"n{i}" for i in range(d * p)],
@@ -108,7 +108,7 @@ class Generations:
 
     def _mode(self, gen: int) -> str:
         """The redundancy mode of generation `gen`."""
-        return self.choose_redundancy(gen) if self.choose_redundancy else self.ctx.cfg.redundancy
+        return self.choose_redundancy(gen) if self.choose_redundancy else self.ctx.cfg.redundancy.mode
 
     def enter(self, plan: GenerationPlan) -> None:
         """Make `plan` the current generation and publish it."""
@@ -152,9 +152,9 @@ class Generations:
         """What the boundary after committed `step` does."""
         cfg, flags = self.ctx.cfg, set()
         nxt = step + 1
-        if nxt >= cfg.steps:
+        if nxt >= cfg.training.steps:
             return frozenset()
-        if cfg.checkpoint_every and (nxt % cfg.checkpoint_every == 0 or self.checkpoint_due):
+        if cfg.checkpoints.every and (nxt % cfg.checkpoints.every == 0 or self.checkpoint_due):
             flags.add(BoundaryFlag.CHECKPOINT)
             self.checkpoint_due = False
         reason = self.reconfiguration_reason()
@@ -204,9 +204,9 @@ class Generations:
 
     def layout_for(self, nodes: int) -> tuple[int, int]:
         cfg = self.ctx.cfg
-        return choose_layout(nodes, stages=cfg.stages, layers=len(self.ctx.param_counts),
+        return choose_layout(nodes, stages=cfg.layout.stages, layers=len(self.ctx.param_counts),
                              global_micro_batches=cfg.global_micro_batches,
-                             max_pipelines=cfg.pipelines)
+                             max_pipelines=cfg.layout.pipelines)
 
     def begin(self, reason: str, *, abandoned: bool) -> Reconfiguration:
         ctx = self.ctx
@@ -269,10 +269,10 @@ class Generations:
                            f"train on and none is coming", exit_code=3)
             return None  # wait for the trace to add nodes
         kwargs = dict(gen=ctx.plan.gen + 1, epoch=ctx.roles.epoch + 1, nodes=names,
-                      holdings=holdings, leaving=leaving, stages=ctx.cfg.stages,
+                      holdings=holdings, leaving=leaving, stages=ctx.cfg.layout.stages,
                       param_counts=ctx.param_counts, partition_costs=ctx.partition_costs,
                       global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
-                      max_pipelines=ctx.cfg.pipelines, reason=r.reason,
+                      max_pipelines=ctx.cfg.layout.pipelines, reason=r.reason,
                       machine_of=self.machine_of)
         mode = self._mode(ctx.plan.gen + 1)
         kwargs["redundancy"] = mode != "off"

@@ -2,7 +2,7 @@
 run's parts (bamboo.cluster.http serves them).
 
 The server binds when the feed is made (a bad address is one line before anything else
-starts). Once the parts exist, `attach` hooks the failure handler, so every loss is
+starts). Once the core has started, `attach` listens to its events, so every loss is
 counted the moment its `node_lost` event is written (its handling final); `update`, once
 per coordinator loop iteration, copies only cheap reads of what the parts already keep.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from bamboo.cluster.coordinator.state import Loss, RunContext
 from bamboo.cluster.http import HealthServer, HttpServeError, RunMetrics
 from bamboo.config import JobConfig
 
@@ -22,7 +21,7 @@ class HealthFeed:
         host, port = http
         self.cfg = cfg
         self.metrics = RunMetrics()
-        self.health: dict[str, Any] = {"status": "starting", "step": 0, "steps": cfg.steps}
+        self.health: dict[str, Any] = {"status": "starting", "step": 0, "steps": cfg.training.steps}
         self.standby_seen = self.reconfigurations_seen = 0
         self.parts: tuple[Any, ...] | None = None
         try:
@@ -36,16 +35,20 @@ class HealthFeed:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def attach(self, ctx: RunContext, nodes: Any, results: Any, failures: Any,
-               gens: Any) -> None:
-        self.parts = (ctx, nodes, results, failures, gens)
-        failures.on_written = self.count_loss
+    def attach(self, core: Any) -> None:
+        """Read the run's state from `core` (a started `CoordinatorCore`) and count its
+        losses from its events."""
+        self.parts = (core.ctx, core.nodes, core.results, core.failures, core.gens)
+        core.events.listeners.append(self.on_event)
 
-    def count_loss(self, loss: Loss) -> None:
-        """A loss whose handling is final (its `node_lost` event was just written)."""
-        self.metrics.add_preemptions(str(loss.handled_as))
-        if str(loss.handled_as) == "failover":
-            self.metrics.observe_failover_pause(loss.pause_s)
+    def on_event(self, event: dict) -> None:
+        """A loss whose handling is final (its `node_lost` event); standbys are counted
+        from the failure handler's total in `update`."""
+        if event["event"] != "node_lost" or event.get("handled_as") == "standby":
+            return
+        self.metrics.add_preemptions(str(event["handled_as"]))
+        if event["handled_as"] == "failover":
+            self.metrics.observe_failover_pause(float(event.get("pause_s", 0.0)))
 
     def update(self, finished: bool = False) -> None:
         if self.parts is None:
@@ -64,7 +67,7 @@ class HealthFeed:
             if 0 < ctx.committed <= len(ctx.losses):
                 m.set_loss(ctx.losses[ctx.committed - 1])
             if results.records:
-                samples = cfg.global_micro_batches * cfg.micro_batch_size
+                samples = cfg.global_micro_batches * cfg.layout.micro_batch_size
                 m.set_samples_per_second(samples / max(results.records[-1]["wall_s"], 1e-9))
             m.set_live_nodes(live)
             m.set_worker_rss(results.largest_rss)
@@ -73,7 +76,7 @@ class HealthFeed:
             self.standby_seen = failures.standby_losses
             m.add_reconfigurations(gens.reconfigurations - self.reconfigurations_seen)
             self.reconfigurations_seen = gens.reconfigurations
-        self.health = {"status": status, "step": ctx.committed, "steps": cfg.steps,
+        self.health = {"status": status, "step": ctx.committed, "steps": cfg.training.steps,
                        "generation": ctx.plan.gen if ctx.plan is not None else None,
                        "reconfiguring": ctx.reconf is not None, "live_nodes": live}
 

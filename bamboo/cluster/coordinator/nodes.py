@@ -31,7 +31,7 @@ START_GRACE_S = 60.0
 def free_device_slot(taken: Iterable[int], devices: int | None = None) -> int:
     """A device slot for a new local worker, given the slots live workers hold (`taken`).
     A worker's GPU is its slot modulo the `devices` visible GPUs
-    (`worker.choose_device_index`); slots are never shared. The new slot lands on the
+    (`devices.choose_device_index`); slots are never shared. The new slot lands on the
     GPU with the fewest live workers (the lowest index on a tie), so while a GPU is free no
     two live workers share one, and a replacement takes the GPU of a worker that ended.
     `devices` unknown (None or 0: no GPU here): the lowest free slot."""
@@ -239,7 +239,7 @@ class Supervisor:
         the CPU). Asked once; torch counts through NVML where it can, and the fork server
         is a fresh process, so the workers inherit no CUDA state from this one."""
         if self._local_gpus is None:
-            device = self.ctx.cfg.device
+            device = self.ctx.cfg.runtime.device
             count = 0
             if device != "cpu":
                 import torch
@@ -255,7 +255,8 @@ class Supervisor:
         device_slot = free_device_slot(self.local_device_slots(), self.local_gpus())
 
         def start(spec: Any, slot: int) -> tuple[Any, Connection]:
-            spec = dataclasses.replace(spec, device_index=device_slot)
+            spec = dataclasses.replace(spec, device_index=device_slot,
+                                       local_workers=self.ctx.cfg.node_cap)
             ctx = forkserver.context()
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells),
@@ -285,7 +286,7 @@ class Supervisor:
             return []
 
         def start(spec: Any, slot: int) -> tuple[Any, Connection]:
-            process = agent.start_worker(spec, slot, etcd, self.ctx.cfg.lease_s)
+            process = agent.start_worker(spec, slot, etcd, self.ctx.cfg.runtime.lease_s)
             return process, process.reader
 
         return [self.admit(start, first_gen=first_gen, machine=agent.machine)
@@ -299,7 +300,7 @@ class Supervisor:
         now = self.ctx.clock()
         for n in self:
             silent = now - self.beats[n.slot]
-            if n.is_leased and silent > self.ctx.cfg.lease_s and n.process.is_alive():
+            if n.is_leased and silent > self.ctx.cfg.runtime.lease_s and n.process.is_alive():
                 self.fence(n, f"stopped answering for {silent:.1f} s", silent_s=round(silent, 2))
         while self.expired:
             name = self.expired.pop(0)
@@ -307,8 +308,12 @@ class Supervisor:
             if n is not None and n.is_leased:
                 self.fence(n, "etcd lease expired", why="etcd lease expired")
 
+    def set_state(self, n: Node, state: NodeState) -> None:
+        """The one place a node's state changes (see `NodeState` for what each means)."""
+        n.state = state
+
     def fence(self, n: Node, what: str, **fields: Any) -> None:
-        n.state = NodeState.FENCED
+        self.set_state(n, NodeState.FENCED)
         n.kill_sent = True
         self.ctx.events.write("fenced", node=n.name, **fields)
         self.ctx.say(f"node {n.name} {what}; fenced with SIGKILL")

@@ -34,7 +34,7 @@ class Preemptions:
         cfg = ctx.cfg
         self.extra_faults = extra_faults or {}
         self.kill_faults = tuple(Fault("kill", k.step, pipeline=k.pipeline, stage=k.stage)
-                                 for k in cfg.kills if not k.notice)
+                                 for k in cfg.cluster.kills if not k.notice)
         self.fired: set[str] = set()
         """`--kill` specs carried out (each preempts once, even if its step is redone)."""
         self.replay: Any = None
@@ -59,7 +59,7 @@ class Preemptions:
     def kill_fired(self, n: Node) -> None:
         """`n` was lost: the `--kill` aimed at its stage in this step is carried out."""
         ctx, roles = self.ctx, self.ctx.roles
-        for k in ctx.cfg.kills:
+        for k in ctx.cfg.cluster.kills:
             if k.step == ctx.committed and k.pipeline < roles.pipelines and \
                     k.stage < roles.stages and roles.holders[k.pipeline][k.stage] == n.rank:
                 self.fired.add(kill_key(k.pipeline, k.stage, k.step))
@@ -68,7 +68,7 @@ class Preemptions:
         """`--kill D:S@K+notice`: notice the holder of (D, S) as step K begins; a `--kill`
         naming a stage no node holds by then (the layout changed) is reported."""
         ctx, roles = self.ctx, self.ctx.roles
-        for k in ctx.cfg.kills:
+        for k in ctx.cfg.cluster.kills:
             if k.step != step:
                 continue
             if k.pipeline >= roles.pipelines or k.stage >= roles.stages:
@@ -89,7 +89,7 @@ class Preemptions:
         noticed before, keeps its state (a late notice changes nothing)."""
         if n.exited or n.state not in (NodeState.STARTING, NodeState.READY):
             return False
-        n.state = NodeState.NOTICED
+        self.nodes.set_state(n, NodeState.NOTICED)
         self.ctx.events.write("notice", node=n.name, source=source, step=self.ctx.committed,
                               role=self.where(n))
         self.ctx.say(f"node {n.name} ({self.where(n)}) got a preemption notice ({source}); it "
@@ -100,7 +100,7 @@ class Preemptions:
         """A cloud takes `n` away: SIGKILL now, or a notice (SIGTERM) and SIGKILL later."""
         if n.exited or n.state is NodeState.LOST:
             return
-        notice = self.ctx.cfg.notice_s
+        notice = self.ctx.cfg.cluster.notice_s
         self.ctx.events.write("preempt", node=n.name, why=why, notice_s=notice)
         n.kill_sent = True
         if notice is None:

@@ -79,7 +79,7 @@ class Results:
             self.real_memory.note(str(node_name(r)), r)
         self.largest_rss = max((r.rss_bytes for r in reports), default=0)
         cfg = self.ctx.cfg
-        samples = cfg.global_micro_batches * cfg.micro_batch_size
+        samples = cfg.global_micro_batches * cfg.layout.micro_batch_size
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
                           [1000 * r.step_s for r in reports], self.largest_rss)
         return record
@@ -93,7 +93,7 @@ class Results:
         self.ctx.eval_losses.append([step, loss])
         self.ctx.eval_losses.sort()
         self.ctx.events.write("eval", step=step, loss=loss,
-                              batches=self.ctx.cfg.eval_batches)
+                              batches=self.ctx.cfg.evaluation.batches)
         self.display_eval(step, loss)
 
     def _note_memory(self, name: str, r: StepReport) -> None:
@@ -134,7 +134,7 @@ class Results:
             {k: getattr(r, k) for k in _CUDA_COUNTERS if getattr(r, k)}
 
     def final_dir(self) -> Any:
-        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.steps)
+        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.training.steps)
 
     def on_params(self, msg: LayerParams) -> None:
         if msg.error is not None:  # no other node writes those layers: the model is lost
@@ -187,7 +187,7 @@ class Results:
         for _, t in params:
             sha.update(t.contiguous().numpy().tobytes())
         steps = len(ctx.losses)
-        batch = ctx.cfg.global_micro_batches * ctx.cfg.micro_batch_size
+        batch = ctx.cfg.global_micro_batches * ctx.cfg.layout.micro_batch_size
         here = (steps - (ctx.resume_step or 0)) * batch  # this process's share
         wall = ctx.clock() - ctx.t0
         kinds = [str(x.handled_as) for x in losses]

@@ -92,16 +92,16 @@ class ScalarLog:
                  live_nodes: Callable[[], int | None] = lambda: None) -> None:
         self.say = say
         self.live_nodes = live_nodes
-        self.samples_per_step = cfg.global_micro_batches * cfg.micro_batch_size
+        self.samples_per_step = cfg.global_micro_batches * cfg.layout.micro_batch_size
         self.preemptions: collections.Counter[str] = collections.Counter()
         self.sinks: list[Any] = []
-        if cfg.tensorboard is not None:
-            self.sinks.append(TensorBoardSink(cfg.tensorboard))
-        if cfg.wandb is not None:
+        if cfg.logging.tensorboard is not None:
+            self.sinks.append(TensorBoardSink(cfg.logging.tensorboard))
+        if cfg.logging.wandb is not None:
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.sinks.append(WandbSink(cfg.wandb, run_dir, cfg.to_dict()))
-        if cfg.redundancy in MODE_CODES:
-            self._emit({"cluster/redundancy_mode": MODE_CODES[cfg.redundancy]}, 0)
+            self.sinks.append(WandbSink(cfg.logging.wandb, run_dir, cfg.to_dict()))
+        if cfg.redundancy.mode in MODE_CODES:
+            self._emit({"cluster/redundancy_mode": MODE_CODES[cfg.redundancy.mode]}, 0)
 
     def on_event(self, record: dict[str, Any]) -> None:
         kind = record.get("event")

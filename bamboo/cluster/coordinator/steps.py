@@ -208,4 +208,4 @@ class StepProtocol:
     def stalled_round(self) -> bool:
         """A node reported a failed round and no loss explains it within the lease."""
         return self.round_failed_at is not None and \
-            self.ctx.clock() - self.round_failed_at > self.ctx.cfg.lease_s + 5
+            self.ctx.clock() - self.round_failed_at > self.ctx.cfg.runtime.lease_s + 5

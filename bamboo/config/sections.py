@@ -1,0 +1,393 @@
+"""The sections of a job: every option declared once, with the checks of its section.
+
+Each section is a `kw_only, slots` dataclass; a field made with `option()` is an option
+(flag, job-file key, summary field, check: see `bamboo.config.options`). A section's
+`check(job)` holds the checks that need more than one value; what needs the whole job
+(a model's layer count, a data file's size) is `JobConfig.validate()`'s.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
+
+if TYPE_CHECKING:
+    from bamboo.config.job import JobConfig
+
+__all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSection",
+           "TrainingSection", "RedundancySection", "RuntimeSection", "ClusterSection",
+           "CheckpointSection", "EvaluationSection", "LoggingSection", "HEARTBEAT_S",
+           "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
+
+REDUNDANCY_MODES = ("eager", "lazy", "off", "auto")
+COMM_MODES = ("strict", "tagged")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+RECOVERIES = ("redundancy", "checkpoint-restart")
+PIN_CPUS = ("off", "auto")
+
+HEARTBEAT_S = 0.5
+"""Seconds between two heartbeats of a worker; a --lease must be longer than this."""
+
+
+@dataclass(frozen=True, slots=True)
+class KillSpec:
+    """`--kill D:S@K[+notice]`: preempt the holder of stage S of pipeline D in step K."""
+
+    pipeline: int
+    stage: int
+    step: int
+    notice: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.pipeline}:{self.stage}@{self.step}" + ("+notice" if self.notice else "")
+
+
+_KILL = re.compile(r"^(\d+):(\d+)@(\d+)(\+notice)?$")
+
+
+def parse_kill(text: str) -> KillSpec:
+    """Parse `D:S@K` or `D:S@K+notice`."""
+    m = _KILL.match(text.strip())
+    if not m:
+        raise ConfigError(f"--kill '{text}' is malformed: write PIPELINE:STAGE@STEP, "
+                          f"e.g. --kill 0:2@5 (or 0:2@5+notice)", "kills")
+    return KillSpec(int(m[1]), int(m[2]), int(m[3]), bool(m[4]))
+
+
+def _number(low: float, *, above: bool, hint: str = "") -> Any:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value) and (value > low if above else value >= low)
+        return None if ok else f"must be a number {'>' if above else '>='} {low:g} (got {value}){hint}"
+    return check
+
+
+def _in_range(low: float, high: float, unit: str) -> Any:
+    def check(value: Any) -> str | None:
+        return None if low < value <= high else f"must be in ({low:g}, {high:g}] {unit} (got {value})"
+    return check
+
+
+def _absolute_or_url(value: str) -> str | None:
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) or Path(value).is_absolute():
+        return None
+    return f"{value} must be an absolute path or a URL (e.g. s3://bucket/run): every machine writes there"
+
+
+def _model_help() -> str:
+    from bamboo.presets import PRESETS
+    return (f"A preset ({', '.join(PRESETS)}); or a Hugging Face model: hf:gpt2, hf:llama, "
+            f"hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR; or your own model: "
+            f"MODULE:FUNCTION or FILE.py:FUNCTION (docs/models.md).")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    """What is trained, and in what arithmetic."""
+
+    name: str = option("gpt2-tiny", key="model", help=_model_help())
+    precision: str = option("fp32", choices=PRECISIONS, help="""fp32 | bf16: bf16 runs forward
+        and backward under autocast with bf16 compute; weights, gradients and optimizer state
+        stay fp32.""")
+    activation_checkpointing: bool = option(False, help="""Recompute each layer's activations in
+        the backward instead of keeping them.""")
+
+    def check(self, job: JobConfig) -> None:
+        if job.training.exact and self.precision != "fp32":
+            raise ConfigError("--exact needs --precision fp32: bf16 compute is not "
+                              "bit-identical across layouts", "exact", "precision")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    """What it is trained on."""
+
+    path: str | None = option(None, key="data", metavar="DIR|FILE", summary=lambda job: str(
+        Path(job.data.path).resolve()) if job.data.path is not None else None, help="""A directory
+        written by `bamboo data prepare` (token files; the model's vocabulary follows its
+        tokenizer's), or a UTF-8 text file to train on as byte tokens; default: a synthetic
+        language.""")
+
+    def check(self, job: JobConfig) -> None:
+        pass  # needs the model: JobConfig.validate()
+
+
+@dataclass(kw_only=True, slots=True)
+class LayoutSection:
+    """How the nodes form pipelines, and how a step is cut into micro-batches."""
+
+    nodes: int = option(4, check=positive_int, help="""Worker processes to start; nodes beyond
+        pipelines x stages are standbys.""")
+    stages: int = option(4, check=positive_int, help="Pipeline stages P.")
+    pipelines: int | None = option(None, check=positive_int,
+                                   summary=lambda job: job.data_parallel, help="""Data-parallel pipelines D;
+        default nodes // stages.""")
+    micro_batches: int = option(4, check=positive_int, help="""Micro-batches per pipeline per
+        step at the start (M); the global batch is D x M.""")
+    micro_batch_size: int = option(8, check=positive_int, help="Samples per micro-batch (B).")
+    layer_costs: str | None = option(None, metavar="FILE", help="""A file of measured seconds
+        per layer (`bamboo profile --layers-only`): stages are cut by those instead of by
+        parameter counts.""")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.pipelines if self.pipelines is not None else self.nodes // self.stages
+
+    def check(self, job: JobConfig) -> None:
+        if self.data_parallel < 1:
+            raise ConfigError(f"--nodes {self.nodes} cannot hold one pipeline of "
+                              f"{self.stages} stages: use --nodes {self.stages} or more",
+                              "nodes", "stages")
+        if self.data_parallel * self.stages > self.nodes:
+            raise ConfigError(
+                f"--pipelines {self.data_parallel} x --stages {self.stages} needs "
+                f"{self.data_parallel * self.stages} nodes but --nodes is {self.nodes}: use "
+                f"--nodes {self.data_parallel * self.stages} or --pipelines "
+                f"{self.nodes // self.stages}", "pipelines", "stages", "nodes")
+
+
+def _lr(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+    return None if ok else f"must be positive (got {value}): e.g. --lr 3e-3"
+
+
+def _seed(value: Any) -> str | None:
+    return non_negative_int(value) and f"must be >= 0 (got {value})"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingSection:
+    """The optimisation: steps, seed, learning-rate schedule, gradient arithmetic."""
+
+    steps: int = option(50, check=positive_int, help="Optimizer steps to run.")
+    seed: int = option(0, check=_seed, help="Seeds the model's parameters and the data.")
+    lr: float = option(3e-3, check=_lr, help="Peak learning rate (AdamW).")
+    warmup_steps: int = option(5, check=non_negative_int, help="""Linear warm-up steps, then
+        cosine decay to lr / 10 at the last step.""")
+    weight_decay: float = option(0.01, check=_number(0, above=False, hint=": 0 disables it"),
+                                 help="Decoupled weight decay on matrices.")
+    grad_clip: float = option(1.0, check=_number(0, above=False, hint=": 0 disables clipping"),
+                              help="""Clip the global gradient norm (over all stages) to this;
+                              0 disables.""")
+    exact: bool = option(False, help="""Accumulate and reduce gradients in float64 in pipeline
+        order, so every layout gives the same bits (slower; the default accumulates in fp32 and
+        reduces with one collective).""")
+
+    def check(self, job: JobConfig) -> None:
+        pass
+
+
+@dataclass(kw_only=True, slots=True)
+class RedundancySection:
+    """How a lost node's work goes on: redundant computation, or the baselines."""
+
+    mode: str = option("eager", key="redundancy", choices=REDUNDANCY_MODES, help="""eager |
+        lazy | off: how a node prepares to take over its successor's stage; auto: chosen at
+        every generation from the preemption rate and the costs measured in the run.""")
+    frc_offload: bool = option(False, help="""Keep what eager FRC saves for a later backward in
+        CPU memory until a failover needs it (bounds GPU memory).""")
+    recovery: str = option("redundancy", choices=RECOVERIES, help="""redundancy |
+        checkpoint-restart. The second is the baseline Bamboo is measured against: every
+        preemption restarts all workers from the last checkpoint (as torchrun does); it
+        implies --redundancy off and needs --checkpoint-every.""")
+    check_replicas: bool = option(False, summary=False, help="""Compare every replica's digest
+        with its primary's after every step.""")
+
+    def check(self, job: JobConfig) -> None:
+        if self.recovery == "checkpoint-restart" and (self.mode != "off"
+                                                      or job.checkpoints.every < 1):
+            raise ConfigError("--recovery checkpoint-restart needs --redundancy off and "
+                              "--checkpoint-every K (K >= 1)", "recovery", "redundancy",
+                              "checkpoint_every")
+
+
+def _comm_timeout(value: Any) -> str | None:
+    return None if 0 < value <= 86400 else \
+        f"must be positive seconds, at most 86400 (a day) (got {value})"
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeSection:
+    """Where and how each worker computes and communicates."""
+
+    device: str = option("auto", choices=DEVICES, help="""auto | cpu | cuda (cuda uses NCCL,
+        one GPU per local worker).""")
+    threads: int = option(1, check=positive_int, help="torch threads per worker process.")
+    pin_cpus: str = option("off", choices=PIN_CPUS, help="""off | auto: with auto, when this
+        machine has at least as many cores as local workers, each local worker is pinned to
+        cores of its own (os.sched_setaffinity) and its torch threads set to their number.""")
+    comm: str = option("strict", choices=COMM_MODES, help="""strict | tagged. strict (the
+        default) keeps NCCL's rules on every backend: no tags (transfers between two nodes are
+        matched by the order they are posted), exchanges in both directions as one batch, and
+        every loss handled by dropping the process group and forming a new one among the
+        survivors. tagged (gloo only) keeps transfers apart by tags on a group that outlives
+        lost peers.""")
+    comm_timeout_s: float = option(60.0, flag="--comm-timeout", metavar="S", check=_comm_timeout,
+                                   help="Timeout of every point-to-point and collective call.")
+    lease_s: float = option(10.0, flag="--lease", metavar="S",
+                            check=_in_range(0, 10, "seconds"), help=f"""A node whose heartbeat
+        is older than this is fenced (SIGKILL) and handled as lost; more than the
+        {HEARTBEAT_S:g} s between two heartbeats.""")
+
+    def check(self, job: JobConfig) -> None:
+        if self.comm == "tagged" and self.device == "cuda" and \
+                os.environ.get("BAMBOO_BACKEND", "") != "gloo":
+            raise ConfigError("--comm tagged needs gloo, and --device cuda uses NCCL, which has "
+                              "no tags: use --comm strict (the default)", "comm", "device")
+        if self.lease_s <= HEARTBEAT_S:
+            raise ConfigError(f"--lease {self.lease_s:g} s is not longer than a worker's "
+                              f"heartbeat interval ({HEARTBEAT_S:g} s): live nodes would be "
+                              f"fenced between two heartbeats; use --lease {4 * HEARTBEAT_S:g} "
+                              f"or more (default 10)", "lease_s")
+
+
+def _time_scale(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+    return None if ok else f"must be a positive number of trace seconds per wall second (got {value})"
+
+
+def _trace_file(value: str) -> str | None:
+    what = "give a trace file (Bamboo CSV, count rows or JSON rows)"
+    if Path(value).is_dir():
+        return f"'{value}' is a directory: {what}"
+    if not Path(value).is_file():
+        return f"file '{value}' does not exist: {what}"
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterSection:
+    """The local cluster's preemptions: injected kills, a replayed trace, notices."""
+
+    kills: list[KillSpec] = option(factory=list, flag="--kill", metavar="D:S@K[+notice]",
+                                   help="""Preemptions to inject (repeatable): "D:S@K" SIGKILLs
+        the holder of stage S of pipeline D in step K; "D:S@K+notice" sends a notice (SIGTERM)
+        first.""")
+    trace: str | None = option(None, check=_trace_file, metavar="FILE", help="""A preemption
+        trace to replay on the local cluster (Bamboo CSV, count rows, JSON rows).""")
+    time_scale: float = option(360.0, check=_time_scale, help="""Trace seconds per wall second
+        when replaying a trace.""")
+    max_nodes: int | None = option(None, summary=lambda job: job.node_cap, help="""At most this
+        many workers alive at once (default: --nodes).""")
+    notice_s: float | None = option(None, check=_in_range(0, 600, "wall seconds"), metavar="S",
+                                    help="""Preemption notice before each kill (trace removes
+        and +notice kills), wall seconds.""")
+
+    def check(self, job: JobConfig) -> None:
+        nodes = job.layout.nodes
+        if self.max_nodes is not None and (not isinstance(self.max_nodes, int)
+                                           or self.max_nodes < nodes):
+            raise ConfigError(f"--max-nodes must be an integer >= --nodes {nodes} "
+                              f"(got {self.max_nodes})", "max_nodes", "nodes")
+        for k in self.kills:
+            if k.notice and self.notice_s is None:
+                raise ConfigError(f"--kill {k} needs --notice-s S: how many seconds the notice "
+                                  f"comes before the kill", "kills", "notice_s")
+            job.check_target("--kill", str(k), k)
+
+
+def _resume(value: str) -> str | None:
+    if value == "auto":
+        return None
+    if not Path(value).exists():
+        return f"'{value}' does not exist: give the --out directory of a run that saved checkpoints"
+    if not Path(value).is_dir():
+        return f"'{value}' is not a directory: give the --out directory of a run that saved checkpoints"
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    """Durable checkpoints: how often, where, how many, and a run to continue."""
+
+    every: int = option(0, key="checkpoint_every", check=non_negative_int, metavar="K",
+                        help="""Save a durable checkpoint every K steps and on every preemption
+        notice (0: never). Used only when no live node holds some layer any more.""")
+    dir: str | None = option(None, key="checkpoint_dir", check=_absolute_or_url,
+                             metavar="PATH|URL", help="""Where the nodes write checkpoints and
+        the final layers: an absolute path or a URL (fsspec: s3://..., gs://..., file:///...)
+        that every machine reaches at the same address; default RUN_DIR/checkpoints.""")
+    keep: int = option(2, key="keep_checkpoints", check=lambda v: positive_int(v) and
+                       f"must be an integer >= 1 (got {v})", help="""Whole checkpoints kept;
+        older ones are pruned after a newer one is published.""")
+    resume: str | None = option(None, check=_resume, metavar="DIR|auto", help="""Continue the run
+        whose directory (or checkpoints/ folder) this is; auto: the --out directory's run when
+        it has a whole checkpoint, else a fresh start (one command line for the first start
+        and every restart).""")
+
+    def check(self, job: JobConfig) -> None:
+        if self.resume == "auto" and job.logging.out is None:
+            raise ConfigError("--resume auto needs --out DIR: the run directory to continue "
+                              "(or to start)", "resume", "out")
+
+
+def _eval_batches(value: Any) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096
+    return None if ok else f"must be an integer from 1 to 4096 (got {value})"
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluationSection:
+    """The held-out loss."""
+
+    every: int = option(0, key="eval_every", metavar="K", check=lambda v: non_negative_int(v) and
+                        f"must be an integer >= 0 (got {v}); 0 evaluates never", help="""Every
+        K steps (and after the last), the held-out loss on the val split (eval_losses in
+        summary.json); 0: never.""")
+    batches: int = option(8, key="eval_batches", metavar="N", check=_eval_batches, help="""Val
+        micro-batches (of --micro-batch-size windows each) in one evaluation.""")
+
+    def check(self, job: JobConfig) -> None:
+        pass
+
+
+def _tensorboard(value: str) -> str | None:
+    if Path(value).exists() and not Path(value).is_dir():
+        return f"{value} exists and is not a directory: give a directory for the event files"
+    if importlib.util.find_spec("tensorboard") is None:
+        return "needs the tensorboard package: pip install tensorboard"
+    return None
+
+
+def _wandb(value: str) -> str | None:
+    if not re.fullmatch(r"[\w.-]{1,128}", value):
+        return f"'{value}' is not a project name: use letters, digits, '-', '_' and '.'"
+    if importlib.util.find_spec("wandb") is None:
+        return ("needs the wandb package: pip install wandb (set WANDB_MODE=offline to log "
+                "without network)")
+    return None
+
+
+def _out(value: str) -> str | None:
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        return f"{path} exists and is not a directory: choose another path"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{path}: {parent} is a file, not a directory: choose another path"
+            break
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingSection:
+    """Where the run writes: its directory, TensorBoard, Weights & Biases."""
+
+    out: str | None = option(None, check=_out, metavar="DIR", summary=False, help="""Run
+        directory (summary.json, events.jsonl, report, checkpoints); default runs/<timestamp>.""")
+    tensorboard: str | None = option(None, check=_tensorboard, metavar="DIR", help="""Write
+        TensorBoard event files to this directory (tensorboard --logdir DIR).""")
+    wandb: str | None = option(None, check=_wandb, metavar="PROJECT", help="""Log the same
+        scalars to this Weights & Biases project (WANDB_MODE=offline works without
+        network).""")
+
+    def check(self, job: JobConfig) -> None:
+        pass
