@@ -185,6 +185,18 @@ def _replace_dir(store: LocalStore | FsspecStore, d: str, tmp: str, name: str) -
         store.rmtree(old)
 
 
+def remove_unfinished_writes(root: str | Path) -> list[str]:
+    """After a run's workers are stopped: the temporaries their interrupted writes left in
+    the checkpoint root, its step folders and its final folders (a writer of another
+    machine, whose processes cannot be seen from here, keeps its own)."""
+    store, r = storage_for(root), str(root)
+    removed = remove_stale_temporaries(store, r)
+    for name in store.ls(r):
+        if _STEP_DIR.match(name) or name.startswith("final-"):
+            removed += remove_stale_temporaries(store, store.join(r, name))
+    return removed
+
+
 # -- publishing (the coordinator) ---------------------------------------------------------
 
 

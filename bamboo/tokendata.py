@@ -32,7 +32,7 @@ import numpy as np
 from bamboo.argparsing import EXIT_USAGE, UsageParser
 
 __all__ = ["FORMAT", "VERSION", "HEADER", "SPLITS", "VAL_FRACTION", "TokenHeader", "read_header",
-           "open_split", "write_header", "text_split", "prepare", "main"]
+           "largest_token_id", "open_split", "write_header", "text_split", "prepare", "main"]
 
 FORMAT = "bamboo-tokens"
 VERSION = 1
@@ -65,12 +65,15 @@ class TokenHeader:
     tokenizer: dict[str, Any]
     eot_id: int | None
     sources: list[dict[str, Any]]
+    max_token_id: int | None = None
+    """The largest token id in the splits (None: a header written before it was recorded;
+    `largest_token_id` then scans the splits)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "dtype": self.dtype, "eot_id": self.eot_id,
                 "tokens": self.tokens, "files": {s: f"{s}.bin" for s in SPLITS},
-                "sources": self.sources}
+                "sources": self.sources, "max_token_id": self.max_token_id}
 
 
 def dtype_for(vocab: int) -> str:
@@ -100,10 +103,24 @@ def read_header(directory: str | Path) -> TokenHeader:
             or (dtype == "uint16" and vocab > 1 << 16) \
             or not all(isinstance(tokens.get(s), int) and tokens[s] >= 0 for s in SPLITS):
         raise ValueError(f"{path} has a malformed vocab_size, dtype or tokens field: {again}")
-    eot = h.get("eot_id")
+    eot, largest = h.get("eot_id"), h.get("max_token_id")
     return TokenHeader(vocab_size=vocab, dtype=dtype, tokens={s: tokens[s] for s in SPLITS},
                        tokenizer=h.get("tokenizer") or {}, sources=h.get("sources") or [],
-                       eot_id=eot if isinstance(eot, int) else None)
+                       eot_id=eot if isinstance(eot, int) else None,
+                       max_token_id=largest if isinstance(largest, int) else None)
+
+
+def largest_token_id(directory: str | Path, header: TokenHeader) -> int:
+    """The largest token id of the directory's splits: the header's record, else a scan
+    (in chunks, so a large split is never read into memory at once)."""
+    if header.max_token_id is not None:
+        return header.max_token_id
+    largest = 0
+    for split in SPLITS:
+        tokens = open_split(directory, header, split)
+        for start in range(0, len(tokens), 1 << 24):
+            largest = max(largest, int(tokens[start:start + (1 << 24)].max()))
+    return largest
 
 
 def open_split(directory: str | Path, header: TokenHeader, split: str) -> np.memmap:
@@ -388,6 +405,7 @@ def _write_splits(tmp: Path, sources: list[_Source], tok: _Tokenizer) -> TokenHe
     per_source: list[dict[str, Any]] = [{"path": str(s.path.resolve()), "bytes": s.size}
                                         for s in sources]
     eot = None if tok.eot_id is None else np.array([tok.eot_id], dtype=dtype)
+    largest = -1 if tok.eot_id is None or len(sources) < 2 else tok.eot_id
     for split in SPLITS:
         with (tmp / f"{split}.bin").open("wb") as f:
             for i, source in enumerate(sources):
@@ -397,6 +415,8 @@ def _write_splits(tmp: Path, sources: list[_Source], tok: _Tokenizer) -> TokenHe
                 n = 0
                 for text in _texts(source, split):
                     ids = tok.encode(text).astype(dtype, copy=False)
+                    if len(ids):
+                        largest = max(largest, int(ids.max()))
                     f.write(ids.tobytes())
                     n += len(ids)
                 per_source[i][f"{split}_tokens"] = n
@@ -404,7 +424,7 @@ def _write_splits(tmp: Path, sources: list[_Source], tok: _Tokenizer) -> TokenHe
     files = tok.save(tmp)
     return TokenHeader(vocab_size=tok.vocab, dtype=dtype, tokens=counts, eot_id=tok.eot_id,
                        tokenizer={"kind": tok.kind, "spec": tok.spec, "files": files},
-                       sources=per_source)
+                       sources=per_source, max_token_id=largest if largest >= 0 else None)
 
 
 # -- the command -----------------------------------------------------------------------------

@@ -129,6 +129,7 @@ class SimWorker:
     epoch: int = -1
     layers: set[int] | None = None
     held_step: int = -1
+    said_ready: bool = False
 
 
 class SimNodes:
@@ -138,8 +139,10 @@ class SimNodes:
         self.sim = sim
 
     def initial(self, core: CoordinatorCore) -> None:
-        for _ in range(core.cfg.layout.nodes):
-            self.sim._admit(first_gen=0)
+        replay = core.preemptions.replay
+        for trace_node in (replay.initial if replay is not None
+                           else [None] * core.cfg.layout.nodes):
+            core.spawn(first_gen=0, trace_node=trace_node)
 
     def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
         return self.sim._admit(first_gen=first_gen).node
@@ -162,8 +165,7 @@ class SimCluster:
                                     QuietDisplay(), SimNodes(self))
         self.store, self.events = DictStore(), ListEvents()
         self.core.start(self.store, self.events, self.clock, store_host="sim")
-        for w in self.workers.values():
-            self._send(w, Ready(rank=w.node.node))
+        self._say_ready()
 
     # -- processes --------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class SimCluster:
     def join(self) -> SimWorker:
         """A new node starts (a trace add, an agent) and waits as a standby."""
         w = self._admit(first_gen=self.ctx.plan.gen + 1)
-        self._send(w, Ready(rank=w.node.node))
+        self._say_ready()
         return w
 
     def kill(self, node: int) -> None:
@@ -193,6 +195,13 @@ class SimCluster:
             self._beat(w)
             self._guard(self.core.handle, w.node, msg)
 
+    def _pass_time(self, seconds: float = 0.25) -> None:
+        """The clock moves on; every live worker beats meanwhile."""
+        self.clock.t += seconds
+        for w in self.workers.values():
+            if not w.node.exited:
+                self._beat(w)
+
     def _beat(self, w: SimWorker) -> None:
         """A message is also a heartbeat (a real worker beats every half second)."""
         self.core.nodes.beats[w.node.slot] = self.clock()
@@ -208,12 +217,21 @@ class SimCluster:
             return
         self._sync_processes()
 
+    def _say_ready(self) -> None:
+        """A worker the coordinator started (a trace add, a restart) comes up and says so."""
+        for w in list(self.workers.values()):
+            if not w.said_ready and not w.node.exited:
+                w.said_ready = True
+                self._send(w, Ready(rank=w.node.node))
+
     def _sync_processes(self) -> None:
-        """The coordinator's SIGKILLs (fences, restarts) end the processes it names."""
+        """The coordinator's SIGKILLs (fences, restarts) end the processes it names, and the
+        workers it started come up."""
         for w in list(self.workers.values()):
             n = w.node
             if not n.exited and n.process.exitcode is not None:
                 self._guard(self.core.node_exited, n)
+        self._say_ready()
 
     # -- the protocol, played by every live worker ------------------------------------------
 
@@ -278,12 +296,15 @@ class SimCluster:
             w.gen = plan.gen + 0.5  # ended; waits for the next plan
 
     def settle(self) -> None:
-        """Let the coordinator plan, and the workers follow, until a generation runs."""
-        for _ in range(20):
+        """Let the coordinator plan, and the workers follow, until a generation runs (a
+        reconfiguration that waits for nodes lets a quarter of a second pass each round)."""
+        for attempt in range(40):
             if self.stopped is not None:
                 return
             if self.ctx.reconf is not None:
                 self.end_generation()
+                if attempt:
+                    self._pass_time()
                 self._guard(self.core.tick, self.clock())
             if self.ctx.reconf is None:
                 self.enter_generation()
@@ -297,7 +318,8 @@ class SimCluster:
         if self.stopped is not None or self.ctx.committed >= self.cfg.training.steps:
             return
         step = self.ctx.committed
-        self.clock.t += 0.25  # every step takes a quarter of a second
+        self._pass_time()  # every step takes a quarter of a second
+        self._guard(self.core.tick, self.clock())  # time passed: the trace, leases, stalls
         for attempt in range(10):
             if self.stopped is not None:
                 return

@@ -146,6 +146,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
                  "--lease 2 or more"),
                 (["--lease", "0.1"], "is not longer than a worker's heartbeat interval")],
     "--device": [(["--device", "tpu"], "'tpu' is not one of auto, cpu, cuda")],
+    "--boot-s": [(["--boot-s", "-5"], "--boot-s must be a number >= 0 (got -5.0)")],
     "--pin-cpus": [(["--pin-cpus", "always"], "--pin-cpus 'always' is not one of off, auto")],
     "--kill": [(["--kill", "0:1"], "is malformed: write PIPELINE:STAGE@STEP"),
                (["--kill", "0:7@1"], "names no node: pipelines are 0..0 and stages 0..3"),
@@ -198,7 +199,7 @@ TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--mic
                "--micro-batch-size": "int", "--steps": "int", "--seed": "int", "--lr": "float",
                "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
                "--threads": "int", "--comm-timeout": "float", "--lease": "float",
-               "--time-scale": "float", "--max-nodes": "int", "--notice-s": "float",
+               "--time-scale": "float", "--boot-s": "float", "--max-nodes": "int", "--notice-s": "float",
                "--checkpoint-every": "int", "--keep-checkpoints": "int", "--eval-every": "int",
                "--eval-batches": "int"}
 """Flags argparse converts: a word instead of a number is its own one-line error."""
@@ -400,3 +401,35 @@ def test_an_unexpected_error_is_one_line_that_names_it(error: Exception, line: s
     assert capsys.readouterr().err == line + "\n"
     with pytest.raises(type(error)):  # --debug shows the traceback instead
         cli.main(["train", "--debug"])
+
+
+@pytest.mark.parametrize("flag,value,biggest", [
+    ("--micro-batches", "100000000", "the step's schedule"),
+    ("--micro-batch-size", "100000000", "activations in flight"),
+])
+def test_a_job_that_cannot_fit_is_refused_before_any_worker_starts(
+        flag: str, value: str, biggest: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bamboo import cli
+    from bamboo.cluster import forkserver
+
+    def started() -> None:
+        raise AssertionError("a job that cannot fit started a worker")
+    monkeypatch.setattr(forkserver, "start", started)
+    code = cli.main(["train", "--nodes", "2", "--stages", "2", flag, value,
+                     "--out", str(tmp_path / "run")])
+    line = _assert_one_line_error(capsys.readouterr().err, flag)
+    assert code == 2 and f"({biggest}: " in line and "this machine has" in line, line
+    assert f"(now {value})" in line and not (tmp_path / "run").exists()
+
+
+def test_the_memory_bound_grows_with_what_it_counts() -> None:
+    from bamboo.config import JobConfig
+    from bamboo.pipeline.fits import check_fits, node_memory_lower_bound
+    base = dict(nodes=4, stages=4, steps=2)
+    one = node_memory_lower_bound(JobConfig.of(**base).validate())
+    wide = node_memory_lower_bound(JobConfig.of(**base, micro_batch_size=16).validate())
+    off = node_memory_lower_bound(JobConfig.of(**base, redundancy="off").validate())
+    assert wide.activation_bytes == 2 * one.activation_bytes > 0
+    assert off.state_bytes < one.state_bytes  # no replica
+    check_fits(JobConfig.of(**base).validate(), 4)  # the demo-sized job fits here

@@ -199,6 +199,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off, auto")],
     "frc_offload": [("sometimes", "expected true or false"), (1, "expected true or false")],
     "comm": [("loose", "'loose' is not one of strict, tagged")],
+    "boot_s": [(-1, "--boot-s must be a number >= 0"), ("soon", "expected a number")],
     "pin_cpus": [("always", "'always' is not one of off, auto")],
     "check_replicas": [("yes", "expected true or false")],
     "precision": [("fp16", "'fp16' is not one of fp32, bf16")],

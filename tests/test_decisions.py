@@ -180,6 +180,30 @@ def test_every_node_lost_stops_with_one_true_line(tmp_path: Path) -> None:
     assert "--checkpoint-every" not in sim.stopped and "--pipelines" not in sim.stopped
     accounted(sim, {"n0", "n1"})
     assert {e["handled_as"] for e in sim.lost_events()} <= {"failover", "stopped"}
+    assert_counters_sum(sim.failed)
+    assert sim.failed["stopped"] == sum(e["handled_as"] == "stopped" for e in sim.lost_events())
+
+
+COUNTERS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses",
+            "stopped", "reroutes")
+
+
+def assert_counters_sum(summary: dict) -> None:
+    """Every lost node in exactly one counter (the contract's third-round additions)."""
+    assert summary["preemptions"] == sum(summary[k] for k in COUNTERS), summary
+
+
+@pytest.mark.timeout(60)
+def test_all_four_of_two_pipelines_lost_in_one_step_are_all_counted(tmp_path: Path) -> None:
+    sim = SimCluster(cfg(nodes=4, stages=2, steps=8, checkpoint_every=2), tmp_path / "run")
+    for _ in range(5):
+        sim.step()
+    for node in range(4):
+        sim.kill(node)
+    sim.settle()
+    assert sim.stopped is not None
+    assert sim.failed["preemptions"] == 4
+    assert_counters_sum(sim.failed)
 
 
 @pytest.mark.timeout(60)
@@ -326,3 +350,68 @@ def test_with_no_live_copy_of_a_lost_writer_the_model_is_incomplete(tmp_path: Pa
     with pytest.raises(Stop, match="trained model is incomplete") as info:
         sim.core.final_summary()
     assert info.value.exit_code == 3
+
+
+def _trace(tmp_path: Path, rows: list[tuple[float, str, str]]) -> str:
+    path = tmp_path / "trace.csv"
+    path.write_text("".join(f"{s * 1000:.0f},{kind},{node}\n" for s, kind, node in rows))
+    return str(path)
+
+
+CAPACITY_TRACE = [(0, "add", "a"), (0, "add", "b"), (10, "add", "c"), (20, "remove", "a"),
+                  (25, "add", "d"), (40, "remove", "b"), (300, "remove", "c")]
+"""c and d come while both slots are taken; each takes the slot a removal frees."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("boot_s", [0.0, 15.0])
+def test_the_trace_is_capacity_a_freed_slot_goes_to_a_waiting_trace_node(
+        tmp_path: Path, boot_s: float) -> None:
+    config = cfg(nodes=2, stages=2, steps=12, max_nodes=2, time_scale=40.0, boot_s=boot_s,
+                 trace=_trace(tmp_path, CAPACITY_TRACE))  # a step (0.25 s) is 10 trace s
+    sim = SimCluster(config, tmp_path / "run")
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.finished()
+    played = [e["trace_node"] for e in sim.events.of("node_up")]
+    assert played == ["a", "b", "c", "d"]
+    assert [e["trace_node"] for e in sim.events.of("trace_waiting")] == ["c", "d"]
+    booting = sim.events.of("trace_booting")
+    if boot_s:
+        assert [(e["trace_node"], e["starts_at_trace_s"] - boot_s) for e in booting][0][0] == "c"
+        assert all(e["starts_at_trace_s"] >= 20 + boot_s for e in booting)
+    else:
+        assert not booting
+    summary = sim.core.final_summary()
+    assert summary["preemptions"] == 2 and summary["preemptions"] == sum(
+        summary[k] for k in COUNTERS)
+
+
+@pytest.mark.timeout(60)
+def test_a_remove_of_a_trace_node_without_a_worker_changes_nothing(tmp_path: Path) -> None:
+    rows = [(0, "add", "a"), (0, "add", "b"), (10, "add", "c"), (30, "remove", "c")]
+    config = cfg(nodes=2, stages=2, steps=8, max_nodes=2, time_scale=40.0,
+                 trace=_trace(tmp_path, rows))
+    sim = SimCluster(config, tmp_path / "run")
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert [e["trace_node"] for e in sim.events.of("node_up")] == ["a", "b"]
+    assert not sim.events.of("preempt") and sim.core.final_summary()["preemptions"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_state_transfer_is_said_in_the_projects_words(tmp_path: Path) -> None:
+    from bamboo.cluster.protocol import GenerationEnd
+    sim = SimCluster(cfg(nodes=2, stages=2, steps=6), tmp_path / "run")
+    sim.step()
+    raw = ("state transfer of generation 0 failed: transfer with rank 1 failed: [/__w/pytorch/"
+           "pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+           "[127.0.0.1]:6838: Connection reset by peer")
+    w = sim.workers[0]
+    sim.core.handle(w.node, GenerationEnd(rank=0, gen=sim.ctx.plan.gen, layers=[],
+                                          step=sim.ctx.committed, failed=raw))
+    shown = "\n".join(sim.core.display.lines)
+    assert "the state transfer between n0 and n1 broke off" in shown, shown
+    assert "pair.cc" not in shown and "gloo" not in shown
+    [event] = sim.events.of("transfer_failed")
+    assert event["error"] == raw and event["node"] == "n0"

@@ -138,6 +138,36 @@ def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
     assert rewrite["layers"] == [0, 1, 2, 3]  # gpt2-tiny's first stage of two
 
 
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_worker_frozen_as_it_starts_is_fenced_within_seconds(tmp_path: Path) -> None:
+    """SIGSTOP the moment a worker's `node_up` appears, before it ever beats: it is fenced
+    after the local start grace plus `--lease`, not after a minute, and the standby covers."""
+    import signal
+    import threading
+    import time
+    cfg = config(dict(steps=4, nodes=3, stages=2, lease_s=2.0))
+    out = tmp_path / "run"
+
+    def freeze_n0_at_once() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            up = [e for e in run_events(out) if e["event"] == "node_up" and e["node"] == "n0"]
+            if up:
+                os.kill(up[0]["pid"], signal.SIGSTOP)
+                return
+            time.sleep(0.002)
+
+    threading.Thread(target=freeze_n0_at_once, daemon=True).start()
+    summary = run_in_process(cfg, out)
+    assert_equals_failure_free(summary, cfg)
+    events = run_events(out)
+    up = next(e["t"] for e in events if e["event"] == "node_up" and e["node"] == "n0")
+    fenced = [e for e in events if e["event"] == "fenced"]
+    assert [e["node"] for e in fenced] == ["n0"]
+    assert fenced[0]["t"] - up < 20.0, fenced
+
+
 TAGGED = ("kill stage 2", "two non-adjacent kills in one step",
           "adjacent kills, restored from the peer pipeline")
 

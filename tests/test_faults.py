@@ -184,3 +184,20 @@ def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> No
     losses, l2 = reference(3, 8, 8)
     assert_close(summary["losses"], losses, rel=1e-4)
     assert_close(summary["param_l2"], l2, rel=1e-4)
+
+
+@pytest.mark.timeout(180)
+def test_a_disk_that_fills_with_checkpoints_leaves_no_temporary(tmp_path: Path, bamboo) -> None:
+    """A 2 MB --out: checkpoints and the final layers fill it. The run ends with one line
+    and its summary, and no write of any worker leaves a temporary behind."""
+    from conftest import mounted_tmpfs, run_bamboo
+    with mounted_tmpfs(tmp_path / "disk", "size=2m") as disk:
+        out = disk / "run"
+        result = run_bamboo(["train", "--steps", "12", "--checkpoint-every", "4", "--quiet",
+                             "--json", "--no-report"], out)
+        assert result.code != 0, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no space left" in lines[0].lower(), lines
+        left = [str(p.relative_to(out)) for p in out.rglob(".*") if ".tmp" in p.name
+                or p.name.startswith(".old-")]
+        assert left == [], left

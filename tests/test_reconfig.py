@@ -160,7 +160,10 @@ def test_trace_replay_preempts_and_adds_nodes(tmp_path: Path) -> None:
     ev = run_events(tmp_path / "run")
     ups = [e["node"] for e in ev if e["event"] == "node_up"]
     assert ups[:4] == ["n0", "n1", "n2", "n3"] and len(ups) >= 5
-    assert any(e["event"] == "trace_add_ignored" for e in ev)  # f: 4 alive already
+    # the trace is capacity: f waits while 4 are alive, and takes e's slot when e goes
+    assert [e["trace_node"] for e in ev if e["event"] == "trace_waiting"] == ["f"]
+    played = [e["trace_node"] for e in ev if e["event"] == "node_up"]
+    assert played == ["a", "b", "c", "d", "e", "f"]
     assert summary["preemptions"] >= 1
 
 

@@ -419,6 +419,11 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
                                      str(out), "--quiet", *job],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "already completed 16 steps" in again.stderr
+    other = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{port}", "--out",
+                                     str(out), "--quiet", *job, "--seed", "3"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "was made with seed 0, this job has 3" in other.stderr, \
+        other.stderr
 
 
 @pytest.mark.timeout(200)
@@ -465,3 +470,23 @@ def test_a_coordinator_short_of_agents_gives_up_after_join_timeout(tmp_path: Pat
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "0/2 workers joined within --join-timeout 2 s" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_join_token_appears_only_once_the_join_port_listens(tmp_path: Path) -> None:
+    """A script that waits for the token file and then connects is never refused."""
+    port, out = free_port(), tmp_path / "run"
+    coord = subprocess.Popen(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "1",
+                                       "--stages", "1", "--steps", "1", "--join-timeout", "5",
+                                       "--out", str(out), "--quiet"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "join-token").exists():
+            assert time.monotonic() < deadline and coord.poll() is None, "no token file"
+            time.sleep(0.001)
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert len((out / "join-token").read_text().strip()) >= 16
+    finally:
+        coord.kill()
+        coord.wait(10)

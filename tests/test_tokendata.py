@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from bamboo import cli
 from bamboo.config import ConfigError, JobConfig
 from bamboo.data import TextFile, TokenFile, make_task
 from bamboo.presets import preset, with_vocab
-from bamboo.tokendata import EOT, read_header
+from bamboo.tokendata import EOT, SPLITS, open_split, read_header
 from conftest import REPO, assert_close
 
 TEXT = "Grüße aus Bamboo — preemptible instances, pipelines and shadows.\n"
@@ -247,6 +248,27 @@ def test_train_rejects_bad_data_directories_in_one_line(tmp_path: Path, capsys) 
     with pytest.raises(ConfigError, match="has 100 bytes; gpt2-tiny needs at least 130: 65 to "
                        "train on and 65 held out"):
         JobConfig.of(data=str(_write(tmp_path / "100.txt", "x" * 100))).validate()
+    noise = tmp_path / "noise.txt"  # random bytes, as a user may point --data at by mistake
+    noise.write_bytes(bytes(range(128, 256)) * 32)
+    with pytest.raises(ConfigError, match="noise.txt' is not UTF-8 text \\(bytes that are not "
+                       "UTF-8 at offset 0\\): give a UTF-8 text file"):
+        JobConfig.of(data=str(noise)).validate()
+    (tmp_path / "nul.txt").write_bytes(b"abc\0" * 100)
+    with pytest.raises(ConfigError, match="a NUL byte at offset 3"):
+        JobConfig.of(data=str(tmp_path / "nul.txt")).validate()
+    header = json.loads((small / "header.json").read_text())
+    largest = header["max_token_id"]
+    assert largest == max(int(open_split(small, read_header(small), s).max()) for s in SPLITS)
+    for recorded in (True, False):  # a header of today, and one written before the record
+        wrong = tmp_path / f"wrong-vocab-{recorded}"
+        shutil.copytree(small, wrong)
+        bad = header | {"vocab_size": 100}
+        if not recorded:
+            bad.pop("max_token_id")
+        (wrong / "header.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"its tokens reach id {largest}, but the "
+                           f"vocabulary is 100 \\(its header says vocab_size 100\\)"):
+            JobConfig.of(data=str(wrong)).validate()
     (small / "val.bin").write_bytes(b"\0\0")  # truncated after it was prepared
     with pytest.raises(ConfigError, match=f"its header says {val} uint16 tokens"):
         JobConfig.of(data=str(small)).validate()

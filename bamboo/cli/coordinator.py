@@ -52,6 +52,8 @@ class Agents:
         """The join listener (with the job's token) and, with --etcd, the membership."""
         prog, membership, join = self.prog, None, self.join
         assert join is not None, "check() comes first"
+        import secrets
+
         from bamboo.cluster.remote import AgentListener, write_join_token
         run.path.mkdir(parents=True, exist_ok=True)
         token_file = Path(join.token_file) if join.token_file else run.path / "join-token"
@@ -64,7 +66,7 @@ class Agents:
                       file=sys.stderr)
                 return EXIT_USAGE
         else:
-            token = write_join_token(token_file)
+            token = secrets.token_hex(16)
         try:
             agents = AgentListener(join.address(), token, advertise=join.advertise,
                                    store_port=join.store_port,
@@ -73,6 +75,8 @@ class Agents:
             print(f"{prog}: error: cannot listen on {join.bind} ({e.strerror or e}): choose "
                   f"another --bind", file=sys.stderr)
             return EXIT_USAGE
+        if generated:  # only now: whoever waits for the file may connect at once
+            write_join_token(token_file, token)
         if join.etcd:
             from bamboo.cluster.membership import EtcdMembership, MembershipError
             job = run.path.resolve().name

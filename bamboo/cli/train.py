@@ -130,15 +130,34 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
             done = json.loads(summary.read_text())
         except (OSError, ValueError):
             done = {}
-        if done.get("status") == "completed" and done.get("steps_completed", -1) >= cfg.training.steps:
-            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; nothing to "
-                  f"do (pass more --steps, or another --out for a new run)", file=sys.stderr)
+        _check_same_job(cfg, done.get("config") or {}, f"--resume auto: the run in {out}")
+        if done.get("status") == "completed" and \
+                done.get("steps_completed", -1) >= cfg.training.steps:
+            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; "
+                  f"nothing to do (pass more --steps, or another --out for a new run)",
+                  file=sys.stderr)
             return None, False
     from bamboo.checkpoint import has_whole_checkpoint
     from bamboo.runlog import checkpoint_root
     if has_whole_checkpoint(cfg.checkpoints.dir or checkpoint_root(out)):
         return cfg.replace(resume=str(out)), False
     return cfg.replace(resume=None), out.exists()
+
+
+def _check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None:
+    """ConfigError when `made_with` (a checkpoint's meta, or a run's summary config) names a
+    model, seed or batch other than this job's: continuing it would train another run."""
+    if "global_micro_batches" not in made_with and "pipelines" in made_with \
+            and "micro_batches" in made_with:
+        made_with = made_with | {"global_micro_batches":
+                                 made_with["pipelines"] * made_with["micro_batches"]}
+    for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
+                       ("global_micro_batches", cfg.global_micro_batches),
+                       ("micro_batch_size", cfg.layout.micro_batch_size)):
+        if key in made_with and made_with[key] != value:
+            raise ConfigError(f"{what} was made with {key} {made_with[key]!r}, this job has "
+                              f"{value!r}: use the same settings (or another --out for a new "
+                              f"run)")
 
 
 def _load_resume(cfg: JobConfig) -> Any:
@@ -165,12 +184,7 @@ def _load_resume(cfg: JobConfig) -> Any:
     except CheckpointError as e:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
     meta = ckpt.meta
-    for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
-                       ("global_micro_batches", cfg.global_micro_batches),
-                       ("micro_batch_size", cfg.layout.micro_batch_size)):
-        if key in meta and meta[key] != value:
-            raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint was made with {key} "
-                              f"{meta[key]!r}, this job has {value!r}: use the same settings")
+    _check_same_job(cfg, meta, f"--resume {cfg.checkpoints.resume}: its checkpoint")
     if ckpt.warning:
         print(f"bamboo train: warning: {ckpt.warning}", file=sys.stderr)
     if ckpt.step >= cfg.training.steps:
@@ -225,7 +239,9 @@ class LocalWorkers:
         return train_parser(given_only)
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        pass
+        if cfg is not None:  # the local workers share this machine's memory
+            from bamboo.pipeline.fits import check_fits
+            check_fits(cfg, cfg.node_cap)
 
     def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
         return NodesStarted()

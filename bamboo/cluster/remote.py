@@ -53,14 +53,17 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def write_join_token(path: Path) -> str:
-    """A fresh token, stored readable by its owner only (0600)."""
-    token = secrets.token_hex(16)
+def write_join_token(path: Path, token: str | None = None) -> str:
+    """`token` (default: a fresh one) stored readable by its owner only (0600), whole or not
+    at all: a script waiting for the file never reads half a token."""
+    token = token or secrets.token_hex(16)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
-    os.chmod(path, 0o600)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
     return token
 
 

@@ -7,9 +7,10 @@ what comes back (start a worker, preempt one). Rules (the contract's):
   wall second;
 - the first `initial` distinct nodes the trace adds are the initial workers: their adds
   are already satisfied;
-- a later add asks for a worker; the coordinator starts one only while fewer than
-  `--max-nodes` are alive, else that trace node is ignored along with its removal;
-- a remove of a trace node that has a worker preempts it.
+- the trace is capacity (`coordinator.preemptions`): a later add asks for a worker, and
+  gets one when a slot under `--max-nodes` is free, else when one frees (after
+  `--boot-s`); a remove of a trace node that has a worker preempts it, and of one without a
+  worker changes nothing.
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ class TraceReplay:
     def __init__(self, trace: Trace, *, initial: int, time_scale: float) -> None:
         self.trace, self.time_scale = trace, time_scale
         self.initial: list[int] = []
+        self.initial_added: dict[int, float] = {}
+        """The initial trace nodes -> the trace second the trace added them."""
         satisfied: set[int] = set()
         for i, (kind, node) in enumerate(zip(trace.kinds, trace.nodes)):
             if len(self.initial) == initial:
                 break
             if kind == ADD and node not in self.initial:
                 self.initial.append(node)
+                self.initial_added[node] = trace.times[i]
                 satisfied.add(i)
         self._rows = [i for i in range(len(trace.times)) if i not in satisfied]
         self._next = 0

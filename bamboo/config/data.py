@@ -2,6 +2,7 @@
 --layer-costs, each against the model it is for."""
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ def check_data(job: JobConfig, family: str) -> None:
     if not path.is_file():
         raise ConfigError(f"--data file '{data}' does not exist: give a directory written "
                           f"by `bamboo data prepare` or a path to a UTF-8 text file", "data")
+    _check_text(path)
     need = job.model_preset().context + 1
     size = path.stat().st_size
     if size < need:
@@ -36,8 +38,26 @@ def check_data(job: JobConfig, family: str) -> None:
                           f"{2 * need}: {need} to train on and {need} held out", "data")
 
 
+def _check_text(path: Path, sample: int = 1 << 20) -> None:
+    """A --data file is trained on as UTF-8 text: refuse one that is not (its first MiB is
+    read; a NUL byte or an invalid sequence there is binary data)."""
+    with path.open("rb") as f:
+        head = f.read(sample)
+    problem = None
+    if b"\x00" in head:
+        problem = f"a NUL byte at offset {head.index(bytes(1))}"
+    else:
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < sample)
+        except UnicodeDecodeError as e:
+            problem = f"bytes that are not UTF-8 at offset {e.start}"
+    if problem:
+        raise ConfigError(f"--data file '{path}' is not UTF-8 text ({problem}): give a UTF-8 "
+                          f"text file, or tokenize your data with `bamboo data prepare`", "data")
+
+
 def _check_token_dir(job: JobConfig) -> None:
-    from bamboo.tokendata import open_split, read_header
+    from bamboo.tokendata import largest_token_id, open_split, read_header
     data = job.data.path
     try:
         header = read_header(data)
@@ -56,6 +76,11 @@ def _check_token_dir(job: JobConfig) -> None:
             open_split(data, header, split)
         except ValueError as e:
             raise ConfigError(f"--data {data}: {e}", "data") from None
+    largest = largest_token_id(data, header)
+    if largest >= p.vocab:
+        raise ConfigError(f"--data {data}: its tokens reach id {largest}, but the vocabulary "
+                          f"is {p.vocab} (its header says vocab_size {header.vocab_size}): "
+                          f"prepare the directory again with `bamboo data prepare`", "data")
 
 
 def check_layer_costs(job: JobConfig, layers: int) -> None:

@@ -276,6 +276,9 @@ class ClusterSection:
         when replaying a trace.""")
     max_nodes: int | None = option(None, summary=lambda job: job.node_cap, help="""At most this
         many workers alive at once (default: --nodes).""")
+    boot_s: float = option(0.0, check=_number(0, above=False), metavar="S", help="""Trace
+        seconds a new instance takes to boot: when a slot under --max-nodes frees, a live trace
+        node without a worker takes it this long after (EC2 takes about 45-90 s; 0: at once).""")
     notice_s: float | None = option(None, check=_in_range(0, 600, "wall seconds"), metavar="S",
                                     help="""Preemption notice before each kill (trace removes
         and +notice kills), wall seconds.""")

@@ -155,9 +155,22 @@ class CoordinatorCore:
     def fail(self, message: str) -> dict[str, Any]:
         """Stop every node and account for the run that ends with `message`: its summary."""
         self.nodes.stop_all()
+        self._remove_unfinished_writes()
         self.failures.stopped()
         self.events.write("run_failed", error=message)
         return self.summary("failed", message)
+
+    def _remove_unfinished_writes(self) -> None:
+        """The stopped workers' interrupted checkpoint and final-layer writes leave no
+        temporary behind (best effort: the run's own error is what the user must see)."""
+        from bamboo.checkpoint import remove_unfinished_writes
+        try:
+            removed = remove_unfinished_writes(checkpoint_location(self.cfg))
+        except Exception as e:  # noqa: BLE001 - a storage that fails now is reported
+            self.events.write("cleanup_failed", error=f"{type(e).__name__}: {e}"[:300])
+            return
+        if removed:
+            self.events.write("unfinished_writes_removed", names=sorted(removed))
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
         return self.results.summary(
@@ -267,6 +280,7 @@ class CoordinatorCore:
         trace = load_trace(cfg.trace)  # validated by the command line already
         replay = TraceReplay(trace, initial=self.cfg.layout.nodes, time_scale=cfg.time_scale)
         self.preemptions.replay = replay
+        self.preemptions.trace_live.update(replay.initial_added)
         self.events.write("trace", file=cfg.trace, rows=len(trace.times),
                           preemptions=trace.preemptions, time_scale=cfg.time_scale,
                           window_s=round(replay.window_s(), 2))
@@ -310,8 +324,8 @@ class CoordinatorCore:
                        f"{msg.error}")
         # The lost peer's own exit normally arrives within moments and explains this.
         self.peer_lost_message = self.peer_lost_message or (
-            f"node {n.name} lost a peer in step {msg.step} ({msg.error}) and no other "
-            f"cause was reported")
+            f"node {n.name} lost its connection to a peer in step {msg.step} and no node "
+            f"was reported lost (the backend's error is in events.jsonl: worker_error)")
         self.peer_lost_at = self.peer_lost_at or self.ctx.clock()
 
     # -- glue between the parts -------------------------------------------------------------

@@ -10,6 +10,7 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,10 +241,21 @@ class Generations:
         if msg.gen != ctx.plan.gen:
             return
         if ctx.reconf is None:  # a transfer failed: the generation cannot start
-            abandon(f"state transfer failed ({msg.failed})")
+            ctx.events.write("transfer_failed", node=n.name, gen=msg.gen, error=msg.failed)
+            abandon(self._transfer_failure(n, msg.failed or ""))
         if msg.step == ctx.committed:  # else held at another step: not usable
             ctx.reconf.holdings[n.node] = set(msg.layers)
         ctx.reconf.ending.discard(n.node)
+
+    def _transfer_failure(self, n: Node, raw: str) -> str:
+        """A failed state transfer in the project's words (which nodes, what follows); the
+        backend's own text stays in the `transfer_failed` event."""
+        members = self.ctx.plan.members
+        m = re.search(r"transfer with rank (\d+) failed", raw)
+        peer = members[int(m[1])] if m and int(m[1]) < len(members) else None
+        between = f"between {n.name} and {peer}" if peer else f"of {n.name}"
+        return (f"the state transfer {between} broke off (a node lost or unreachable while "
+                f"generation {self.ctx.plan.gen} formed); the next plan goes without it")
 
     # -- the next one -----------------------------------------------------------------------
 

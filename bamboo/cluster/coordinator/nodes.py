@@ -22,10 +22,17 @@ from typing import Any
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.cluster.protocol import Progress, Refused
 
-__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "free_device_slot"]
+__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "LOCAL_START_GRACE_S",
+           "free_device_slot"]
 
 START_GRACE_S = 60.0
-"""A starting worker's heartbeat lease (importing torch on two busy cores takes a while)."""
+"""The heartbeat lease of an agent's worker before its first beat (it may import torch
+itself: seconds on two busy cores)."""
+
+LOCAL_START_GRACE_S = 8.0
+"""The same for a local worker, counted from the moment the warm fork server forked it
+(torch is already imported there): it beats within about a second here, so one frozen as
+it starts is fenced after this plus `--lease`, not after a minute."""
 
 
 def free_device_slot(taken: Iterable[int], devices: int | None = None) -> int:
@@ -221,6 +228,8 @@ class Supervisor:
         """Take a node id and a slot, start its process with `start(spec, slot)`."""
         node, slot = self._take_slot()
         process, conn = start(self.spec_for(node, slot, first_gen), slot)
+        grace = START_GRACE_S if machine is not None else LOCAL_START_GRACE_S
+        self.progress.reset(slot, self.ctx.clock() + grace)  # from now: the process exists
         n = Node(node, slot, process, conn, trace_node=trace_node, machine=machine)
         self.nodes[node] = n
         return n

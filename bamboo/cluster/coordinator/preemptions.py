@@ -5,8 +5,12 @@
   SIGKILL `--notice-s` seconds later. Each fires once, even when step K is redone.
 - A notice (SIGTERM, a cloud's metadata, or one relayed by an agent) marks the node
   NOTICED: it drains at the next step boundary, and asks for a checkpoint there.
-- `--trace` replays a preemption trace: its adds start workers that wait as standbys,
-  its removes preempt the worker that plays the removed instance.
+- `--trace` replays a preemption trace as capacity: at every moment the local cluster runs
+  as many of the trace's live nodes as `--max-nodes` allows. An add starts a worker (a
+  standby until the next boundary) when a slot is free; when a slot frees, a live trace
+  node that has no worker takes it, the one alive longest first, `--boot-s` trace seconds
+  later (a new instance boots); a remove preempts the worker that plays that node, and
+  changes nothing for a trace node without one.
 """
 from __future__ import annotations
 
@@ -41,6 +45,11 @@ class Preemptions:
         self.trace_t0: float | None = None
         self.trace_owner: dict[int, int] = {}
         """Trace node -> the node id that plays it."""
+        self.trace_live: dict[int, float] = {}
+        """Trace nodes alive in the trace now -> the trace second they were added."""
+        self.booting: dict[int, float] = {}
+        """Trace nodes given a freed slot -> the trace second their worker starts."""
+        self.waiting_said: set[int] = set()
 
     # -- --kill -----------------------------------------------------------------------------
 
@@ -125,21 +134,55 @@ class Preemptions:
                     n.process.kill()
         if self.replay is None or self.trace_t0 is None:
             return
+        trace_s = (now - self.trace_t0) * self.replay.time_scale
+        added = set()
         for ev in self.replay.due(now - self.trace_t0):
             if ev.kind == "add":
-                alive = sum(1 for n in self.nodes if n.is_alive and n.state in
-                            (NodeState.STARTING, NodeState.READY, NodeState.DONE))
-                if alive < self.ctx.cfg.node_cap:
-                    self.trace_owner[ev.node] = spawn(ev.node).node
-                else:
-                    self.ctx.events.write("trace_add_ignored", trace_node=ev.name,
-                                          why=f"{alive} nodes alive "
-                                              f"(--max-nodes {self.ctx.cfg.node_cap})")
+                self.trace_live.setdefault(ev.node, ev.trace_s)
+                added.add(ev.node)
+                continue
+            self.trace_live.pop(ev.node, None)
+            self.booting.pop(ev.node, None)
+            node = self.trace_owner.pop(ev.node, None)
+            if node is not None:
+                self.preempt(self.nodes[node], f"trace remove {ev.name}")
+        for trace_node, node in list(self.trace_owner.items()):
+            if self.nodes[node].exited:  # lost another way: the trace node is live still
+                del self.trace_owner[trace_node]
+        self._fill(trace_s, added, spawn)
+
+    def _fill(self, trace_s: float, added: set[int], spawn: Callable[[int], Node]) -> None:
+        """Free slots to live trace nodes without a worker, the longest alive first: one
+        the trace adds now starts at once, one that waited after `--boot-s`."""
+        cap, boot_s = self.ctx.cfg.node_cap, self.ctx.cfg.cluster.boot_s
+        alive = sum(1 for n in self.nodes if n.is_alive and n.state in
+                    (NodeState.STARTING, NodeState.READY, NodeState.DONE))
+        free = cap - alive - len(self.booting)
+        waiting = sorted((t, tn) for tn, t in self.trace_live.items()
+                         if tn not in self.trace_owner and tn not in self.booting)
+        for _, trace_node in waiting:
+            if free <= 0:
+                if trace_node not in self.waiting_said:
+                    self.waiting_said.add(trace_node)
+                    self.ctx.events.write("trace_waiting", trace_node=self.replay.name(trace_node),
+                                          why=f"every slot taken (--max-nodes {cap})")
+                continue
+            free -= 1
+            if trace_node in added or boot_s <= 0:
+                self.trace_owner[trace_node] = spawn(trace_node).node
             else:
-                node = self.trace_owner.pop(ev.node, None)
-                if node is not None:
-                    self.preempt(self.nodes[node], f"trace remove {ev.name}")
+                self.booting[trace_node] = trace_s + boot_s
+                self.ctx.events.write("trace_booting", trace_node=self.replay.name(trace_node),
+                                      starts_at_trace_s=round(trace_s + boot_s, 1))
+        for trace_node, due in list(self.booting.items()):
+            if trace_s >= due:
+                del self.booting[trace_node]
+                self.trace_owner[trace_node] = spawn(trace_node).node
 
     def trace_finished(self) -> bool:
-        """No node will ever be added again."""
-        return self.replay is None or self.replay.finished
+        """No node will ever be added again: the trace has no add to come, and no live
+        trace node waits for a worker."""
+        if self.replay is None:
+            return True
+        return self.replay.finished and not self.booting and all(
+            tn in self.trace_owner for tn in self.trace_live)
