@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "train": "bamboo.cli.train", "simulate": "bamboo.sim.cli", "report": "bamboo.report",
     "config": "bamboo.cli.config", "profile": "bamboo.profile",
     "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.lab.cli",
-    "data": "bamboo.tokendata", "export": "bamboo.export",
+    "data": "bamboo.tokendata", "export": "bamboo.export", "soak": "bamboo.soak",
 }
 """Command -> the module whose `main(argv) -> int` runs it."""
 
@@ -36,13 +36,14 @@ def _command(name: str) -> Callable[[list[str]], int]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bamboo {train,coordinator,agent,lab,data,simulate,report,config,profile,"
-              "export} ...\n\n"
+        print("usage: bamboo {train,coordinator,agent,lab,data,soak,simulate,report,config,"
+              "profile,export} ...\n\n"
               "  train        train a model on a local cluster of worker processes\n"
               "  coordinator  run a job whose nodes are agents on other machines\n"
               "  agent        run one machine's workers for a coordinator (--join)\n"
               "  lab          a coordinator and agents on hosts made of network namespaces\n"
               "  data         tokenize text files for --data (data prepare FILE... --out DIR)\n"
+              "  soak         run your job with random faults from outside, and compare\n"
               "  simulate     project throughput and cost of a spot trace\n"
               "  report       write the text summary and plots of a run directory\n"
               "  profile      measure a model's step costs here for `simulate --costs`\n"
