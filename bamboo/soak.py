@@ -139,7 +139,7 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
         argv += ["--resume", "auto"]
         if "--checkpoint-every" not in train:
             argv += ["--checkpoint-every", "2"]
-    trial.command = " ".join(argv[2:])
+    trial.command = " ".join(["bamboo", *argv[3:]])
     deadline = time.monotonic() + timeout_s
     run = _Run(argv, out)
     at_step = rng.randint(1, max(1, steps - 2))
@@ -227,7 +227,7 @@ def _table(result: dict[str, Any]) -> str:
     for case in result["cases"]:
         if case["outcome"] != "equal":
             rows.append(f"  trial {case['index']} {case['outcome']}: {case['why']}\n"
-                        f"    bamboo {case['command']}")
+                        f"    {case['command']}")
     return "\n".join(rows)
 
 

@@ -55,7 +55,7 @@ def test_a_short_soak_of_a_small_job_is_equal_every_trial(tmp_path: Path) -> Non
     assert {k: result[k] for k in ("trials", "equal", "clear_stop", "hang", "wrong")} == {
         "trials": 3, "equal": 3, "clear_stop": 0, "hang": 0, "wrong": 0}, proc.stderr
     for case in result["cases"]:
-        assert case["outcome"] == "equal" and case["command"].startswith("train ")
+        assert case["outcome"] == "equal" and case["command"].startswith("bamboo train ")
         assert case["faults"] and all("node" in f for f in case["faults"]), case
         lost = [json.loads(line) for line in
                 (out / f"trial-{case['index']:03d}" / "events.jsonl").read_text().splitlines()
