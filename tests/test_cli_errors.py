@@ -68,7 +68,7 @@ def test_unknown_command() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
                                    "train, simulate, report, config, profile, coordinator, agent, "
-                                   "lab, data, export")
+                                   "lab, data, export, soak")
 
 
 @pytest.mark.procs
