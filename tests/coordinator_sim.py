@@ -20,6 +20,7 @@ import torch
 from bamboo.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
 from bamboo.cluster.coordinator.core import CoordinatorCore
 from bamboo.cluster.coordinator.nodes import Node, NodeState
+from bamboo.cluster.coordinator.sources import LocalWorkers
 from bamboo.cluster.coordinator.state import Stop
 from bamboo.cluster.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
                                      LayerParams, Left, MicroBatchesDone, Notice, Ready,
@@ -132,26 +133,15 @@ class SimWorker:
     said_ready: bool = False
 
 
-class SimNodes:
-    """The simulation's `NodeSource`: every node a scripted worker with a fake process."""
+class SimNodes(LocalWorkers):
+    """The simulation's `NodeSource`: local workers as the real one brings them, each a
+    scripted worker with a fake process."""
 
     def __init__(self, sim: SimCluster) -> None:
         self.sim = sim
 
-    def initial(self, core: CoordinatorCore) -> None:
-        replay = core.preemptions.replay
-        for trace_node in (replay.initial if replay is not None
-                           else [None] * core.cfg.layout.nodes):
-            core.spawn(first_gen=0, trace_node=trace_node)
-
     def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
         return self.sim._admit(first_gen=first_gen).node
-
-    def poll(self, core: CoordinatorCore) -> None:
-        pass
-
-    def none_coming(self, core: CoordinatorCore) -> bool:
-        return True
 
 
 class SimCluster:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field
@@ -115,7 +116,7 @@ def option_fields(section: str, cls: type) -> Iterator[OptionField]:
 def scalar_type(tp: Any) -> Any:
     """`int | None` -> int; other types as they are."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType) and len(args) == 1:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
         return args[0]
     return tp
 
