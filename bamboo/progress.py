@@ -105,14 +105,15 @@ class ProgressDisplay:
             self._progress.update(self._task, completed=step + 1, info=info)
             self._refresh()
         else:
-            print(f"step {step + 1}/{self.total}  {info}", file=sys.stderr, flush=True)
+            print(f"step {step} ({step + 1}/{self.total} done)  {info}", file=sys.stderr, flush=True)
 
     def evaluation(self, step: int, loss: float) -> None:
-        """The held-out loss after `step` steps: a line, and beside the loss from now on."""
+        """The held-out loss of the parameters after `step` steps (those step `step`, from
+        0, starts from): a line, and beside the loss from now on."""
         if not self.enabled:
             return
         self._eval = f"  eval {loss:.4f} @{step}"
-        self.message(f"eval after step {step}: loss {loss:.4f}")
+        self.message(f"eval after {step} steps: loss {loss:.4f}")
 
     def close(self) -> None:
         if self._live is not None:

@@ -356,8 +356,8 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
     evals = eval_losses(run)
     if evals:
         (a, first), (b, last) = evals[0], evals[-1]
-        out.append(f"eval loss (held-out): {first:.4f} after step {a} -> {last:.4f} after "
-                   f"step {b} ({len(evals)} evaluations)")
+        out.append(f"eval loss (held-out): {first:.4f} after {a} steps -> {last:.4f} after "
+                   f"{b} steps ({len(evals)} evaluations)")
     median = s.get("median_step_s")
     out.append(f"throughput: {throughput:.2f} samples/s; wall time {wall:.2f} s"
                + (f"; median step {median:.3f} s" if _is_num(median) else ""))

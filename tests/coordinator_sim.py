@@ -78,7 +78,7 @@ class QuietDisplay:
         pass
 
     def evaluation(self, step: int, loss: float) -> None:
-        self.lines.append(f"eval after step {step}: loss {loss:.4f}")
+        self.lines.append(f"eval after {step} steps: loss {loss:.4f}")
 
     def close(self) -> None:
         pass

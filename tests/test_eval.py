@@ -55,8 +55,14 @@ def test_eval_losses_equal_the_single_process_model(layout: dict, tmp_path: Path
     assert_evals_equal(summary, cfg)
     assert [s for s, _ in summary["eval_losses"]] == [2, 4, 5]
     assert summary["eval_losses"][-1][1] < summary["eval_losses"][0][1]  # it learns
-    recorded = [e for e in run_events(tmp_path / "run") if e["event"] == "eval"]
+    events = run_events(tmp_path / "run")
+    recorded = [e for e in events if e["event"] == "eval"]
     assert [[e["step"], e["loss"]] for e in recorded] == summary["eval_losses"]
+    # One numbering: the eval at step K is of the parameters after K steps, between
+    # step_done K-1 and step_done K (the step that starts from them).
+    order = [(e["event"], e["step"]) for e in events if e["event"] in ("eval", "step_done")]
+    assert order == [("step_done", 0), ("step_done", 1), ("eval", 2), ("step_done", 2),
+                     ("step_done", 3), ("eval", 4), ("step_done", 4), ("eval", 5)]
 
 
 @pytest.mark.procs

@@ -32,7 +32,9 @@ def test_tensorboard_holds_the_runs_scalars_through_a_kill(tmp_path: Path) -> No
     summary = run_in_process(cfg, tmp_path / "run")
     assert summary["status"] == "completed", summary["error"]
     tb = tensorboard_scalars(board)
-    assert [s for s, _ in tb["train/loss"]] == [1, 2, 3, 4, 5]
+    # One numbering: x = K is the step's number (from 0, as in step_done) for train/loss, and
+    # the eval at x = K is of the parameters train/loss at x = K was taken with.
+    assert [s for s, _ in tb["train/loss"]] == [0, 1, 2, 3, 4]
     assert [v for _, v in tb["train/loss"]] == pytest.approx(summary["losses"], rel=1e-6)
     assert [s for s, _ in tb["eval/loss"]] == [s for s, _ in summary["eval_losses"]] == [2, 4, 5]
     assert [v for _, v in tb["eval/loss"]] == pytest.approx([v for _, v in summary["eval_losses"]],
@@ -41,7 +43,7 @@ def test_tensorboard_holds_the_runs_scalars_through_a_kill(tmp_path: Path) -> No
     [(step, pause)] = tb["failover/pause_s"]
     assert step == 2 and pause == pytest.approx(summary["pause_s"][0], abs=1e-4)
     live = dict(tb["cluster/live_nodes"])
-    assert live[1] == 3 and live[5] == 2  # the killed node is gone from step 3 on
+    assert live[0] == 3 and live[4] == 2  # the node killed in step 2 is gone after it
     assert tb["cluster/redundancy_mode"] == [(0, 2.0)]  # eager
     for tag in ("train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s"):
         assert len(tb[tag]) == 5 and all(v > 0 for _, v in tb[tag])

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bamboo.checkpoint import Checkpoint, checkpoint_location
+from bamboo.cluster.backend_errors import describe
 from bamboo.cluster.coordinator.checkpoints import CheckpointAssembly
 from bamboo.cluster.coordinator.display import RunView
 from bamboo.cluster.coordinator.failures import FailureHandler
@@ -321,7 +322,7 @@ class CoordinatorCore:
             if self.debug:
                 print(msg.traceback, file=sys.stderr, flush=True)
             raise Stop(f"worker {n.name} ({self.gens.where(n)}) failed in step {msg.step}: "
-                       f"{msg.error}")
+                       f"{describe(msg.error)}")
         # The lost peer's own exit normally arrives within moments and explains this.
         self.peer_lost_message = self.peer_lost_message or (
             f"node {n.name} lost its connection to a peer in step {msg.step} and no node "

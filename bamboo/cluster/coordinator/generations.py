@@ -10,10 +10,10 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 
+from bamboo.cluster.backend_errors import peer_rank
 from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
 from bamboo.cluster.coordinator.restore import RestorePoints
 from bamboo.cluster.coordinator.state import HandledAs, Reconfiguration, RunContext, Stop
@@ -251,8 +251,8 @@ class Generations:
         """A failed state transfer in the project's words (which nodes, what follows); the
         backend's own text stays in the `transfer_failed` event."""
         members = self.ctx.plan.members
-        m = re.search(r"transfer with rank (\d+) failed", raw)
-        peer = members[int(m[1])] if m and int(m[1]) < len(members) else None
+        rank = peer_rank(raw)
+        peer = members[rank] if rank is not None and rank < len(members) else None
         between = f"between {n.name} and {peer}" if peer else f"of {n.name}"
         return (f"the state transfer {between} broke off (a node lost or unreachable while "
                 f"generation {self.ctx.plan.gen} formed); the next plan goes without it")

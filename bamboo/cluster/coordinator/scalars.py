@@ -2,14 +2,16 @@
 
 Both are fed from the run's own event stream (every `events.jsonl` record passes through
 `ScalarLog.on_event`), so they show exactly what the run recorded, at the step it
-happened:
+happened. The x axis is the step's number, from 0, as in the events: train/loss at x = K is
+the loss step K took with the parameters after K steps, and eval/loss at x = K is the
+held-out loss of those same parameters, so the two curves line up.
 
-    train/loss, train/lr, train/grad_norm      each committed step (x: steps done)
+    train/loss, train/lr, train/grad_norm      each committed step
     perf/samples_per_s, perf/step_s            each committed step
     cluster/live_nodes                         each committed step
     cluster/redundancy_mode                    2 eager, 1 lazy, 0 off; at the start and on
                                                every --redundancy auto choice
-    eval/loss                                  each evaluation (x: steps done)
+    eval/loss                                  each evaluation
     preemptions/<handled_as>, preemptions/total  cumulative, at each loss
     failover/pause_s                           each failover's pause
 
@@ -115,7 +117,7 @@ class ScalarLog:
             live = self.live_nodes()
             if live is not None:
                 values["cluster/live_nodes"] = live
-            self._emit(values, record["step"] + 1)
+            self._emit(values, record["step"])
         elif kind == "eval":
             self._emit({"eval/loss": record["loss"]}, record["step"])
         elif kind == "node_lost":
