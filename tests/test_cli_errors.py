@@ -148,6 +148,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--device": [(["--device", "tpu"], "'tpu' is not one of auto, cpu, cuda")],
     "--boot-s": [(["--boot-s", "-5"], "--boot-s must be a number >= 0 (got -5.0)")],
     "--pin-cpus": [(["--pin-cpus", "always"], "--pin-cpus 'always' is not one of off, auto")],
+    "--frc-at": [(["--frc-at", "idle"], "--frc-at 'idle' is not one of waits, slot")],
     "--kill": [(["--kill", "0:1"], "is malformed: write PIPELINE:STAGE@STEP"),
                (["--kill", "0:7@1"], "names no node: pipelines are 0..0 and stages 0..3"),
                (["--kill", "1:0@1"], "names no node"),

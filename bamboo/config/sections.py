@@ -31,6 +31,7 @@ PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 RECOVERIES = ("redundancy", "checkpoint-restart")
 PIN_CPUS = ("off", "auto")
+FRC_PLACES = ("waits", "slot")
 
 HEARTBEAT_S = 0.5
 """Seconds between two heartbeats of a worker; a --lease must be longer than this."""
@@ -191,6 +192,10 @@ class RedundancySection:
     mode: str = option("eager", key="redundancy", choices=REDUNDANCY_MODES, help="""eager |
         lazy | off: how a node prepares to take over its successor's stage; auto: chosen at
         every generation from the preemption rate and the costs measured in the run.""")
+    frc_at: str = option("waits", choices=FRC_PLACES, help="""waits | slot: where eager FRC
+        runs. waits: while the node waits for a transfer, one redundant forward at a time,
+        and what is left before the commit round; slot: right after its input is ready,
+        whether the node would wait there or not.""")
     frc_offload: bool = option(False, help="""Keep what eager FRC saves for a later backward in
         CPU memory until a failover needs it (bounds GPU memory).""")
     recovery: str = option("redundancy", choices=RECOVERIES, help="""redundancy |

@@ -278,7 +278,8 @@ class P2P:
         self.wait(self.post_recv(buffer, src, key), src)
         return buffer
 
-    def wait_interruptible(self, work: dist.Work, peer: int, interrupt: Callable[[], bool]) -> None:
+    def wait_interruptible(self, work: dist.Work, peer: int, interrupt: Callable[[], bool],
+                           idle: Callable[[], bool] | None = None) -> None:
         """Wait for `work`, giving up with Interrupted as soon as `interrupt()` is true.
 
         A gloo transfer can be neither cancelled nor polled (its completion flag is not
@@ -286,8 +287,12 @@ class P2P:
         either that or `wake` (set when the roles change). A node blocked behind a lost
         peer's successor, receiving from a live node that itself waits for the lost one,
         must still hear of the new roles, or the pipeline would wait forever.
+
+        `idle()` is other work the node can do meanwhile (eager FRC): called, one unit at a
+        time, while the transfer is not done; it returns False when it has nothing left. Its
+        time is not counted as waiting.
         """
-        start = time.perf_counter()
+        start, busy = time.perf_counter(), 0.0
         try:
             entry = self._waiting.get(id(work))
             if entry is None or entry[0] is not work:  # an id can be reused once a Work is freed
@@ -296,9 +301,21 @@ class P2P:
                 self._waiting[id(work)] = (work, future, peer)
             else:
                 future = entry[1]
+            grace = idle is not None  # a transfer already complete shows so within moments
             while not future.done():
                 if interrupt():
                     raise Interrupted()
+                if grace:
+                    grace = False
+                    self.wake.wait(0.002)
+                    self.wake.clear()
+                    continue
+                if idle is not None:
+                    began = time.perf_counter()
+                    if idle():
+                        busy += time.perf_counter() - began
+                        continue
+                    idle = None
                 self.wake.wait(1.0)
                 self.wake.clear()
             del self._waiting[id(work)]
@@ -306,10 +323,11 @@ class P2P:
         except RuntimeError as e:
             raise PeerLost(f"transfer with rank {peer} failed: {e}", peer) from e
         finally:
-            self.wait_s += time.perf_counter() - start
+            self.wait_s += time.perf_counter() - start - busy
 
     def recv_interruptible(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                           src: int, key: Key, interrupt: Callable[[], bool]) -> torch.Tensor:
+                           src: int, key: Key, interrupt: Callable[[], bool],
+                           idle: Callable[[], bool] | None = None) -> torch.Tensor:
         """Receive into a new buffer; a receive interrupted earlier is resumed, not re-posted
         (its message would otherwise land in the abandoned buffer)."""
         slot = (src, key)
@@ -317,7 +335,7 @@ class P2P:
             buf = torch.empty(shape, dtype=dtype, device=device)
             self.posted[slot] = (self.post_recv(buf, src, key), buf)
         work, buf = self.posted[slot]
-        self.wait_interruptible(work, src, interrupt)
+        self.wait_interruptible(work, src, interrupt, idle)
         del self.posted[slot]
         return buf
 

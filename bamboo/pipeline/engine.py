@@ -76,6 +76,7 @@ class NodeEngine:
                  faults: FaultPlan | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  check_replicas: bool = False, frc_offload: bool = False,
+                 frc_at: str = "waits",
                  comm: str = "strict", precision: str = "fp32", exact: bool = False,
                  activation_checkpointing: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
@@ -87,7 +88,7 @@ class NodeEngine:
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
         self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
-        self.frc_offload = frc_offload
+        self.frc_offload, self.frc_at = frc_offload, frc_at
         self.comm, self.precision, self.exact = comm, precision, exact
         self.activation_checkpointing = activation_checkpointing
         self.P = layout.stages
@@ -198,6 +199,8 @@ class NodeEngine:
             is_forward = isinstance(instr, S.Forward)
             self.faults.check(s.step, index, is_forward, s.seen_forward)
             s.seen_forward |= is_forward
+        while self._frc_at_wait(s, in_wait=False):  # what no wait took, before the commit round
+            pass
         dead = set(self.roles.dead)
         self.p2p.flush(dead, self.interrupted)
         while s.transfers.dup_recvs:
@@ -334,6 +337,24 @@ class NodeEngine:
         s.report.compute_s += time.perf_counter() - start
 
     def _redundant_forward(self, s: StepState, i: S.RedundantForward) -> None:
+        """Its input is ready here: run it now (`--frc-at slot`), or at the node's next wait."""
+        if self.frc_at == "waits":
+            s.frc_pending.append(i)
+        else:
+            self._run_frc(s, i)
+
+    def _frc_at_wait(self, s: StepState, in_wait: bool = True) -> bool:
+        """While a transfer is under way: run one pending FRC; False when none is left. A
+        replica given up since (a failover adopted it, the roles changed) drops its FRC."""
+        while s.frc_pending:
+            i = s.frc_pending.pop(0)
+            if self.replica is not None and self.replica.stage == i.stage and i.mb not in s.frc:
+                self._run_frc(s, i)
+                s.report.frc_in_waits += in_wait
+                return True
+        return False
+
+    def _run_frc(self, s: StepState, i: S.RedundantForward) -> None:
         start = time.perf_counter()
         assert self.replica is not None
         if i.stage == 0:
@@ -346,6 +367,7 @@ class NodeEngine:
         if loss is None:  # the FRC output stays on the device until a failover or the end
             s.memory.hold(("frc", i.stage, i.mb), storage_bytes(out))
         s.report.frc_s += time.perf_counter() - start
+        s.report.frc_forwards += 1
 
     def _frc_stream(self) -> Any:
         """On CUDA, eager FRC runs on a stream of its own, after the work that produced its
@@ -400,7 +422,8 @@ class NodeEngine:
             return  # passed in memory by this node's own SendActivation, earlier in the list
         spec = self.specs[self.parts[i.stage].start - 1]
         buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer,
-                                          (ACTIVATION, i.stage - 1, i.mb), self.interrupted)
+                                          (ACTIVATION, i.stage - 1, i.mb), self.interrupted,
+                                          idle=lambda: self._frc_at_wait(s))
         s.inputs[key] = buf.requires_grad_(buf.is_floating_point())
         s.transfers.received_acts.add(key)
 
@@ -424,7 +447,7 @@ class NodeEngine:
         spec = self.specs[self.parts[i.stage].stop - 1]
         s.out_grads[(i.stage, i.mb)] = self.p2p.recv_interruptible(
             spec.shape, spec.dtype, self.device, peer, (GRADIENT, i.stage + 1, i.mb),
-            self.interrupted)
+            self.interrupted, idle=lambda: self._frc_at_wait(s))
 
     # -- results ----------------------------------------------------------------------------
 

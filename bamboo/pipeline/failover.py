@@ -121,3 +121,4 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
         if (stage + 1, mb) in sent_grads and S.Backward(stage, mb) not in s.done:
             s.out_grads[key] = sent_grads[(stage + 1, mb)]  # this node is also the successor
     s.frc.clear()
+    s.frc_pending.clear()

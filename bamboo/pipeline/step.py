@@ -57,6 +57,8 @@ class StepState:
     """Peer restores of the latest role change still to carry out: ("send" | "recv", move)."""
     frc: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = field(default_factory=dict)
     """Eager FRC results by micro-batch: (input, output, loss value of the last stage)."""
+    frc_pending: list[Any] = field(default_factory=list)
+    """Eager FRC whose input is ready, kept for the node's next wait (`--frc-at waits`)."""
     losses: dict[int, float] = field(default_factory=dict)
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)

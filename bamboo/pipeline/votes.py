@@ -79,6 +79,10 @@ class StepReport:
     step_s: float = 0.0
     bytes_sent: int = 0
     bytes_replica: int = 0
+    frc_forwards: int = 0
+    """Eager FRC forwards run in this step (one per micro-batch, unless a failover came)."""
+    frc_in_waits: int = 0
+    """Of those, how many ran while the node waited for a transfer (`--frc-at waits`)."""
     frc_reused: int = 0
     brc: int = 0
     resent_grads: int = 0
