@@ -18,6 +18,14 @@ In one invocation:
    process RSS.
 
     .venv/bin/python benchmarks/rc_overhead.py --steps 20 --reps 3
+
+`eager` places each redundant forward where the node would wait (`--frc-at waits`, the
+default); `eager-slot` runs it at its fixed slot (`--frc-at slot`). With `--pin-cpus auto`
+and as many cores as stages, every worker has a processor of its own, so the pipeline's
+bubbles are real idle time (as with a GPU per node):
+
+    .venv/bin/python benchmarks/rc_overhead.py --model gpt2-mini --stages 2 \
+        --micro-batches 2 --pin-cpus auto --steps 16 --reps 2
 """
 from __future__ import annotations
 
@@ -37,7 +45,10 @@ sys.path.insert(0, str(REPO))
 from bamboo.redundancy.measured import costs_from_events
 from bamboo.redundancy.timeline import Costs, compare, render
 
-MODES = ("off", "lazy", "eager")
+MODES = ("off", "lazy", "eager", "eager-slot")
+FLAGS = {"off": ["--redundancy", "off"], "lazy": ["--redundancy", "lazy"],
+         "eager": ["--redundancy", "eager", "--frc-at", "waits"],
+         "eager-slot": ["--redundancy", "eager", "--frc-at", "slot"]}
 
 
 def run_train(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
@@ -45,7 +56,7 @@ def run_train(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
            "--nodes", str(args.stages), "--stages", str(args.stages),
            "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--steps", str(args.steps),
-           "--redundancy", mode, "--json", "--quiet", "--out", str(out)]
+           *FLAGS[mode], "--pin-cpus", args.pin_cpus, "--json", "--quiet", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
@@ -56,6 +67,12 @@ def step_walls(events: list[dict], warmup: int) -> list[float]:
     return [e["wall_s"] for e in events if e["event"] == "step_done" and e["step"] >= warmup]
 
 
+def early_late(events: list[dict], warmup: int) -> tuple[float, float]:
+    """Median wall time of the first 3 steps after the warm-up, and of the last 3."""
+    w = step_walls(events, warmup)
+    return statistics.median(w[:3]), statistics.median(w[-3:])
+
+
 def node_medians(events: list[dict], warmup: int) -> list[dict]:
     steps = [e for e in events if e["event"] == "step_done" and e["step"] >= warmup]
     out = []
@@ -64,7 +81,8 @@ def node_medians(events: list[dict], warmup: int) -> list[dict]:
         out.append({"node": rows[0]["node"], "stage": rows[0]["stages"][0]} |
                    {k: statistics.median(r[k] for r in rows)
                     for k in ("compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "step_s",
-                              "saved_bytes", "frc_saved_bytes", "state_bytes", "bytes_replica")})
+                              "saved_bytes", "frc_saved_bytes", "state_bytes", "bytes_replica",
+                              "frc_forwards", "frc_in_waits")})
     return out
 
 
@@ -171,6 +189,7 @@ def main() -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="cores of this machine for the shared-cores prediction")
     ap.add_argument("--out", help="keep the run directories here (default: a temporary one)")
+    ap.add_argument("--pin-cpus", default="off", choices=("off", "auto"))
     ap.add_argument("--ascii", action="store_true", help="print the model's timelines")
     args = ap.parse_args()
     P, M = args.stages, args.micro_batches
@@ -183,24 +202,28 @@ def main() -> int:
     walls: dict[str, list[float]] = {m: [] for m in MODES}
     run_medians: dict[str, list[float]] = {m: [] for m in MODES}
     events: dict[str, list[dict]] = {}
+    drift: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for rep in range(args.reps):
-        order = MODES[rep % 3:] + MODES[:rep % 3]
+        order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
         for mode in order:
             ev = run_train(args, mode, root / f"{mode}-{rep}")
             w = step_walls(ev, args.warmup)
             walls[mode] += w
             run_medians[mode].append(statistics.median(w))
             events.setdefault(mode, ev)
-            print(f"  rep {rep} {mode:<5} median step {1e3 * statistics.median(w):7.1f} ms",
+            drift[mode].append(early_late(ev, args.warmup))
+            print(f"  rep {rep} {mode:<10} median step {1e3 * statistics.median(w):7.1f} ms",
                   flush=True)
 
     base = statistics.median(walls["off"])
     print("\n== measured on this machine (median step wall time, all reps pooled) ==")
-    print(f"{'mode':<6} {'median ms':>10} {'overhead':>9}   per-rep medians ms")
+    print(f"{'mode':<10} {'median ms':>10} {'overhead':>9}   per-rep medians ms   "
+          "first 3 -> last 3 steps, ms (per rep)")
     for mode in MODES:
         med = statistics.median(walls[mode])
-        print(f"{mode:<6} {1e3 * med:>10.1f} {100 * (med / base - 1):>8.1f}%   "
-              + " ".join(f"{1e3 * x:.1f}" for x in run_medians[mode]))
+        print(f"{mode:<10} {1e3 * med:>10.1f} {100 * (med / base - 1):>8.1f}%   "
+              + " ".join(f"{1e3 * x:.1f}" for x in run_medians[mode]) + "   "
+              + ", ".join(f"{1e3 * a:.0f} -> {1e3 * b:.0f}" for a, b in drift[mode]))
 
     q10 = {m: statistics.quantiles(walls[m], n=10)[0] for m in MODES}
     best = {m: min(run_medians[m]) for m in MODES}
@@ -213,16 +236,17 @@ def main() -> int:
           + ", ".join(f"{m} " + " ".join(f"{100 * (a / b - 1):+.0f}%" for a, b in
                                           zip(run_medians[m], run_medians["off"]))
                       + f" (median {100 * statistics.median(a / b - 1 for a, b in zip(run_medians[m], run_medians['off'])):+.0f}%)"
-                      for m in ("lazy", "eager")))
+                      for m in MODES[1:]))
     print("\n== per-node timers, median per step (first run of each mode), ms ==")
-    print(f"{'mode':<6} {'node':<5} {'compute':>8} {'frc':>7} {'wait':>7} {'commit':>7} "
-          f"{'optim':>7} {'step':>7}")
+    print(f"{'mode':<10} {'node':<5} {'compute':>8} {'frc':>7} {'wait':>7} {'commit':>7} "
+          f"{'optim':>7} {'step':>7} {'FRC in waits':>13}")
     nodes = {m: node_medians(events[m], args.warmup) for m in MODES}
     for mode in MODES:
         for r in nodes[mode]:
-            print(f"{mode:<6} {r['node']:<5} " + " ".join(
+            print(f"{mode:<10} {r['node']:<5} " + " ".join(
                 f"{1e3 * r[k]:>7.1f}" for k in ("compute_s", "frc_s", "wait_s", "reduce_s",
-                                                 "optim_s", "step_s")))
+                                                 "optim_s", "step_s"))
+                  + (f" {r['frc_in_waits']:>6g} of {r['frc_forwards']:g}" if r["frc_forwards"] else ""))
 
     costs, _numels = profile_costs(args)
     # the commit round as measured (median over nodes in the off runs): a barrier plus transfers
@@ -250,17 +274,17 @@ def main() -> int:
         print(f"{m:<6} {1e3 * tl.step_s:>8.1f} {100 * cmp_ev.overhead(m):>8.1f}%")
 
     print("\n== summary: overhead vs off ==")
-    print(f"{'':<44} {'lazy':>7} {'eager':>7}")
+    print(f"{'':<44} {'lazy':>7} {'eager':>7} {'eager-slot':>10}")
     print(f"{'measured here, median of all steps':<44} "
-          + " ".join(f"{100 * (statistics.median(walls[m]) / base - 1):>6.1f}%" for m in ("lazy", "eager")))
+          + " ".join(f"{100 * (statistics.median(walls[m]) / base - 1):>6.1f}%" for m in MODES[1:]))
     print(f"{'measured here, 10th percentile of steps':<44} "
-          + " ".join(f"{100 * (q10[m] / q10['off'] - 1):>6.1f}%" for m in ("lazy", "eager")))
+          + " ".join(f"{100 * (q10[m] / q10['off'] - 1):>6.1f}%" for m in MODES[1:]))
     for label, cmp in predictions.items():
-        print(f"{'model, ' + label:<44} "
+        print(f"{'model, FRC at slot, ' + label[:22]:<44} "
               + " ".join(f"{100 * cmp.overhead(m):>6.1f}%" for m in ("lazy", "eager")))
-    greedy = compare(P, M, costs, frc_policy="greedy")
-    print(f"{'model, GPU-like, what-if: FRC only at waits':<44} "
-          + " ".join(f"{100 * greedy.overhead(m):>6.1f}%" for m in ("lazy", "eager")))
+    waits = compare(P, M, costs, frc_policy="waits")
+    print(f"{'model, GPU-like, FRC at waits (eager column)':<44} "
+          + " ".join(f"{100 * waits.overhead(m):>6.1f}%" for m in ("lazy", "eager")))
     hid = predictions["one processor per node (GPU-like)"].frc_hidden()
     print("FRC work in bubbles (GPU-like model), per node: " + ", ".join(
         f"n{n} {100 * h / w:.0f}% of {1e3 * w:.1f} ms" for n, w, h in hid if w > 0))
@@ -284,11 +308,11 @@ def main() -> int:
             grads = 8 * numel_primary
             act = r["saved_bytes"] / M * min(P - s, M)
             kept = M * outs[s] if mode != "off" else 0
-            frc = r["frc_saved_bytes"] if mode == "eager" else 0
+            frc = r["frc_saved_bytes"] if mode.startswith("eager") else 0
             total = r["state_bytes"] + grads + act + kept + frc
             totals[mode].append(total)
             ratio = total / totals["off"][i]
-            print(f"n{i:<4} {mode:<6} {mb(r['state_bytes'])} {mb(grads)} {mb(act)} {mb(kept)} "
+            print(f"n{i:<4} {mode:<10} {mb(r['state_bytes'])} {mb(grads)} {mb(act)} {mb(kept)} "
                   f"{mb(frc)} {mb(total):>8} {ratio:>5.2f}x")
     print("ratio to off, per node:  lazy " + " ".join(
         f"{a / b:.2f}x" for a, b in zip(totals["lazy"], totals["off"])) + "   eager " + " ".join(

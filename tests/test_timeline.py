@@ -161,14 +161,14 @@ def test_schedules_are_the_engines() -> None:
 
 
 @pytest.mark.parametrize("P,M", [(4, 4), (4, 8), (3, 2)])
-def test_greedy_frc_placement_never_slower_and_conserves_work(P: int, M: int) -> None:
+def test_frc_at_waits_never_slower_and_conserves_work(P: int, M: int) -> None:
     costs = Costs.uniform(P, 0.01, 0.02)
-    engine = simulate_step(P, M, "eager", costs)
-    greedy = simulate_step(P, M, "eager", costs, frc_policy="greedy")
-    assert greedy.step_s <= engine.step_s + 1e-12
-    for nt in greedy.nodes:
+    slot = simulate_step(P, M, "eager", costs, frc_policy="slot")
+    waits = simulate_step(P, M, "eager", costs, frc_policy="waits")
+    assert waits.step_s <= slot.step_s + 1e-12
+    for nt in waits.nodes:
         assert nt.frc_s == pytest.approx(M * 0.01)
-    one_core = simulate_step(P, M, "eager", costs, cores=1, frc_policy="greedy")
+    one_core = simulate_step(P, M, "eager", costs, cores=1, frc_policy="waits")
     assert one_core.step_s == pytest.approx(P * M * 0.04)
     with pytest.raises(ValueError):
         simulate_step(P, M, "eager", costs, frc_policy="sometimes")

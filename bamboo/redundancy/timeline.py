@@ -157,26 +157,27 @@ def node_lists(stages: int, micro_batches: int, mode: str,
 
 def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                   cores: int | None = None, held: Sequence[Sequence[int]] | None = None,
-                  frc_policy: str = "engine") -> Timeline:
+                  frc_policy: str = "slot") -> Timeline:
     """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each).
 
     One event loop over every node's instruction list; kept in one piece because its
     local state (clocks per node and per core, ready times of every transfer) is shared by
     every branch.
 
-    `frc_policy` (eager): "engine" runs each FRC forward where `node_schedule` puts it
-    (right after sending the replica's input); "greedy" is a what-if for a dynamic
-    scheduler: a node runs a pending FRC forward only when it would otherwise block on
-    a receive, and any left over after its last micro-batch instruction.
+    `frc_policy` (eager), as the engine's `--frc-at`: "slot" runs each FRC forward where
+    `node_schedule` puts it (right after sending the replica's input); "waits" runs a
+    pending FRC forward only when the node would otherwise block on a receive, and any
+    left over after its last micro-batch instruction. The default is "slot": the closed
+    forms the tests check are for it.
     """
-    if frc_policy not in ("engine", "greedy"):
-        raise ValueError(f"frc_policy must be engine or greedy (got {frc_policy!r})")
+    if frc_policy not in ("slot", "waits"):
+        raise ValueError(f"frc_policy must be slot or waits (got {frc_policy!r})")
     if len(costs.forward) != stages or len(costs.backward) != stages:
         raise ValueError(f"costs must give one forward and one backward per stage ({stages})")
     if cores is not None and cores < 1:
         raise ValueError("cores must be at least 1")
     held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
-    greedy = frc_policy == "greedy" and mode == "eager"
+    greedy = frc_policy == "waits" and mode == "eager"
     lists = node_lists(stages, micro_batches, "off" if greedy else mode, held)
     n_nodes = len(lists)
     replica_of = {n: (h[0] + 1) % stages for n, h in enumerate(held)
@@ -290,7 +291,7 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
 @dataclass(kw_only=True)
 class Comparison:
     timelines: dict[str, Timeline]
-    policy: str = "engine"
+    policy: str = "slot"
 
     def overhead(self, mode: str) -> float:
         return self.timelines[mode].step_s / self.timelines["off"].step_s - 1.0
@@ -307,7 +308,7 @@ class Comparison:
 
 
 def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None = None,
-            modes: Sequence[str] = MODES, frc_policy: str = "engine") -> Comparison:
+            modes: Sequence[str] = MODES, frc_policy: str = "slot") -> Comparison:
     """The timelines of `modes` (always including off) on the same costs."""
     modes = list(dict.fromkeys(["off", *modes]))
     return Comparison(timelines={m: simulate_step(stages, micro_batches, m, costs, cores=cores,
@@ -340,8 +341,7 @@ def ascii_timeline(tl: Timeline, width: int = 96, scale: float | None = None) ->
 def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     off = cmp.timelines["off"]
     where = "one processor per node" if off.cores is None else f"{off.cores} shared cores"
-    if cmp.policy != "engine":
-        where += f", FRC policy {cmp.policy}"
+    where += f", FRC at {cmp.policy}"
     lines = [f"timeline model: P={off.stages} M={off.micro_batches}, {where}", "",
              f"{'mode':<6} {'step ms':>9} {'phase A ms':>11} {'overhead':>9}"]
     for mode, tl in cmp.timelines.items():
@@ -394,9 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--commit", type=float, default=0.0, help="ms")
     ap.add_argument("--optim", default="0", help="ms per stage")
     ap.add_argument("--cores", type=int, help="share N processors among all nodes")
-    ap.add_argument("--frc-policy", choices=("engine", "greedy"), default="engine",
-                    help="engine: FRC where node_schedule puts it; greedy: what-if, FRC only "
-                         "when a node would block on a receive")
+    ap.add_argument("--frc-policy", choices=("slot", "waits"), default="slot",
+                    help="as the engine's --frc-at: waits, FRC only when a node would block "
+                         "on a receive; slot: FRC where node_schedule puts it")
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--no-ascii", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
