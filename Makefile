@@ -33,7 +33,7 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 	$(BIN)/bamboo data prepare $(DEMO_TEXT) --out runs/demo-data --tokenizer bpe:1024
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # Unit, property and decision tests: no worker processes, a few minutes (after each change).
 test-fast: $(STAMP)
