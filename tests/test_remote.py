@@ -490,3 +490,28 @@ def test_the_join_token_appears_only_once_the_join_port_listens(tmp_path: Path) 
     finally:
         coord.kill()
         coord.wait(10)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin two workers")
+@pytest.mark.timeout(180)
+def test_an_agents_workers_are_pinned_to_cores_of_their_own(tmp_path: Path) -> None:
+    """`--pin-cpus auto` on a coordinator: an agent running two workers gives each its own
+    share of the machine's cores, as local workers get."""
+    out, port = tmp_path / "run", free_port()
+    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
+                    "2", "--steps", "3", "--micro-batches", "2", "--pin-cpus", "auto",
+                    "--out", str(out), "--json", "--quiet", "--no-report"])
+    agent = None
+    try:
+        _wait_for(out / "join-token")
+        agent = _start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+                        str(out / "join-token"), "--workers", "2"])
+        stdout, stderr = coord.communicate(timeout=150)
+    finally:
+        _stop([coord, *([agent] if agent else [])])
+    assert coord.returncode == 0, stderr
+    _assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=3, micro_batches=2)
+    cpus = {e["node"]: e["cpus"] for e in run_events(out) if e["event"] == "pinned"}
+    assert set(cpus) == {"n0", "n1"}, cpus
+    shares = list(cpus.values())
+    assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
