@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["describe", "is_backend_text"]
+__all__ = ["describe", "is_backend_text", "peer_rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +69,12 @@ def is_backend_text(text: str) -> bool:
     return bool(_BACKEND_MARKS.search(text)) or any(c.pattern.search(text) for c in _CASES)
 
 
-def describe(error: str, *, peer_name: str | None = None) -> str:
+def describe(error: str) -> str:
     """`error` (a worker's one-line exception) in the project's words when it is the
-    backend's text; any other error is returned unchanged. `peer_name` names the peer the
-    failed transfer was with, when the caller knows it."""
+    backend's text; any other error is returned unchanged."""
     for case in _CASES:
         if case.pattern.search(error):
-            who = f" (peer {peer_name})" if peer_name else ""
-            return f"{case.words}{who}; the backend's own text is in events.jsonl (worker_error)"
+            return f"{case.words}; the backend's own text is in events.jsonl (worker_error)"
     if _BACKEND_MARKS.search(error):
         return ("the communication backend failed; its own text is in events.jsonl "
                 "(worker_error)")

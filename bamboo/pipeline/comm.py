@@ -290,7 +290,7 @@ class P2P:
 
         `idle()` is other work the node can do meanwhile (eager FRC): called, one unit at a
         time, while the transfer is not done; it returns False when it has nothing left. Its
-        time is not counted as waiting.
+        time is not counted as waiting, and its errors are its own (not a lost peer).
         """
         start, busy = time.perf_counter(), 0.0
         try:
@@ -319,9 +319,10 @@ class P2P:
                 self.wake.wait(1.0)
                 self.wake.clear()
             del self._waiting[id(work)]
-            future.result()
-        except RuntimeError as e:
-            raise PeerLost(f"transfer with rank {peer} failed: {e}", peer) from e
+            try:  # only the transfer's own failure is a lost peer, not one of `idle`'s
+                future.result()
+            except RuntimeError as e:
+                raise PeerLost(f"transfer with rank {peer} failed: {e}", peer) from e
         finally:
             self.wait_s += time.perf_counter() - start - busy
 
