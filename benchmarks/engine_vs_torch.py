@@ -1,13 +1,17 @@
-"""Our pipeline engine against PyTorch's own `Schedule1F1B`, side by side.
+"""Our pipeline engine against PyTorch's own schedules, side by side.
 
-Same model (gpt2-tiny by default), same partition, same micro-batches, same
-number of processes (one per stage, gloo, one thread each), same optimizer work
-(global-norm clipping across stages and AdamW), in one invocation. Prints the
-steady-state steps/s of each (first steps excluded), their ratio, and our engine's
-per-stage time breakdown (compute, send/recv wait, all-reduce, optimizer) from its
-own timers.
+Our `--schedule 1f1b` and `--schedule zb-h1` against torch's `Schedule1F1B` and its
+zero-bubble schedule (`ScheduleInterleavedZeroBubble` with one stage per rank, torch's
+ZB-H1-like case), all in one invocation and interleaved over `--reps` repetitions. Same
+model (gpt2-tiny by default), same partition, same micro-batches, same number of
+processes (one per stage, gloo), same optimizer work (global-norm clipping across stages
+and AdamW). With `--pin-cpus auto` (when the machine has a core per stage) every worker,
+ours and torch's, runs on cores of its own, so bubbles are real idle time. Prints the
+steady-state steps/s of each (first steps excluded), the ratios, and our engine's
+per-stage time breakdown (compute, send/recv wait, all-reduce, optimizer) from its own
+timers.
 
-    .venv/bin/python benchmarks/engine_vs_torch.py --stages 4 --micro-batches 8 --steps 30
+    .venv/bin/python benchmarks/engine_vs_torch.py --stages 2 --micro-batches 4 --pin-cpus auto
 """
 from __future__ import annotations
 
@@ -31,18 +35,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, schedule_name: str,
+                 queue) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
     from bamboo.data import make_task
     from bamboo.models import build_layers, layer_param_counts, loss_fn, preset
     from bamboo.pipeline.optim import learning_rate, make_optimizer
     from bamboo.pipeline.partition import partition
 
-    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin_cpus == "auto" and len(cores) >= world:
+        share = len(cores) // world
+        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+        torch.set_num_threads(share)
+    else:
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     p = preset(args.model)
@@ -50,7 +62,10 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     module = nn.Sequential(*build_layers(p, parts[rank], seed=0))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     criterion = loss_fn(p)
-    schedule = Schedule1F1B(stage, args.micro_batches, loss_fn=criterion)
+    if schedule_name == "1f1b":
+        schedule = Schedule1F1B(stage, args.micro_batches, loss_fn=criterion)
+    else:
+        schedule = ScheduleInterleavedZeroBubble([stage], args.micro_batches, loss_fn=criterion)
     optimizer = make_optimizer(module, lr=3e-3, weight_decay=0.01)
     task = make_task(p, seed=0, global_micro_batches=args.micro_batches,
                      micro_batch_size=args.micro_batch_size)
@@ -90,12 +105,12 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, que
     dist.destroy_process_group()
 
 
-def run_torch(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def run_torch(args: argparse.Namespace, schedule: str) -> tuple[list[float], list[float]]:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=torch_worker, args=(r, args.stages, port, args, queue))
+    procs = [ctx.Process(target=torch_worker, args=(r, args.stages, port, args, schedule, queue))
              for r in range(args.stages)]
     for proc in procs:
         proc.start()
@@ -109,17 +124,22 @@ def run_torch(args: argparse.Namespace) -> tuple[list[float], list[float]]:
     return step_times, results[args.stages - 1][1]
 
 
-def run_ours(args: argparse.Namespace) -> tuple[list[float], list[float], list[dict]]:
+def run_ours(args: argparse.Namespace, schedule: str) -> tuple[list[float], list[float], list[dict]]:
     out = Path(tempfile.mkdtemp(prefix="bench-ours-")) / "run"
     cmd = [sys.executable, "-m", "bamboo", "train", "--model", args.model,
            "--nodes", str(args.stages), "--stages", str(args.stages),
            "--micro-batches", str(args.micro_batches), "--micro-batch-size",
            str(args.micro_batch_size), "--steps", str(args.steps), "--redundancy", args.redundancy,
-           "--quiet", "--out", str(out)]
+           "--schedule", schedule, "--pin-cpus", args.pin_cpus, "--quiet", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step_done"]
     return [e["wall_s"] for e in steps], [e["loss"] for e in steps], [e["nodes"] for e in steps]
+
+
+RUNS = {"ours 1f1b": (run_ours, "1f1b"), "ours zb-h1": (run_ours, "zb-h1"),
+        "torch 1f1b": (run_torch, "1f1b"), "torch zb": (run_torch, "zb")}
+"""Name -> (runner, schedule): torch's `zb` is `ScheduleInterleavedZeroBubble`."""
 
 
 def main() -> None:
@@ -130,24 +150,59 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
+    parser.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"comma-separated, of: {', '.join(RUNS)}")
+    parser.add_argument("--pin-cpus", choices=("off", "auto"), default="off",
+                        help="auto: every worker on cores of its own (a core per stage needed)")
     parser.add_argument("--redundancy", default="off",
                         help="our engine's mode (off: the same work as torch's schedule)")
+    parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
+    names = [n.strip() for n in args.runs.split(",")]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown --runs {unknown}: choose among {', '.join(RUNS)}")
 
-    ours_times, ours_losses, breakdown = run_ours(args)
-    torch_times, torch_losses = run_torch(args)
     w = args.warmup
-    ours_rate = (args.steps - w) / sum(ours_times[w:])
-    torch_rate = (args.steps - w) / sum(torch_times[w:])
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    final_loss: dict[str, float] = {}
+    breakdown: list = []
+    for _ in range(args.reps):
+        for name in names:
+            runner, schedule = RUNS[name]
+            result = runner(args, schedule)
+            times, losses = result[0], result[1]
+            if name == "ours 1f1b" or (not breakdown and name.startswith("ours")):
+                breakdown = result[2]
+            rates[name].append((args.steps - w) / sum(times[w:]))
+            medians[name].append(statistics.median(times[w:]))
+            final_loss[name] = losses[-1] if losses else float("nan")
     print(f"model {args.model}, {args.stages} stages, {args.micro_batches} micro-batches of "
-          f"{args.micro_batch_size}, {args.steps} steps ({w} warm-up excluded)")
-    print(f"  bamboo engine ({args.redundancy:5s}) {ours_rate:6.2f} steps/s  (median step "
-          f"{1000 * statistics.median(ours_times[w:]):.0f} ms)  loss {ours_losses[0]:.3f} -> "
-          f"{ours_losses[-1]:.3f}")
-    print(f"  torch Schedule1F1B   {torch_rate:6.2f} steps/s  (median step "
-          f"{1000 * statistics.median(torch_times[w:]):.0f} ms)  loss {torch_losses[0]:.3f} -> "
-          f"{torch_losses[-1]:.3f}")
-    print(f"  ratio bamboo / torch {ours_rate / torch_rate:6.2f}x")
+          f"{args.micro_batch_size}, {args.steps} steps ({w} warm-up excluded), pin-cpus "
+          f"{args.pin_cpus}, {args.reps} repetition(s), medians over them")
+    rate = {n: statistics.median(r) for n, r in rates.items()}
+    for name in names:
+        print(f"  {name:11s} {rate[name]:6.3f} steps/s  (median step "
+              f"{1000 * statistics.median(medians[name]):.0f} ms)  last loss "
+              f"{final_loss[name]:.4f}")
+    pairs = [("ours zb-h1", "ours 1f1b"), ("ours 1f1b", "torch 1f1b"), ("ours zb-h1", "torch zb"),
+             ("torch zb", "torch 1f1b")]
+    for a, b in pairs:
+        if a in rate and b in rate:
+            print(f"  {a} / {b}: {rate[a] / rate[b]:.3f}x")
+    ours = [n for n in names if n.startswith("ours")]
+    theirs = [n for n in names if n.startswith("torch")]
+    if ours and theirs:
+        best_ours, best_theirs = max(ours, key=rate.get), max(theirs, key=rate.get)
+        print(f"  best ours ({best_ours}) / best torch ({best_theirs}): "
+              f"{rate[best_ours] / rate[best_theirs]:.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rates": rates,
+                                               "median_step_s": medians}, indent=1))
+    if not breakdown:
+        return
     print("per-node breakdown of our engine, mean ms per step after warm-up "
           "(reduce = the commit round):")
     print("  stage  compute   wait  reduce  optim   step")

@@ -234,7 +234,8 @@ CASES = int(os.environ.get("BAMBOO_FAILOVER_CASES", "30"))
 
 def victim_schedule_length(cfg: JobConfig, pipeline: int, stage: int) -> int:
     frc = (stage + 1) % cfg.layout.stages if cfg.redundancy.mode == "eager" else None
-    return len(S.node_schedule([stage], cfg.layout.stages, cfg.layout.micro_batches, frc_stage=frc)) + 4
+    return len(S.node_schedule([stage], cfg.layout.stages, cfg.layout.micro_batches, frc_stage=frc,
+                               schedule=cfg.layout.schedule)) + 4
 
 
 @st.composite
@@ -244,7 +245,8 @@ def kill_cases(draw) -> tuple[JobConfig, dict[int, list[Fault]]]:
     micro_batches = draw(st.integers(1, 3))
     cfg = JobConfig.of(nodes=stages * pipelines, stages=stages, micro_batches=micro_batches,
                     micro_batch_size=2, steps=3,
-                    redundancy=draw(st.sampled_from(["eager", "lazy"]))).validate()
+                    redundancy=draw(st.sampled_from(["eager", "lazy"])),
+                    schedule=draw(st.sampled_from(sorted(S.SCHEDULES)))).validate()
     faults: dict[int, list[Fault]] = {}
     for _ in range(draw(st.integers(1, 2))):
         d, s = draw(st.integers(0, pipelines - 1)), draw(st.integers(0, stages - 1))

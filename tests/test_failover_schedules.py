@@ -4,7 +4,8 @@ A step is cut at a random point of a random valid execution; one node is lost; t
 survivors' remaining lists are rebuilt as the engine rebuilds them (the shadow's list
 for its grown set of stages, minus what it already did; the successor's list plus
 gradients sent again and activations taken again). Replaying them must finish
-without deadlock, and the shadow must run every backward of the lost stage.
+without deadlock, and the shadow must run every backward of the lost stage (under ZB-H1:
+every input gradient and every weight gradient).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def random_prefix(lists: list[list[S.Instruction]], steps: int, rng: random.Rand
     positions = [0] * len(lists)
     sent: set = set()
     done_forward: set = set()
+    done_input: set = set()
     for _ in range(steps):
         runnable = []
         for n, lst in enumerate(lists):
@@ -37,19 +39,22 @@ def random_prefix(lists: list[list[S.Instruction]], steps: int, rng: random.Rand
             sent.add((type(instr), instr.stage, instr.mb))
         if isinstance(instr, S.Forward):
             done_forward.add((instr.stage, instr.mb))
+        if isinstance(instr, S.BackwardInput):
+            done_input.add((instr.stage, instr.mb))
         positions[n] += 1
-    return positions, sent, done_forward
+    return positions, sent, done_forward, done_input
 
 
 @given(P=st.integers(2, 6), M=st.integers(1, 6), victim=st.integers(0, 5),
-       cut=st.integers(0, 400), seed=st.integers(0, 10_000))
-@settings(max_examples=300, deadline=None, derandomize=True)
+       cut=st.integers(0, 400), seed=st.integers(0, 10_000),
+       schedule=st.sampled_from(sorted(S.SCHEDULES)))
+@settings(max_examples=400, deadline=None, derandomize=True)
 def test_failover_lists_finish_without_deadlock(P: int, M: int, victim: int, cut: int,
-                                                seed: int) -> None:
+                                                seed: int, schedule: str) -> None:
     victim %= P
-    order = S.global_order(P, M)
+    order = S.global_order(P, M, schedule)
     lists = [S.node_schedule([s], P, M, order=order) for s in range(P)]
-    positions, sent, done_forward = random_prefix(lists, cut, random.Random(seed))
+    positions, sent, done_forward, done_input = random_prefix(lists, cut, random.Random(seed))
     done = [set(lists[n][:positions[n]]) for n in range(P)]
 
     plan = plan_failover(RoleMap.initial(stages=P, pipelines=1, redundancy=True), victim)
@@ -65,6 +70,7 @@ def test_failover_lists_finish_without_deadlock(P: int, M: int, victim: int, cut
             if isinstance(instr, (S.RecvActivation, S.RecvGrad)):
                 sent.add(S._matching_send(instr))
     done_forward = {f for f in done_forward if f[0] != victim}
+    done_input = {f for f in done_input if f[0] != victim}
 
     new_lists = []
     for n in range(P):
@@ -81,6 +87,14 @@ def test_failover_lists_finish_without_deadlock(P: int, M: int, victim: int, cut
             # This node is the successor too: its gradients already sent stay in memory.
             sent |= {(S.SendGrad, successor, i.mb) for i in done[n] if isinstance(i, S.SendGrad)}
         new_lists.append(remaining)
-    order_done = S.simulate(new_lists, sent=sent, done_forward=done_forward)
-    redone = [i for _, i in order_done if isinstance(i, S.Backward) and i.stage == victim]
-    assert sorted(i.mb for i in redone) == list(range(M))
+    order_done = S.simulate(new_lists, sent=sent, done_forward=done_forward,
+                            done_input=done_input)
+    kinds = (S.Backward,) if schedule == "1f1b" else (S.BackwardInput, S.BackwardWeight)
+    for kind in kinds:
+        redone = [i for _, i in order_done if isinstance(i, kind) and i.stage == victim]
+        assert sorted(i.mb for i in redone) == list(range(M)), kind
+    # What each survivor had left of its own stage runs too.
+    executed = {i for _, i in order_done}
+    for n, lst in enumerate(lists):
+        if n != victim:
+            assert set(lst[positions[n]:]) <= executed

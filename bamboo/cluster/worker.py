@@ -207,7 +207,8 @@ class _Node:
                             progress=self._mark,
                             check_replicas=cfg.redundancy.check_replicas,
                             frc_offload=cfg.redundancy.frc_offload,
-                            frc_at=cfg.redundancy.frc_at, comm=cfg.runtime.comm,
+                            frc_at=cfg.redundancy.frc_at, schedule=cfg.layout.schedule,
+                            comm=cfg.runtime.comm,
                             precision=cfg.model.precision, exact=cfg.training.exact,
                             activation_checkpointing=cfg.model.activation_checkpointing)
         try:

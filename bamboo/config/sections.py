@@ -32,6 +32,7 @@ DEVICES = ("auto", "cpu", "cuda")
 RECOVERIES = ("redundancy", "checkpoint-restart")
 PIN_CPUS = ("off", "auto")
 FRC_PLACES = ("waits", "slot")
+SCHEDULE_NAMES = ("1f1b", "zb-h1")
 
 HEARTBEAT_S = 0.5
 """Seconds between two heartbeats of a worker; a --lease must be longer than this."""
@@ -101,6 +102,10 @@ class ModelSection:
         the backward instead of keeping them.""")
 
     def check(self, job: JobConfig) -> None:
+        if self.activation_checkpointing and job.layout.schedule == "zb-h1":
+            raise ConfigError("--activation-checkpointing works with --schedule 1f1b only: "
+                              "zb-h1 keeps each backward's graph for its weight gradient",
+                              "activation_checkpointing", "schedule")
         if job.training.exact and self.precision != "fp32":
             raise ConfigError("--exact needs --precision fp32: bf16 compute is not "
                               "bit-identical across layouts", "exact", "precision")
@@ -136,6 +141,10 @@ class LayoutSection:
     layer_costs: str | None = option(None, metavar="FILE", help="""A file of measured seconds
         per layer (`bamboo profile --layers-only`): stages are cut by those instead of by
         parameter counts.""")
+    schedule: str = option("1f1b", choices=SCHEDULE_NAMES, help="""1f1b | zb-h1: the pipeline
+        schedule. zb-h1 splits each backward into the input gradient and the weight gradient
+        and defers the weight gradients into what 1F1B leaves idle (Zero Bubble, ICLR'24),
+        at 1F1B's peak activation memory.""")
 
     @property
     def data_parallel(self) -> int:

@@ -2,8 +2,8 @@
 
 A step has three phases:
 
-A. micro-batches: the node runs `node_schedule` for the stages it holds (1F1B, and
-   eager FRC of its replica stage in the waits); gradients are summed in float32
+A. micro-batches: the node runs `node_schedule` for the stages it holds (1F1B or ZB-H1,
+   and eager FRC of its replica stage in the waits); gradients are summed in float32
    (float64 with `--exact`);
 B. the commit round (`commit.py`): data-parallel sums, the replica's gradient, the
    global norm; the coordinator says "commit" only if every survivor's round worked;
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
 from bamboo.data import Batch, Task
@@ -76,7 +77,7 @@ class NodeEngine:
                  faults: FaultPlan | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  check_replicas: bool = False, frc_offload: bool = False,
-                 frc_at: str = "waits",
+                 frc_at: str = "waits", schedule: str = "1f1b",
                  comm: str = "strict", precision: str = "fp32", exact: bool = False,
                  activation_checkpointing: bool = False) -> None:
         self.preset, self.parts, self.layout, self.rank = preset, parts, layout, rank
@@ -95,7 +96,8 @@ class NodeEngine:
         self.pipeline = roles.pipeline_of(rank)
         self.global_mbs = layout.micro_batches(self.pipeline)
         self.M = len(self.global_mbs)
-        self.order = S.global_order(self.P, self.M)
+        self.schedule_name = schedule
+        self.order = S.global_order(self.P, self.M, schedule)
         self.weight = 1.0 / layout.global_micro_batches
         self.specs = boundary_shapes(preset, task.micro_batch_size)
         self.loss = loss_fn(preset)
@@ -109,6 +111,7 @@ class NodeEngine:
         link.on_epoch = self.p2p.wake.set
         self._dispatch: dict[type, Callable[[StepState, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
+            S.BackwardInput: self._backward_input, S.BackwardWeight: self._backward_weight,
             S.SendActivation: self._send_activation, S.RecvActivation: self._recv_activation,
             S.SendGrad: self._send_grad, S.RecvGrad: self._recv_grad,
             S.RedundantForward: self._redundant_forward,
@@ -183,7 +186,8 @@ class NodeEngine:
 
     def _schedule(self) -> list[S.Instruction]:
         frc = self.replica.stage if self.replica is not None and self.eager else None
-        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
+        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order,
+                               frc_stage=frc)
 
     def _micro_batches(self, s: StepState) -> int:
         """Phase A: the remaining instructions of this node's list; its length (fault index)."""
@@ -192,7 +196,7 @@ class NodeEngine:
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue
-            self._mark(s.step, _BACKWARD if isinstance(instr, (S.Backward, S.SendGrad, S.RecvGrad))
+            self._mark(s.step, _BACKWARD if isinstance(instr, (*S.BACKWARDS, S.SendGrad, S.RecvGrad))
                        else _FORWARD)
             self._dispatch[type(instr)](s, instr)
             s.done.add(instr)
@@ -396,13 +400,56 @@ class NodeEngine:
             torch.autograd.backward(out, grad_tensors=s.out_grads.pop(key))
         if i.stage > 0:
             s.in_grads[key] = s.inputs.pop(key).grad
-        self.stages[i.stage].accumulate()
-        meter = s.memory  # this forward's saved tensors are freed
-        if not meter.release(("fwd", *key)):
-            meter.release(("frc", *key))  # an adopted FRC forward's (after a failover)
-        if i.stage in s.adopted:
+        self._backward_done(s, i.stage, i.mb, start)
+
+    def _backward_done(self, s: StepState, stage: int, mb: int, start: float) -> None:
+        """A micro-batch's parameter gradients are in .grad: into the sum; its saved
+        tensors are freed."""
+        self.stages[stage].accumulate()
+        meter = s.memory
+        if not meter.release(("fwd", stage, mb)):
+            meter.release(("frc", stage, mb))  # an adopted FRC forward's (after a failover)
+        if stage in s.adopted:
             s.report.brc += 1
         s.report.compute_s += time.perf_counter() - start
+
+    def _backward_input(self, s: StepState, i: S.BackwardInput) -> None:
+        """ZB-H1's first half: the input's gradient only; what the weight gradient needs is
+        kept in `s.weight_work`. Stage 0 has no input gradient to send: its whole backward
+        waits for `BackwardWeight`, which follows at once (ZB-H1 defers none on stage 0)."""
+        start = time.perf_counter()
+        key = (i.stage, i.mb)
+        out = s.outputs.pop(key)
+        grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
+        if i.stage == 0:
+            s.weight_work[key] = (out, grad)
+        else:
+            x = s.inputs.pop(key)
+            (dx,), groups = stage_backward_input([out], None if grad is None else [grad], [x],
+                                                 iter(self.stages[i.stage].params))
+            s.in_grads[key] = dx
+            s.weight_work[key] = groups
+        s.report.compute_s += time.perf_counter() - start
+
+    def _backward_weight(self, s: StepState, i: S.BackwardWeight) -> None:
+        """ZB-H1's second half: the parameter gradients of micro-batch `mb`, into the sum."""
+        start = time.perf_counter()
+        key = (i.stage, i.mb)
+        work = s.weight_work.pop(key)
+        if isinstance(work, tuple):  # stage 0: the whole backward
+            out, grad = work
+            if grad is None:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad_tensors=grad)
+        else:
+            stage_backward_weight(iter(self.stages[i.stage].params), work)
+        self._backward_done(s, i.stage, i.mb, start)
+
+    def backward_begun(self, s: StepState, stage: int, mb: int) -> bool:
+        """Whether this node has run the backward (1F1B) or input gradient (ZB-H1) of
+        (`stage`, `mb`) in this step."""
+        return S.Backward(stage, mb) in s.done or S.BackwardInput(stage, mb) in s.done
 
     def _send_activation(self, s: StepState, i: S.SendActivation) -> None:
         out = s.outputs[(i.stage, i.mb)].detach()
@@ -436,7 +483,7 @@ class NodeEngine:
                 self.p2p.send(grad, peer, key)
                 s.transfers.sent[key] = grad
             s.transfers.sent_grads[(i.stage, i.mb)] = grad
-        elif S.Backward(i.stage - 1, i.mb) not in s.done:
+        elif not self.backward_begun(s, i.stage - 1, i.mb):
             s.out_grads[(i.stage - 1, i.mb)] = grad
         del s.in_grads[(i.stage, i.mb)]
 

@@ -118,7 +118,7 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
             s.done.update({S.RecvActivation(stage, mb), S.Forward(stage, mb)})
             s.report.frc_reused += 1
         sent_grads = s.transfers.sent_grads
-        if (stage + 1, mb) in sent_grads and S.Backward(stage, mb) not in s.done:
+        if (stage + 1, mb) in sent_grads and not e.backward_begun(s, stage, mb):
             s.out_grads[key] = sent_grads[(stage + 1, mb)]  # this node is also the successor
     s.frc.clear()
     s.frc_pending.clear()

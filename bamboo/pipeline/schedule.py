@@ -6,6 +6,11 @@ these lists; `simulate` replays the lists of all stages without any process, wit
 the engine's communication semantics (sends never block, a receive waits for its
 matching send), to prove a schedule is complete and deadlock-free.
 
+Two schedules: 1F1B (`one_f_one_b`, the default) and ZB-H1 (`zb_h1`, Zero Bubble
+Pipeline Parallelism, ICLR'24), whose backward is split into the input gradient
+(`BackwardInput`, on the critical path: the predecessor waits for it) and the weight
+gradient (`BackwardWeight`, deferrable), so weight gradients fill what 1F1B leaves idle.
+
 The gradient all-reduce and the optimizer step are not instructions: they are the
 step's commit round (`bamboo.pipeline.commit`), which runs once after the list, under
 the coordinator's go/commit votes.
@@ -16,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "Instruction", "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad",
-    "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe",
+    "Instruction", "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
+    "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe", "zb_h1", "SCHEDULES", "BACKWARDS",
     "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
 ]
 
@@ -41,6 +46,26 @@ class Backward(Instruction):
     """Run the stage's backward on micro-batch `mb` and accumulate its gradients."""
 
     mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardInput(Instruction):
+    """ZB-H1: the gradient of the stage's input for `mb` only (what the predecessor waits
+    for); the graph is kept for the weight gradient."""
+
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardWeight(Instruction):
+    """ZB-H1: the stage's parameter gradients for `mb`, from what its `BackwardInput` kept,
+    added to the gradient sum."""
+
+    mb: int
+
+
+BACKWARDS = (Backward, BackwardInput, BackwardWeight)
+"""The instructions of a backward pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +113,11 @@ def _forward_group(stage: int, stages: int, mb: int) -> list[Instruction]:
     return group
 
 
-def _backward_group(stage: int, stages: int, mb: int) -> list[Instruction]:
+def _backward_group(stage: int, stages: int, mb: int, split: bool = False) -> list[Instruction]:
     group: list[Instruction] = []
     if stage < stages - 1:
         group.append(RecvGrad(stage, mb))
-    group.append(Backward(stage, mb))
+    group.append(BackwardInput(stage, mb) if split else Backward(stage, mb))
     if stage > 0:
         group.append(SendGrad(stage, mb))
     return group
@@ -113,6 +138,40 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Instruction
     for mb in range(micro_batches - warmup, micro_batches):
         out += _backward_group(stage, stages, mb)
     return out
+
+
+def zb_h1(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """ZB-H1: 1F1B's forwards and input gradients, with stage s deferring its weight
+    gradients by s micro-batches (the last ones fill the cool-down's waits).
+
+    With forward, input gradient and weight gradient of equal cost the step takes
+    3M + P - 1 units against 1F1B's 3(M + P - 1): a third of the bubble. Every stage keeps
+    at most P micro-batches in flight (forward done, weight gradient not yet), 1F1B's
+    peak (its stage 0's), so activation memory does not grow.
+    """
+    warmup = min(stages - stage - 1, micro_batches)
+    deferred: list[int] = []
+    out: list[Instruction] = []
+
+    def backward(mb: int) -> None:
+        out.extend(_backward_group(stage, stages, mb, split=True))
+        deferred.append(mb)
+        if len(deferred) > stage:
+            out.append(BackwardWeight(stage, deferred.pop(0)))
+
+    for mb in range(warmup):
+        out += _forward_group(stage, stages, mb)
+    for i in range(micro_batches - warmup):
+        out += _forward_group(stage, stages, warmup + i)
+        backward(i)
+    for mb in range(micro_batches - warmup, micro_batches):
+        backward(mb)
+    out += [BackwardWeight(stage, mb) for mb in deferred]
+    return out
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
+"""`--schedule`: name -> the per-stage list builder."""
 
 
 def gpipe(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
@@ -139,16 +198,19 @@ def _matching_send(instr: Instruction) -> tuple[type, int, int] | None:
 
 def simulate(schedules: Sequence[Sequence[Instruction]], *,
              sent: set[tuple[type, int, int]] | None = None,
-             done_forward: set[tuple[int, int]] | None = None) -> list[tuple[int, Instruction]]:
+             done_forward: set[tuple[int, int]] | None = None,
+             done_input: set[tuple[int, int]] | None = None) -> list[tuple[int, Instruction]]:
     """Run every node's list to completion; the global order executed, as (node, instr).
 
     Sends complete immediately; a receive waits until its matching send was issued;
-    forward/backward order is checked per stage (a backward needs its forward and, off
-    the last stage, its received gradient). `sent` and `done_forward` give the state of
-    a step already under way. Raises ScheduleError on deadlock.
+    forward/backward order is checked per stage (a backward or input gradient needs its
+    forward, a weight gradient its input gradient, and, off the last stage, the received
+    gradient). `sent`, `done_forward` and `done_input` give the state of a step already
+    under way. Raises ScheduleError on deadlock.
     """
     sent = set() if sent is None else set(sent)
     done_forward = set() if done_forward is None else set(done_forward)
+    done_input = set() if done_input is None else set(done_input)
     schedules = [[i for i in sched if not isinstance(i, RedundantForward)] for sched in schedules]
     positions = [0] * len(schedules)
     order: list[tuple[int, Instruction]] = []
@@ -160,11 +222,17 @@ def simulate(schedules: Sequence[Sequence[Instruction]], *,
                 need = _matching_send(instr)
                 if need is not None and need not in sent:
                     break
-                if isinstance(instr, Backward) and (instr.stage, instr.mb) not in done_forward:
+                slot = (instr.stage, instr.mb)
+                if isinstance(instr, (Backward, BackwardInput)) and slot not in done_forward:
                     raise ScheduleError(f"node {node}: backward of stage {instr.stage} mb "
                                         f"{instr.mb} before its forward")
+                if isinstance(instr, BackwardWeight) and slot not in done_input:
+                    raise ScheduleError(f"node {node}: weight gradient of stage {instr.stage} "
+                                        f"mb {instr.mb} before its input gradient")
                 if isinstance(instr, Forward):
-                    done_forward.add((instr.stage, instr.mb))
+                    done_forward.add(slot)
+                if isinstance(instr, BackwardInput):
+                    done_input.add(slot)
                 if isinstance(instr, (SendActivation, SendGrad)):
                     sent.add((type(instr), instr.stage, instr.mb))
                 order.append((node, instr))
@@ -177,28 +245,32 @@ def simulate(schedules: Sequence[Sequence[Instruction]], *,
             raise ScheduleError(f"deadlock: nodes waiting at {stuck}")
 
 
-COMPUTE_KINDS = (Forward, Backward, SendActivation, RecvActivation, SendGrad, RecvGrad)
+COMPUTE_KINDS = (Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
+                 RecvActivation, SendGrad, RecvGrad)
 
 
-def global_order(stages: int, micro_batches: int) -> dict[Instruction, int]:
+def global_order(stages: int, micro_batches: int,
+                 schedule: str = "1f1b") -> dict[Instruction, int]:
     """A position for every per-micro-batch instruction of every stage in one step.
 
-    The order is one complete execution of all stages' 1F1B lists. Any node's list is
+    The order is one complete execution of all stages' lists of `schedule` (1f1b, zb-h1). Any node's list is
     the subsequence of this order for the stages it holds, so lists built this way
     (for nodes holding one stage, two after a failover, or more) are always
     deadlock-free together: executing all remaining work in this order is a valid
     interleaving, and with non-blocking sends one valid interleaving proves that none
     of them can deadlock.
     """
-    lists = [[i for i in one_f_one_b(s, stages, micro_batches) if isinstance(i, COMPUTE_KINDS)]
+    build = SCHEDULES[schedule]
+    lists = [[i for i in build(s, stages, micro_batches) if isinstance(i, COMPUTE_KINDS)]
              for s in range(stages)]
     return {instr: pos for pos, (_, instr) in enumerate(simulate(lists))}
 
 
 def node_schedule(held: Sequence[int], stages: int, micro_batches: int, *,
                   order: dict[Instruction, int] | None = None,
-                  frc_stage: int | None = None) -> list[Instruction]:
-    """The per-micro-batch work of a node holding stages `held`, in global order.
+                  frc_stage: int | None = None, schedule: str = "1f1b") -> list[Instruction]:
+    """The per-micro-batch work of a node holding stages `held`, in global order (`order`,
+    or that of `schedule`).
 
     Transfers between two stages the node holds stay in the list: the engine passes
     them in memory. With `frc_stage` (eager FRC), the replica's forward of each
@@ -206,7 +278,7 @@ def node_schedule(held: Sequence[int], stages: int, micro_batches: int, *,
     replica's input, or, for a replica of stage 0 (its input is data), right before
     the node's wait for that micro-batch's activation.
     """
-    order = order if order is not None else global_order(stages, micro_batches)
+    order = order if order is not None else global_order(stages, micro_batches, schedule)
     chosen = set(held)
     out: list[Instruction] = []
     for instr in sorted((i for i in order if i.stage in chosen), key=order.__getitem__):

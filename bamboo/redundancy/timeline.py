@@ -3,8 +3,9 @@
 It replays every node's instruction list (`schedule.node_schedule`, with the eager
 FRC forwards where the engine runs them) as a discrete-event timeline:
 
-- a compute instruction (Forward, Backward, RedundantForward) occupies its node for
-  its cost;
+- a compute instruction (Forward, Backward, RedundantForward; under ZB-H1 BackwardInput
+  and BackwardWeight, which split a backward by `Costs.weight_share`) occupies its node
+  for its cost;
 - a send never blocks; a receive waits for its matching send plus `latency` (zero
   when both stages sit on the same node: the engine passes them in memory);
 - after the last micro-batch instruction of every node comes the commit round (a
@@ -67,10 +68,21 @@ class Costs:
     """Optimizer step of each primary stage; default zero."""
     replica_optim: tuple[float, ...] | None = None
     """Optimizer step of the replica of stage r (lazy and eager); default optim[r]."""
+    weight_share: float = 0.5
+    """ZB-H1: the part of a backward that is the weight gradient (the rest, the input
+    gradient, is on the critical path). Stage 0 has no input gradient to send: the engine
+    runs its whole backward as the weight gradient."""
 
     @classmethod
     def uniform(cls, stages: int, f: float, b: float, **kw: object) -> Costs:
         return cls(forward=(f,) * stages, backward=(b,) * stages, **kw)  # type: ignore[arg-type]
+
+    def split_backward(self, stage: int) -> tuple[float, float]:
+        """(input gradient, weight gradient) seconds of `stage` under ZB-H1."""
+        b = self.backward[stage]
+        if stage == 0:
+            return 0.0, b
+        return b * (1.0 - self.weight_share), b * self.weight_share
 
     def frc_cost(self, stage: int) -> float:
         return (self.frc or self.forward)[stage]
@@ -87,7 +99,8 @@ class Interval:
     start: float
     end: float
     kind: str
-    """'F' forward, 'B' backward, 'R' eager FRC forward, 'C' commit, 'O' optimizer."""
+    """'F' forward, 'B' backward (ZB-H1: its input gradient), 'W' weight gradient, 'R' eager
+    FRC forward, 'C' commit, 'O' optimizer."""
     stage: int = -1
     mb: int = -1
 
@@ -100,7 +113,7 @@ class NodeTimeline:
     bubbles: list[tuple[float, float]] = field(default_factory=list)
     """Idle intervals in the micro-batch phase (before the commit barrier)."""
 
-    def busy(self, kinds: str = "FBR") -> float:
+    def busy(self, kinds: str = "FBWR") -> float:
         return sum(i.end - i.start for i in self.intervals if i.kind in kinds)
 
     @property
@@ -128,6 +141,10 @@ def _cost(costs: Costs, instr: S.Instruction) -> tuple[str, float] | None:
         return "F", costs.forward[instr.stage]
     if isinstance(instr, S.Backward):
         return "B", costs.backward[instr.stage]
+    if isinstance(instr, S.BackwardInput):
+        return "B", costs.split_backward(instr.stage)[0]
+    if isinstance(instr, S.BackwardWeight):
+        return "W", costs.split_backward(instr.stage)[1]
     if isinstance(instr, S.RedundantForward):
         return "R", costs.frc_cost(instr.stage)
     return None
@@ -142,12 +159,13 @@ def _matching_send(instr: S.Instruction) -> tuple[type, int, int] | None:
 
 
 def node_lists(stages: int, micro_batches: int, mode: str,
-               held: Sequence[Sequence[int]] | None = None) -> list[list[S.Instruction]]:
+               held: Sequence[Sequence[int]] | None = None,
+               schedule: str = "1f1b") -> list[list[S.Instruction]]:
     """Every node's instruction list, as the engine builds it (eager: with FRC forwards)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
     held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
-    order = S.global_order(stages, micro_batches)
+    order = S.global_order(stages, micro_batches, schedule)
     out = []
     for h in held:
         frc = (h[0] + 1) % stages if mode == "eager" and stages > 1 and len(h) == 1 else None
@@ -157,7 +175,7 @@ def node_lists(stages: int, micro_batches: int, mode: str,
 
 def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                   cores: int | None = None, held: Sequence[Sequence[int]] | None = None,
-                  frc_policy: str = "slot") -> Timeline:
+                  frc_policy: str = "slot", schedule: str = "1f1b") -> Timeline:
     """The timeline of one step of one pipeline; `held[n]` = stages of node n (default one each).
 
     One event loop over every node's instruction list; kept in one piece because its
@@ -168,7 +186,7 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
     `node_schedule` puts it (right after sending the replica's input); "waits" runs a
     pending FRC forward only when the node would otherwise block on a receive, and any
     left over after its last micro-batch instruction. The default is "slot": the closed
-    forms the tests check are for it.
+    forms the tests check are for it. `schedule` is the engine's `--schedule` (1f1b, zb-h1).
     """
     if frc_policy not in ("slot", "waits"):
         raise ValueError(f"frc_policy must be slot or waits (got {frc_policy!r})")
@@ -178,7 +196,7 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
         raise ValueError("cores must be at least 1")
     held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
     greedy = frc_policy == "waits" and mode == "eager"
-    lists = node_lists(stages, micro_batches, "off" if greedy else mode, held)
+    lists = node_lists(stages, micro_batches, "off" if greedy else mode, held, schedule)
     n_nodes = len(lists)
     replica_of = {n: (h[0] + 1) % stages for n, h in enumerate(held)
                   if greedy and stages > 1 and len(h) == 1}
@@ -292,6 +310,7 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
 class Comparison:
     timelines: dict[str, Timeline]
     policy: str = "slot"
+    schedule: str = "1f1b"
 
     def overhead(self, mode: str) -> float:
         return self.timelines[mode].step_s / self.timelines["off"].step_s - 1.0
@@ -308,12 +327,13 @@ class Comparison:
 
 
 def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None = None,
-            modes: Sequence[str] = MODES, frc_policy: str = "slot") -> Comparison:
+            modes: Sequence[str] = MODES, frc_policy: str = "slot",
+            schedule: str = "1f1b") -> Comparison:
     """The timelines of `modes` (always including off) on the same costs."""
     modes = list(dict.fromkeys(["off", *modes]))
     return Comparison(timelines={m: simulate_step(stages, micro_batches, m, costs, cores=cores,
-                                                  frc_policy=frc_policy)
-                                 for m in modes}, policy=frc_policy)
+                                                  frc_policy=frc_policy, schedule=schedule)
+                                 for m in modes}, policy=frc_policy, schedule=schedule)
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -341,7 +361,7 @@ def ascii_timeline(tl: Timeline, width: int = 96, scale: float | None = None) ->
 def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     off = cmp.timelines["off"]
     where = "one processor per node" if off.cores is None else f"{off.cores} shared cores"
-    where += f", FRC at {cmp.policy}"
+    where += f", FRC at {cmp.policy}, {cmp.schedule}"
     lines = [f"timeline model: P={off.stages} M={off.micro_batches}, {where}", "",
              f"{'mode':<6} {'step ms':>9} {'phase A ms':>11} {'overhead':>9}"]
     for mode, tl in cmp.timelines.items():
@@ -361,8 +381,9 @@ def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     if show:
         scale = max(tl.step_s for tl in cmp.timelines.values())
         for mode, tl in cmp.timelines.items():
-            lines += ["", (f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, R eager FRC, "
-                          f"C commit, O optimizer, . idle; lower case: partly)")]
+            lines += ["", (f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, W weight "
+                          f"gradient, R eager FRC, C commit, O optimizer, . idle; lower case: "
+                          f"partly)")]
             lines += ascii_timeline(tl, width, scale)
     return "\n".join(lines)
 
@@ -379,7 +400,7 @@ def _floats(text: str, stages: int) -> tuple[float, ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bamboo.redundancy.timeline",
-        description="Per-instruction timeline model of a 1F1B step with off/lazy/eager RC. "
+        description="Per-instruction timeline model of a 1F1B or ZB-H1 step with off/lazy/eager RC. "
                     "Costs from a run's events.jsonl or given in milliseconds.")
     ap.add_argument("--events", help="events.jsonl of a run (eager runs give the forward/"
                                      "backward split; else --backward-ratio)")
@@ -397,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--frc-policy", choices=("slot", "waits"), default="slot",
                     help="as the engine's --frc-at: waits, FRC only when a node would block "
                          "on a receive; slot: FRC where node_schedule puts it")
+    ap.add_argument("--schedule", choices=sorted(S.SCHEDULES), default="1f1b",
+                    help="as the engine's --schedule")
+    ap.add_argument("--weight-share", type=float, default=0.5,
+                    help="zb-h1: the weight gradient's part of a backward (default 0.5)")
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--no-ascii", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -413,12 +438,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))
         costs = Costs(forward=ms(args.forward), backward=ms(args.backward),
                       frc=ms(args.frc) if args.frc else None, latency=args.latency / 1e3,
-                      commit=args.commit / 1e3, optim=ms(args.optim))
+                      commit=args.commit / 1e3, optim=ms(args.optim),
+                      weight_share=args.weight_share)
     if not args.json:
         print("per-stage ms  forward " + " ".join(f"{1e3 * x:.2f}" for x in costs.forward)
               + "  backward " + " ".join(f"{1e3 * x:.2f}" for x in costs.backward)
               + f"  commit {1e3 * costs.commit:.2f}")
-    cmp = compare(P, M, costs, cores=args.cores, frc_policy=args.frc_policy)
+    if args.events:
+        from dataclasses import replace
+        costs = replace(costs, weight_share=args.weight_share)
+    cmp = compare(P, M, costs, cores=args.cores, frc_policy=args.frc_policy,
+                  schedule=args.schedule)
     if args.json:
         print(json.dumps(summary(cmp)))
     else:
