@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
 from bamboo.data import Batch, Task
@@ -44,6 +43,7 @@ from bamboo.pipeline.failover import GenerationEnded, recover
 from bamboo.pipeline.layout import Layout
 from bamboo.pipeline.memory import SavedTensors, storage_bytes
 from bamboo.pipeline.optim import clip_coefficient, learning_rate
+from bamboo.pipeline.split_backward import Tape, Taping, input_gradient, weight_gradient
 from bamboo.pipeline.stage import StageState
 from bamboo.pipeline.step import StepState
 from bamboo.pipeline.transport import Transport, make_transport
@@ -118,11 +118,15 @@ class NodeEngine:
         }
 
     def build(self, stage: int) -> StageState:
-        """A fresh stage: seeded parameters, gradient sums in float64 under --exact."""
-        return StageState(preset=self.preset, stage=stage, layer_indices=self.parts[stage],
-                          seed=self.seed, device=self.device, lr=self.hyper.lr,
-                          weight_decay=self.hyper.weight_decay,
-                          accumulate_dtype=torch.float64 if self.exact else torch.float32)
+        """A fresh stage: seeded parameters, gradient sums in float64 under --exact; under
+        zb-h1 its linear layers taped in every forward (`split_backward`)."""
+        st = StageState(preset=self.preset, stage=stage, layer_indices=self.parts[stage],
+                        seed=self.seed, device=self.device, lr=self.hyper.lr,
+                        weight_decay=self.hyper.weight_decay,
+                        accumulate_dtype=torch.float64 if self.exact else torch.float32)
+        if self.schedule_name == "zb-h1":
+            st.taping = Taping(st.module)
+        return st
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -291,7 +295,7 @@ class NodeEngine:
             x = checkpoint(layer, x, use_reentrant=False)
         return x
 
-    def _run(self, module: nn.Module, stage: int, mb: int, x: torch.Tensor,
+    def _run(self, st: StageState, mb: int, x: torch.Tensor,
              s: StepState, frc: bool = False) -> tuple[torch.Tensor, float | None]:
         """Forward of `stage` on `x`; the last stage returns its weighted loss and value.
 
@@ -300,18 +304,27 @@ class NodeEngine:
         Counts the bytes autograd keeps for the backward (parameters and the input leaf
         excluded: they are held anyway), the activation memory of this forward, into the
         report and the step's meter (held until the backward releases it); eager FRC's go
-        to host memory under --frc-offload.
+        to host memory under --frc-offload. Under zb-h1 the forward's tape (what the weight
+        gradient needs) goes to `s.tapes` (an FRC forward's to `s.frc_tapes`).
         """
+        stage = st.stage
         saved = SavedTensors(offload=frc and self.frc_offload)
-        with saved.hooks():
+        tape = Tape()
+        taping = st.taping.recording(tape) if st.taping is not None else contextlib.nullcontext()
+        with saved.hooks(), taping:
             with self.autocast():
-                out = self._layers(module, x)
+                out = self._layers(st.module, x)
             if stage != self.P - 1:
                 out = out.to(self.specs[self.parts[stage].stop - 1].dtype)
                 loss = None
             else:
                 targets = self._batch(s, mb).targets.to(self.device)
                 loss = self.loss(out.float(), targets)
+        if st.taping is not None:
+            if frc:
+                s.frc_tapes[mb] = tape
+            else:
+                s.tapes[(stage, mb)] = tape
         if frc:
             s.report.frc_saved_bytes += saved.device_bytes + saved.host_bytes
         else:
@@ -326,7 +339,7 @@ class NodeEngine:
         start = time.perf_counter()
         key = (i.stage, i.mb)
         x = self._data(s, i.mb) if i.stage == 0 else s.inputs[key]
-        out, loss = self._run(self.stages[i.stage].module, i.stage, i.mb, x, s)
+        out, loss = self._run(self.stages[i.stage], i.mb, x, s)
         s.outputs[key] = out
         meter = s.memory
         if key in s.transfers.received_acts:  # the received input, held until the backward
@@ -366,7 +379,7 @@ class NodeEngine:
         else:
             x = s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
         with self._frc_stream():
-            out, loss = self._run(self.replica.module, i.stage, i.mb, x, s, frc=True)
+            out, loss = self._run(self.replica, i.mb, x, s, frc=True)
         s.frc[i.mb] = (x, out, loss)
         if loss is None:  # the FRC output stays on the device until a failover or the end
             s.memory.hold(("frc", i.stage, i.mb), storage_bytes(out))
@@ -414,36 +427,31 @@ class NodeEngine:
         s.report.compute_s += time.perf_counter() - start
 
     def _backward_input(self, s: StepState, i: S.BackwardInput) -> None:
-        """ZB-H1's first half: the input's gradient only; what the weight gradient needs is
-        kept in `s.weight_work`. Stage 0 has no input gradient to send: its whole backward
-        waits for `BackwardWeight`, which follows at once (ZB-H1 defers none on stage 0)."""
+        """ZB-H1's first half: the input's gradient, and the gradients of every parameter
+        that is not a linear layer's own; the linear layers' wait (`split_backward`)."""
         start = time.perf_counter()
         key = (i.stage, i.mb)
+        st = self.stages[i.stage]
+        assert st.taping is not None
         out = s.outputs.pop(key)
         grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
-        if i.stage == 0:
-            s.weight_work[key] = (out, grad)
-        else:
-            x = s.inputs.pop(key)
-            (dx,), groups = stage_backward_input([out], None if grad is None else [grad], [x],
-                                                 iter(self.stages[i.stage].params))
+        x = s.inputs.pop(key) if i.stage > 0 else None
+        dx, weights_left = input_gradient(out, grad, x, st.taping.other_params(st.params))
+        if dx is not None:
             s.in_grads[key] = dx
-            s.weight_work[key] = groups
+        st.accumulate()
+        tape = s.tapes.pop(key)
+        if weights_left:
+            s.weight_work[key] = tape
         s.report.compute_s += time.perf_counter() - start
 
     def _backward_weight(self, s: StepState, i: S.BackwardWeight) -> None:
-        """ZB-H1's second half: the parameter gradients of micro-batch `mb`, into the sum."""
+        """ZB-H1's second half: the linear layers' gradients of micro-batch `mb`, into the sum."""
         start = time.perf_counter()
         key = (i.stage, i.mb)
-        work = s.weight_work.pop(key)
-        if isinstance(work, tuple):  # stage 0: the whole backward
-            out, grad = work
-            if grad is None:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
-        else:
-            stage_backward_weight(iter(self.stages[i.stage].params), work)
+        tape = s.weight_work.pop(key, None)
+        if tape is not None:
+            weight_gradient(tape, self.autocast)
         self._backward_done(s, i.stage, i.mb, start)
 
     def backward_begun(self, s: StepState, stage: int, mb: int) -> bool:

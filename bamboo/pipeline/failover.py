@@ -111,6 +111,8 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
         if mb in s.frc and t.kind == "failover":
             x, out, loss = s.frc.pop(mb)
             s.inputs[key], s.outputs[key] = x, out
+            if mb in s.frc_tapes:
+                s.tapes[key] = s.frc_tapes.pop(mb)
             if loss is not None:
                 s.losses[e.global_mbs[mb]] = loss
             else:
@@ -121,4 +123,5 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
         if (stage + 1, mb) in sent_grads and not e.backward_begun(s, stage, mb):
             s.out_grads[key] = sent_grads[(stage + 1, mb)]  # this node is also the successor
     s.frc.clear()
+    s.frc_tapes.clear()
     s.frc_pending.clear()

@@ -16,6 +16,7 @@ replica is adopted as a primary.
 """
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,6 +48,8 @@ class StageState:
         self._views: list[torch.Tensor] = []
         self.optimizer_on_host = False
         """The AdamW moments live in host memory (see `offload_optimizer`)."""
+        self.taping: Any = None
+        """Under zb-h1, the forward hooks that tape its linear layers (`split_backward.Taping`)."""
         self.layer_spans: list[tuple[int, int, int]] = []
         offset = 0
         for layer_index, layer in zip(layer_indices, self.module):

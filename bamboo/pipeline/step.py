@@ -50,9 +50,12 @@ class StepState:
     """Stage outputs kept for the whole step: a shadow's or FRC's input."""
     out_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
     in_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    tapes: dict[Slot, Any] = field(default_factory=dict)
+    """ZB-H1: what each forward taped for its weight gradient (`split_backward.Tape`)."""
+    frc_tapes: dict[int, Any] = field(default_factory=dict)
+    """ZB-H1: the tapes of eager FRC forwards, by micro-batch (a failover adopts them)."""
     weight_work: dict[Slot, Any] = field(default_factory=dict)
-    """ZB-H1: what a `BackwardInput` kept for its `BackwardWeight` (autograd's parameter
-    groups; on stage 0 the output and its gradient)."""
+    """ZB-H1: the tapes whose `BackwardInput` ran, for their `BackwardWeight`."""
     transfers: TransferLog = field(default_factory=TransferLog)
     memory: StepMemory = field(default_factory=StepMemory)
     """What the step holds on top of the stages' state (saved activations, kept outputs, FRC)."""
