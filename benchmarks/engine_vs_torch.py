@@ -168,14 +168,14 @@ def main() -> None:
     rates: dict[str, list[float]] = {n: [] for n in names}
     medians: dict[str, list[float]] = {n: [] for n in names}
     final_loss: dict[str, float] = {}
-    breakdown: list = []
+    breakdown: dict[str, list] = {}
     for _ in range(args.reps):
         for name in names:
             runner, schedule = RUNS[name]
             result = runner(args, schedule)
             times, losses = result[0], result[1]
-            if name == "ours 1f1b" or (not breakdown and name.startswith("ours")):
-                breakdown = result[2]
+            if name.startswith("ours"):
+                breakdown.setdefault(name, []).extend(result[2][w:])
             rates[name].append((args.steps - w) / sum(times[w:]))
             medians[name].append(statistics.median(times[w:]))
             final_loss[name] = losses[-1] if losses else float("nan")
@@ -203,15 +203,16 @@ def main() -> None:
                                                "median_step_s": medians}, indent=1))
     if not breakdown:
         return
-    print("per-node breakdown of our engine, mean ms per step after warm-up "
+    print("per-node breakdown of our engine, mean ms per step after warm-up, all repetitions "
           "(reduce = the commit round):")
-    print("  stage  compute   wait  reduce  optim   step")
-    for s in range(args.stages):
-        rows = [b[s] for b in breakdown[w:]]
-        mean = {k: 1000 * statistics.fmean(r[k] for r in rows)
-                for k in ("compute_s", "wait_s", "reduce_s", "optim_s", "step_s")}
-        print(f"  {s:5d} {mean['compute_s']:8.1f} {mean['wait_s']:6.1f} {mean['reduce_s']:7.1f} "
-              f"{mean['optim_s']:6.1f} {mean['step_s']:6.1f}")
+    print("  run          stage  compute   wait  reduce  optim   step")
+    for name, steps in breakdown.items():
+        for s in range(args.stages):
+            rows = [b[s] for b in steps]
+            mean = {k: 1000 * statistics.fmean(r[k] for r in rows)
+                    for k in ("compute_s", "wait_s", "reduce_s", "optim_s", "step_s")}
+            print(f"  {name:11s} {s:6d} {mean['compute_s']:8.1f} {mean['wait_s']:6.1f} "
+                  f"{mean['reduce_s']:7.1f} {mean['optim_s']:6.1f} {mean['step_s']:6.1f}")
 
 
 if __name__ == "__main__":

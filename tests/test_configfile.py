@@ -202,6 +202,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "boot_s": [(-1, "--boot-s must be a number >= 0"), ("soon", "expected a number")],
     "pin_cpus": [("always", "'always' is not one of off, auto")],
     "frc_at": [("idle", "'idle' is not one of waits, slot")],
+    "schedule": [("zb", "'zb' is not one of 1f1b, zb-h1")],
     "check_replicas": [("yes", "expected true or false")],
     "precision": [("fp16", "'fp16' is not one of fp32, bf16")],
     "exact": [("yes", "expected true or false")],
