@@ -216,7 +216,8 @@ def test_redundancy_auto_records_a_choice_per_generation(tmp_path: Path) -> None
     modes = sim.events.of("redundancy_mode")
     assert [e["gen"] for e in modes] == list(range(sim.ctx.plan.gen + 1))
     for e in modes:
-        assert e["expected"][e["mode"]] == max(e["expected"].values()), e
+        if not e["trial"]:  # a trial is the one exception (the sim's switches cost little)
+            assert e["expected"][e["mode"]] == max(e["expected"].values()), e
     assert modes[-1]["rate_per_node_hour"] > modes[0]["rate_per_node_hour"]
     assert "eager" in modes[0]["estimated"]  # nothing measured before the first step
     accounted(sim, set())
@@ -415,3 +416,38 @@ def test_a_failed_state_transfer_is_said_in_the_projects_words(tmp_path: Path) -
     assert "pair.cc" not in shown and "gloo" not in shown
     [event] = sim.events.of("transfer_failed")
     assert event["error"] == raw and event["node"] == "n0"
+
+
+@pytest.mark.timeout(60)
+def test_redundancy_auto_tries_the_modes_it_has_not_measured(tmp_path: Path) -> None:
+    """A run long enough to afford it tries each mode it has not run (a generation each,
+    until two of its steps are timed), then chooses on what it measured: every choice that
+    is not a trial is the best of its expectations, and at the end every mode has a
+    measured step."""
+    from bamboo.cluster.coordinator.auto import TRIAL_MAX_STEPS
+    sim = run(tmp_path, cfg(nodes=4, stages=2, steps=100, redundancy="auto"), {})
+    assert sim.stopped is None, sim.stopped
+    modes = sim.events.of("redundancy_mode")
+    trials = [e for e in modes if e["trial"]]
+    assert sorted(e["mode"] for e in trials) == ["eager", "lazy"]  # the first generation ran off
+    assert modes[0]["mode"] == "off" and not modes[0]["trial"] and modes[0]["measured_step_s"] == {}
+    for e in trials:
+        assert e["mode"] in e["estimated"] and e["mode"] not in e["measured_step_s"]
+    for a, b in zip(modes, modes[1:]):
+        if a["trial"]:  # a trial lasts until its mode is measured, then the choice is made again
+            assert b["step"] - a["step"] <= TRIAL_MAX_STEPS and a["mode"] in b["measured_step_s"]
+    for e in modes:
+        if not e["trial"]:
+            assert e["expected"][e["mode"]] == max(e["expected"].values()), e
+    final = sim.core.auto.costs()
+    assert set(final.step_s) == {"eager", "lazy", "off"}
+    assert sim.ctx.committed == 100
+
+
+@pytest.mark.timeout(60)
+def test_redundancy_auto_makes_no_trial_it_cannot_afford(tmp_path: Path) -> None:
+    """Eleven steps: too few left for a trial after the first mode is measured."""
+    sim = run(tmp_path, cfg(nodes=4, stages=2, steps=11, redundancy="auto"), {})
+    assert sim.stopped is None, sim.stopped
+    modes = sim.events.of("redundancy_mode")
+    assert [e["trial"] for e in modes] == [False] * len(modes)

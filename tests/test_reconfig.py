@@ -271,7 +271,7 @@ def test_redundancy_auto_chooses_per_generation_and_ends_equal(tmp_path: Path) -
     modes = [e for e in ev if e["event"] == "redundancy_mode"]
     assert [e["gen"] for e in modes] == list(range(summary["reconfigurations"] + 1))
     for e in modes:
-        assert e["mode"] in ("eager", "lazy", "off")
+        assert e["mode"] in ("eager", "lazy", "off") and not e["trial"]  # too short to afford
         assert e["expected"][e["mode"]] == max(e["expected"].values()), e
     planned = [e["redundancy"] for e in ev if e["event"] == "reconfigured"]
     assert planned == [e["mode"] for e in modes[1:]]

@@ -151,6 +151,10 @@ class ModeCosts:
     step times; modes left out take :data:`DEFAULT_OVERHEAD`'s (eager 0.10, lazy 0.03, off 0)."""
     failover_pause_s: float = 0.0
     """Extra wall time of one failover (detection, new role map, merging the schedules)."""
+    failover_pause_by_mode: Mapping[str, float] = field(default_factory=dict)
+    """Mode -> the failover pause measured in that mode, where one was; it replaces
+    ``failover_pause_s`` for that mode, and lazy's recomputation term with it (a lazy
+    failover's measured pause already holds its forwards)."""
     reconfiguration_s: float = 0.0
     """Wall time of one reconfiguration among live nodes (the next generation's set-up)."""
     restart_s: float = 0.0
@@ -173,6 +177,10 @@ class ModeCosts:
             raise ValueError("overhead: each factor must be > -1")
         object.__setattr__(self, "step_s", step)
         object.__setattr__(self, "overhead", over)
+        pauses = _frozen_map(self.failover_pause_by_mode, "failover_pause_by_mode")
+        if any(v < 0 for v in pauses.values()):
+            raise ValueError("failover_pause_by_mode: pauses must be >= 0")
+        object.__setattr__(self, "failover_pause_by_mode", pauses)
         if isinstance(self.stages, bool) or int(self.stages) != self.stages or self.stages < 1:
             raise ValueError(f"stages must be an integer >= 1, got {self.stages!r}")
         if isinstance(self.pipelines, bool) or int(self.pipelines) != self.pipelines or self.pipelines < 1:
@@ -228,6 +236,8 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
     """Precompute ``mode``'s terms from ``costs`` (do it once; :func:`value` is then cheap)."""
     tau = costs.step_time(mode)
     recon = costs.reconfiguration_s
+    measured_pause = costs.failover_pause_by_mode.get(mode)
+    pause = costs.failover_pause_s if measured_pause is None else measured_pause
     return ModeTerms(
         mode,
         costs.samples_per_step / tau,
@@ -235,8 +245,8 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
         costs.stages,
         recon + tau,
         costs.restart_s + tau / 2 + costs.rollback_s,
-        costs.failover_pause_s + tau * (costs.shadow_slowdown - 1.0) + recon,
-        tau / 2 if mode == "lazy" else 0.0,
+        pause + tau * (costs.shadow_slowdown - 1.0) + recon,
+        tau / 2 if mode == "lazy" and measured_pause is None else 0.0,
         mode != "off" and costs.stages > 1,
     )
 

@@ -19,9 +19,23 @@ Measured here, per run:
 
 A mode switch needs a new generation, whose cost is charged to every mode but the current
 one (spread over the steps left).
+
+Measuring before choosing: the choice is the best expectation, measured or estimated (a
+mode chosen on an estimate is then run, so measured). A mode not run yet has an
+estimated step time, known only to within `UNCERTAINTY` of the estimate. When that mode,
+at the optimistic end of its band, would beat the chosen one at the current rate, the
+run tries it: `TRIAL_STEPS`
+steps in that mode (a generation of its own; its first step is not timed), then the
+choice again, on what was measured. A trial is made only when its two mode switches cost
+at most `TRIAL_BUDGET` of the run's remaining time, and each mode is tried once; since the
+test runs at every step boundary with the rate observed so far, a rate that grows (or
+falls) makes a mode worth trying as soon as its advantage passes its uncertainty. The
+failover pause is also taken per mode (a lazy failover recomputes forwards an eager one
+reuses), from the losses of the steps run in that mode.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from bamboo.cluster.coordinator.failures import FailureHandler
@@ -29,7 +43,7 @@ from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Supervisor
 from bamboo.cluster.coordinator.results import Results
 from bamboo.cluster.coordinator.state import RunContext
-from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode
+from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode, expected_samples_per_s
 
 __all__ = ["AutoRedundancy"]
 
@@ -38,6 +52,12 @@ PRIOR_WEIGHT_S = 600.0
 outweigh everything a run of minutes observes)."""
 _NOMINAL_STEP_S = 1.0
 """Only before any step ran: the absolute scale of step times matters only against the rate."""
+UNCERTAINTY = 0.15
+"""An unmeasured mode's step time may be this much (relative) below or above its estimate."""
+TRIAL_MAX_STEPS = 6
+"""A trial ends once two of its steps are timed, after at most this many steps."""
+TRIAL_BUDGET = 0.10
+"""A trial's two mode switches may cost at most this share of the remaining run's time."""
 
 
 class AutoRedundancy:
@@ -52,6 +72,13 @@ class AutoRedundancy:
         self.current: str | None = None
         self.gen_starts: set[int] = set()
         """First steps of generations (their wall time includes the setup)."""
+        self.tried: set[str] = set()
+        """Modes a trial was started for (each is tried once)."""
+        self.trial: str | None = None
+        self.trial_until = 0
+        """The step the running trial ends before."""
+        self.nothing_measured = True
+        """No step time measured yet (`costs` then gives a nominal one)."""
 
     def observe(self) -> None:
         """Accrue the node-seconds held since the last call and the losses seen since."""
@@ -95,11 +122,17 @@ class AutoRedundancy:
                 r["wall_s"] - r["frc_s"] for r in eager)
             if lazy > 0:
                 step_s["lazy"] = lazy
+        self.nothing_measured = not step_s
         if not step_s:
             step_s["off"] = _NOMINAL_STEP_S
         tau = min(step_s.values())
         losses = [x for x in self.failures.losses if x.written]
         in_flight = [x.pause_s for x in losses if x.in_flight]
+        by_mode: dict[str, float] = {}
+        for mode in ("eager", "lazy", "off"):
+            pauses = [x.pause_s for x in losses if x.in_flight and self.mode_of_step.get(x.step) == mode]
+            if pauses:
+                by_mode[mode] = statistics.median(pauses)
         restarted = [x.pause_s for x in losses if not x.in_flight and
                      str(x.handled_as) in ("peer_restore", "checkpoint_restore")]
         reconf = [t["total_s"] for t in self.gens.times if "total_s" in t]
@@ -117,6 +150,7 @@ class AutoRedundancy:
         return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.layout.micro_batch_size,
                          stages=stages, pipelines=pipelines, step_s=step_s,
                          failover_pause_s=statistics.median(in_flight) if in_flight else tau,
+                         failover_pause_by_mode=by_mode,
                          reconfiguration_s=reconf_s, restart_s=restart_s,
                          shadow_slowdown=2.0,
                          rollback_s=rollback_steps * tau if pipelines == 1 else 0.0)
@@ -129,23 +163,64 @@ class AutoRedundancy:
 
         A switch costs a reconfiguration: the expectation of every mode but the current one
         is lowered by that time spread over the steps left, so the chosen mode is exactly
-        the best of the expectations recorded."""
+        the best of the expectations recorded, unless a mode not measured yet is worth a
+        trial (`_trial_candidate`)."""
         self.observe()
         costs = self.costs()
-        choice = choose_mode(costs, self.rate.rate_per_node_s)
-        left_s = max(self.ctx.cfg.training.steps - self.ctx.committed, 1) * min(choice.step_s.values())
+        rate = self.rate.rate_per_node_s
+        choice = choose_mode(costs, rate)
+        left_steps = max(self.ctx.cfg.training.steps - self.ctx.committed, 1)
+        left_s = left_steps * min(choice.step_s.values())
         keep = left_s / (left_s + costs.reconfiguration_s)
         expected = {m: v * (1.0 if m == self.current or self.current is None else keep)
                     for m, v in choice.expected.items()}
-        best = max(expected.values())
-        order = ([self.current] if self.current else []) + list(expected)
-        mode = next(m for m in order if expected[m] == best)
+        trial = None
+        if self.trial is not None and not costs.measured(self.trial) \
+                and self.ctx.committed < self.trial_until:
+            mode = self.trial  # a trial runs until its mode is measured
+        else:
+            self.trial = None
+            best = max(expected.values())
+            order = ([self.current] if self.current else []) + list(expected)
+            mode = next(m for m in order if expected[m] == best)
+            if not self.nothing_measured:  # the first mode is measured first
+                trial = self._trial_candidate(costs, rate, mode, best, left_s, left_steps)
+            if trial is not None:
+                mode = trial
         if gen >= 0:
+            if trial is not None:
+                self.trial, self.trial_until = trial, self.ctx.committed + TRIAL_MAX_STEPS
+                self.tried.add(trial)
             self.current = mode
             self.gen_starts.add(self.ctx.committed)
             self.ctx.events.write("redundancy_mode", gen=gen, step=self.ctx.committed, mode=mode,
                                   rate_per_node_hour=choice.rate_per_node_hour,
                                   expected={m: round(v, 4) for m, v in expected.items()},
                                   step_s={m: round(v, 6) for m, v in choice.step_s.items()},
-                                  estimated=sorted(choice.estimated))
+                                  estimated=sorted(choice.estimated),
+                                  trial=self.trial == mode and self.trial is not None,
+                                  measured_step_s={} if self.nothing_measured else
+                                  {m: round(v, 6) for m, v in costs.step_s.items()},
+                                  failover_pause_s={m: round(v, 4) for m, v in
+                                                    costs.failover_pause_by_mode.items()})
         return mode
+
+    def _trial_candidate(self, costs: ModeCosts, rate: float, chosen: str, best: float,
+                         left_s: float, left_steps: int) -> str | None:
+        """An unmeasured mode other than `chosen`, not tried yet, that at the optimistic end
+        of its step time's band would beat `best` (the chosen mode's expectation), when a
+        trial is affordable: steps enough after it, and two switches within `TRIAL_BUDGET`
+        of the time left."""
+        if left_steps < 2 * TRIAL_MAX_STEPS or 2 * costs.reconfiguration_s > TRIAL_BUDGET * left_s:
+            return None
+        candidates = {}
+        for mode in ("eager", "lazy", "off"):
+            if mode == chosen or costs.measured(mode) or mode in self.tried:
+                continue
+            optimistic = dataclasses.replace(
+                costs, step_s={**costs.step_s, mode: costs.step_time(mode) * (1 - UNCERTAINTY)})
+            candidates[mode] = expected_samples_per_s(mode, optimistic, rate)
+        if not candidates:
+            return None
+        mode = max(candidates, key=candidates.get)
+        return mode if candidates[mode] > best else None
