@@ -7,7 +7,8 @@ import pytest
 
 from bamboo.pipeline import schedule as S
 from bamboo.redundancy.measured import costs_from_events
-from bamboo.redundancy.timeline import Costs, compare, main, render, simulate_step
+from bamboo.redundancy.timeline import (Costs, compare, main, render, reroute_assignment,
+                                        rerouted_step, simulate_step)
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (4, 4), (4, 8), (3, 2), (6, 12)])
@@ -172,3 +173,49 @@ def test_frc_at_waits_never_slower_and_conserves_work(P: int, M: int) -> None:
     assert one_core.step_s == pytest.approx(P * M * 0.04)
     with pytest.raises(ValueError):
         simulate_step(P, M, "eager", costs, frc_policy="sometimes")
+
+
+# -- re-routing a lost slot's micro-batches to its data-parallel peers -----------------------
+
+
+def test_reroute_assignment_spreads_micro_batches_over_the_live_peers() -> None:
+    served = reroute_assignment(4, 6, 3, [(0, 2)])
+    assert [served[(0, 2, mb)] for mb in range(6)] == [(1, 2), (2, 2)] * 3
+    two = reroute_assignment(4, 4, 3, [(0, 2), (1, 2)])
+    assert {two[(d, 2, mb)] for d in (0, 1) for mb in range(4)} == {(2, 2)}
+    with pytest.raises(ValueError, match="lost in every pipeline"):
+        reroute_assignment(4, 4, 2, [(0, 1), (1, 1)])
+
+
+@pytest.mark.parametrize("P,M,D", [(2, 2, 2), (4, 4, 2), (4, 8, 4), (3, 5, 3)])
+def test_rerouted_step_without_a_loss_is_the_plain_step(P: int, M: int, D: int) -> None:
+    costs = Costs(forward=tuple(1.0 + 0.1 * s for s in range(P)),
+                  backward=tuple(2.0 + 0.3 * s for s in range(P)), latency=0.05, commit=0.5)
+    assert rerouted_step(P, M, D, [], costs).step_s == pytest.approx(
+        simulate_step(P, M, "off", costs).step_s)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_peers_carry_the_lost_slots_work_and_more_peers_slow_less(stage: int) -> None:
+    """Each of the D - 1 peers does its own micro-batches and 1/(D - 1) of the lost slot's;
+    the step is longer than the failure-free one, at most twice it, and shorter the more
+    peers share the work."""
+    P, M = 4, 12
+    costs = Costs.uniform(P, 1.0, 2.0)
+    steps = []
+    for D in (2, 3, 4):
+        clean = rerouted_step(P, M, D, [], costs)
+        hit = rerouted_step(P, M, D, [(0, stage)], costs)
+        for e in range(1, D):
+            assert hit.busy_s[(e, stage)] == pytest.approx(3.0 * M * (1 + 1 / (D - 1)))
+        assert (0, stage) not in hit.busy_s
+        assert clean.step_s < hit.step_s <= 2 * clean.step_s
+        steps.append(hit.step_s)
+    assert steps == sorted(steps, reverse=True)
+
+
+def test_two_lost_slots_at_different_stages_both_re_routed_without_deadlock() -> None:
+    costs = Costs.uniform(4, 1.0, 2.0, latency=0.1)
+    hit = rerouted_step(4, 4, 2, [(0, 1), (1, 2)], costs)
+    assert set(hit.served_by) == {(0, 1, mb) for mb in range(4)} | {(1, 2, mb) for mb in range(4)}
+    assert hit.step_s > rerouted_step(4, 4, 2, [], costs).step_s

@@ -46,6 +46,9 @@ __all__ = [
     "main",
     "render",
     "simulate_step",
+    "ReroutedStep",
+    "reroute_assignment",
+    "rerouted_step",
 ]
 
 MODES = ("off", "lazy", "eager")
@@ -306,6 +309,88 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
                     phase_a_s=phase_a, step_s=end_commit + last, nodes=nodes)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReroutedStep:
+    """One step of D pipelines with some slots' micro-batches served by their peers."""
+
+    step_s: float
+    phase_a_s: float
+    busy_s: dict[tuple[int, int], float]
+    """Live slot (pipeline, stage) -> seconds of compute in the step."""
+    served_by: dict[tuple[int, int, int], tuple[int, int]]
+    """(pipeline, stage, micro-batch) of a lost slot -> the slot that runs it."""
+
+
+def reroute_assignment(stages: int, micro_batches: int, pipelines: int,
+                       lost: Sequence[tuple[int, int]]) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """`--redundancy reroute`'s rule: micro-batch m of a lost slot (d, s) goes to the
+    (m mod k)-th of the k live holders of stage s in the other pipelines, in pipeline
+    order. Raises ValueError when a stage has no live holder left."""
+    dead = set(lost)
+    out: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for d, s in sorted(dead):
+        peers = [(e, s) for e in range(pipelines) if (e, s) not in dead]
+        if not peers:
+            raise ValueError(f"stage {s} is lost in every pipeline: nothing to re-route to")
+        for mb in range(micro_batches):
+            out[(d, s, mb)] = peers[mb % len(peers)]
+    return out
+
+
+def rerouted_step(stages: int, micro_batches: int, pipelines: int,
+                  lost: Sequence[tuple[int, int]], costs: Costs, *,
+                  schedule: str = "1f1b") -> ReroutedStep:
+    """The timeline model of one step while the slots in `lost` are re-routed (no lost
+    slot: the failure-free step), one processor per node.
+
+    Every pipeline runs its own lists; each instruction of a lost slot runs on the peer
+    `reroute_assignment` gives its micro-batch. A node's list is its share of every
+    pipeline's work ordered by (position in the global order, pipeline): a valid
+    interleaving (all pipelines in lockstep), hence deadlock-free. Transfers take
+    `costs.latency` between nodes, none within one; the step ends with the commit round
+    and the slowest node's optimizer step."""
+    order = S.global_order(stages, micro_batches, schedule)
+    served = reroute_assignment(stages, micro_batches, pipelines, lost)
+    lists: dict[tuple[int, int], list[tuple[int, S.Instruction]]] = {}
+    for d in range(pipelines):
+        for instr in order:
+            slot = served.get((d, instr.stage, instr.mb), (d, instr.stage))
+            lists.setdefault(slot, []).append((d, instr))
+    for items in lists.values():
+        items.sort(key=lambda x: (order[x[1]], x[0]))
+    clock = dict.fromkeys(lists, 0.0)
+    busy = dict.fromkeys(lists, 0.0)
+    pc = dict.fromkeys(lists, 0)
+    sends: dict[tuple, tuple[float, tuple[int, int]]] = {}
+    while any(pc[n] < len(items) for n, items in lists.items()):
+        progressed = False
+        for n, items in lists.items():
+            while pc[n] < len(items):
+                d, instr = items[pc[n]]
+                if isinstance(instr, (S.SendActivation, S.SendGrad)):
+                    sends[(d, type(instr), instr.stage, instr.mb)] = (clock[n], n)
+                else:
+                    need = _matching_send(instr)
+                    if need is not None:
+                        if (d, *need) not in sends:
+                            break
+                        at, sender = sends[(d, *need)]
+                        clock[n] = max(clock[n], at + (0.0 if sender == n else costs.latency))
+                    else:
+                        cost = _cost(costs, instr)
+                        if cost is not None:
+                            clock[n] += cost[1]
+                            busy[n] += cost[1]
+                pc[n] += 1
+                progressed = True
+        if not progressed:
+            raise S.ScheduleError("deadlock in the rerouted timeline")
+    phase_a = max(clock.values(), default=0.0)
+    optim = max((costs.optim_cost(s) for _, s in lists), default=0.0)
+    return ReroutedStep(step_s=phase_a + costs.commit + optim, phase_a_s=phase_a, busy_s=busy,
+                        served_by=served)
+
+
 @dataclass(kw_only=True)
 class Comparison:
     timelines: dict[str, Timeline]
@@ -422,6 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="as the engine's --schedule")
     ap.add_argument("--weight-share", type=float, default=0.5,
                     help="zb-h1: the weight gradient's part of a backward (default 0.5)")
+    ap.add_argument("--pipelines", type=int, default=1,
+                    help="with --lost: data-parallel pipelines D")
+    ap.add_argument("--lost", help="D:S[,D:S...]: the step while these slots are re-routed to "
+                                   "their data-parallel peers (--redundancy reroute), against the "
+                                   "step while stage S is shadowed by its predecessor")
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--no-ascii", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -447,12 +537,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.events:
         from dataclasses import replace
         costs = replace(costs, weight_share=args.weight_share)
+    if args.lost:
+        return _print_reroute(P, M, args.pipelines, args.lost, costs, args.schedule, args.json)
     cmp = compare(P, M, costs, cores=args.cores, frc_policy=args.frc_policy,
                   schedule=args.schedule)
     if args.json:
         print(json.dumps(summary(cmp)))
     else:
         print(render(cmp, width=args.width, show=not args.no_ascii))
+    return 0
+
+
+def _print_reroute(P: int, M: int, D: int, text: str, costs: Costs, schedule: str,
+                   as_json: bool) -> int:
+    try:
+        lost = [(int(a), int(b)) for a, b in (x.split(":") for x in text.split(","))]
+        if any(not (0 <= d < D and 0 <= s < P) for d, s in lost):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"error: --lost {text!r}: write D:S[,D:S...] with D < {D}, S < {P}")
+    clean = rerouted_step(P, M, D, [], costs, schedule=schedule).step_s
+    try:
+        rerouted = rerouted_step(P, M, D, lost, costs, schedule=schedule).step_s
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    shadowed = None
+    if P > 1 and len({s for _, s in lost}) == 1 and len(lost) == 1:
+        s = lost[0][1]
+        pred = (s - 1) % P
+        held = [[x] for x in range(P) if x not in (s, pred)] + [sorted({pred, s})]
+        shadowed = simulate_step(P, M, "lazy", costs, held=held, schedule=schedule).step_s
+    figures = {"failure_free_s": clean, "rerouted_s": rerouted, "shadowed_s": shadowed}
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        print(f"timeline model: P={P} D={D} M={M}, lost {text}, one processor per node, {schedule}")
+        print(f"  failure-free step {1e3 * clean:.2f} ms")
+        print(f"  re-routed to peers {1e3 * rerouted:.2f} ms ({rerouted / clean:.3f}x)")
+        if shadowed is not None:
+            print(f"  shadowed (lazy)    {1e3 * shadowed:.2f} ms ({shadowed / clean:.3f}x)")
     return 0
 
 

@@ -12,6 +12,9 @@
   available (torchrun-style restart, Varuna-like morphing: checkpoint then restart
   when a new pipeline fits).
 * ``on-demand``: a fixed on-demand cluster, closed form.
+* ``reroute``: no replicas (ReCycle, SOSP'24): a lost node's micro-batches go to the
+  holders of the same stage in the other pipelines until a reconfiguration gives the
+  slot a node again; only a stage lost in every pipeline is fatal.
 * ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks (with
   :mod:`bamboo.redundancy.auto`, the decision ``--redundancy auto`` training uses) the
   redundancy mode (eager, lazy, off) and the number of pipelines that maximise
@@ -33,6 +36,7 @@ __all__ = [
     "CheckpointPolicy",
     "OnDemandPolicy",
     "AdaptivePolicy",
+    "ReroutePolicy",
     "POLICIES",
     "make_policy",
     "on_demand_layout",
@@ -387,6 +391,45 @@ class CheckpointPolicy(_RestartingPolicy):
         self.schedule_checkpoint(t)
 
 
+class ReroutePolicy(BambooPolicy):
+    """Re-routing to data-parallel peers instead of shadows (`--redundancy reroute`).
+
+    No replica costs anything before a loss. When the holder of stage s of pipeline d is
+    lost, the other pipelines' holders of stage s take its micro-batches: with k of the D
+    holders of a stage lost, each live one does D / (D - k) of its usual work, and the
+    step runs at the pace of the most loaded stage. The lost node's share of the step
+    under way is done again (like lazy recomputation), after the failover pause. A stage
+    lost in every pipeline (or D == 1) is fatal: a restore point, as for bamboo. The
+    reconfiguration triggers are bamboo's: a standby for each re-routed slot, or a layout
+    with more pipelines."""
+
+    name = "reroute"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.rc_mode = "reroute"
+
+    def mode_overhead(self, mode: str) -> float:
+        return 0.0  # no replica, no FRC
+
+    def node_failed(self, t: float, node: int) -> None:
+        P, D, holder = self.P, self.D, self.holder
+        pos = self.slot.pop(node)
+        holder[pos] = None
+        stage = pos % P
+        lost = [sum(holder[d * P + s] is None for d in range(D)) for s in range(P)]
+        if lost[stage] >= D:  # no live holder of this stage anywhere
+            self.fatal(t, (pos,))
+            return
+        self.overloaded += 1
+        self.bump("reroutes")
+        self.set_tau(self.base_tau * max(D / (D - k) for k in lost))
+        pause = self.preset.failover_pause_s + self.frac * self.base_tau
+        if pause > 0:
+            self.stall(pause)
+        self.want_decision(t)
+
+
 class AdaptivePolicy(BambooPolicy):
     """Picks the redundancy mode and pipelines from the observed preemption rate, maximising samples per dollar.
 
@@ -474,6 +517,7 @@ POLICIES: dict[str, type[Policy]] = {
     "checkpoint": CheckpointPolicy,
     "on-demand": OnDemandPolicy,
     "adaptive": AdaptivePolicy,
+    "reroute": ReroutePolicy,
 }
 
 

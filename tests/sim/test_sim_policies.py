@@ -58,6 +58,28 @@ def test_fatal_restores_from_peer_pipeline_without_losing_steps():
     assert r.extra["peer_restores"] == 1 and r.extra.get("rolled_back_steps", 0) == 0
 
 
+def reroute(trace):
+    return make_policy("reroute", TINY, CFG).run(trace)
+
+
+def test_reroute_survives_what_kills_a_shadow_and_dies_only_with_a_whole_stage():
+    """Adjacent stages of one pipeline (fatal for bamboo) are re-routed to the other
+    pipeline; stage 1 lost in both pipelines has no holder left: a restore point."""
+    r = reroute(make_trace([(100.0, 1), (100.5, 2)]))
+    assert r.fatal_failures == 0 and r.extra["reroutes"] == 2
+    assert "failovers" not in r.extra
+    lost_everywhere = reroute(make_trace([(100.0, 1), (100.5, 5)]))  # stage 1 of both pipelines
+    assert lost_everywhere.fatal_failures == 1 and lost_everywhere.extra["reroutes"] == 1
+
+
+def test_reroute_costs_nothing_before_a_loss():
+    """No replica, no FRC: on a quiet trace it runs at the plain step time, eager's
+    overhead (`rc_overhead`) faster than bamboo."""
+    quiet = make_trace([])
+    ratio = reroute(quiet).steps / bamboo(quiet).steps
+    assert ratio == pytest.approx(1 + TINY.rc_overhead, rel=0.01)
+
+
 def test_on_demand_closed_form():
     preset = get_preset("gpt2")
     trace = make_trace([], duration=7200.0, nodes=24)  # mean 24 live -> 2 pipelines of 12
@@ -75,7 +97,7 @@ def test_on_demand_closed_form():
 @settings(max_examples=60, deadline=None)
 @given(
     events=st.lists(st.tuples(st.floats(0, 7200), st.integers(0, 15), st.booleans()), max_size=60),
-    policy=st.sampled_from(["bamboo", "checkpoint", "adaptive"]),
+    policy=st.sampled_from(["bamboo", "checkpoint", "adaptive", "reroute"]),
     rollback=st.booleans(),
 )
 def test_time_accounting_sums_to_wall_time(events, policy, rollback):

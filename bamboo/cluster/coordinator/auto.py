@@ -22,11 +22,12 @@ one (spread over the steps left).
 
 Measuring before choosing: the choice is the best expectation, measured or estimated (a
 mode chosen on an estimate is then run, so measured). A mode not run yet has an
-estimated step time, known only to within `UNCERTAINTY` of the estimate. When that mode,
-at the optimistic end of its band, would beat the chosen one at the current rate, the
-run tries it: `TRIAL_STEPS`
+estimated step time, known only to lie in a band (its overhead over off between 0 and
+twice its default: `optimistic_step`). When that mode, at the optimistic end of its band,
+would beat the chosen one at the current rate by more than a trial costs, the run tries
+it: `TRIAL_STEPS`
 steps in that mode (a generation of its own; its first step is not timed), then the
-choice again, on what was measured. A trial is made only when its two mode switches cost
+choice again, on what was measured. A trial is made only when its two mode switches and its slower steps cost
 at most `TRIAL_BUDGET` of the run's remaining time, and each mode is tried once; since the
 test runs at every step boundary with the rate observed so far, a rate that grows (or
 falls) makes a mode worth trying as soon as its advantage passes its uncertainty. The
@@ -43,7 +44,8 @@ from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Supervisor
 from bamboo.cluster.coordinator.results import Results
 from bamboo.cluster.coordinator.state import RunContext
-from bamboo.redundancy.auto import ModeCosts, RateEstimator, choose_mode, expected_samples_per_s
+from bamboo.redundancy.auto import (DEFAULT_OVERHEAD, ModeCosts, RateEstimator, choose_mode,
+                                    expected_samples_per_s)
 
 __all__ = ["AutoRedundancy"]
 
@@ -52,12 +54,12 @@ PRIOR_WEIGHT_S = 600.0
 outweigh everything a run of minutes observes)."""
 _NOMINAL_STEP_S = 1.0
 """Only before any step ran: the absolute scale of step times matters only against the rate."""
-UNCERTAINTY = 0.15
-"""An unmeasured mode's step time may be this much (relative) below or above its estimate."""
+TRIAL_EXPECTED_STEPS = 4
+"""Steps a trial is expected to take (its first, two timed, the one its end is decided in)."""
 TRIAL_MAX_STEPS = 6
 """A trial ends once two of its steps are timed, after at most this many steps."""
-TRIAL_BUDGET = 0.10
-"""A trial's two mode switches may cost at most this share of the remaining run's time."""
+TRIAL_BUDGET = 0.05
+"""A trial may cost at most this share of the remaining run's time."""
 
 
 class AutoRedundancy:
@@ -208,19 +210,36 @@ class AutoRedundancy:
     def _trial_candidate(self, costs: ModeCosts, rate: float, chosen: str, best: float,
                          left_s: float, left_steps: int) -> str | None:
         """An unmeasured mode other than `chosen`, not tried yet, that at the optimistic end
-        of its step time's band would beat `best` (the chosen mode's expectation), when a
-        trial is affordable: steps enough after it, and two switches within `TRIAL_BUDGET`
-        of the time left."""
-        if left_steps < 2 * TRIAL_MAX_STEPS or 2 * costs.reconfiguration_s > TRIAL_BUDGET * left_s:
+        of its step time's band would beat `best` (the chosen mode's expectation) by more
+        than its trial costs: two mode switches and its trial steps' extra time, which must
+        also stay within `TRIAL_BUDGET` of the time left."""
+        if left_steps < 2 * TRIAL_MAX_STEPS:
             return None
-        candidates = {}
+        chosen_step = costs.step_time(chosen)
+        candidates: dict[str, tuple[float, float]] = {}
         for mode in ("eager", "lazy", "off"):
             if mode == chosen or costs.measured(mode) or mode in self.tried:
                 continue
             optimistic = dataclasses.replace(
-                costs, step_s={**costs.step_s, mode: costs.step_time(mode) * (1 - UNCERTAINTY)})
-            candidates[mode] = expected_samples_per_s(mode, optimistic, rate)
+                costs, step_s={**costs.step_s, mode: optimistic_step(costs, mode)})
+            value = expected_samples_per_s(mode, optimistic, rate)
+            cost_s = 2 * costs.reconfiguration_s + \
+                TRIAL_EXPECTED_STEPS * max(0.0, costs.step_time(mode) - chosen_step)
+            gain_s = (value / best - 1.0) * max(left_s - cost_s, 0.0)
+            if value > best and cost_s <= TRIAL_BUDGET * left_s and gain_s > cost_s:
+                candidates[mode] = (value, cost_s)
         if not candidates:
             return None
-        mode = max(candidates, key=candidates.get)
-        return mode if candidates[mode] > best else None
+        return max(candidates, key=lambda m: candidates[m][0])
+
+
+def optimistic_step(costs: ModeCosts, mode: str) -> float:
+    """The shortest step an unmeasured `mode` could have: each mode's overhead over off lies
+    in [0, 2 x its default] (`DEFAULT_OVERHEAD`), so no mode is faster than off, and off is
+    at least a measured mode's step over (1 + twice that mode's default overhead)."""
+    step = costs.step_s
+    if "off" in step:
+        off = step["off"]
+    else:
+        off = min(v / (1.0 + 2.0 * DEFAULT_OVERHEAD[m]) for m, v in step.items())
+    return off
