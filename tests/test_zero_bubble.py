@@ -164,7 +164,9 @@ def test_zb_h1_is_bit_identical_to_1f1b_under_exact(model: str, tmp_path: Path) 
     dict(kills=["0:0@2"]), dict(kills=["0:1@2"]), dict(kills=["0:2@2"]), dict(kills=["0:3@2"]),
     dict(kills=["0:1@1"], redundancy="lazy"),
     dict(kills=["0:0@2", "0:2@2"], comm="tagged"),
-], ids=["stage 0", "stage 1", "stage 2", "stage 3", "lazy", "two in one step, tagged"])
+    dict(kills=["0:2@2"], frc_offload=True),
+], ids=["stage 0", "stage 1", "stage 2", "stage 3", "lazy", "two in one step, tagged",
+        "FRC in host memory (adopted untaped)"])
 def test_zb_h1_survives_kills_equal_to_the_failure_free_run(flags: dict, tmp_path: Path) -> None:
     flags = dict(flags)
     kills = [parse_kill(k) for k in flags.pop("kills")]

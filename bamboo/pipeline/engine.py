@@ -310,7 +310,10 @@ class NodeEngine:
         stage = st.stage
         saved = SavedTensors(offload=frc and self.frc_offload)
         tape = Tape()
-        taping = st.taping.recording(tape) if st.taping is not None else contextlib.nullcontext()
+        # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
+        # failover adopts it, its backward runs whole in the input half.
+        taped = st.taping is not None and not (frc and self.frc_offload)
+        taping = st.taping.recording(tape) if taped else contextlib.nullcontext()
         with saved.hooks(), taping:
             with self.autocast():
                 out = self._layers(st.module, x)
@@ -320,7 +323,7 @@ class NodeEngine:
             else:
                 targets = self._batch(s, mb).targets.to(self.device)
                 loss = self.loss(out.float(), targets)
-        if st.taping is not None:
+        if taped:
             if frc:
                 s.frc_tapes[mb] = tape
             else:
@@ -436,12 +439,14 @@ class NodeEngine:
         out = s.outputs.pop(key)
         grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
         x = s.inputs.pop(key) if i.stage > 0 else None
-        dx, weights_left = input_gradient(out, grad, x, st.taping.other_params(st.params))
+        tape = s.tapes.pop(key, None)  # none: an adopted FRC forward run under --frc-offload
+        others = st.taping.other_params(st.params) if tape is not None else \
+            [p for p in st.params if p.requires_grad]
+        dx, weights_left = input_gradient(out, grad, x, others)
         if dx is not None:
             s.in_grads[key] = dx
         st.accumulate()
-        tape = s.tapes.pop(key)
-        if weights_left:
+        if weights_left and tape is not None:
             s.weight_work[key] = tape
         s.report.compute_s += time.perf_counter() - start
 
