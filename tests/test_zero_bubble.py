@@ -100,9 +100,9 @@ def test_split_gradients_are_the_whole_backwards(model: str, stage: int, precisi
     x_split = x.clone().requires_grad_(x.is_floating_point())
     with taping.recording(tape):
         loss = run(split, x_split)
-    dx, left = input_gradient(loss, None, x_split if stage else None,
-                              taping.other_params(list(split.parameters())))
-    assert left
+    assert tape.layers() == taping.linears
+    dx = input_gradient(loss, None, x_split if stage else None,
+                        Taping.other_params(list(split.parameters()), tape), tape)
     deferred = {id(q) for m in taping.linears for q in m.parameters()}
     assert all(q.grad is None for q in split.parameters() if id(q) in deferred)
     weight_gradient(tape, autocast)
@@ -129,9 +129,53 @@ def test_a_tied_linear_stays_in_the_first_half() -> None:
     taping, tape = Taping(module), Tape()
     with taping.recording(tape):
         out = module(tokens).square().mean()
-    input_gradient(out, None, None, taping.other_params(list(module.parameters())))
+    input_gradient(out, None, None, Taping.other_params(list(module.parameters()), tape), tape)
     weight_gradient(tape, contextlib.nullcontext)
     assert all(torch.equal(a, q.grad) for a, q in zip(expected, module.parameters()))
+
+
+class _Odd(nn.Module):
+    """Linear layers used in the ways a model written by hand may use them: one twice in a
+    forward, one on a 2-D input, one whose weight is used without its forward (as
+    `nn.MultiheadAttention` uses `out_proj`), one on a constant off the input's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twice = nn.Linear(6, 6)
+        self.flat = nn.Linear(6, 3)
+        self.unused_forward = nn.Linear(6, 6)
+        self.on_constant = nn.Linear(6, 6, bias=False)
+        self.register_buffer("constant", torch.randn(5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.twice(self.twice(x).tanh())
+        h = torch.nn.functional.linear(h, self.unused_forward.weight, self.unused_forward.bias)
+        h = h + self.on_constant(self.constant)
+        return self.flat(h.mean(1))  # a 2-D input
+
+
+def test_linear_layers_used_oddly_get_the_whole_backwards_gradients() -> None:
+    torch.manual_seed(1)
+    whole, split = _Odd(), _Odd()
+    split.load_state_dict(whole.state_dict())
+    x = torch.randn(4, 5, 6)
+    x_whole = x.clone().requires_grad_()
+    whole(x_whole).square().sum().backward()
+    taping, tape = Taping(split), Tape()
+    x_split = x.clone().requires_grad_()
+    with taping.recording(tape):
+        out = split(x_split).square().sum()
+    assert split.unused_forward not in tape.layers()  # its weight is the first half's
+    assert sum(e.layer is split.twice for e in tape.entries) == 2
+    dx = input_gradient(out, None, x_split, Taping.other_params(list(split.parameters()), tape),
+                        tape)
+    weight_gradient(tape, contextlib.nullcontext)
+    assert torch.equal(dx, x_whole.grad)
+    for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+        assert b.grad is not None, name
+        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7), name
+        if not name.startswith("twice"):  # one use each: the very bits
+            assert torch.equal(a.grad, b.grad), name
 
 
 # -- with processes ---------------------------------------------------------------------------

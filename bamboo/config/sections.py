@@ -104,7 +104,8 @@ class ModelSection:
     def check(self, job: JobConfig) -> None:
         if self.activation_checkpointing and job.layout.schedule == "zb-h1":
             raise ConfigError("--activation-checkpointing works with --schedule 1f1b only: "
-                              "zb-h1 keeps each backward's graph for its weight gradient",
+                              "zb-h1 keeps the linear layers' inputs for their weight "
+                              "gradients, which checkpointing would recompute",
                               "activation_checkpointing", "schedule")
         if job.training.exact and self.precision != "fp32":
             raise ConfigError("--exact needs --precision fp32: bf16 compute is not "
@@ -144,7 +145,8 @@ class LayoutSection:
     schedule: str = option("1f1b", choices=SCHEDULE_NAMES, help="""1f1b | zb-h1: the pipeline
         schedule. zb-h1 splits each backward into the input gradient and the weight gradient
         and defers the weight gradients into what 1F1B leaves idle (Zero Bubble, ICLR'24),
-        at 1F1B's peak activation memory.""")
+        with at most 1F1B's peak of micro-batches in flight on every stage; each linear
+        layer's input is kept until its weight gradient.""")
 
     @property
     def data_parallel(self) -> int:

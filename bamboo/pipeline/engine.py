@@ -431,7 +431,7 @@ class NodeEngine:
 
     def _backward_input(self, s: StepState, i: S.BackwardInput) -> None:
         """ZB-H1's first half: the input's gradient, and the gradients of every parameter
-        that is not a linear layer's own; the linear layers' wait (`split_backward`)."""
+        that is not a taped linear layer's own; the linear layers' wait (`split_backward`)."""
         start = time.perf_counter()
         key = (i.stage, i.mb)
         st = self.stages[i.stage]
@@ -440,13 +440,11 @@ class NodeEngine:
         grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
         x = s.inputs.pop(key) if i.stage > 0 else None
         tape = s.tapes.pop(key, None)  # none: an adopted FRC forward run under --frc-offload
-        others = st.taping.other_params(st.params) if tape is not None else \
-            [p for p in st.params if p.requires_grad]
-        dx, weights_left = input_gradient(out, grad, x, others)
+        dx = input_gradient(out, grad, x, Taping.other_params(st.params, tape), tape)
         if dx is not None:
             s.in_grads[key] = dx
         st.accumulate()
-        if weights_left and tape is not None:
+        if tape is not None:
             s.weight_work[key] = tape
         s.report.compute_s += time.perf_counter() - start
 

@@ -50,8 +50,9 @@ class Backward(Instruction):
 
 @dataclass(frozen=True, slots=True)
 class BackwardInput(Instruction):
-    """ZB-H1: the gradient of the stage's input for `mb` only (what the predecessor waits
-    for); the graph is kept for the weight gradient."""
+    """ZB-H1: the gradient of the stage's input for `mb` (what the predecessor waits for),
+    and of every parameter but the linear layers' weights; what those need (each layer's
+    input and output gradient) is kept for `BackwardWeight`."""
 
     mb: int
 

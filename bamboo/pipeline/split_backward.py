@@ -1,21 +1,23 @@
 """ZB-H1's split backward: the input gradient now, the linear layers' weight gradients later.
 
-A stage's forward under `--schedule zb-h1` keeps a tape: for every `nn.Linear` it ran,
-the layer and its input, and a hook on its output that will catch the output's
-gradient. `input_gradient` then runs autograd for the stage's input and for the
-parameters that are not a linear layer's own (norms, embeddings, convolutions): their
-gradients go into the stage's sum at once, and the hooks fill the tape.
-`weight_gradient` computes each linear layer's weight and bias gradients from its
-(input, output gradient) pair with the matrix products autograd's own linear backward
-runs, and adds them to the sum.
+A stage's forward under `--schedule zb-h1` keeps a tape: for every `nn.Linear` whose
+forward ran, the layer, its input (in the autocast dtype when autocast is on, as autograd
+keeps it) and the gradient edge of its output. `input_gradient` then runs one autograd
+call for the stage's input, for every parameter that is not a taped linear layer's own
+(norms, embeddings, convolutions, a linear layer whose weight is used without its
+forward), and for the taped outputs: their gradients are what the second half needs.
+`weight_gradient` computes each taped layer's weight and bias gradients from its (input,
+output gradient) pair with the matrix products autograd's own linear backward runs, and
+leaves them in `.grad`.
 
 Why not autograd's graph for the second half (torch's `stage_backward_weight`)? On a
 CPU it runs one autograd call per parameter group: 38 for one gpt2-mini stage, which
 made the weight half cost as much as a whole backward. Here it is a few matrix
 products, the work the split moves and no more.
 
-A linear layer whose weight is shared with another module (tied weights) stays in the
-first half: autograd then sees all its uses.
+A linear layer whose weight is shared with another module (tied weights) is never
+deferred: autograd then sees all its uses. The tape keeps each linear layer's input until
+the weight half runs; under 1F1B autograd would free it at the backward.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = ["Tape", "Taping", "deferred_linears", "input_gradient", "weight_gradient"]
 
@@ -34,8 +37,11 @@ __all__ = ["Tape", "Taping", "deferred_linears", "input_gradient", "weight_gradi
 class _Entry:
     layer: nn.Linear
     x: torch.Tensor
-    grad: list[torch.Tensor] = field(default_factory=list)
-    """The layer output's gradient, once `input_gradient` has run."""
+    out: GradientEdge
+    """Where the layer's output gradient is read (no reference to the output itself)."""
+    grad: torch.Tensor | None = None
+    """The layer output's gradient, once `input_gradient` has run (None: the output did
+    not reach the stage's output)."""
 
 
 @dataclass(slots=True)
@@ -44,9 +50,12 @@ class Tape:
 
     entries: list[_Entry] = field(default_factory=list)
 
+    def layers(self) -> set[nn.Linear]:
+        return {e.layer for e in self.entries}
+
 
 def deferred_linears(module: nn.Module) -> set[nn.Linear]:
-    """The linear layers of `module` whose weight gradient can wait: every parameter of
+    """The linear layers of `module` whose weight gradient may wait: every parameter of
     theirs is registered in no other module."""
     owners: dict[int, int] = {}
     for sub in module.modules():
@@ -58,7 +67,7 @@ def deferred_linears(module: nn.Module) -> set[nn.Linear]:
 
 class Taping:
     """The forward hooks of one stage's module: while `recording(tape)` is open, every
-    deferred linear layer that runs with gradients on is put on the tape."""
+    deferrable linear layer that runs with gradients on is put on the tape."""
 
     def __init__(self, module: nn.Module) -> None:
         self.linears = deferred_linears(module)
@@ -69,9 +78,11 @@ class Taping:
     def _hook(self, layer: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
         if self._tape is None or not out.requires_grad:
             return
-        entry = _Entry(layer, args[0].detach())  # type: ignore[arg-type]  # not its graph
-        out.register_hook(entry.grad.append)
-        self._tape.entries.append(entry)
+        x = args[0].detach()  # not its graph
+        kind = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(kind):
+            x = x.to(torch.get_autocast_dtype(kind))  # what autograd keeps under autocast
+        self._tape.entries.append(_Entry(layer, x, get_gradient_edge(out)))  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def recording(self, tape: Tape) -> Iterator[None]:
@@ -81,54 +92,57 @@ class Taping:
         finally:
             self._tape = None
 
-    def other_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """The parameters whose gradients the first half computes."""
-        deferred = {id(p) for m in self.linears for p in m.parameters(recurse=False)}
+    @staticmethod
+    def other_params(params: list[nn.Parameter], tape: Tape | None) -> list[nn.Parameter]:
+        """The parameters whose gradients the first half computes: all but those of the
+        linear layers on `tape` (all of them without a tape)."""
+        deferred = set() if tape is None else \
+            {id(p) for m in tape.layers() for p in m.parameters(recurse=False)}
         return [p for p in params if id(p) not in deferred and p.requires_grad]
 
 
 def input_gradient(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   others: list[nn.Parameter]) -> tuple[torch.Tensor | None, bool]:
-    """The first half: the gradient of `x` (None when it needs none), with `others`'
-    gradients left in their `.grad`; and whether the weight half has anything left.
-
-    Nothing to differentiate for (a stage whose input is data and whose parameters are
-    all deferred linears): the whole backward runs here, and nothing is left."""
-    wanted = ([x] if x is not None and x.requires_grad else []) + others
-    if not wanted:
-        torch.autograd.backward(out, grad_tensors=grad)
-        return None, False
-    grads = torch.autograd.grad(out, wanted, grad_outputs=grad, allow_unused=True)
+                   others: list[nn.Parameter], tape: Tape | None) -> torch.Tensor | None:
+    """The first half, one autograd call: the gradient of `x` (None when it needs none),
+    `others`' gradients left in their `.grad`, and each taped output's gradient kept on
+    the tape for the second half."""
+    inputs: list[Any] = ([x] if x is not None and x.requires_grad else []) + others
+    entries = tape.entries if tape is not None else []
+    n_direct = len(inputs)
+    inputs += [e.out for e in entries]
+    if not inputs:
+        return None
+    grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
     dx = None
     if x is not None and x.requires_grad:
         dx, grads = grads[0], grads[1:]
-    for p, g in zip(others, grads):
+        n_direct -= 1
+    for p, g in zip(others, grads[:n_direct]):
         if g is not None:
             p.grad = g
-    return dx, True
+    for entry, g in zip(entries, grads[n_direct:]):
+        entry.grad = g
+    return dx
 
 
 def weight_gradient(tape: Tape, autocast: Callable[[], Any]) -> None:
     """The second half: every taped linear layer's weight (and bias) gradient into `.grad`,
     as autograd computes them: dW = g^T x and db = sum of g over the rows, under the
-    forward's autocast (bf16 runs compute them in bf16, as the forward did)."""
+    forward's autocast (bf16 runs compute them in bf16, as the forward did). A layer run
+    several times in one forward sums its uses last first, as autograd's backward meets
+    them."""
     with torch.no_grad():
-        _weight_gradient(tape, autocast)
-
-
-def _weight_gradient(tape: Tape, autocast: Callable[[], Any]) -> None:
-    for entry in tape.entries:
-        if not entry.grad:
-            raise RuntimeError(f"no gradient reached {entry.layer}: its output did not feed "
-                               "the stage's output")
-        layer, g = entry.layer, entry.grad[0]
-        g2 = g.reshape(-1, g.shape[-1])
-        x2 = entry.x.reshape(-1, entry.x.shape[-1])
-        with autocast():
-            dw = g2.t().mm(x2.to(g2.dtype) if x2.dtype != g2.dtype else x2)
-        _add(layer.weight, dw)
-        if layer.bias is not None:
-            _add(layer.bias, g2.sum(0))
+        for entry in reversed(tape.entries):
+            if entry.grad is None:
+                continue  # its output did not reach the stage's output: no gradient
+            layer, g = entry.layer, entry.grad
+            g2 = g.reshape(-1, g.shape[-1])
+            x2 = entry.x.reshape(-1, entry.x.shape[-1])
+            with autocast():
+                dw = g2.t().mm(x2)
+            _add(layer.weight, dw)
+            if layer.bias is not None:
+                _add(layer.bias, g2.sum(0))
     tape.entries.clear()
 
 

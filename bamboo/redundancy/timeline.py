@@ -73,8 +73,9 @@ class Costs:
     """Optimizer step of the replica of stage r (lazy and eager); default optim[r]."""
     weight_share: float = 0.5
     """ZB-H1: the part of a backward that is the weight gradient (the rest, the input
-    gradient, is on the critical path). Stage 0 has no input gradient to send: the engine
-    runs its whole backward as the weight gradient."""
+    gradient, is on the critical path). Stage 0 has no input gradient to send and runs its
+    weight half right after its input half (ZB-H1 defers none there), so the model counts
+    its whole backward as one piece, at the weight half's place."""
 
     @classmethod
     def uniform(cls, stages: int, f: float, b: float, **kw: object) -> Costs:

@@ -81,6 +81,9 @@ class AutoRedundancy:
         """The step the running trial ends before."""
         self.nothing_measured = True
         """No step time measured yet (`costs` then gives a nominal one)."""
+        self.proposed: str | None = None
+        """A trial a step boundary ended the generation for: the next plan runs it (its
+        expectations are recomputed then, at a rate that may have moved a little)."""
 
     def observe(self) -> None:
         """Accrue the node-seconds held since the last call and the losses seen since."""
@@ -177,19 +180,26 @@ class AutoRedundancy:
         expected = {m: v * (1.0 if m == self.current or self.current is None else keep)
                     for m, v in choice.expected.items()}
         trial = None
-        if self.trial is not None and not costs.measured(self.trial) \
-                and self.ctx.committed < self.trial_until:
+        running = self.trial is not None and not costs.measured(self.trial) \
+            and self.ctx.committed < self.trial_until
+        if running:
             mode = self.trial  # a trial runs until its mode is measured
         else:
-            self.trial = None
             best = max(expected.values())
             order = ([self.current] if self.current else []) + list(expected)
             mode = next(m for m in order if expected[m] == best)
-            if not self.nothing_measured:  # the first mode is measured first
+            if gen >= 0 and self.proposed is not None and not costs.measured(self.proposed):
+                trial = self.proposed  # what the boundary ended the generation for
+            elif not self.nothing_measured:  # the first mode is measured first
                 trial = self._trial_candidate(costs, rate, mode, best, left_s, left_steps)
             if trial is not None:
                 mode = trial
-        if gen >= 0:
+        if gen < 0:
+            self.proposed = trial if trial is not None and not running else None
+        else:
+            self.proposed = None
+            if not running:
+                self.trial = None
             if trial is not None:
                 self.trial, self.trial_until = trial, self.ctx.committed + TRIAL_MAX_STEPS
                 self.tried.add(trial)
