@@ -190,8 +190,7 @@ class NodeEngine:
 
     def _schedule(self) -> list[S.Instruction]:
         frc = self.replica.stage if self.replica is not None and self.eager else None
-        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order,
-                               frc_stage=frc)
+        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
 
     def _micro_batches(self, s: StepState) -> int:
         """Phase A: the remaining instructions of this node's list; its length (fault index)."""
@@ -309,11 +308,11 @@ class NodeEngine:
         """
         stage = st.stage
         saved = SavedTensors(offload=frc and self.frc_offload)
-        tape = Tape()
         # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
         # failover adopts it, its backward runs whole in the input half.
         taped = st.taping is not None and not (frc and self.frc_offload)
-        taping = st.taping.recording(tape) if taped else contextlib.nullcontext()
+        tape = Tape() if taped else None
+        taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
         with saved.hooks(), taping:
             with self.autocast():
                 out = self._layers(st.module, x)
@@ -323,7 +322,7 @@ class NodeEngine:
             else:
                 targets = self._batch(s, mb).targets.to(self.device)
                 loss = self.loss(out.float(), targets)
-        if taped:
+        if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape
             else:

@@ -23,11 +23,10 @@ one (spread over the steps left).
 Measuring before choosing: the choice is the best expectation, measured or estimated (a
 mode chosen on an estimate is then run, so measured). A mode not run yet has an
 estimated step time, known only to lie in a band (its overhead over off between 0 and
-twice its default: `optimistic_step`). When that mode, at the optimistic end of its band,
+twice its default: `fastest_possible_step`). When that mode, at the optimistic end of its band,
 would beat the chosen one at the current rate by more than a trial costs, the run tries
-it: `TRIAL_STEPS`
-steps in that mode (a generation of its own; its first step is not timed), then the
-choice again, on what was measured. A trial is made only when its two mode switches and its slower steps cost
+it: a generation in that mode until two of its steps are timed (its first is not; at most
+`TRIAL_MAX_STEPS`), then the choice again, on what was measured. A trial is made only when its two mode switches and its slower steps cost
 at most `TRIAL_BUDGET` of the run's remaining time, and each mode is tried once; since the
 test runs at every step boundary with the rate observed so far, a rate that grows (or
 falls) makes a mode worth trying as soon as its advantage passes its uncertainty. The
@@ -226,30 +225,27 @@ class AutoRedundancy:
         if left_steps < 2 * TRIAL_MAX_STEPS:
             return None
         chosen_step = costs.step_time(chosen)
-        candidates: dict[str, tuple[float, float]] = {}
+        candidates: dict[str, float] = {}
+        fastest = fastest_possible_step(costs)
         for mode in ("eager", "lazy", "off"):
             if mode == chosen or costs.measured(mode) or mode in self.tried:
                 continue
             optimistic = dataclasses.replace(
-                costs, step_s={**costs.step_s, mode: optimistic_step(costs, mode)})
+                costs, step_s={**costs.step_s, mode: fastest})
             value = expected_samples_per_s(mode, optimistic, rate)
             cost_s = 2 * costs.reconfiguration_s + \
                 TRIAL_EXPECTED_STEPS * max(0.0, costs.step_time(mode) - chosen_step)
             gain_s = (value / best - 1.0) * max(left_s - cost_s, 0.0)
             if value > best and cost_s <= TRIAL_BUDGET * left_s and gain_s > cost_s:
-                candidates[mode] = (value, cost_s)
-        if not candidates:
-            return None
-        return max(candidates, key=lambda m: candidates[m][0])
+                candidates[mode] = value
+        return max(candidates, key=candidates.get) if candidates else None
 
 
-def optimistic_step(costs: ModeCosts, mode: str) -> float:
-    """The shortest step an unmeasured `mode` could have: each mode's overhead over off lies
+def fastest_possible_step(costs: ModeCosts) -> float:
+    """The shortest step any unmeasured mode could have: each mode's overhead over off lies
     in [0, 2 x its default] (`DEFAULT_OVERHEAD`), so no mode is faster than off, and off is
     at least a measured mode's step over (1 + twice that mode's default overhead)."""
     step = costs.step_s
     if "off" in step:
-        off = step["off"]
-    else:
-        off = min(v / (1.0 + 2.0 * DEFAULT_OVERHEAD[m]) for m, v in step.items())
-    return off
+        return step["off"]
+    return min(v / (1.0 + 2.0 * DEFAULT_OVERHEAD[m]) for m, v in step.items())
