@@ -51,6 +51,13 @@ class FaultPlan:
         self.steps = {f.step for f in self.faults}
         self._aimed.clear()
 
+    def aim(self, step: int) -> None:
+        """Decide, as `step` begins, which of its stage-aimed faults are this node's (a role
+        change later in the step, a re-route say, does not re-aim them)."""
+        for f in self.faults:
+            if f.step == step:
+                self._aimed_here(step, f)
+
     def _aimed_here(self, step: int, f: Fault) -> bool:
         if f.pipeline is None or f.stage is None:
             return True

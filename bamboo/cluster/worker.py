@@ -199,7 +199,7 @@ class _Node:
         layout = Layout(nodes=len(plan.members), pipelines=plan.pipelines, stages=plan.stages,
                         global_micro_batches=cfg.global_micro_batches)
         engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
-                            rank=rank, roles=plan.roles(plan.redundancy != "off"), task=self.task,
+                            rank=rank, roles=plan.roles(plan.redundancy in ("eager", "lazy")), task=self.task,
                             hyper=self.hyper, seed=cfg.training.seed, device=self.device, link=self.link,
                             redundancy=plan.redundancy, group=group,
                             former=self._former(plan, rank), slot=self.spec.slot,

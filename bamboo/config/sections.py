@@ -25,7 +25,7 @@ __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSecti
            "CheckpointSection", "EvaluationSection", "LoggingSection", "HEARTBEAT_S",
            "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
 
-REDUNDANCY_MODES = ("eager", "lazy", "off", "auto")
+REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")
 COMM_MODES = ("strict", "tagged")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -201,8 +201,9 @@ class RedundancySection:
     """How a lost node's work goes on: redundant computation, or the baselines."""
 
     mode: str = option("eager", key="redundancy", choices=REDUNDANCY_MODES, help="""eager |
-        lazy | off: how a node prepares to take over its successor's stage; auto: chosen at
-        every generation from the preemption rate and the costs measured in the run.""")
+        lazy | off: how a node prepares to take over its successor's stage; reroute (D >= 2):
+        no replicas, a lost stage's micro-batches go to its data-parallel peers; auto: chosen
+        at every generation from the preemption rate and the costs measured in the run.""")
     frc_at: str = option("waits", choices=FRC_PLACES, help="""waits | slot: where eager FRC
         runs. waits: while the node waits for a transfer, one redundant forward at a time,
         and what is left before the commit round; slot: right after its input is ready,
@@ -217,6 +218,11 @@ class RedundancySection:
         with its primary's after every step.""")
 
     def check(self, job: JobConfig) -> None:
+        if self.mode == "reroute" and job.layout.data_parallel < 2:
+            raise ConfigError(f"--redundancy reroute needs at least 2 pipelines (got "
+                              f"{job.layout.data_parallel}): give --nodes at least twice "
+                              f"--stages, or choose eager, lazy or off", "redundancy", "pipelines",
+                              "nodes")
         if self.recovery == "checkpoint-restart" and (self.mode != "off"
                                                       or job.checkpoints.every < 1):
             raise ConfigError("--recovery checkpoint-restart needs --redundancy off and "

@@ -8,7 +8,8 @@ holds gloo to), and two nodes sending to each other in one phase do so in one gr
 1. data-parallel sums of every stage held by more than one pipeline:
    - `exact`: members send their float64 sums to the stage's holder in pipeline 0 (UP),
      which adds them in pipeline order and sends the total back (DOWN): any layout gives
-     the same bits;
+     the same bits (a peer serving a re-routed slot sends that pipeline's sum apart from its
+     own, so the order is kept);
    - otherwise: one all-reduce on the stage's data-parallel group, in the sums' dtype;
 2. REPLICA: each stage's reduced gradient (float32) to the node keeping its replica;
 3. NORM: per-layer squared norms to the root (UP), the global norm back to all (DOWN).
@@ -102,42 +103,85 @@ class _Round:
 
     # -- 1. data-parallel sums ---------------------------------------------------------------
 
+    def _local_sum(self, st: StageState) -> torch.Tensor:
+        """This node's whole sum for the stage: its own pipeline's, plus the micro-batches of
+        re-routed slots it served."""
+        served = st.served_sums()
+        if not served:
+            return st.grad_sum
+        total = st.grad_sum.clone()
+        for flat in served.values():
+            total += flat
+        return total
+
     def _shared_stages(self) -> list[tuple[int, StageState, list[int]]]:
         out = []
         for stage, st in sorted(self.stages.items()):
             members = self.roles.stage_members(stage)
-            if len(members) == 1:
-                self.result.reduced[stage] = st.grad_sum
+            if len(members) == 1 and not self.exact:
+                self.result.reduced[stage] = self._local_sum(st)
             else:
                 out.append((stage, st, members))
         return out
 
+    def _contributions(self, stage: int) -> list[tuple[int, int]]:
+        """(pipeline, rank) of every partial sum of `stage`, in pipeline order: one per
+        pipeline, or for a re-routed slot one per serving peer, in peer order."""
+        out = []
+        for d in range(self.roles.pipelines):
+            route = self.roles.route(d, stage)
+            peers = [self.roles.holders[d][stage]] if route is None else \
+                list(dict.fromkeys(route.peers))
+            out += [(d, rank) for rank in peers]
+        return out
+
+    def _partial(self, st: StageState, pipeline: int) -> torch.Tensor:
+        """This node's partial sum of `pipeline` at stage `st`."""
+        if pipeline == self.pipeline:
+            return st.grad_sum
+        served = st.served_sums().get(pipeline)
+        return served if served is not None else torch.zeros_like(st.grad_sum)
+
     def _reduce_in_pipeline_order(self) -> None:
+        """Every partial sum goes to the first contributor (the stage's holder in the
+        lowest pipeline), which adds them in pipeline order and sends the total back."""
         shared = self._shared_stages()
+        plans = {stage: self._contributions(stage) for stage, _, _ in shared}
         sends, recvs = [], []
-        for stage, st, members in shared:
-            if members[0] != self.rank:
-                sends.append((_with_status(st.grad_sum, True), members[0], (DP_UP, stage, 0)))
+        for stage, st, _ in shared:
+            parts = plans[stage]
+            root = parts[0][1]
+            if root != self.rank:
+                sends += [(_with_status(self._partial(st, d), True), root, (DP_UP, stage, d))
+                          for d, rank in parts if rank == self.rank]
             else:
-                recvs += [(st.grad_sum.new_empty(st.numel + 1), m, (DP_UP, stage, 0))
-                          for m in members[1:]]
+                recvs += [(st.grad_sum.new_empty(st.numel + 1), rank, (DP_UP, stage, d))
+                          for d, rank in parts if rank != self.rank]
         arrived = iter(zip(self._phase(sends, recvs), recvs))
         sends, recvs = [], []
         for stage, st, members in shared:
-            if members[0] == self.rank:
-                total, ok = st.grad_sum.clone(), True
-                for _ in members[1:]:
-                    got, (buf, _, _) = next(arrived)
-                    ok &= got
+            parts = plans[stage]
+            if parts[0][1] == self.rank:
+                total, ok = None, True
+                for d, rank in parts:
+                    if rank == self.rank:
+                        part = self._partial(st, d)
+                    else:
+                        got, (buf, _, _) = next(arrived)
+                        ok &= got
+                        part = buf[:-1]
                     if ok:
-                        total += buf[:-1]
+                        total = part.clone() if total is None else total.__iadd__(part)
+                if total is None:
+                    total = torch.zeros_like(st.grad_sum)
+                members = [m for m in members if m != self.rank]
                 if ok:
                     self.result.reduced[stage] = total
                 message = _with_status(total, ok)
-                sends += [(message, m, (DP_DOWN, stage, 0)) for m in members[1:]]
+                sends += [(message, m, (DP_DOWN, stage, 0)) for m in members]
             else:
-                recvs.append((st.grad_sum.new_empty(st.numel + 1), members[0], (DP_DOWN, stage, 0)))
-        recv_stages = [stage for stage, _, members in shared if members[0] != self.rank]
+                recvs.append((st.grad_sum.new_empty(st.numel + 1), parts[0][1], (DP_DOWN, stage, 0)))
+        recv_stages = [stage for stage, _, _ in shared if plans[stage][0][1] != self.rank]
         for stage, got, (buf, _, _) in zip(recv_stages, self._phase(sends, recvs), recvs):
             if got:
                 self.result.reduced[stage] = buf[:-1]
@@ -146,7 +190,7 @@ class _Round:
         """One all-reduce per shared stage, in stage order (a global order: no two nodes wait
         on each other's groups), on the group of its members under these roles."""
         for stage, st, members in self._shared_stages():
-            buf = _with_status(st.grad_sum, True)
+            buf = _with_status(self._local_sum(st), True)
             try:
                 self.p2p.all_reduce(buf, members, f"e{self.roles.epoch}.dp{stage}", self.interrupt)
             except (PeerLost, Interrupted):

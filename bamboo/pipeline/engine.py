@@ -45,7 +45,7 @@ from bamboo.pipeline.memory import SavedTensors, storage_bytes
 from bamboo.pipeline.optim import clip_coefficient, learning_rate
 from bamboo.pipeline.split_backward import Tape, Taping, input_gradient, weight_gradient
 from bamboo.pipeline.stage import StageState
-from bamboo.pipeline.step import StepState
+from bamboo.pipeline.step import StepState, TransferLog
 from bamboo.pipeline.transport import Transport, make_transport
 from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 from bamboo.redundancy.roles import RoleMap
@@ -88,21 +88,29 @@ class NodeEngine:
         self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.eager, self.check_replicas = redundancy == "eager", check_replicas
-        self.keep_outputs = redundancy != "off"  # a shadow adopting a stage needs its inputs
+        shadowed = redundancy in ("eager", "lazy")
+        self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
         self.frc_offload, self.frc_at = frc_offload, frc_at
         self.comm, self.precision, self.exact = comm, precision, exact
         self.activation_checkpointing = activation_checkpointing
         self.P = layout.stages
         self.pipeline = roles.pipeline_of(rank)
-        self.global_mbs = layout.micro_batches(self.pipeline)
+        self.blocks = [layout.micro_batches(d) for d in range(layout.pipelines)]
+        """Global micro-batch ids of each pipeline: the engine's instructions, buffers and
+        transfer keys name micro-batches by these ids, so work of two pipelines on one node
+        (a re-routed slot) never shares a key."""
+        self.local_index = {g: (d, i) for d, block in enumerate(self.blocks)
+                            for i, g in enumerate(block)}
+        self.global_mbs = self.blocks[self.pipeline]
         self.M = len(self.global_mbs)
         self.schedule_name = schedule
-        self.order = S.global_order(self.P, self.M, schedule)
+        self._orders: dict[int, dict[S.Instruction, int]] = {}
+        self.order = self.order_of(self.M)
         self.weight = 1.0 / layout.global_micro_batches
         self.specs = boundary_shapes(preset, task.micro_batch_size)
         self.loss = loss_fn(preset)
         self.stages = {s: self.build(s) for s in roles.stages_of(rank)}
-        replica = roles.replica_of(rank) if redundancy != "off" else None
+        replica = roles.replica_of(rank) if shadowed else None
         self.replica = self.build(replica) if replica is not None else None
         self.former = former
         self.transport: Transport = make_transport(self, comm, group)
@@ -136,6 +144,7 @@ class NodeEngine:
         s = StepState(step)
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
+        self.faults.aim(step)
         while True:
             wait = False
             try:
@@ -188,9 +197,25 @@ class NodeEngine:
         if self.progress is not None:
             self.progress(step, phase)
 
+    def order_of(self, micro_batches: int) -> dict[S.Instruction, int]:
+        """The `--schedule`'s global order for a pipeline of `micro_batches` (local ids)."""
+        if micro_batches not in self._orders:
+            self._orders[micro_batches] = S.global_order(self.P, micro_batches, self.schedule_name)
+        return self._orders[micro_batches]
+
     def _schedule(self) -> list[S.Instruction]:
+        """This node's list, micro-batches named by global id: its own pipeline's work, and
+        the share of each re-routed slot it serves (`schedule.merge_pipelines`)."""
         frc = self.replica.stage if self.replica is not None and self.eager else None
-        return S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
+        own = S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
+        lists = [(self.pipeline, own)]
+        for r in self.roles.served_by(self.rank):
+            block = self.blocks[r.pipeline]
+            mine = {i for i in range(len(block)) if r.peer_for(i) == self.rank}
+            order = self.order_of(len(block))
+            lists.append((r.pipeline, [i for i in sorted(order, key=order.__getitem__)
+                                       if i.stage == r.stage and i.mb in mine]))
+        return S.merge_pipelines(lists, self.blocks, self.order_of)
 
     def _micro_batches(self, s: StepState) -> int:
         """Phase A: the remaining instructions of this node's list; its length (fault index)."""
@@ -252,8 +277,14 @@ class NodeEngine:
 
     # -- instructions -----------------------------------------------------------------------
 
-    def holder(self, stage: int) -> int:
-        return self.roles.holders[self.pipeline][stage]
+    def holder(self, stage: int, pipeline: int | None = None) -> int:
+        """The holder of `stage` in `pipeline` (default this node's)."""
+        return self.roles.holders[self.pipeline if pipeline is None else pipeline][stage]
+
+    def worker(self, stage: int, mb: int) -> int:
+        """The rank that runs `stage` of global micro-batch `mb` (a re-routed slot's peer)."""
+        d, index = self.local_index[mb]
+        return self.roles.worker(d, stage, index)
 
     def _data(self, s: StepState, mb: int) -> torch.Tensor:
         """Stage 0's input for micro-batch `mb`: any node can build it from (seed, step, mb)."""
@@ -263,7 +294,7 @@ class NodeEngine:
         """Micro-batch `mb` of this step, built once (the last stage needs its targets, and
         may also run stage 0's FRC on its inputs)."""
         if mb not in s.batches:
-            s.batches[mb] = self.task.batch(s.step, self.global_mbs[mb])
+            s.batches[mb] = self.task.batch(s.step, mb)
         return s.batches[mb]
 
     def autocast(self) -> Any:
@@ -347,7 +378,7 @@ class NodeEngine:
         if key in s.transfers.received_acts:  # the received input, held until the backward
             meter.hold(("fwd", *key), storage_bytes(x))
         if loss is not None:
-            s.losses[self.global_mbs[i.mb]] = loss
+            s.losses[i.mb] = loss
         elif self.keep_outputs:
             s.saved_out[key] = out.detach()
             meter.hold(("kept", *key), storage_bytes(out))  # for a shadow: the whole step
@@ -420,13 +451,35 @@ class NodeEngine:
     def _backward_done(self, s: StepState, stage: int, mb: int, start: float) -> None:
         """A micro-batch's parameter gradients are in .grad: into the sum; its saved
         tensors are freed."""
-        self.stages[stage].accumulate()
+        self._accumulate(stage, mb)
         meter = s.memory
         if not meter.release(("fwd", stage, mb)):
             meter.release(("frc", stage, mb))  # an adopted FRC forward's (after a failover)
         if stage in s.adopted:
             s.report.brc += 1
         s.report.compute_s += time.perf_counter() - start
+
+    def _accumulate(self, stage: int, mb: int) -> None:
+        """Into the stage's gradient sum; a served pipeline's micro-batch into its own."""
+        d = self.local_index[mb][0]
+        self.stages[stage].accumulate(None if d == self.pipeline else d)
+
+    def restart_step(self, s: StepState) -> None:
+        """A stage was re-routed: drop everything of the step under way (its buffers, its
+        transfer log, the gradient sums) so it runs again, whole, under the new roles."""
+        for st in self.stages.values():
+            st.reset_grads()
+        s.done.clear()
+        for buffers in (s.inputs, s.outputs, s.saved_out, s.out_grads, s.in_grads, s.tapes,
+                        s.frc_tapes, s.weight_work, s.frc, s.losses):
+            buffers.clear()
+        s.frc_pending.clear()
+        s.restores.clear()
+        s.adopted.clear()
+        s.transfers = TransferLog()
+        s.memory.release_all()
+        s.restarted = True
+        s.report.restarts += 1
 
     def _backward_input(self, s: StepState, i: S.BackwardInput) -> None:
         """ZB-H1's first half: the input's gradient, and the gradients of every parameter
@@ -442,7 +495,7 @@ class NodeEngine:
         dx = input_gradient(out, grad, x, Taping.other_params(st.params, tape), tape)
         if dx is not None:
             s.in_grads[key] = dx
-        st.accumulate()
+        self._accumulate(i.stage, i.mb)
         if tape is not None:
             s.weight_work[key] = tape
         s.report.compute_s += time.perf_counter() - start
@@ -463,7 +516,7 @@ class NodeEngine:
 
     def _send_activation(self, s: StepState, i: S.SendActivation) -> None:
         out = s.outputs[(i.stage, i.mb)].detach()
-        peer = self.holder(i.stage + 1)
+        peer = self.worker(i.stage + 1, i.mb)
         if peer != self.rank:
             key = (ACTIVATION, i.stage, i.mb)
             if key not in s.transfers.peer_has:
@@ -474,7 +527,7 @@ class NodeEngine:
 
     def _recv_activation(self, s: StepState, i: S.RecvActivation) -> None:
         key = (i.stage, i.mb)
-        peer = self.holder(i.stage - 1)
+        peer = self.worker(i.stage - 1, i.mb)
         if peer == self.rank:
             return  # passed in memory by this node's own SendActivation, earlier in the list
         spec = self.specs[self.parts[i.stage].start - 1]
@@ -486,7 +539,7 @@ class NodeEngine:
 
     def _send_grad(self, s: StepState, i: S.SendGrad) -> None:
         grad = s.in_grads[(i.stage, i.mb)]  # kept until sent: a failed send is retried
-        peer = self.holder(i.stage - 1)
+        peer = self.worker(i.stage - 1, i.mb)
         if peer != self.rank:
             key = (GRADIENT, i.stage, i.mb)
             if key not in s.transfers.peer_has:
@@ -498,7 +551,7 @@ class NodeEngine:
         del s.in_grads[(i.stage, i.mb)]
 
     def _recv_grad(self, s: StepState, i: S.RecvGrad) -> None:
-        peer = self.holder(i.stage + 1)
+        peer = self.worker(i.stage + 1, i.mb)
         if peer == self.rank:
             return  # passed in memory by this node's own SendGrad
         spec = self.specs[self.parts[i.stage].stop - 1]

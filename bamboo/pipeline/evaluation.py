@@ -49,15 +49,20 @@ def _eval_pass(e: NodeEngine, step: int, batches: int) -> list[tuple[int, float,
     # order: between any two nodes the messages of a direction come in one order on
     # both sides (what strict communication needs), whatever stages each holds. The
     # epoch is in the tagged key: a message of a pass cut short never matches a later one.
+    # A slot re-routed to data-parallel peers is evaluated by its first peer (its holder
+    # in the role map), which walks that pipeline's micro-batches too.
     pipelines = e.roles.pipelines
-    mine = sorted(e.stages)
     losses = []
     p2p = e.transport.p2p
-    for index in range(e.pipeline, batches, pipelines):
+    for index in range(batches):
+        d = index % pipelines
+        mine = [s for s in range(e.P) if e.holder(s, d) == e.rank and s in e.stages]
+        if not mine:
+            continue
         seq = ((e.roles.epoch % 64) << 12) | index
         batch, x = None, None
         for stage in mine:
-            source = e.holder(stage - 1) if stage > 0 else e.rank
+            source = e.holder(stage - 1, d) if stage > 0 else e.rank
             if stage == 0:
                 batch = e.task.eval_batch(index)
                 x = batch.inputs.to(e.device)
@@ -73,7 +78,7 @@ def _eval_pass(e: NodeEngine, step: int, batches: int) -> list[tuple[int, float,
                 losses.append((index, float(loss), 1.0 / batches))
                 continue
             x = out.to(e.specs[e.parts[stage].stop - 1].dtype)
-            target = e.holder(stage + 1)
+            target = e.holder(stage + 1, d)
             if target != e.rank:
                 p2p.send(x, target, (EVAL, stage, seq))
         e.faults.check(step, EVAL_FAULT_INDEX, False, True)

@@ -2,7 +2,8 @@
 
 A shadow adopts the lost stage (from its replica, with the eager FRC results, or restored
 from a peer pipeline) and its instruction list grows by that stage's work, all of whose
-backward passes it redoes; the transport (`bamboo.pipeline.transport`) makes the lost
+backward passes it redoes; under `--redundancy reroute` the lost stage's data-parallel
+peers take its micro-batches and every node starts the step under way again; the transport (`bamboo.pipeline.transport`) makes the lost
 stage's successor get what it needs again; peer restores send or receive a stage's whole
 state. Nothing restarts and the step ends with the bits a failure-free step gives.
 """
@@ -74,6 +75,8 @@ def _apply_roles(e: NodeEngine, s: StepState, new: RoleMap) -> None:
         raise GenerationEnded()
     e.roles = new
     e.transport.roles_applied(new)
+    if new.rerouted:  # `--redundancy reroute`: the step runs again, whole, under these roles
+        e.restart_step(s)
     for t in new.takeovers:
         if t.pipeline == e.pipeline and t.new_holder == e.rank:
             _adopt(e, s, t)
@@ -103,7 +106,7 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
     stage = t.stage
     e.stages[stage] = st
     s.adopted.add(stage)
-    for mb in range(e.M):
+    for mb in e.global_mbs:
         key = (stage, mb)
         if stage > 0 and (stage - 1, mb) in s.saved_out:
             s.inputs[key] = s.saved_out[(stage - 1, mb)].detach().requires_grad_()
@@ -114,7 +117,7 @@ def _install(e: NodeEngine, s: StepState, t: Takeover, st: StageState) -> None:
             if mb in s.frc_tapes:
                 s.tapes[key] = s.frc_tapes.pop(mb)
             if loss is not None:
-                s.losses[e.global_mbs[mb]] = loss
+                s.losses[mb] = loss
             else:
                 s.saved_out[key] = out.detach()
             s.done.update({S.RecvActivation(stage, mb), S.Forward(stage, mb)})

@@ -148,6 +148,11 @@ class StepMemory:
         self.host -= share[1]
         return True
 
+    def release_all(self) -> None:
+        """Drop every share (the step starts again); the peaks stay."""
+        self.held.clear()
+        self.device = self.host = 0
+
 
 def state_dict_bytes(state: dict[Any, dict[str, Any]], keys: tuple[str, ...]) -> int:
     """Bytes of the tensors `keys` in an optimizer's per-parameter state."""

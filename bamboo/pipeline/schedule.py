@@ -17,13 +17,15 @@ the coordinator's go/commit votes.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "Instruction", "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe", "zb_h1", "SCHEDULES", "BACKWARDS",
     "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
+    "merge_pipelines",
 ]
 
 
@@ -292,3 +294,30 @@ def node_schedule(held: Sequence[int], stages: int, micro_batches: int, *,
     if frc_stage == 0 and stages == 1:
         out = [RedundantForward(0, mb) for mb in range(micro_batches)] + out
     return out
+
+
+def merge_pipelines(lists: Sequence[tuple[int, Sequence[Instruction]]],
+                    blocks: Sequence[Sequence[int]],
+                    order_of: Callable[[int], dict[Instruction, int]]) -> list[Instruction]:
+    """One node's work in several pipelines (its own, and re-routed slots it serves) as one
+    list, micro-batches renamed to their global ids (`blocks[d][local]`).
+
+    Each pipeline's instructions are ranked by their position in that pipeline's global
+    order (`order_of(M_d)`), ties broken by pipeline. Every node ranks alike, so every
+    node's list is a subsequence of one total order of all pipelines' work, which
+    interleaves complete executions of each: the argument of `global_order` then makes the
+    lists deadlock-free together. An FRC forward keeps its place after the instruction it
+    followed.
+    """
+    keyed: list[tuple[tuple[int, int, int], Instruction]] = []
+    for d, instrs in lists:
+        order = order_of(len(blocks[d]))
+        last, k = -1, 0
+        for instr in instrs:
+            if instr in order:
+                last, k = order[instr], 0
+            else:
+                k += 1
+            keyed.append(((last, d, k), dataclasses.replace(instr, mb=blocks[d][instr.mb])))
+    keyed.sort(key=lambda item: item[0])
+    return [instr for _, instr in keyed]

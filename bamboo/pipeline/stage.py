@@ -46,6 +46,10 @@ class StageState:
         self.numel = sum(p.numel() for p in self.params)
         self._grad_sum: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
+        self._served: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        """`--redundancy reroute`: the gradient sums of the micro-batches of other pipelines
+        this node serves at this stage, one per pipeline (summed apart, so that `--exact`
+        adds every pipeline's sum in pipeline order as a failure-free step does)."""
         self.optimizer_on_host = False
         """The AdamW moments live in host memory (see `offload_optimizer`)."""
         self.taping: Any = None
@@ -83,9 +87,21 @@ class StageState:
             offset += p.numel()
         return views
 
-    def accumulate(self) -> None:
-        """Add this micro-batch's parameter gradients to the gradient sum."""
-        for view, p in zip(self._sum_views(), self.params):
+    def served_sums(self) -> dict[int, torch.Tensor]:
+        """Pipeline -> the gradient sum of its re-routed micro-batches this node ran."""
+        return {d: flat for d, (flat, _) in sorted(self._served.items())}
+
+    def accumulate(self, served_for: int | None = None) -> None:
+        """Add this micro-batch's parameter gradients to the gradient sum (with `served_for`,
+        to the sum of that pipeline's re-routed micro-batches)."""
+        if served_for is None:
+            views = self._sum_views()
+        else:
+            if served_for not in self._served:
+                flat = torch.zeros(self.numel, dtype=self.accumulate_dtype, device=self.device)
+                self._served[served_for] = (flat, self._split(flat))
+            views = self._served[served_for][1]
+        for view, p in zip(views, self.params):
             if p.grad is not None:
                 view.add_(p.grad)
                 p.grad = None
@@ -174,6 +190,7 @@ class StageState:
         params = sum(p.numel() * p.element_size() for p in self.params)
         grads = 0 if self._grad_sum is None else \
             self._grad_sum.numel() * self._grad_sum.element_size()
+        grads += sum(flat.numel() * flat.element_size() for flat, _ in self._served.values())
         moments = state_dict_bytes(self.optimizer.state, MOMENTS)
         if self.optimizer_on_host:
             return params + grads, moments
@@ -182,6 +199,7 @@ class StageState:
     def reset_grads(self) -> None:
         if self._grad_sum is not None:
             self._grad_sum.zero_()
+        self._served.clear()
         for p in self.params:
             p.grad = None
 

@@ -69,4 +69,7 @@ class StepState:
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
     seen_forward: bool = False
+    restarted: bool = False
+    """A re-route restarted the step since the transport last settled: nothing of it was
+    sent or received under the new roles, so there is nothing to settle."""
     report: StepReport | None = None

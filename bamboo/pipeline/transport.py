@@ -64,6 +64,10 @@ class TaggedTransport:
 
     def roles_applied(self, new: RoleMap) -> None:
         self.p2p.forget(set(new.dead))
+        if new.rerouted:
+            # The step starts again: a transfer of the dropped attempt still in flight on
+            # this group would match the same key of the new one, so it gets a new group.
+            self.p2p.abandon()
 
     def takeover(self, s: StepState, t: Takeover) -> None:
         """As the lost stage's successor: send this step's gradients again, take every
@@ -84,7 +88,20 @@ class TaggedTransport:
                 log.dup_recvs.append((work, t.new_holder))
 
     def settle(self, s: StepState) -> None:
-        pass
+        """After a re-route: the survivors' new group (tags as before)."""
+        if not self.p2p.abandoned:
+            return
+        e = self.e
+        start = time.perf_counter()
+        members = e.roles.active_ranks()
+        assert e.former is not None, "a re-route needs a group former"
+        group = form_interruptibly(e.former, f"e{e.roles.epoch}", members, e.interrupted)
+        self.p2p = P2P(group, strict=False, ranks=members, device=e.device, former=e.former,
+                       name=f"e{e.roles.epoch}")
+        e.link.on_epoch = self.p2p.wake.set
+        s.restarted = False
+        s.report.rebuild_s += time.perf_counter() - start
+        s.report.rebuilds += 1
 
 
 class StrictTransport:
@@ -128,7 +145,9 @@ class StrictTransport:
         self.p2p = P2P(group, strict=True, gradient_group=gradients, ranks=members,
                        device=e.device, former=e.former, name=name)
         e.link.on_epoch = self.p2p.wake.set
-        self._settle_transfers(s)
+        if not s.restarted:  # a re-route started the step again: nothing is in flight
+            self._settle_transfers(s)
+        s.restarted = False
         s.report.rebuild_s += time.perf_counter() - start
         s.report.rebuilds += 1
 
@@ -152,16 +171,17 @@ class StrictTransport:
         micro-batch order, what it sent and the receiver lacks; what the receiver already has
         (from the lost node, say) is not sent again. The schedule then goes on."""
         e, log, M = self.e, s.transfers, self.e.M
+        mbs = e.global_mbs
         boundaries = self._boundaries()
         mine, theirs = [], []
         for t, peer, upstream in boundaries:
-            acts = [(ACTIVATION, t, mb) for mb in range(M)]
-            grads = [(GRADIENT, t + 1, mb) for mb in range(M)]
+            acts = [(ACTIVATION, t, mb) for mb in mbs]
+            grads = [(GRADIENT, t + 1, mb) for mb in mbs]
             if upstream:
                 flags = [k in log.sent for k in acts] + \
-                    [S.RecvGrad(t, mb) in s.done for mb in range(M)]
+                    [S.RecvGrad(t, mb) in s.done for mb in mbs]
             else:
-                flags = [S.RecvActivation(t + 1, mb) in s.done for mb in range(M)] + \
+                flags = [S.RecvActivation(t + 1, mb) in s.done for mb in mbs] + \
                     [k in log.sent for k in grads]
             mine.append((torch.tensor(flags, dtype=torch.int32, device=e.device), peer,
                          (MANIFEST, t, 0)))
@@ -175,16 +195,16 @@ class StrictTransport:
             out_kind, out_stage, in_kind, in_stage = (ACTIVATION, t, GRADIENT, t + 1) if upstream \
                 else (GRADIENT, t + 1, ACTIVATION, t)
             spec = e.specs[e.parts[t].stop - 1]
-            for mb in range(M):
+            for i, mb in enumerate(mbs):
                 key = (out_kind, out_stage, mb)
-                if flags[mb if upstream else M + mb] == 0 and key in log.sent:
+                if flags[i if upstream else M + i] == 0 and key in log.sent:
                     sends.append((log.sent[key], peer, key))
                     s.report.resent_grads += out_kind == GRADIENT
-                elif flags[mb if upstream else M + mb]:
+                elif flags[i if upstream else M + i]:
                     log.peer_has.add(key)
-            for mb in range(M):
+            for i, mb in enumerate(mbs):
                 instr = S.RecvGrad(t, mb) if upstream else S.RecvActivation(t + 1, mb)
-                if flags[M + mb if upstream else mb] and instr not in s.done:
+                if flags[M + i if upstream else i] and instr not in s.done:
                     buf = torch.empty(spec.shape, dtype=spec.dtype, device=e.device)
                     recvs.append((buf, peer, (in_kind, in_stage, mb)))
                     sinks.append(instr)

@@ -91,6 +91,8 @@ class StepReport:
     rebuild_s: float = 0.0
     """strict: seconds those formations took, with settling the step's transfers."""
     attempts: int = 1
+    restarts: int = 0
+    """`--redundancy reroute`: times this step's micro-batches started again under re-routed roles."""
     saved_bytes: int = 0
     """Bytes autograd saved for backward in this step's forwards (activation memory; each
     storage once per forward; parameters and a stage's received input not included)."""

@@ -7,15 +7,20 @@ becomes the shadow), or, when the replica died too, the same stage of another
 pipeline, whose copy is identical at every step boundary (a *peer restore*, onto the
 node that took the preceding stage, so every node holds a contiguous run of stages).
 When no copy survives in flight, `Unrecoverable` says so in one line (the coordinator
-then plans a new generation from whatever copies and restore points remain). Pure data,
-no torch.
+then plans a new generation from whatever copies and restore points remain).
+
+Under `--redundancy reroute` there are no replicas: `plan_reroute` gives a lost node's
+stage to the live holders of the same stage in the other pipelines (a `Reroute`: "stage s
+of pipeline d served by these peers"), which run its micro-batches with their own
+identical parameters. Pure data, no torch.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["RoleMap", "Takeover", "FailoverPlan", "Unrecoverable", "plan_failover"]
+__all__ = ["RoleMap", "Takeover", "Reroute", "FailoverPlan", "Unrecoverable", "plan_failover",
+           "plan_reroute"]
 
 
 class Unrecoverable(RuntimeError):
@@ -34,6 +39,20 @@ class Takeover:
     source: int | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Reroute:
+    """Stage `stage` of pipeline `pipeline` served by `peers`: the live holders of that stage
+    in other pipelines, in pipeline order. Local micro-batch i of the pipeline goes to
+    peers[i % len(peers)]: spread as evenly as the peers allow, the same on every node."""
+
+    stage: int
+    pipeline: int
+    peers: list[int]
+
+    def peer_for(self, index: int) -> int:
+        return self.peers[index % len(self.peers)]
+
+
 @dataclass(kw_only=True)
 class RoleMap:
     """holders[d][s]: the rank running stage s of pipeline d; replicas[d][s]: the rank
@@ -50,6 +69,11 @@ class RoleMap:
     abandon: bool = False
     """The generation ends here: no copy covers the loss in flight, so every node drops the
     step under way and the coordinator plans a new generation (`bamboo.reconfig`)."""
+    reroutes: list[Reroute] = field(default_factory=list)
+    """Slots served by data-parallel peers (`--redundancy reroute`); `holders` names the first
+    peer of each, so the stage's copies and the data-parallel group read as they are."""
+    rerouted: bool = False
+    """This change re-routed a stage: every node starts the step under way again under it."""
 
     @classmethod
     def initial(cls, *, stages: int, pipelines: int, redundancy: bool) -> RoleMap:
@@ -59,9 +83,24 @@ class RoleMap:
              for s in range(stages)] for d in range(pipelines)]
         return cls(stages=stages, pipelines=pipelines, holders=holders, replicas=replicas)
 
+    def route(self, pipeline: int, stage: int) -> Reroute | None:
+        """The peers serving slot (pipeline, stage), if it is re-routed."""
+        for r in self.reroutes:
+            if r.pipeline == pipeline and r.stage == stage:
+                return r
+        return None
+
+    def worker(self, pipeline: int, stage: int, index: int) -> int:
+        """The rank that runs local micro-batch `index` of `pipeline` at `stage`."""
+        r = self.route(pipeline, stage)
+        return self.holders[pipeline][stage] if r is None else r.peer_for(index)
+
     def pipeline_of(self, rank: int) -> int | None:
+        """The pipeline this rank belongs to (a peer serving a re-routed slot of another
+        pipeline still belongs to its own)."""
+        served = {(r.pipeline, r.stage) for r in self.reroutes}
         for d, row in enumerate(self.holders):
-            if rank in row:
+            if any(h == rank and (d, s) not in served for s, h in enumerate(row)):
                 return d
         for d, row in enumerate(self.replicas):
             if rank in row:
@@ -71,7 +110,12 @@ class RoleMap:
     def stages_of(self, rank: int) -> list[int]:
         """Stages this rank runs as primary, in pipeline order starting at the lowest."""
         d = self.pipeline_of(rank)
-        return [] if d is None else [s for s in range(self.stages) if self.holders[d][s] == rank]
+        return [] if d is None else [s for s in range(self.stages) if self.holders[d][s] == rank
+                                     and self.route(d, s) is None]
+
+    def served_by(self, rank: int) -> list[Reroute]:
+        """The re-routed slots this rank serves part of."""
+        return [r for r in self.reroutes if rank in r.peers]
 
     def replica_of(self, rank: int) -> int | None:
         """The stage this rank keeps a replica of, if any."""
@@ -85,20 +129,28 @@ class RoleMap:
         return sorted({r for row in self.holders for r in row})
 
     def stage_members(self, stage: int) -> list[int]:
-        """Holders of `stage` in every pipeline, in pipeline order (its data-parallel group)."""
-        return [self.holders[d][stage] for d in range(self.pipelines)]
+        """Holders of `stage` in every pipeline, in pipeline order (its data-parallel group);
+        a peer serving a re-routed slot is named once, at its own pipeline."""
+        out: list[int] = []
+        for d in range(self.pipelines):
+            if self.route(d, stage) is None and self.holders[d][stage] not in out:
+                out.append(self.holders[d][stage])
+        return out
 
     def to_json(self) -> str:
         return json.dumps({"stages": self.stages, "pipelines": self.pipelines,
                            "holders": self.holders, "replicas": self.replicas,
                            "epoch": self.epoch, "dead": self.dead,
                            "takeovers": [asdict(t) for t in self.takeovers],
-                           "abandon": self.abandon})
+                           "abandon": self.abandon,
+                           "reroutes": [asdict(r) for r in self.reroutes],
+                           "rerouted": self.rerouted})
 
     @classmethod
     def from_json(cls, text: str) -> RoleMap:
         fields = json.loads(text)
         fields["takeovers"] = [Takeover(**t) for t in fields.get("takeovers", [])]
+        fields["reroutes"] = [Reroute(**r) for r in fields.get("reroutes", [])]
         return cls(**fields)
 
 
@@ -110,6 +162,8 @@ class FailoverPlan:
     @property
     def handled_as(self) -> str:
         """How the lost node is accounted: failover unless some stage needed a peer."""
+        if self.roles.rerouted:
+            return "reroute"
         kinds = {t.kind for t in self.takeovers}
         return "peer_restore" if "peer_restore" in kinds else "failover"
 
@@ -123,6 +177,7 @@ def plan_failover(roles: RoleMap, lost: int) -> FailoverPlan:
     new = _copy(roles)
     new.epoch += 1
     new.takeovers = []
+    new.rerouted = False
     new.dead = sorted(set(new.dead) | {lost})
     d = roles.pipeline_of(lost)
     takeovers: list[Takeover] = []
@@ -165,3 +220,42 @@ def _take_over(old: RoleMap, new: RoleMap, d: int, s: int, lost: int) -> Takeove
     new.replicas[d][s] = None
     return Takeover(stage=s, pipeline=d, new_holder=prev_holder, kind="peer_restore",
                     source=old.holders[peers[0]][s])
+
+
+def plan_reroute(roles: RoleMap, lost: int) -> FailoverPlan:
+    """The role map after losing rank `lost` under `--redundancy reroute`, or Unrecoverable.
+
+    Each slot the lost node held as its own is served by the live holders of its stage in
+    the other pipelines; a re-routed slot it was serving keeps its other peers. Every node
+    then starts the step under way again (`rerouted`): the lost node's part of it is gone,
+    and nothing of it was kept elsewhere (no replicas)."""
+    new = _copy(roles)
+    new.epoch += 1
+    new.takeovers = []
+    new.dead = sorted(set(new.dead) | {lost})
+    new.rerouted = True
+    dead = set(new.dead)
+    kept: list[Reroute] = []
+    for r in roles.reroutes:
+        peers = [p for p in r.peers if p not in dead]
+        if not peers:
+            raise Unrecoverable(f"stage {r.stage} of pipeline {r.pipeline} lost its last "
+                                f"serving peer with node n{lost}")
+        kept.append(Reroute(stage=r.stage, pipeline=r.pipeline, peers=peers))
+    new.reroutes = kept
+    d = roles.pipeline_of(lost)
+    own = [] if d is None else roles.stages_of(lost)
+    for s in own:
+        peers = [roles.holders[e][s] for e in range(roles.pipelines)
+                 if e != d and roles.route(e, s) is None and roles.holders[e][s] not in dead]
+        if not peers:
+            raise Unrecoverable(f"stage {s} was lost in every pipeline (node n{lost} held its "
+                                f"last copy)")
+        assert d is not None
+        new.reroutes.append(Reroute(stage=s, pipeline=d, peers=peers))
+    new.reroutes.sort(key=lambda r: (r.pipeline, r.stage))
+    for r in new.reroutes:
+        new.holders[r.pipeline][r.stage] = r.peers[0]
+    if not any(h not in dead for row in new.holders for h in row):
+        raise Unrecoverable("no live node is left")
+    return FailoverPlan(roles=new, takeovers=[])

@@ -103,7 +103,7 @@ class CoordinatorCore:
         cfg, plan = self.cfg, self.ctx.plan
         self.ctx.say(f"started {cfg.layout.nodes} workers: {plan.pipelines} pipeline(s) x "
                      f"{plan.stages} stage(s), model {cfg.model.name}, redundancy "
-                     f"{plan.redundancy if self.ctx.rc and plan.stages > 1 else 'off'}"
+                     f"{plan.redundancy if (self.ctx.rc and plan.stages > 1) or plan.redundancy == 'reroute' else 'off'}"
                      + (f", replaying {cfg.cluster.trace} at {cfg.cluster.time_scale:g}x"
                         if self.preemptions.replay else ""))
         self.last_news = self.steps.last_commit_t = clock()
@@ -222,7 +222,7 @@ class CoordinatorCore:
             cfg=cfg, store=self.store, events=self.events, display=self.display,
             run_path=self.run_path, param_counts=counts,
             partition_costs=cfg.partition_costs(counts), clock=clock,
-            t0=clock(), rc=cfg.redundancy.mode != "off", committed=start,
+            t0=clock(), rc=cfg.redundancy.mode not in ("off", "reroute"), committed=start,
             losses=list(resume.meta.get("losses", []))[:start] if resume else [],
             eval_losses=[e for e in resume.meta.get("eval_losses", []) if e[0] <= start]
             if resume else [],

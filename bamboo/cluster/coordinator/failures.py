@@ -25,7 +25,7 @@ from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
 from bamboo.cluster.coordinator.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.cluster.coordinator.steps import StepProtocol
 from bamboo.cluster.protocol import PHASES, StepReport, epoch_key
-from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover
+from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover, plan_reroute
 
 __all__ = ["FailureHandler", "ZERO_COUNTS"]
 
@@ -142,11 +142,15 @@ class FailureHandler:
             ctx.say(f"node {n.name} ({where}) lost in step {step} during {phase}; {e}: the next "
                     f"generation restores it")
             return
-        old_epoch = ctx.roles.epoch
+        old_epoch, old_roles = ctx.roles.epoch, ctx.roles
         ctx.roles = plan.roles
         ctx.store.set(epoch_key(ctx.roles.epoch), ctx.roles.to_json())
         self.steps.moot(step, old_epoch)
         shadow = plan.takeovers[0].new_holder if plan.takeovers else None
+        if plan.roles.rerouted:
+            served = [r for r in plan.roles.reroutes
+                      if old_roles.holders[r.pipeline][r.stage] == n.rank]
+            shadow = served[0].peers[0] if served else None
         loss.handled_as = HandledAs(plan.handled_as)
         loss.in_flight = True
         if loss.handled_as is HandledAs.PEER_RESTORE:
@@ -168,6 +172,8 @@ class FailureHandler:
             self.restores = []
         if any(n.rank in (t.source, t.new_holder) for t in self.restores):
             raise Unrecoverable("a peer restore it took part in had not finished")
+        if ctx.plan.redundancy == "reroute":
+            return plan_reroute(ctx.roles, n.rank)
         if not ctx.rc:
             raise Unrecoverable("--redundancy off keeps no in-flight copy of its stage")
         if ctx.roles.stages == 1:

@@ -115,7 +115,7 @@ class Generations:
         """Make `plan` the current generation and publish it."""
         ctx = self.ctx
         plan.fired_kills = self.fired_kills()
-        ctx.rc = plan.redundancy != "off"
+        ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
         ctx.roles = plan.roles(ctx.rc)
         for n in self.nodes:
@@ -287,7 +287,7 @@ class Generations:
                       max_pipelines=ctx.cfg.layout.pipelines, reason=r.reason,
                       machine_of=self.machine_of)
         mode = self._mode(ctx.plan.gen + 1)
-        kwargs["redundancy"] = mode != "off"
+        kwargs["redundancy"] = mode in ("eager", "lazy")
         handled = HandledAs.PEER_RESTORE
         try:
             plan = plan_generation(start_step=ctx.committed, **kwargs)

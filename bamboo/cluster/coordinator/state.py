@@ -72,6 +72,8 @@ class HandledAs(enum.StrEnum):
     STANDBY = "standby"
     STOPPED = "stopped"
     """The run could not survive it."""
+    REROUTE = "reroute"
+    """Its stage's micro-batches went to the stage's data-parallel peers (`--redundancy reroute`)."""
 
 
 @dataclass(slots=True)
