@@ -119,7 +119,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--micro-batch-size": [(["--micro-batch-size", "-1"], "must be a positive integer")],
     "--steps": [(["--steps", "0"], "must be a positive integer")],
     "--seed": [(["--seed", "-1"], "must be >= 0")],
-    "--redundancy": [(["--redundancy", "foo"], "'foo' is not one of eager, lazy, off, auto")],
+    "--redundancy": [(["--redundancy", "foo"], "'foo' is not one of eager, lazy, off, reroute, auto")],
     "--data": [(["--data", "{missing}"], "does not exist"),
                (["--data", "{dir}"], "is a directory"),
                (["--data", "{small}"], "has 3 bytes; gpt2-tiny needs at least 65"),
