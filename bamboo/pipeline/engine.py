@@ -208,14 +208,9 @@ class NodeEngine:
         the share of each re-routed slot it serves (`schedule.merge_pipelines`)."""
         frc = self.replica.stage if self.replica is not None and self.eager else None
         own = S.node_schedule(sorted(self.stages), self.P, self.M, order=self.order, frc_stage=frc)
-        lists = [(self.pipeline, own)]
-        for r in self.roles.served_by(self.rank):
-            block = self.blocks[r.pipeline]
-            mine = {i for i in range(len(block)) if r.peer_for(i) == self.rank}
-            order = self.order_of(len(block))
-            lists.append((r.pipeline, [i for i in sorted(order, key=order.__getitem__)
-                                       if i.stage == r.stage and i.mb in mine]))
-        return S.merge_pipelines(lists, self.blocks, self.order_of)
+        served = S.served_work(self.roles.served_by(self.rank), self.rank, self.blocks,
+                               self.order_of)
+        return S.merge_pipelines([(self.pipeline, own), *served], self.blocks, self.order_of)
 
     def _micro_batches(self, s: StepState) -> int:
         """Phase A: the remaining instructions of this node's list; its length (fault index)."""

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 __all__ = [
     "Instruction", "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe", "zb_h1", "SCHEDULES", "BACKWARDS",
     "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
-    "merge_pipelines",
+    "merge_pipelines", "served_work",
 ]
 
 
@@ -296,22 +297,42 @@ def node_schedule(held: Sequence[int], stages: int, micro_batches: int, *,
     return out
 
 
+def served_work(reroutes: Sequence[Any], rank: int, blocks: Sequence[Sequence[int]],
+                order_of: Callable[[int], dict[Instruction, int]]
+                ) -> list[tuple[int, list[Instruction]]]:
+    """(pipeline, instructions with local micro-batch ids) of each re-routed slot
+    (`roles.Reroute`) that `rank` serves: that stage's work for the micro-batches the slot
+    gives it, in the pipeline's global order."""
+    out = []
+    for r in reroutes:
+        mine = {i for i in range(len(blocks[r.pipeline])) if r.peer_for(i) == rank}
+        if not mine:
+            continue
+        order = order_of(len(blocks[r.pipeline]))
+        out.append((r.pipeline, [i for i in sorted(order, key=order.__getitem__)
+                                 if i.stage == r.stage and i.mb in mine]))
+    return out
+
+
 def merge_pipelines(lists: Sequence[tuple[int, Sequence[Instruction]]],
                     blocks: Sequence[Sequence[int]],
                     order_of: Callable[[int], dict[Instruction, int]]) -> list[Instruction]:
     """One node's work in several pipelines (its own, and re-routed slots it serves) as one
     list, micro-batches renamed to their global ids (`blocks[d][local]`).
 
-    Each pipeline's instructions are ranked by their position in that pipeline's global
-    order (`order_of(M_d)`), ties broken by pipeline. Every node ranks alike, so every
-    node's list is a subsequence of one total order of all pipelines' work, which
-    interleaves complete executions of each: the argument of `global_order` then makes the
-    lists deadlock-free together. An FRC forward keeps its place after the instruction it
-    followed.
+    Every pipeline's instructions are ranked by their position in the global order of the
+    largest pipeline (`order_of(max M_d)`: a pipeline of fewer micro-batches runs its
+    subsequence, still a complete valid execution of its own), ties broken by pipeline.
+    Every node ranks alike, so every node's list is a subsequence of one total order of
+    all pipelines' work: the argument of `global_order` makes the lists deadlock-free
+    together. And since one order ranks them all, the messages two nodes exchange at one
+    boundary for two pipelines come in micro-batch order, then pipeline order, on both
+    sides (per-pipeline orders of different lengths would drift apart, and strict rules
+    match by order). An FRC forward keeps its place after the instruction it followed.
     """
     keyed: list[tuple[tuple[int, int, int], Instruction]] = []
+    order = order_of(max(len(b) for b in blocks))
     for d, instrs in lists:
-        order = order_of(len(blocks[d]))
         last, k = -1, 0
         for instr in instrs:
             if instr in order:
