@@ -232,3 +232,32 @@ def test_reroute_survives_a_dense_trace(tmp_path: Path) -> None:
     assert summary["reroutes"] >= 1
     lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
     assert len(lost) == summary["preemptions"]
+
+
+# -- shadow or re-route, per loss ---------------------------------------------------------
+
+def test_the_shadow_is_kept_where_it_carries_no_more_than_the_peers() -> None:
+    from bamboo.redundancy.roles import plan_failover, shadow_or_reroute, slot_loads
+    shadowed = RoleMap.initial(stages=2, pipelines=2, redundancy=True)
+    shadow, reroute = plan_failover(shadowed, 1), plan_reroute(shadowed, 1)
+    assert max(slot_loads(shadow.roles).values()) == max(slot_loads(reroute.roles).values()) == 2
+    assert shadow_or_reroute(shadow, reroute) is shadow  # D=2: a tie keeps the shadow
+    three = RoleMap.initial(stages=2, pipelines=3, redundancy=True)
+    choice = shadow_or_reroute(plan_failover(three, 1), plan_reroute(three, 1))
+    assert choice.handled_as == "reroute" and slot_loads(choice.roles)[3] == 1.5
+    assert choice.roles.replicas[0][1] is None and choice.roles.replicas[0][0] is None
+    assert shadow_or_reroute(None, reroute) is reroute
+    with pytest.raises(Unrecoverable):
+        shadow_or_reroute(None, None)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_lazy_with_three_pipelines_reroutes_a_loss_and_then_the_next(tmp_path: Path) -> None:
+    cfg = reroute_config(nodes=6, stages=2, steps=5, redundancy="lazy",
+                         kills=["0:1@2", "2:0@3"])
+    summary = run_in_process(cfg, tmp_path / "run", check_replicas=True)
+    assert_equals_failure_free(summary, cfg)
+    assert summary["reroutes"] == 2 and summary["failovers"] == 0
+    lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
+    assert [e["handled_as"] for e in lost] == ["reroute", "reroute"]

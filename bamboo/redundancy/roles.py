@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["RoleMap", "Takeover", "Reroute", "FailoverPlan", "Unrecoverable", "plan_failover",
-           "plan_reroute"]
+           "plan_reroute", "slot_loads", "shadow_or_reroute"]
 
 
 class Unrecoverable(RuntimeError):
@@ -256,6 +256,46 @@ def plan_reroute(roles: RoleMap, lost: int) -> FailoverPlan:
     new.reroutes.sort(key=lambda r: (r.pipeline, r.stage))
     for r in new.reroutes:
         new.holders[r.pipeline][r.stage] = r.peers[0]
+        new.replicas[r.pipeline][r.stage] = None  # its primary's gradient is nowhere whole
+    for row in new.replicas:
+        for s, holder in enumerate(row):
+            if holder in dead:
+                row[s] = None
     if not any(h not in dead for row in new.holders for h in row):
         raise Unrecoverable("no live node is left")
     return FailoverPlan(roles=new, takeovers=[])
+
+
+def slot_loads(roles: RoleMap) -> dict[int, float]:
+    """The work of each live rank, in slots: 1 for each stage it holds as its own, and for
+    each re-routed slot it serves its share of that slot's micro-batches."""
+    loads: dict[int, float] = {}
+    for d in range(roles.pipelines):
+        for s in range(roles.stages):
+            route = roles.route(d, s)
+            if route is None:
+                holder = roles.holders[d][s]
+                if holder not in roles.dead:
+                    loads[holder] = loads.get(holder, 0.0) + 1.0
+            else:
+                for peer in route.peers:
+                    loads[peer] = loads.get(peer, 0.0) + 1.0 / len(route.peers)
+    return loads
+
+
+def shadow_or_reroute(shadow: FailoverPlan | None, reroute: FailoverPlan | None) -> FailoverPlan:
+    """Per loss, with D >= 2 under eager or lazy: the plan whose busiest node carries less.
+
+    The step time while degraded is set by the busiest node: a shadow runs two stages (2
+    slots), a re-route adds 1/k of the lost slot to each of its k peers (1 + 1/k). So with
+    D = 2 the two tie and the shadow is kept (it needs no restart of the step, and its FRC
+    results count); with D >= 3 the peers carry less and the loss is re-routed. When one of
+    the two cannot cover the loss, the other does; when neither can, Unrecoverable.
+    """
+    if shadow is None and reroute is None:
+        raise Unrecoverable("neither a shadow nor a data-parallel peer covers the loss")
+    if shadow is None or reroute is None:
+        return shadow or reroute  # type: ignore[return-value]
+    busiest = {plan is shadow: max(slot_loads(plan.roles).values(), default=0.0)
+               for plan in (shadow, reroute)}
+    return reroute if busiest[False] < busiest[True] - 1e-9 else shadow

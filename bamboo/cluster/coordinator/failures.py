@@ -5,6 +5,9 @@ becomes, in this order of preference:
 
 - a **failover** or **peer restore** in flight: a new role map (`plan_failover`) that
   every survivor applies to the step under way;
+- a **re-route** in flight (`plan_reroute`): under `--redundancy reroute`; and under eager
+  or lazy with D >= 2 when its peers carry less than a shadow would, or no shadow can
+  (`roles.shadow_or_reroute`);
 - an **abandoned generation**: no in-flight copy covers it (or it happened while a
   generation formed), so the next plan restores it from live copies, or from a restore
   point (a **checkpoint restore**);
@@ -25,7 +28,8 @@ from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
 from bamboo.cluster.coordinator.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.cluster.coordinator.steps import StepProtocol
 from bamboo.cluster.protocol import PHASES, StepReport, epoch_key
-from bamboo.redundancy.roles import FailoverPlan, Takeover, Unrecoverable, plan_failover, plan_reroute
+from bamboo.redundancy.roles import (FailoverPlan, Takeover, Unrecoverable, plan_failover,
+                                     plan_reroute, shadow_or_reroute)
 
 __all__ = ["FailureHandler", "ZERO_COUNTS"]
 
@@ -98,7 +102,7 @@ class FailureHandler:
 
     def on_lost(self, n: Node, signame: str) -> None:
         """`n` was preempted. The cases, in the order tried: a standby; after the last step;
-        while a generation forms; in flight (failover, peer restore); else abandon."""
+        while a generation forms; in flight (failover, peer restore, re-route); else abandon."""
         ctx = self.ctx
         self.nodes.set_state(n, NodeState.LOST)
         step = ctx.committed
@@ -172,13 +176,30 @@ class FailureHandler:
             self.restores = []
         if any(n.rank in (t.source, t.new_holder) for t in self.restores):
             raise Unrecoverable("a peer restore it took part in had not finished")
-        if ctx.plan.redundancy == "reroute":
+        if ctx.plan.redundancy == "reroute" or ctx.roles.reroutes:
+            # once a generation re-routes, its later losses are re-routed too: a shadow's
+            # failover settles transfers along its own pipeline's row, which a re-routed
+            # slot's peers do not share
             return plan_reroute(ctx.roles, n.rank)
         if not ctx.rc:
             raise Unrecoverable("--redundancy off keeps no in-flight copy of its stage")
         if ctx.roles.stages == 1:
             raise Unrecoverable("a one-stage pipeline keeps no replica")
-        plan = plan_failover(ctx.roles, n.rank)
+        if ctx.roles.pipelines == 1:
+            return self._shadow_plan(n)
+        shadow = reroute = None
+        try:
+            shadow = self._shadow_plan(n)
+        except Unrecoverable:
+            pass
+        try:
+            reroute = plan_reroute(ctx.roles, n.rank)
+        except Unrecoverable:
+            pass
+        return shadow_or_reroute(shadow, reroute)
+
+    def _shadow_plan(self, n: Node) -> FailoverPlan:
+        plan = plan_failover(self.ctx.roles, n.rank)
         receiving = {t.new_holder for t in self.restores}
         if any(t.kind == "peer_restore" and t.source in receiving for t in plan.takeovers):
             raise Unrecoverable("the surviving copy's holder is itself still receiving its state")
