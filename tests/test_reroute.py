@@ -261,3 +261,21 @@ def test_lazy_with_three_pipelines_reroutes_a_loss_and_then_the_next(tmp_path: P
     assert summary["reroutes"] == 2 and summary["failovers"] == 0
     lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
     assert [e["handled_as"] for e in lost] == ["reroute", "reroute"]
+
+
+def test_auto_weighs_reroute_where_there_are_peers() -> None:
+    from bamboo.redundancy.auto import ALL_MODES, ModeCosts, choose_mode
+    costs = ModeCosts(samples_per_step=64, stages=4, pipelines=3,
+                      step_s={"off": 1.0, "lazy": 1.03, "eager": 1.10},
+                      failover_pause_s=0.3, reconfiguration_s=2.0, restart_s=20.0)
+    busy = choose_mode(costs, 10 / 3600, ALL_MODES)  # 10 losses per node-hour
+    assert set(busy.expected) == set(ALL_MODES) and "reroute" in busy.estimated
+    # no replica to keep in step: as fast as off when quiet, covered like a shadow when busy
+    assert busy.expected["reroute"] > busy.expected["off"]
+    assert busy.mode == "reroute"
+    quiet = choose_mode(costs, 0.0, ALL_MODES)
+    assert quiet.expected["reroute"] == quiet.expected["off"] > quiet.expected["lazy"]
+    single = ModeCosts(samples_per_step=64, stages=4, pipelines=1, step_s={"off": 1.0},
+                       restart_s=20.0)
+    alone = choose_mode(single, 10 / 3600, ALL_MODES)
+    assert alone.expected["reroute"] == alone.expected["off"]  # no peer: every loss is fatal

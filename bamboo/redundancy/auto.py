@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "MODES",
+    "ALL_MODES",
     "PRIOR_RATE",
     "PRIOR_WEIGHT",
     "DEFAULT_OVERHEAD",
@@ -60,7 +61,15 @@ __all__ = [
 ]
 
 MODES: tuple[str, ...] = ("eager", "lazy", "off")
-"""The redundancy modes, in tie-break order: on an exact tie the earlier (more protected) mode wins."""
+"""The modes chosen among by default (and the simulator's `adaptive` policy), in tie-break order:
+on an exact tie the earlier (more protected) mode wins."""
+
+ALL_MODES: tuple[str, ...] = ("eager", "lazy", "reroute", "off")
+"""Every mode :func:`choose_mode` can weigh, in tie-break order. ``reroute`` (D >= 2): no
+replica; a loss restarts the step under way (half a step of work, expected) and the lost
+slot's micro-batches go to the stage's D - 1 peers, each carrying 1/(D - 1) of a slot
+more (the shadow's extra load spread: ``1 + (shadow_slowdown - 1) / (D - 1)``); the loss
+is fatal only if every peer of the stage goes too before the reconfiguration."""
 
 PRIOR_RATE = 0.10 / 3600.0
 """Prior preemption rate per node-second (10% per node-hour: pessimistic, so a run starts protected)."""
@@ -68,7 +77,8 @@ PRIOR_RATE = 0.10 / 3600.0
 PRIOR_WEIGHT = 12 * 3600.0
 """Node-seconds of observation the prior counts for (12 node-hours)."""
 
-DEFAULT_OVERHEAD: Mapping[str, float] = MappingProxyType({"eager": 0.10, "lazy": 0.03, "off": 0.0})
+DEFAULT_OVERHEAD: Mapping[str, float] = MappingProxyType({"eager": 0.10, "lazy": 0.03, "reroute": 0.0,
+                                                          "off": 0.0})
 """Fraction of a no-redundancy step each mode adds (the simulator presets' ``rc_overhead`` and
 ``lazy_overhead``); only used to estimate the step time of a mode not measured yet."""
 
@@ -119,8 +129,8 @@ class RateEstimator:
 def _frozen_map(m: Mapping[str, float], what: str) -> Mapping[str, float]:
     out: dict[str, float] = {}
     for k, v in dict(m).items():
-        if k not in MODES:
-            raise ValueError(f"{what}: unknown mode {k!r} (modes: {', '.join(MODES)})")
+        if k not in ALL_MODES:
+            raise ValueError(f"{what}: unknown mode {k!r} (modes: {', '.join(ALL_MODES)})")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{what}[{k!r}] must be a finite number, got {v!r}")
         out[k] = float(v)
@@ -202,12 +212,12 @@ class ModeCosts:
 
     def step_time(self, mode: str) -> float:
         """Seconds of a failure-free step in ``mode``: measured, else estimated from a measured mode."""
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
+        if mode not in ALL_MODES:
+            raise ValueError(f"unknown mode {mode!r} (modes: {', '.join(ALL_MODES)})")
         step = self.step_s
         if mode in step:
             return step[mode]
-        ref = next(m for m in ("off", "lazy", "eager") if m in step)
+        ref = next(m for m in ("off", "reroute", "lazy", "eager") if m in step)
         over = self.overhead
         return step[ref] * (1.0 + over[mode]) / (1.0 + over[ref])
 
@@ -229,7 +239,12 @@ class ModeTerms(NamedTuple):
     lazy_s: float
     """Lazy recomputation of the lost stage's forwards: tau / 2 (0 unless lazy)."""
     protected: bool
-    """False when every loss is fatal (mode off, or P == 1)."""
+    """False when every loss is fatal (mode off, or P == 1; reroute: D == 1)."""
+    risk_nodes: float = 2.0
+    """Nodes whose loss within ``exposure_s`` makes a covered loss fatal after all: the two
+    neighbours of a shadowed stage; for reroute, each of the stage's D - 1 peers."""
+    risk_power: int = 1
+    """How many of them must go: 1 for a shadow, every peer (D - 1) for reroute."""
 
 
 def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
@@ -238,6 +253,13 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
     recon = costs.reconfiguration_s
     measured_pause = costs.failover_pause_by_mode.get(mode)
     pause = costs.failover_pause_s if measured_pause is None else measured_pause
+    if mode == "reroute":
+        peers = costs.pipelines - 1
+        slowdown = 1.0 + (costs.shadow_slowdown - 1.0) / max(peers, 1)
+        return ModeTerms(mode, costs.samples_per_step / tau, costs.pipelines, costs.stages,
+                         recon + tau, costs.restart_s + tau / 2 + costs.rollback_s,
+                         pause + tau / 2 + tau * (slowdown - 1.0) + recon, 0.0, peers >= 1,
+                         1.0, max(peers, 1))
     return ModeTerms(
         mode,
         costs.samples_per_step / tau,
@@ -253,10 +275,11 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
 
 def value(terms: ModeTerms, rate_per_node_s: float) -> float:
     """Expected samples per second of ``terms`` at ``rate_per_node_s`` preemptions per node-second."""
-    _, sps_tau, D, P, exposure_s, fatal_s, base_s, lazy_s, protected = terms
+    _, sps_tau, D, P, exposure_s, fatal_s, base_s, lazy_s, protected, risk_nodes, power = terms
     lam = rate_per_node_s
     if protected:
-        per_failure = base_s + (1.0 - math.exp(-2.0 * lam * exposure_s)) * fatal_s + lazy_s
+        fatal_after_all = (1.0 - math.exp(-risk_nodes * lam * exposure_s)) ** power
+        per_failure = base_s + fatal_after_all * fatal_s + lazy_s
     else:
         per_failure = fatal_s
     return sps_tau / (1.0 + lam * D * P * per_failure)
@@ -319,12 +342,12 @@ def choose_mode(costs: ModeCosts, rate_per_node_s: float, modes: Sequence[str] =
     if not (math.isfinite(rate_per_node_s) and rate_per_node_s >= 0):
         raise ValueError(f"rate_per_node_s must be finite and >= 0, got {rate_per_node_s!r}")
     wanted = set(modes)
-    unknown = wanted - set(MODES)
+    unknown = wanted - set(ALL_MODES)
     if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(sorted(unknown))} (modes: {', '.join(MODES)})")
+        raise ValueError(f"unknown mode(s) {', '.join(sorted(unknown))} (modes: {', '.join(ALL_MODES)})")
     if not wanted:
         raise ValueError("modes: at least one mode is needed")
-    rows = [mode_terms(m, costs) for m in MODES if m in wanted]
+    rows = [mode_terms(m, costs) for m in ALL_MODES if m in wanted]
     best, _ = best_terms(rows, rate_per_node_s)
     assert best is not None
     return Choice(

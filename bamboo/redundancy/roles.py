@@ -290,7 +290,9 @@ def shadow_or_reroute(shadow: FailoverPlan | None, reroute: FailoverPlan | None)
     slots), a re-route adds 1/k of the lost slot to each of its k peers (1 + 1/k). So with
     D = 2 the two tie and the shadow is kept (it needs no restart of the step, and its FRC
     results count); with D >= 3 the peers carry less and the loss is re-routed. When one of
-    the two cannot cover the loss, the other does; when neither can, Unrecoverable.
+    the two cannot cover the loss, the other does; when neither can, Unrecoverable. (The
+    coordinator weighs a shadow's failover only: where the shadow's path is a peer restore,
+    the peer restore is kept, as before re-routing existed.)
     """
     if shadow is None and reroute is None:
         raise Unrecoverable("neither a shadow nor a data-parallel peer covers the loss")

@@ -43,7 +43,8 @@ from bamboo.cluster.coordinator.generations import Generations
 from bamboo.cluster.coordinator.nodes import Supervisor
 from bamboo.cluster.coordinator.results import Results
 from bamboo.cluster.coordinator.state import RunContext
-from bamboo.redundancy.auto import (DEFAULT_OVERHEAD, ModeCosts, RateEstimator, choose_mode,
+from bamboo.redundancy.auto import (ALL_MODES, DEFAULT_OVERHEAD, MODES, ModeCosts, RateEstimator,
+                                    choose_mode,
                                     expected_samples_per_s)
 
 __all__ = ["AutoRedundancy"]
@@ -116,7 +117,7 @@ class AutoRedundancy:
     def costs(self) -> ModeCosts:
         ctx, cfg = self.ctx, self.ctx.cfg
         step_s: dict[str, float] = {}
-        for mode in ("eager", "lazy", "off"):
+        for mode in ALL_MODES:
             walls = [r["wall_s"] for r in self._timed_steps(mode)]
             if len(walls) >= 2:
                 step_s[mode] = statistics.median(walls)
@@ -133,7 +134,7 @@ class AutoRedundancy:
         losses = [x for x in self.failures.losses if x.written]
         in_flight = [x.pause_s for x in losses if x.in_flight]
         by_mode: dict[str, float] = {}
-        for mode in ("eager", "lazy", "off"):
+        for mode in ALL_MODES:
             pauses = [x.pause_s for x in losses if x.in_flight and self.mode_of_step.get(x.step) == mode]
             if pauses:
                 by_mode[mode] = statistics.median(pauses)
@@ -172,7 +173,7 @@ class AutoRedundancy:
         self.observe()
         costs = self.costs()
         rate = self.rate.rate_per_node_s
-        choice = choose_mode(costs, rate)
+        choice = choose_mode(costs, rate, self.modes(costs))
         left_steps = max(self.ctx.cfg.training.steps - self.ctx.committed, 1)
         left_s = left_steps * min(choice.step_s.values())
         keep = left_s / (left_s + costs.reconfiguration_s)
@@ -216,6 +217,11 @@ class AutoRedundancy:
                                                     costs.failover_pause_by_mode.items()})
         return mode
 
+    @staticmethod
+    def modes(costs: ModeCosts) -> tuple[str, ...]:
+        """The modes weighed: eager, lazy and off, and reroute where D >= 2."""
+        return ALL_MODES if costs.pipelines >= 2 else MODES
+
     def _trial_candidate(self, costs: ModeCosts, rate: float, chosen: str, best: float,
                          left_s: float, left_steps: int) -> str | None:
         """An unmeasured mode other than `chosen`, not tried yet, that at the optimistic end
@@ -227,7 +233,7 @@ class AutoRedundancy:
         chosen_step = costs.step_time(chosen)
         candidates: dict[str, float] = {}
         fastest = fastest_possible_step(costs)
-        for mode in ("eager", "lazy", "off"):
+        for mode in self.modes(costs):
             if mode == chosen or costs.measured(mode) or mode in self.tried:
                 continue
             optimistic = dataclasses.replace(

@@ -192,6 +192,8 @@ class FailureHandler:
             shadow = self._shadow_plan(n)
         except Unrecoverable:
             pass
+        if shadow is not None and shadow.handled_as == "peer_restore":
+            return shadow  # weighed against a re-route: not yet
         try:
             reroute = plan_reroute(ctx.roles, n.rank)
         except Unrecoverable:

@@ -30,7 +30,7 @@ from bamboo.config import JobConfig
 
 __all__ = ["ScalarLog", "ScalarSink", "TensorBoardSink", "WandbSink", "MODE_CODES"]
 
-MODE_CODES = {"eager": 2, "lazy": 1, "off": 0, "reroute": -1}
+MODE_CODES = {"eager": 2, "lazy": 1, "off": 0, "reroute": 3}
 
 
 class ScalarSink(Protocol):
