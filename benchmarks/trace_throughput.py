@@ -5,7 +5,8 @@ workers from the last checkpoint, as torchrun does).
 All runs replay the same trace at the same time scale with the same job; only the
 recovery differs:
 
-  bamboo:             --redundancy eager (and lazy, off, and auto: chosen per generation)
+  bamboo:             --redundancy eager (and lazy, off, reroute, and auto: chosen per
+                      generation)
   checkpoint-restart: --redundancy off --recovery checkpoint-restart --checkpoint-every K
 
 Throughput = samples of the run's steps / wall seconds (redone steps count once, so the
@@ -61,6 +62,8 @@ def main() -> None:
                              str(args.checkpoint_every)],
         "bamboo (no RC)": ["--redundancy", "off", "--checkpoint-every",
                            str(args.checkpoint_every)],
+        "bamboo (reroute)": ["--redundancy", "reroute", "--checkpoint-every",
+                             str(args.checkpoint_every)],
         "bamboo (auto)": ["--redundancy", "auto", "--checkpoint-every",
                           str(args.checkpoint_every)],
         "checkpoint-restart": ["--redundancy", "off", "--recovery", "checkpoint-restart",
@@ -76,15 +79,16 @@ def main() -> None:
             results[name].append(_run(common + flags, tmp / f"{i}-{rep}"))
     print(f"trace {args.trace}, x{args.time_scale:g}, {args.nodes} nodes, {args.steps} steps, "
           f"{args.reps} runs each (median)")
-    print("| recovery | samples/s | wall s | preemptions | failovers | drains | peer restores "
-          "| checkpoint restores | redone steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| recovery | samples/s | wall s | preemptions | failovers | reroutes | drains "
+          "| peer restores | checkpoint restores | redone steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     tput = {}
     for name, runs in results.items():
         tput[name] = statistics.median(r["throughput"] for r in runs)
         r = runs[0]
         print(f"| {name} | {tput[name]:.1f} | {statistics.median(x['wall_s'] for x in runs):.1f} "
-              f"| {r['preemptions']} | {r['failovers']} | {r['drains']} | {r['peer_restores']} "
+              f"| {r['preemptions']} | {r['failovers']} | {r.get('reroutes', 0)} | {r['drains']} "
+              f"| {r['peer_restores']} "
               f"| {r['checkpoint_restores']} | {r['redone_steps']} |")
         first = runs[0]["losses"]
         assert all(x["losses"] == first or max(abs(a - b) / abs(b) for a, b in
