@@ -18,12 +18,19 @@ __all__ = ["ProgressDisplay", "pipeline_rows"]
 
 
 def pipeline_rows(holders: Sequence[Sequence[int]], names: Sequence[str],
-                  dead: Sequence[int] = ()) -> list[str]:
-    """One line per pipeline: `n0:s0  n1:s1  n2:s2+s3 (shadow)`."""
+                  dead: Sequence[int] = (),
+                  served: dict[tuple[int, int], Sequence[int]] | None = None) -> list[str]:
+    """One line per pipeline: `n0:s0  n1:s1  n2:s2+s3 (shadow)`; a slot re-routed to
+    data-parallel peers reads `s1 served by n3+n5`."""
     rows = []
+    served = served or {}
     for d, row in enumerate(holders):
-        cells, seen = [], {}
+        cells: list[tuple[int, str]] = []
+        seen: dict[int, list[int]] = {}
         for s, rank in enumerate(row):
+            if (d, s) in served:
+                cells.append((s, f"s{s} served by " + "+".join(names[p] for p in served[(d, s)])))
+                continue
             seen.setdefault(rank, []).append(s)
         for rank, stages in seen.items():
             label = f"{names[rank]}:" + "+".join(f"s{s}" for s in stages)
@@ -31,8 +38,8 @@ def pipeline_rows(holders: Sequence[Sequence[int]], names: Sequence[str],
                 label += " (lost)"
             elif len(stages) > 1:
                 label += " (shadow)"
-            cells.append(label)
-        rows.append(f"pipeline {d}: " + "  ".join(cells))
+            cells.append((stages[0], label))
+        rows.append(f"pipeline {d}: " + "  ".join(label for _, label in sorted(cells)))
     return rows
 
 

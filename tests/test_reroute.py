@@ -279,3 +279,11 @@ def test_auto_weighs_reroute_where_there_are_peers() -> None:
                        restart_s=20.0)
     alone = choose_mode(single, 10 / 3600, ALL_MODES)
     assert alone.expected["reroute"] == alone.expected["off"]  # no peer: every loss is fatal
+
+
+def test_the_layout_panel_says_who_serves_a_rerouted_slot() -> None:
+    from bamboo.progress import pipeline_rows
+    roles = plan_reroute(initial(2, 2), 1).roles
+    served = {(r.pipeline, r.stage): r.peers for r in roles.reroutes}
+    assert pipeline_rows(roles.holders, ["n0", "n1", "n2", "n3"], roles.dead, served) == [
+        "pipeline 0: n0:s0  s1 served by n3", "pipeline 1: n2:s0  n3:s1"]

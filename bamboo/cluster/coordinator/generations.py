@@ -319,4 +319,5 @@ class Generations:
 
     def rows(self) -> list:
         roles = self.ctx.roles
-        return pipeline_rows(roles.holders, self.ctx.plan.members, roles.dead)
+        return pipeline_rows(roles.holders, self.ctx.plan.members, roles.dead,
+                             {(r.pipeline, r.stage): r.peers for r in roles.reroutes})
