@@ -45,10 +45,12 @@ HANDLED_COLOURS: dict[str, str] = {
     "checkpoint_restore": "tab:red",
     "standby": "tab:gray",
     "stopped": "black",
+    "reroute": "tab:cyan",
 }
 _OTHER_COLOUR = "tab:brown"
 _COUNTERS = (("failovers", "failover"), ("drains", "drain"), ("peer_restores", "peer restore"),
-             ("checkpoint_restores", "checkpoint restore"), ("standby_losses", "standby"))
+             ("checkpoint_restores", "checkpoint restore"), ("standby_losses", "standby"),
+             ("reroutes", "reroute"))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -156,7 +156,7 @@ def test_text_has_the_runs_figures(reports: dict[str, list[Path]]) -> None:
         "steps: 10 completed (160 samples)",
         "loss: 5.0000 first -> 3.2000 last (36.0% drop)",
         "throughput: 22.86 samples/s; wall time 7.00 s",
-        "preemptions: 3 (failover 1, drain 1, peer restore 1, checkpoint restore 0, standby 0)",
+        "preemptions: 3 (failover 1, drain 1, peer restore 1, checkpoint restore 0, standby 0, reroute 0)",
         "n3 lost in step 3 (backward): failover, shadow n2, pause 0.40 s",
         "n1 lost in step 5 (forward): drain, pause 0.20 s",
         "n4 lost in step 7 (forward): peer_restore, pause 1.00 s",
