@@ -154,6 +154,7 @@ RUNS = {
     "D=2, stage 1, tagged": (dict(nodes=4, stages=2, steps=4, kills=["0:1@1"], comm="tagged"), 1),
     "D=2, P=3, stage 2, zb-h1": (dict(nodes=6, stages=3, steps=4, kills=["1:2@2"],
                                       schedule="zb-h1"), 1),
+    "D=3, stage 0, spread over two peers": (dict(nodes=6, stages=2, steps=4, kills=["1:0@2"]), 1),
     "D=3, stage 1, then the peer serving it": (
         dict(nodes=6, stages=2, steps=5, kills=["0:1@2", "1:1@3"]), 2),
     "two kills in one step, both pipelines": (
