@@ -461,15 +461,15 @@ class NodeEngine:
 
     def restart_step(self, s: StepState) -> None:
         """A stage was re-routed: drop everything of the step under way (its buffers, its
-        transfer log, the gradient sums) so it runs again, whole, under the new roles."""
+        transfer log, the gradient sums) so it runs again, whole, under the new roles. Peer
+        restores still to carry out are kept: a stage's state still has to arrive."""
         for st in self.stages.values():
             st.reset_grads()
         s.done.clear()
         for buffers in (s.inputs, s.outputs, s.saved_out, s.out_grads, s.in_grads, s.tapes,
                         s.frc_tapes, s.weight_work, s.frc, s.losses):
             buffers.clear()
-        s.frc_pending.clear()
-        s.restores.clear()
+        s.frc_pending.clear()  # s.restores stay: a peer restore moves a stage's state, not the step's
         s.adopted.clear()
         s.transfers = TransferLog()
         s.memory.release_all()

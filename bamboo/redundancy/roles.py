@@ -292,7 +292,8 @@ def shadow_or_reroute(shadow: FailoverPlan | None, reroute: FailoverPlan | None)
     results count); with D >= 3 the peers carry less and the loss is re-routed. When one of
     the two cannot cover the loss, the other does; when neither can, Unrecoverable. (The
     coordinator weighs a shadow's failover only: where the shadow's path is a peer restore,
-    the peer restore is kept, as before re-routing existed.)
+    the peer restore is kept, as before re-routing existed; and in a generation where a shadow
+    or a peer restore already took a slot, only the shadow's plan is weighed.)
     """
     if shadow is None and reroute is None:
         raise Unrecoverable("neither a shadow nor a data-parallel peer covers the loss")

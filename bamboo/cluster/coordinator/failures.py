@@ -185,7 +185,9 @@ class FailureHandler:
             raise Unrecoverable("--redundancy off keeps no in-flight copy of its stage")
         if ctx.roles.stages == 1:
             raise Unrecoverable("a one-stage pipeline keeps no replica")
-        if ctx.roles.pipelines == 1:
+        if ctx.roles.pipelines == 1 or self._shadowed():
+            # a re-route after a shadow's failover or a peer restore in one generation is
+            # not supported: the restarted step would drop what they carried over
             return self._shadow_plan(n)
         shadow = reroute = None
         try:
@@ -199,6 +201,12 @@ class FailureHandler:
         except Unrecoverable:
             pass
         return shadow_or_reroute(shadow, reroute)
+
+    def _shadowed(self) -> bool:
+        """Whether a shadow or a peer restore took a slot in this generation."""
+        roles = self.ctx.roles
+        return any(roles.holders[d][s] != d * roles.stages + s and roles.route(d, s) is None
+                   for d in range(roles.pipelines) for s in range(roles.stages))
 
     def _shadow_plan(self, n: Node) -> FailoverPlan:
         plan = plan_failover(self.ctx.roles, n.rank)
