@@ -145,8 +145,13 @@ class SimNodes(LocalWorkers):
 
 
 class SimCluster:
-    def __init__(self, cfg: JobConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: JobConfig, run_dir: Path, *, work: dict[str, float] | None = None,
+                 own_processor: bool = False) -> None:
+        """`work`: timers (compute_s, wait_s, optim_s, ...) every step report carries, with
+        the stages its node holds; without it a report names no stage and times nothing.
+        `own_processor`: what every worker's `Ready` says."""
         self.cfg = cfg
+        self.work, self.own_processor = work, own_processor
         self.clock = FakeClock()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[int, SimWorker] = {}
@@ -212,7 +217,7 @@ class SimCluster:
         for w in list(self.workers.values()):
             if not w.said_ready and not w.node.exited:
                 w.said_ready = True
-                self._send(w, Ready(rank=w.node.node))
+                self._send(w, Ready(rank=w.node.node, own_processor=self.own_processor))
 
     def _sync_processes(self) -> None:
         """The coordinator's SIGKILLs (fences, restarts) end the processes it names, and the
@@ -336,7 +341,9 @@ class SimCluster:
                 for r in ranks:
                     w = self._worker(r)
                     w.layers = self._layers_of(plan, roles, r)
-                    self._send(w, StepReport(rank=r, step=step, stages=[]))
+                    timed = dict(stages=roles.stages_of(r), **self.work) if self.work else \
+                        dict(stages=[])
+                    self._send(w, StepReport(rank=r, step=step, **timed))
                 if "ckpt" in verdict:
                     self._checkpoint(step + 1)
                 return

@@ -297,3 +297,28 @@ def test_value_of_terms_is_expected_samples():
     c = ModeCosts(samples_per_step=8, stages=4, pipelines=2, step_s={"lazy": 1.0}, restart_s=30.0)
     for m in MODES:
         assert value(mode_terms(m, c), 1e-4) == expected_samples_per_s(m, c, 1e-4)
+
+
+def test_redundant_work_floor_is_the_busiest_nodes_added_work() -> None:
+    """Lazy adds the successor's optimizer step, eager that and one forward of the
+    successor (a third of its compute); waits hide it only on a processor of its own."""
+    from bamboo.redundancy.auto import NodeWork, redundant_work_floor
+    shared = [NodeWork((0,), 0.3, 0.05, 0.02, False), NodeWork((1,), 0.6, 0.05, 0.04, False)]
+    floor = redundant_work_floor(shared, 2)
+    # node of stage 0 holds stage 1's replica: 0.04 + 0.6 / 3; stage 1 holds stage 0's: 0.02 + 0.1
+    assert floor == pytest.approx({"lazy": 0.04, "eager": 0.04 + 0.2})
+    own = [n._replace(own_processor=True) for n in shared]
+    assert redundant_work_floor(own, 2) == pytest.approx({"lazy": 0.0, "eager": 0.04 + 0.2 - 0.05})
+    assert redundant_work_floor(shared, 1) == {}
+    assert redundant_work_floor([NodeWork((0, 1), 0.3, 0.0, 0.1, False)], 2) == {}
+
+
+def test_a_measured_reroute_pause_replaces_its_modelled_restart() -> None:
+    """Once measured, a re-route's pause (the loss step's excess) is its whole in-flight
+    cost: the restart and the slowed attempt are in it."""
+    base = dict(samples_per_step=8, stages=4, pipelines=2, step_s={"off": 1.0},
+                reconfiguration_s=0.5, shadow_slowdown=2.0)
+    modelled = mode_terms("reroute", ModeCosts(**base, failover_pause_s=0.3))
+    measured = mode_terms("reroute", ModeCosts(**base, failover_pause_by_mode={"reroute": 0.3}))
+    assert modelled.base_s == pytest.approx(0.3 + 0.5 + 1.0 + 0.5)
+    assert measured.base_s == pytest.approx(0.3 + 0.5)

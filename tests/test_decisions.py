@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,10 +28,11 @@ def cfg(**kw) -> JobConfig:
 
 
 def run(tmp_path: Path, config: JobConfig, script: dict[int, Callable[[SimCluster], None]],
-        *, before_round: dict[int, Callable[[SimCluster], None]] | None = None) -> SimCluster:
+        *, before_round: dict[int, Callable[[SimCluster], None]] | None = None,
+        **sim_kw: Any) -> SimCluster:
     """Run to the end; `script[k]` acts as step k begins, `before_round[k]` between the
-    votes of step k."""
-    sim = SimCluster(config, tmp_path / "run")
+    votes of step k; `sim_kw` goes to `SimCluster`."""
+    sim = SimCluster(config, tmp_path / "run", **sim_kw)
     done: set[int] = set()
     for _ in range(200):
         if sim.stopped is not None or sim.ctx.committed >= config.training.steps:
@@ -451,3 +452,37 @@ def test_redundancy_auto_tries_nothing_on_a_quiet_cluster(tmp_path: Path) -> Non
     assert sim.stopped is None, sim.stopped
     modes = sim.events.of("redundancy_mode")
     assert [(e["mode"], e["trial"]) for e in modes] == [("off", False)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("own_processor, tried", [(False, []), (True, ["lazy"])])
+def test_redundancy_auto_weighs_a_trial_against_the_work_it_would_add(
+        tmp_path: Path, own_processor: bool, tried: list[str]) -> None:
+    """The run of the trial above, with each node's timers reported: the replica's
+    optimizer step (stage s + 1's optim_s) is work lazy would add. Where the workers share
+    processors, a wait cannot hide it: lazy is at least 40% slower than off here, and no
+    trial can pay. Where each worker has a processor of its own and waits longer than
+    that work, lazy may be as fast as off, and it is tried as before."""
+    work = dict(compute_s=0.15, wait_s=0.2, optim_s=0.1)
+    sim = run(tmp_path, cfg(nodes=3, stages=2, steps=100, redundancy="auto"),
+              {10: kill_stage(0, 1)}, work=work, own_processor=own_processor)
+    assert sim.stopped is None, sim.stopped
+    modes = sim.events.of("redundancy_mode")
+    assert [e["mode"] for e in modes if e["trial"]] == tried
+    floors = modes[-1]["work_floor_s"]
+    if own_processor:
+        assert floors == {"eager": 0.0, "lazy": 0.0}
+    else:
+        assert floors == pytest.approx({"eager": 0.1 + 0.05, "lazy": 0.1})
+        assert modes[-1]["step_s"]["lazy"] >= modes[-1]["step_s"]["off"] + 0.1 - 1e-9
+
+
+@pytest.mark.timeout(60)
+def test_redundancy_auto_measures_reroute_with_off(tmp_path: Path) -> None:
+    """A failure-free re-routing step runs off's instructions: measuring one measures the
+    other, so reroute is never run as a trial."""
+    sim = run(tmp_path, cfg(nodes=4, stages=2, steps=30, redundancy="auto"), {})
+    assert sim.stopped is None, sim.stopped
+    costs = sim.core.auto.costs()
+    assert costs.measured("reroute") and costs.step_s["reroute"] == costs.step_s["off"]
+    assert not any(e["trial"] for e in sim.events.of("redundancy_mode"))

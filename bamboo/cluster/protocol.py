@@ -113,6 +113,10 @@ class Ready(WorkerMessage):
 
     cpus: tuple[int, ...] = ()
     """The cores `--pin-cpus auto` pinned it to (empty: not pinned)."""
+    own_processor: bool = False
+    """It has a processor no other worker uses: an accelerator, its own pinned cores, or a
+    machine with at least as many cores as workers. Without one, its waits are other
+    workers running, so redundant work cannot hide in them (`--redundancy auto` reads it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -159,7 +159,9 @@ class _Node:
             time.sleep(0.05)
 
     def live(self) -> None:
-        self.link.report(Ready, cpus=self.cpus)
+        own = self.device.type != "cpu" or bool(self.cpus) or \
+            self.spec.local_workers <= len(os.sched_getaffinity(0))
+        self.link.report(Ready, cpus=self.cpus, own_processor=own)
         gen = self.spec.first_gen
         while True:
             plan = self.wait_plan(gen)

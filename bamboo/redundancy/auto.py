@@ -37,6 +37,7 @@ protected and drops redundancy only once the cluster has proven quiet.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -58,6 +59,8 @@ __all__ = [
     "best_terms",
     "expected_samples_per_s",
     "choose_mode",
+    "NodeWork",
+    "redundant_work_floor",
 ]
 
 MODES: tuple[str, ...] = ("eager", "lazy", "off")
@@ -69,7 +72,9 @@ ALL_MODES: tuple[str, ...] = ("eager", "lazy", "reroute", "off")
 replica; a loss restarts the step under way (half a step of work, expected) and the lost
 slot's micro-batches go to the stage's D - 1 peers, each carrying 1/(D - 1) of a slot
 more (the shadow's extra load spread: ``1 + (shadow_slowdown - 1) / (D - 1)``); the loss
-is fatal only if every peer of the stage goes too before the reconfiguration."""
+is fatal only if every peer of the stage goes too before the reconfiguration. Once a
+re-route's pause is measured (the loss step's excess over a clean step), it replaces the
+restart and slowed-step terms, which it already holds."""
 
 PRIOR_RATE = 0.10 / 3600.0
 """Prior preemption rate per node-second (10% per node-hour: pessimistic, so a run starts protected)."""
@@ -81,6 +86,51 @@ DEFAULT_OVERHEAD: Mapping[str, float] = MappingProxyType({"eager": 0.10, "lazy":
                                                           "off": 0.0})
 """Fraction of a no-redundancy step each mode adds (the simulator presets' ``rc_overhead`` and
 ``lazy_overhead``); only used to estimate the step time of a mode not measured yet."""
+
+
+class NodeWork(NamedTuple):
+    """One node's timers in a step run without replicas (``off`` or ``reroute``)."""
+
+    stages: tuple[int, ...]
+    compute_s: float
+    """Forward and backward of its stage."""
+    wait_s: float
+    optim_s: float
+    """Its stage's optimizer step."""
+    own_processor: bool
+    """Whether its waits are idle time (see ``bamboo.cluster.protocol.Ready``)."""
+
+
+def redundant_work_floor(nodes: Sequence[NodeWork], stages: int,
+                         backward_ratio: float = 2.0) -> dict[str, float]:
+    """The least time ``eager`` and ``lazy`` would add to this step, from its measured work.
+
+    Both keep a replica of the successor stage (s + 1) mod P on each node and step its
+    optimizer: lazy adds that stage's optimizer time, eager adds it plus one forward of
+    that stage per micro-batch (its compute over ``1 + backward_ratio``). A node can hide
+    the added work in its waits only when it has a processor of its own; otherwise a wait
+    is another node running, and the work adds to its time. The floor is the most any one
+    node adds (the step is at least as long as its busiest node). ``{}`` when no node
+    holds exactly one stage, or P == 1 (no replica)."""
+    single = [n for n in nodes if len(n.stages) == 1]
+    if stages < 2 or not single:
+        return {}
+    by_stage: dict[int, list[NodeWork]] = {}
+    for n in single:
+        by_stage.setdefault(n.stages[0], []).append(n)
+    compute = {s: statistics.median(n.compute_s for n in ns) for s, ns in by_stage.items()}
+    optim = {s: statistics.median(n.optim_s for n in ns) for s, ns in by_stage.items()}
+    floor = {"eager": 0.0, "lazy": 0.0}
+    for n in single:
+        succ = (n.stages[0] + 1) % stages
+        if succ not in compute:
+            continue
+        idle = n.wait_s if n.own_processor else 0.0
+        replica = optim[succ]
+        forwards = compute[succ] / (1.0 + backward_ratio)
+        floor["lazy"] = max(floor["lazy"], replica - idle)
+        floor["eager"] = max(floor["eager"], replica + forwards - idle)
+    return floor
 
 
 def posterior_rate(removals: float, exposure_node_s: float, prior_rate: float = PRIOR_RATE,
@@ -256,10 +306,13 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
     if mode == "reroute":
         peers = costs.pipelines - 1
         slowdown = 1.0 + (costs.shadow_slowdown - 1.0) / max(peers, 1)
+        # a measured pause is the loss step's excess: it holds the restarted attempt and
+        # its re-routed (slower) run already
+        covered = pause + recon if measured_pause is not None else \
+            pause + tau / 2 + tau * (slowdown - 1.0) + recon
         return ModeTerms(mode, costs.samples_per_step / tau, costs.pipelines, costs.stages,
                          recon + tau, costs.restart_s + tau / 2 + costs.rollback_s,
-                         pause + tau / 2 + tau * (slowdown - 1.0) + recon, 0.0, peers >= 1,
-                         1.0, max(peers, 1))
+                         covered, 0.0, peers >= 1, 1.0, max(peers, 1))
     return ModeTerms(
         mode,
         costs.samples_per_step / tau,

@@ -7,7 +7,12 @@ Measured here, per run:
   all its steps when it had fewer than two clean ones; the first step of each generation
   left out); lazy's is also derived from an eager
   step by taking out its FRC time (every node reports `frc_s`), and an unmeasured mode is
-  estimated from a measured one by `DEFAULT_OVERHEAD`;
+  estimated from a measured one by `DEFAULT_OVERHEAD`; reroute's and off's are one
+  measurement (a re-routing run without a loss runs off's instructions);
+- the least eager and lazy would add to a step (`redundant_work_floor` of the steps run
+  without replicas: the replica's optimizer step, and eager's forwards, beyond what the
+  node's waits can hide when it has a processor of its own): an unmeasured mode's
+  estimate is never below it, nor is the optimistic end of its band;
 - the failover pause (median `pause_s` of in-flight losses, else one step), the
   reconfiguration time (median of the run's reconfigurations, else 1 s), and the restart
   cost of a loss nothing covers in flight (median `pause_s` of such losses, else a
@@ -81,6 +86,8 @@ class AutoRedundancy:
         """The step the running trial ends before."""
         self.nothing_measured = True
         """No step time measured yet (`costs` then gives a nominal one)."""
+        self.floors: dict[str, float] = {}
+        """Mode -> the least seconds it would add to a step, from measured work (`_floors`)."""
         self.proposed: str | None = None
         """A trial a step boundary ended the generation for: the next plan runs it (its
         expectations are recomputed then, at a rate that may have moved a little)."""
@@ -127,6 +134,17 @@ class AutoRedundancy:
                 r["wall_s"] - r["frc_s"] for r in eager)
             if lazy > 0:
                 step_s["lazy"] = lazy
+        # reroute's failure-free step runs exactly off's instructions (no replica, no FRC):
+        # one measures the other
+        for mode, same in (("reroute", "off"), ("off", "reroute")):
+            if mode not in step_s and same in step_s:
+                step_s[mode] = step_s[same]
+        self.floors = self._floors()
+        overhead = dict(DEFAULT_OVERHEAD)
+        bare = step_s.get("off")
+        for mode, floor in self.floors.items():
+            if bare and mode not in step_s:
+                overhead[mode] = max(overhead[mode], floor / bare)
         self.nothing_measured = not step_s
         if not step_s:
             step_s["off"] = _NOMINAL_STEP_S
@@ -153,12 +171,21 @@ class AutoRedundancy:
         stages, pipelines = (plan.stages, plan.pipelines) if plan else (cfg.layout.stages,
                                                                          cfg.data_parallel)
         return ModeCosts(samples_per_step=cfg.global_micro_batches * cfg.layout.micro_batch_size,
-                         stages=stages, pipelines=pipelines, step_s=step_s,
+                         stages=stages, pipelines=pipelines, step_s=step_s, overhead=overhead,
                          failover_pause_s=statistics.median(in_flight) if in_flight else tau,
                          failover_pause_by_mode=by_mode,
                          reconfiguration_s=reconf_s, restart_s=restart_s,
                          shadow_slowdown=2.0,
                          rollback_s=rollback_steps * tau if pipelines == 1 else 0.0)
+
+    def _floors(self) -> dict[str, float]:
+        """Mode -> the least seconds eager and lazy would add to a step: the median over
+        the timed steps without replicas (off, reroute) of `redundant_work_floor`."""
+        rows = [r["floor_s"] for m in ("off", "reroute") for r in self._timed_steps(m)
+                if r.get("floor_s")]
+        if not rows:
+            return {}
+        return {m: statistics.median(row[m] for row in rows) for m in ("eager", "lazy")}
 
     # -- the choice -------------------------------------------------------------------------
 
@@ -214,7 +241,8 @@ class AutoRedundancy:
                                   measured_step_s={} if self.nothing_measured else
                                   {m: round(v, 6) for m, v in costs.step_s.items()},
                                   failover_pause_s={m: round(v, 4) for m, v in
-                                                    costs.failover_pause_by_mode.items()})
+                                                    costs.failover_pause_by_mode.items()},
+                                  work_floor_s={m: round(v, 4) for m, v in self.floors.items()})
         return mode
 
     @staticmethod
@@ -232,10 +260,10 @@ class AutoRedundancy:
             return None
         chosen_step = costs.step_time(chosen)
         candidates: dict[str, float] = {}
-        fastest = fastest_possible_step(costs)
         for mode in self.modes(costs):
             if mode == chosen or costs.measured(mode) or mode in self.tried:
                 continue
+            fastest = fastest_possible_step(costs, self.floors.get(mode))
             optimistic = dataclasses.replace(
                 costs, step_s={**costs.step_s, mode: fastest})
             value = expected_samples_per_s(mode, optimistic, rate)
@@ -247,11 +275,13 @@ class AutoRedundancy:
         return max(candidates, key=candidates.get) if candidates else None
 
 
-def fastest_possible_step(costs: ModeCosts) -> float:
-    """The shortest step any unmeasured mode could have: each mode's overhead over off lies
+def fastest_possible_step(costs: ModeCosts, floor_s: float | None = None) -> float:
+    """The shortest step an unmeasured mode could have: each mode's overhead over off lies
     in [0, 2 x its default] (`DEFAULT_OVERHEAD`), so no mode is faster than off, and off is
-    at least a measured mode's step over (1 + twice that mode's default overhead)."""
+    at least a measured mode's step over (1 + twice that mode's default overhead). With
+    `floor_s`, the least the mode's redundant work adds (measured in steps of off), the
+    step is at least off's plus that."""
     step = costs.step_s
     if "off" in step:
-        return step["off"]
+        return step["off"] + max(floor_s or 0.0, 0.0)
     return min(v / (1.0 + 2.0 * DEFAULT_OVERHEAD[m]) for m, v in step.items())

@@ -289,6 +289,7 @@ class CoordinatorCore:
     # -- messages ---------------------------------------------------------------------------
 
     def _on_ready(self, n: Node, msg: Ready) -> None:
+        n.own_processor = msg.own_processor
         if msg.cpus:
             self.events.write("pinned", node=n.name, cpus=list(msg.cpus))
         if n.state is NodeState.STARTING:
@@ -360,7 +361,9 @@ class CoordinatorCore:
 
     def _on_record(self, p: PendingStep, reports: list[StepReport]) -> None:
         names = {id(r): self.nodes[node].name for node, r in p.reports.items()}
-        record = self.results.record(p, reports, lambda r: names[id(r)])
+        own = {id(r): self.nodes[node].own_processor for node, r in p.reports.items()}
+        record = self.results.record(p, reports, lambda r: names[id(r)],
+                                     own_processor=lambda r: own[id(r)])
         self.failures.close(p.step, reports, record["wall_s"], self.results.records)
 
     def _rewind(self, step: int) -> None:

@@ -143,6 +143,8 @@ class Node:
     device_slot: int | None = None
     """A local worker's slot on this machine (its GPU, `WorkerSpec.device_index`); an
     agent's workers have the agent's slots."""
+    own_processor: bool = False
+    """Its `Ready` said it has a processor of its own (see `protocol.Ready`)."""
 
     @property
     def name(self) -> str:

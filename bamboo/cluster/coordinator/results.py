@@ -28,6 +28,7 @@ from bamboo.cluster.coordinator.memory import MemoryWatch
 from bamboo.cluster.coordinator.state import RunContext, Stop
 from bamboo.cluster.coordinator.steps import PendingStep
 from bamboo.cluster.protocol import LayerParams, StepReport
+from bamboo.redundancy.auto import NodeWork, redundant_work_floor
 
 __all__ = ["Results"]
 
@@ -51,9 +52,11 @@ class Results:
         self.display_step = display_step
         self.display_eval = display_eval
         self.records: list[dict] = []
-        """Per committed step, what later decisions read: step, wall_s and the largest
-        node's frc_s (the full record goes to the event log only: this list is kept for
-        the whole run, so it stays a few numbers a step)."""
+        """Per committed step, what later decisions read: step, wall_s, the largest
+        node's frc_s and the least time eager and lazy would have added to it
+        (`redundant_work_floor`; meaningful in steps without replicas). The full record
+        goes to the event log only: this list is kept for the whole run, so it stays a
+        few numbers a step."""
         self.final: set[int] = set()
         """Layers whose final parameters a node reported written."""
         self.params: dict[int, list] | None = None
@@ -65,14 +68,18 @@ class Results:
         self.largest_rss = 0
         """The largest resident memory among the reports of the last recorded step."""
 
-    def record(self, p: PendingStep, reports: list[StepReport], node_name: Any) -> dict:
+    def record(self, p: PendingStep, reports: list[StepReport], node_name: Any,
+               own_processor: Any = None) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
                   "grad_norm": reports[0].grad_norm if reports else None,
                   "lr": reports[0].lr if reports else None,
                   "attempts": max((r.attempts for r in reports), default=1),
                   "nodes": [self._node_timers(r, node_name(r)) for r in reports]}
+        work = [NodeWork(tuple(r.stages), r.compute_s, r.wait_s, r.optim_s,
+                         bool(own_processor(r)) if own_processor else False) for r in reports]
         self.records.append({"step": p.step, "wall_s": p.wall_s,
-                             "frc_s": max((r.frc_s for r in reports), default=0.0)})
+                             "frc_s": max((r.frc_s for r in reports), default=0.0),
+                             "floor_s": redundant_work_floor(work, self._stages())})
         for r in reports:
             self._note_memory(str(node_name(r)), r)
         self.ctx.events.write("step_done", **record)
@@ -84,6 +91,10 @@ class Results:
         self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
                           [1000 * r.step_s for r in reports], self.largest_rss)
         return record
+
+    def _stages(self) -> int:
+        plan = self.ctx.plan
+        return plan.stages if plan else self.ctx.cfg.layout.stages
 
     def _memory_warning(self, node: str, text: str, fields: dict) -> None:
         self.ctx.events.write("memory_growth", **fields)
