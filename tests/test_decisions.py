@@ -486,3 +486,22 @@ def test_redundancy_auto_measures_reroute_with_off(tmp_path: Path) -> None:
     costs = sim.core.auto.costs()
     assert costs.measured("reroute") and costs.step_s["reroute"] == costs.step_s["off"]
     assert not any(e["trial"] for e in sim.events.of("redundancy_mode"))
+
+
+@pytest.mark.timeout(60)
+def test_redundancy_auto_leaves_reroute_when_one_pipeline_is_left(tmp_path: Path) -> None:
+    """A generation re-routing at D=2 loses a node, and no standby comes: the next
+    generation has one pipeline, where reroute is not a mode; the choice is made among
+    the others (once, this raised a KeyError on the current mode)."""
+    sim = SimCluster(cfg(nodes=4, stages=2, steps=12, redundancy="auto"), tmp_path / "run")
+    for _ in range(3):
+        sim.step()
+    sim.core.auto.current = "reroute"  # as chosen at D=2
+    sim.kill(node_of(sim, 0, 1))
+    while sim.stopped is None and sim.ctx.committed < 12:
+        sim.step()
+        sim.check_invariants()
+    assert sim.stopped is None, sim.stopped
+    last = sim.events.of("redundancy_mode")[-1]
+    assert sim.ctx.plan.pipelines == 1 and "reroute" not in last["expected"]
+    assert last["mode"] in ("eager", "lazy", "off")

@@ -213,7 +213,8 @@ class AutoRedundancy:
             mode = self.trial  # a trial runs until its mode is measured
         else:
             best = max(expected.values())
-            order = ([self.current] if self.current else []) + list(expected)
+            # the current mode first on a tie, where it is still weighed (reroute is not at D=1)
+            order = ([self.current] if self.current in expected else []) + list(expected)
             mode = next(m for m in order if expected[m] == best)
             if gen >= 0 and self.proposed is not None and not costs.measured(self.proposed):
                 trial = self.proposed  # what the boundary ended the generation for
