@@ -82,7 +82,8 @@ def node_medians(events: list[dict], warmup: int) -> list[dict]:
                    {k: statistics.median(r[k] for r in rows)
                     for k in ("compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "step_s",
                               "saved_bytes", "frc_saved_bytes", "state_bytes", "bytes_replica",
-                              "frc_forwards", "frc_in_waits")})
+                              "frc_forwards", "frc_in_waits")}
+                   | {"page_faults": statistics.median(r.get("page_faults", 0) for r in rows)})
     return out
 
 
@@ -239,13 +240,14 @@ def main() -> int:
                       for m in MODES[1:]))
     print("\n== per-node timers, median per step (first run of each mode), ms ==")
     print(f"{'mode':<10} {'node':<5} {'compute':>8} {'frc':>7} {'wait':>7} {'commit':>7} "
-          f"{'optim':>7} {'step':>7} {'FRC in waits':>13}")
+          f"{'optim':>7} {'step':>7} {'faults':>7} {'FRC in waits':>13}")
     nodes = {m: node_medians(events[m], args.warmup) for m in MODES}
     for mode in MODES:
         for r in nodes[mode]:
             print(f"{mode:<10} {r['node']:<5} " + " ".join(
                 f"{1e3 * r[k]:>7.1f}" for k in ("compute_s", "frc_s", "wait_s", "reduce_s",
                                                  "optim_s", "step_s"))
+                  + f" {r['page_faults']:>7.0f}"
                   + (f" {r['frc_in_waits']:>6g} of {r['frc_forwards']:g}" if r["frc_forwards"] else ""))
 
     costs, _numels = profile_costs(args)

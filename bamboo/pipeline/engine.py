@@ -23,6 +23,7 @@ This module is the dispatcher: the step's loop over its instructions (as DeepSpe
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -141,6 +142,7 @@ class NodeEngine:
     def run_step(self, step: int) -> StepReport:
         """Run `step` to its commit, surviving lost peers on the way."""
         start = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         s = StepState(step)
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
@@ -174,6 +176,7 @@ class NodeEngine:
         r.stages = sorted(self.stages)
         r.losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
         r.step_s = time.perf_counter() - start
+        r.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         r.wait_s = self.p2p.wait_s
         r.bytes_sent = self.p2p.bytes_sent
         r.state_bytes = sum(3 * 4 * st.numel for st in self.held())  # fp32 params + two AdamW moments

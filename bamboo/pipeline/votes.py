@@ -86,6 +86,9 @@ class StepReport:
     frc_reused: int = 0
     brc: int = 0
     resent_grads: int = 0
+    page_faults: int = 0
+    """Minor page faults of the process during the step: memory the step touched for the
+    first time (a large tensor the allocator got fresh from the kernel, zeroed page by page)."""
     rebuilds: int = 0
     """strict: process groups formed among the survivors during this step."""
     rebuild_s: float = 0.0
