@@ -41,14 +41,3 @@ def test_every_redundant_forward_runs_and_results_are_equal(place: str, tmp_path
         # Stage 0 sends micro-batch 0 and must wait for its gradient (a forward and a
         # backward of stage 1 away): every step has that wait to fill.
         assert in_waits >= STEPS, per_step
-
-
-def test_an_frc_forward_starts_where_it_fits_or_fits_best() -> None:
-    """A forward starts in a wait when what is left of it holds the forward, or holds as
-    much of it as any later wait would; never once the transfer is due."""
-    from bamboo.pipeline.engine import frc_fits
-    assert frc_fits(0.09, 0.07, 0.06)          # fits here
-    assert not frc_fits(0.025, 0.07, 0.06)     # a later wait holds more of it
-    assert frc_fits(0.06, 0.07, 0.06)          # no later wait is longer: overrun least here
-    assert frc_fits(0.01, 0.07, 0.0)           # the last wait of the step
-    assert not frc_fits(0.0, 0.07, 0.0) and not frc_fits(-0.01, 0.07, 0.5)

@@ -73,12 +73,6 @@ def _timeout_s(group: Any) -> float:
         return 1800.0
 
 
-def _wait_timed(work: dist.Work) -> float:
-    """Wait for `work` (on a helper thread); the moment it completed."""
-    work.wait()
-    return time.perf_counter()
-
-
 class PeerLost(RuntimeError):
     """A transfer failed because a peer is gone or stopped answering."""
 
@@ -202,8 +196,6 @@ class P2P:
         is waited on once only: a gloo receive waited twice would wait for a second message."""
         self._subgroups: dict[str, dist.ProcessGroup] = {}
         self.wait_s = 0.0
-        self.last_wait_s = 0.0
-        """The last `wait_interruptible`'s time to the transfer's completion."""
         self.bytes_sent = 0
 
     # -- addressing ----------------------------------------------------------------------------
@@ -299,14 +291,12 @@ class P2P:
         `idle()` is other work the node can do meanwhile (eager FRC): called, one unit at a
         time, while the transfer is not done; it returns False when it has nothing left. Its
         time is not counted as waiting, and its errors are its own (not a lost peer).
-        `last_wait_s` is then the time from this call to the transfer's completion, whatever
-        ran meanwhile: how long the node would have waited here with nothing to do.
         """
         start, busy = time.perf_counter(), 0.0
         try:
             entry = self._waiting.get(id(work))
             if entry is None or entry[0] is not work:  # an id can be reused once a Work is freed
-                future = self._pool.submit(_wait_timed, work)
+                future = self._pool.submit(work.wait)
                 future.add_done_callback(lambda _: self.wake.set())
                 self._waiting[id(work)] = (work, future, peer)
             else:
@@ -330,7 +320,7 @@ class P2P:
                 self.wake.clear()
             del self._waiting[id(work)]
             try:  # only the transfer's own failure is a lost peer, not one of `idle`'s
-                self.last_wait_s = max(0.0, future.result() - start)
+                future.result()
             except RuntimeError as e:
                 raise PeerLost(f"transfer with rank {peer} failed: {e}", peer) from e
         finally:

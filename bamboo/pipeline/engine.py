@@ -51,7 +51,7 @@ from bamboo.pipeline.transport import Transport, make_transport
 from bamboo.pipeline.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 from bamboo.redundancy.roles import RoleMap
 
-__all__ = ["TrainingHyper", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX", "frc_fits"]
+__all__ = ["TrainingHyper", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
 """Phase indices a node marks its progress with (`bamboo.cluster.protocol.PHASES` names them)."""
@@ -67,14 +67,6 @@ class TrainingHyper:
     weight_decay: float
     grad_clip: float
 
-
-
-def frc_fits(left_s: float, frc_s: float, longest_later_wait_s: float) -> bool:
-    """Whether an FRC forward of `frc_s` seconds should start in a wait with `left_s`
-    seconds still to go, when the longest wait still to come this step lasts
-    `longest_later_wait_s`: when the rest of this wait holds it, or holds at least as
-    much of it as any later wait would (it runs over by less than it would there)."""
-    return left_s > 0 and left_s >= min(frc_s, longest_later_wait_s)
 
 class NodeEngine:
     """Runs the stages `roles` gives this rank, one step at a time."""
@@ -100,12 +92,6 @@ class NodeEngine:
         shadowed = redundancy in ("eager", "lazy")
         self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
         self.frc_offload, self.frc_at = frc_offload, frc_at
-        self._waits_seen: list[tuple[tuple, float]] = []
-        """This step's receives: (transfer key, how long it would have waited), in order."""
-        self._wait_plan: dict[tuple, tuple[float, float]] = {}
-        """The step before's, by key (`_plan_waits`)."""
-        self._frc_cost: float | None = None
-        """Seconds of one FRC forward, a running mean."""
         self.comm, self.precision, self.exact = comm, precision, exact
         self.activation_checkpointing = activation_checkpointing
         self.P = layout.stages
@@ -157,7 +143,6 @@ class NodeEngine:
         """Run `step` to its commit, surviving lost peers on the way."""
         start = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        self._plan_waits()
         s = StepState(step)
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
@@ -406,47 +391,9 @@ class NodeEngine:
         else:
             self._run_frc(s, i)
 
-    def _plan_waits(self) -> None:
-        """The last step's waits, in order, become this step's guide (`_frc_fits`): site ->
-        (its wait, the longest wait after it)."""
-        seen, self._waits_seen = self._waits_seen, []
-        plan: dict[tuple, tuple[float, float]] = {}
-        longest_after = 0.0
-        for site, waited in reversed(seen):
-            plan.setdefault(site, (waited, longest_after))
-            longest_after = max(longest_after, waited)
-        self._wait_plan = plan
-
-    def _frc_idle(self, s: StepState, site: tuple) -> Callable[[], bool]:
-        """What a receive at `site` (its transfer key) may do while it waits."""
-        began = time.perf_counter()
-        return lambda: self._frc_at_wait(s, site=site, began=began)
-
-    def _waited(self, site: tuple) -> None:
-        """Note how long the receive at `site` would have waited with nothing to do."""
-        self._waits_seen.append((site, self.p2p.last_wait_s))
-
-    def _frc_fits(self, site: tuple, began: float) -> bool:
-        """Whether an FRC forward should start now, in the wait at `site`.
-
-        A forward cannot be cut short (on a CPU nothing preempts it), so one started late
-        in a wait runs past the transfer's arrival and delays the node's next instruction.
-        The waits of the step before say how long this one lasts and how long the later
-        ones do: a forward starts when what is left of this wait holds it, or holds as much
-        of it as any later wait would. Without that history (the first step, new roles),
-        it starts at once."""
-        seen = self._wait_plan.get(site)
-        if seen is None or self._frc_cost is None:
-            return True
-        return frc_fits(seen[0] - (time.perf_counter() - began), self._frc_cost, seen[1])
-
-    def _frc_at_wait(self, s: StepState, in_wait: bool = True, site: tuple | None = None,
-                     began: float = 0.0) -> bool:
-        """While a transfer is under way: run one pending FRC; False when none is left (or
-        none fits this wait: `_frc_fits`). A replica given up since (a failover adopted it,
-        the roles changed) drops its FRC."""
-        if s.frc_pending and site is not None and not self._frc_fits(site, began):
-            return False
+    def _frc_at_wait(self, s: StepState, in_wait: bool = True) -> bool:
+        """While a transfer is under way: run one pending FRC; False when none is left. A
+        replica given up since (a failover adopted it, the roles changed) drops its FRC."""
         while s.frc_pending:
             i = s.frc_pending.pop(0)
             if self.replica is not None and self.replica.stage == i.stage and i.mb not in s.frc:
@@ -467,9 +414,7 @@ class NodeEngine:
         s.frc[i.mb] = (x, out, loss)
         if loss is None:  # the FRC output stays on the device until a failover or the end
             s.memory.hold(("frc", i.stage, i.mb), storage_bytes(out))
-        took = time.perf_counter() - start
-        self._frc_cost = took if self._frc_cost is None else 0.5 * (self._frc_cost + took)
-        s.report.frc_s += took
+        s.report.frc_s += time.perf_counter() - start
         s.report.frc_forwards += 1
 
     def _frc_stream(self) -> Any:
@@ -584,10 +529,9 @@ class NodeEngine:
         if peer == self.rank:
             return  # passed in memory by this node's own SendActivation, earlier in the list
         spec = self.specs[self.parts[i.stage].start - 1]
-        site = (ACTIVATION, i.stage - 1, i.mb)
-        buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer, site,
-                                          self.interrupted, idle=self._frc_idle(s, site))
-        self._waited(site)
+        buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer,
+                                          (ACTIVATION, i.stage - 1, i.mb), self.interrupted,
+                                          idle=lambda: self._frc_at_wait(s))
         s.inputs[key] = buf.requires_grad_(buf.is_floating_point())
         s.transfers.received_acts.add(key)
 
@@ -609,11 +553,9 @@ class NodeEngine:
         if peer == self.rank:
             return  # passed in memory by this node's own SendGrad
         spec = self.specs[self.parts[i.stage].stop - 1]
-        site = (GRADIENT, i.stage + 1, i.mb)
         s.out_grads[(i.stage, i.mb)] = self.p2p.recv_interruptible(
-            spec.shape, spec.dtype, self.device, peer, site, self.interrupted,
-            idle=self._frc_idle(s, site))
-        self._waited(site)
+            spec.shape, spec.dtype, self.device, peer, (GRADIENT, i.stage + 1, i.mb),
+            self.interrupted, idle=lambda: self._frc_at_wait(s))
 
     # -- results ----------------------------------------------------------------------------
 
