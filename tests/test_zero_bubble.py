@@ -223,3 +223,16 @@ def test_zb_h1_survives_kills_equal_to_the_failure_free_run(flags: dict, tmp_pat
     assert len(lost) == len(kills)
     for e in lost:  # the shadow redid every input and weight gradient of the lost stage
         assert e["handled_as"] == "failover" and e["brc"] >= cfg.layout.micro_batches
+
+
+def test_only_stages_that_defer_their_weights_split_the_backward() -> None:
+    """Under ZB-H1 stage 0 runs each weight gradient right after its input gradient, so
+    its backward stays whole; every later stage defers, and so splits."""
+    from bamboo.pipeline.schedule import BackwardInput, BackwardWeight, defers_weight, zb_h1
+    for P in (2, 3, 4):
+        for s in range(P):
+            order = zb_h1(s, P, 4)
+            right_after = all(order[k + 1] == BackwardWeight(s, i.mb) for k, i in enumerate(order)
+                              if isinstance(i, BackwardInput))
+            assert defers_weight("zb-h1", s) == (not right_after), (P, s)
+    assert not defers_weight("1f1b", 1)

@@ -133,7 +133,7 @@ class NodeEngine:
                         seed=self.seed, device=self.device, lr=self.hyper.lr,
                         weight_decay=self.hyper.weight_decay,
                         accumulate_dtype=torch.float64 if self.exact else torch.float32)
-        if self.schedule_name == "zb-h1":
+        if S.defers_weight(self.schedule_name, stage):
             st.taping = Taping(st.module)
         return st
 
@@ -485,11 +485,12 @@ class NodeEngine:
         start = time.perf_counter()
         key = (i.stage, i.mb)
         st = self.stages[i.stage]
-        assert st.taping is not None
         out = s.outputs.pop(key)
         grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
         x = s.inputs.pop(key) if i.stage > 0 else None
-        tape = s.tapes.pop(key, None)  # none: an adopted FRC forward run under --frc-offload
+        # no tape: a stage that does not defer its weights (`defers_weight`), or an adopted
+        # FRC forward run under --frc-offload; its whole backward runs here
+        tape = s.tapes.pop(key, None)
         dx = input_gradient(out, grad, x, Taping.other_params(st.params, tape), tape)
         if dx is not None:
             s.in_grads[key] = dx

@@ -26,7 +26,7 @@ __all__ = [
     "Instruction", "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe", "zb_h1", "SCHEDULES", "BACKWARDS",
     "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
-    "merge_pipelines", "served_work",
+    "merge_pipelines", "served_work", "defers_weight",
 ]
 
 
@@ -172,6 +172,13 @@ def zb_h1(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
         backward(mb)
     out += [BackwardWeight(stage, mb) for mb in deferred]
     return out
+
+
+def defers_weight(schedule: str, stage: int) -> bool:
+    """Whether `stage`'s weight gradients wait behind other work under `schedule`. Under
+    ZB-H1 stage s defers them by s micro-batches, so stage 0 runs each right after its
+    input gradient: splitting its backward would buy nothing and cost a second pass."""
+    return schedule == "zb-h1" and stage > 0
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
