@@ -17,6 +17,7 @@ import hashlib
 import io
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class Results:
         """The largest resident memory among the reports of the last recorded step."""
 
     def record(self, p: PendingStep, reports: list[StepReport], node_name: Any,
-               own_processor: Any = None) -> dict:
+               own_processor: Callable[[StepReport], bool] | None = None) -> dict:
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
                   "grad_norm": reports[0].grad_norm if reports else None,
                   "lr": reports[0].lr if reports else None,
