@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bamboo import strict_json
 from bamboo.argparsing import EXIT_USAGE, UsageParser
 
 __all__ = ["main", "export", "read_run", "EXPORTABLE"]
@@ -269,7 +270,7 @@ def _copy_tokenizer(source: Path | None, names: list[str], tmp: Path) -> bool:
             shutil.copyfile(source / name, tmp / name)
         if "tokenizer_config.json" not in names:  # AutoTokenizer then takes tokenizer.json as is
             (tmp / "tokenizer_config.json").write_text(
-                json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n",
+                strict_json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n",
                 encoding="utf-8")
     except OSError as e:
         print(f"bamboo export: warning: the tokenizer of {source} was not copied "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bamboo import strict_json
 from bamboo.config import ConfigError
 
 __all__ = ["RunDir", "RunDirError", "EventLog", "EventLogError", "read_events", "write_atomic",
@@ -82,7 +83,7 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> dict:
         record = {"t": round(time.monotonic() - self._t0, 4), "event": event, **fields}
-        line = json.dumps(record) + "\n"
+        line = strict_json.dumps(record) + "\n"
         self._file.write(line)
         self.bytes_written += len(line)
         self._file.flush()
@@ -151,8 +152,9 @@ class RunDir:
             raise ConfigError(f"--out {self.path} exists and is not a directory: choose another path")
         taken = [name for name in _RUN_FILES if (self.path / name).exists()]
         if taken:
-            raise ConfigError(f"--out {self.path} already holds a run ({taken[0]}): choose a new "
-                              f"directory or remove the old run")
+            raise ConfigError(f"--out {self.path} already holds a run ({taken[0]}): add "
+                              f"--resume auto to continue it (or to extend it with more "
+                              f"--steps), or choose a new directory")
 
     def check_writable(self, flag: str = "--out") -> None:
         """ConfigError unless the folder can be created here and a file written in it (a
@@ -192,5 +194,5 @@ class RunDir:
 
     def write_json(self, name: str, obj: Any) -> Path:
         path = self.path / name
-        write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
+        write_atomic(path, (strict_json.dumps(obj, indent=2) + "\n").encode())
         return path

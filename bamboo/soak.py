@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bamboo import strict_json
 from bamboo.argparsing import UsageParser
 from bamboo.runlog import read_events
 
@@ -247,5 +248,5 @@ def main(argv: list[str]) -> int:
     result = soak(args, train)
     print(_table(result), file=sys.stderr)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json.dumps(result, indent=2))
     return 0 if result["hang"] == 0 and result["wrong"] == 0 else 1

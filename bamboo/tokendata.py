@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bamboo import strict_json
 from bamboo.argparsing import EXIT_USAGE, UsageParser
 
 __all__ = ["FORMAT", "VERSION", "HEADER", "SPLITS", "VAL_FRACTION", "TokenHeader", "read_header",
@@ -144,7 +145,7 @@ def open_split(directory: str | Path, header: TokenHeader, split: str) -> np.mem
 
 
 def write_header(directory: str | Path, header: TokenHeader) -> None:
-    (Path(directory) / HEADER).write_text(json.dumps(header.to_json(), indent=2) + "\n",
+    (Path(directory) / HEADER).write_text(strict_json.dumps(header.to_json(), indent=2) + "\n",
                                           encoding="utf-8")
 
 

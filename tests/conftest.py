@@ -37,7 +37,8 @@ class Result:
 
     @property
     def summary(self) -> dict:
-        return json.loads((self.out / "summary.json").read_text())
+        path = self.out / "summary.json"
+        return strict_loads(path.read_text(), str(path))
 
     def events(self) -> list[dict]:
         return run_events(self.out)
@@ -58,11 +59,52 @@ def free_port() -> int:
 
 
 def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Result:
-    """Run `bamboo ARGS [--out OUT]` to completion (killed after `timeout`)."""
+    """Run `bamboo ARGS [--out OUT]` to completion (killed after `timeout`); a `--json`
+    output on stdout must be strict JSON."""
     cmd = BAMBOO + args + (["--out", str(out)] if out is not None else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if "--json" in args and proc.returncode == 0:
+        strict_loads(proc.stdout, f"`bamboo {' '.join(args)}` stdout")
     return Result(proc.returncode, proc.stdout, proc.stderr, out or Path("/nonexistent"))
+
+
+class NotStrictJson(AssertionError):
+    """A file or output the project wrote is not strict JSON (NaN, Infinity, or no JSON)."""
+
+
+def strict_loads(text: str, where: str):
+    """`text` parsed by a strict JSON parser (one that refuses NaN and Infinity, as
+    JavaScript's `JSON.parse` and jq do); NotStrictJson names `where` otherwise."""
+    def refuse(constant: str):
+        raise NotStrictJson(f"{where} is not strict JSON: it holds {constant}")
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except json.JSONDecodeError as e:
+        raise NotStrictJson(f"{where} is not JSON: {e}") from None
+
+
+def check_run_files_strict(root: Path) -> None:
+    """Every summary.json and whole line of every events.jsonl under `root` parses as
+    strict JSON (a last line without its newline is a write cut short by a kill)."""
+    for path in root.rglob("summary.json"):
+        strict_loads(path.read_text(encoding="utf-8"), str(path))
+    for path in root.rglob("events.jsonl"):
+        lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+        for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: after the last newline
+            if line.strip():
+                strict_loads(line, f"{path} line {number}")
+
+
+@pytest.fixture(autouse=True)
+def _run_files_are_strict_json(request: pytest.FixtureRequest):
+    """Every test that used a tmp_path ends with every summary.json and events.jsonl in it
+    strict JSON: the check runs at teardown, over whatever the test's runs wrote."""
+    # Asked for here, before the test, so that tmp_path is torn down after this check.
+    root = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if root is not None:
+        check_run_files_strict(root)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bamboo import strict_json
 from bamboo.argparsing import EXIT_USAGE, UsageParser
 from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, parse_kill
 from bamboo.config.options import add_flags
@@ -321,12 +322,12 @@ def run(argv: list[str], source: NodeSource) -> int:
         if not args.no_report:
             write_run_report(run.path, args.quiet)
         if args.json:
-            print(json.dumps(e.summary, indent=2))
+            print(strict_json.dumps(e.summary, indent=2))
         return e.exit_code
     if not args.no_report:
         write_run_report(run.path, args.quiet)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(strict_json.dumps(summary, indent=2))
     else:
         first, last = summary["losses"][0], summary["losses"][-1]
         print(f"done: {summary['steps_completed']} steps, loss {first:.4f} -> {last:.4f}, "

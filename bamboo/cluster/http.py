@@ -15,7 +15,6 @@ thread, with a socket timeout, so a client that connects and stalls delays nobod
 """
 from __future__ import annotations
 
-import json
 import socket
 import threading
 from collections.abc import Callable
@@ -25,6 +24,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
+
+from bamboo import strict_json
 
 __all__ = ["RunMetrics", "HealthServer", "HttpServeError", "HealthCheck", "PAUSE_BUCKETS"]
 
@@ -149,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # the owner's check failed: that is unhealthy, not a crash
             healthy, body = False, {"status": "error", "error": f"{type(e).__name__}: {e}"}
         self._send(200 if healthy else 503, "application/json",
-                   (json.dumps(body, default=str) + "\n").encode())
+                   (strict_json.dumps(body, default=str) + "\n").encode())
 
     def _send(self, code: int, content_type: str, body: bytes) -> None:
         self.send_response(code)

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bamboo import strict_json
+
 __all__ = ["LayerCosts", "SCHEMA", "load_layer_costs", "save_layer_costs", "measure_layer_costs"]
 
 SCHEMA = "bamboo.layer-costs/1"
@@ -62,7 +64,7 @@ def load_layer_costs(path: str | Path) -> LayerCosts:
 
 
 def save_layer_costs(costs: LayerCosts, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(asdict(costs), indent=2, sort_keys=True) + "\n",
+    Path(path).write_text(strict_json.dumps(asdict(costs), indent=2, sort_keys=True) + "\n",
                           encoding="utf-8")
 
 

@@ -28,11 +28,11 @@ Torch-free; `python -m bamboo.redundancy.timeline --help`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bamboo import strict_json
 from bamboo.pipeline import schedule as S
 
 __all__ = [
@@ -543,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmp = compare(P, M, costs, cores=args.cores, frc_policy=args.frc_policy,
                   schedule=args.schedule)
     if args.json:
-        print(json.dumps(summary(cmp)))
+        print(strict_json.dumps(summary(cmp)))
     else:
         print(render(cmp, width=args.width, show=not args.no_ascii))
     return 0
@@ -570,7 +570,7 @@ def _print_reroute(P: int, M: int, D: int, text: str, costs: Costs, schedule: st
         shadowed = simulate_step(P, M, "lazy", costs, held=held, schedule=schedule).step_s
     figures = {"failure_free_s": clean, "rerouted_s": rerouted, "shadowed_s": shadowed}
     if as_json:
-        print(json.dumps(figures))
+        print(strict_json.dumps(figures))
     else:
         print(f"timeline model: P={P} D={D} M={M}, lost {text}, one processor per node, {schedule}")
         print(f"  failure-free step {1e3 * clean:.2f} ms")

@@ -13,10 +13,10 @@ traceback).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from bamboo import strict_json
 from bamboo.argparsing import UsageParser as _Parser  # one-line usage errors, exit 2
 
 __all__ = ["main", "build_parser"]
@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise _UserError(f"--plot {args.plot}: cannot write plots ({exc.strerror or exc})") from None
     if args.json:
-        sys.stdout.write(json.dumps(summary, sort_keys=True, indent=2) + "\n")
+        sys.stdout.write(strict_json.dumps(summary, sort_keys=True, indent=2) + "\n")
     else:
         _table(summary)
     return 0

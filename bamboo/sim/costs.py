@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bamboo import strict_json
+
 __all__ = ["SCHEMA", "CostsError", "StepCosts", "load_costs", "save_costs", "costs_from_dict"]
 
 SCHEMA = "bamboo.costs/1"
@@ -164,4 +166,4 @@ def load_costs(path: str | Path) -> StepCosts:
 
 def save_costs(costs: StepCosts, path: str | Path) -> None:
     """Write a costs file (sorted keys, so equal costs give equal files)."""
-    Path(path).write_text(json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    Path(path).write_text(strict_json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -219,7 +219,9 @@ class Results:
             "reroutes": kinds.count("reroute"), "reconfigurations": reconfigurations,
             "redone_steps": redone_steps,
             "pause_s": [round(x.pause_s, 4) for x in losses],
-            "reconfiguration_s": [round(r.get("total_s", float("nan")), 4) for r in reconf_times],
+            # null: a generation that never became ready (a later one replaced it, or the run stopped)
+            "reconfiguration_s": [round(r["total_s"], 4) if "total_s" in r else None
+                                  for r in reconf_times],
             "resumed_from_step": ctx.resume_step,
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
