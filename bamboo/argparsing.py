@@ -9,7 +9,9 @@ without importing one another:
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import difflib
+import re
+from typing import Any, NoReturn
 
 __all__ = ["EXIT_USAGE", "UsageParser"]
 
@@ -18,7 +20,31 @@ EXIT_USAGE = 2
 
 
 class UsageParser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line: what is wrong, and where the help is."""
+    """argparse that reports a usage error in one line: what is wrong, and where the help is.
+
+    A flag must be given in full: `--node 4` is an error that names `--nodes`, never a
+    silent abbreviation of it (argparse's `allow_abbrev`, off here)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = self._did_you_mean(message)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """`; did you mean --nodes?` for the first unknown flag of an "unrecognized
+        arguments" message that is a prefix or a near miss of a real flag."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            if not re.fullmatch(r"--[\w-]+", flag):
+                continue
+            starts = sorted(o for o in known if o.startswith(flag))
+            close = starts or difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+            if close:
+                return f"; did you mean {' or '.join(close[:3])}?"
+        return ""

@@ -28,6 +28,34 @@ def test_an_unknown_flag_is_one_line_and_exit_2_for_every_command(command: str,
                                        f"--bogus-flag (see bamboo {command} --help)\n")
 
 
+@pytest.mark.parametrize("command, flag", [("train", "--nodes"), ("simulate", "--runs"),
+                                           ("report", "--quiet"), ("profile", "--model"),
+                                           ("agent", "--workers")])
+def test_an_abbreviated_flag_is_refused_for_every_command(command: str, flag: str,
+                                                          capsys) -> None:
+    """`--node 4` once ran a whole default job as `--nodes 4`: a prefix is never taken
+    (`bamboo config` has only subcommands, no flag of its own to abbreviate)."""
+    from bamboo.cli import main
+    with pytest.raises(SystemExit) as info:
+        main([command, *REQUIRED[command], flag[:-1], "4"])
+    assert info.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"unrecognized arguments: {flag[:-1]} 4" in err, err
+    assert f"did you mean {flag}" in err, err
+
+
+@pytest.mark.parametrize("given, meant", [("--node", "--nodes"), ("--stage", "--stages"),
+                                          ("--stepz", "--steps"),
+                                          ("--micro-batch", "--micro-batch-size or --micro-batches")])
+def test_train_names_the_flag_that_was_meant(given: str, meant: str, capsys) -> None:
+    from bamboo.cli import main
+    with pytest.raises(SystemExit):
+        main(["train", given, "4"])
+    err = capsys.readouterr().err
+    assert err == (f"bamboo train: error: unrecognized arguments: {given} 4; did you mean "
+                   f"{meant}? (see bamboo train --help)\n")
+
+
 def test_the_parsers_are_the_shared_class() -> None:
     from bamboo.cli.train import train_parser
     from bamboo.report import _parser as report_parser

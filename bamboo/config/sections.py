@@ -270,8 +270,12 @@ class RuntimeSection:
                               f"or more (default 10)", "lease_s")
 
 
+DEFAULT_TIME_SCALE = 360.0
+"""Trace seconds per wall second of a replay when --time-scale is not given."""
+
+
 def _time_scale(value: Any) -> str | None:
-    ok = isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+    ok = value is None or (isinstance(value, (int, float)) and value > 0 and math.isfinite(value))
     return None if ok else f"must be a positive number of trace seconds per wall second (got {value})"
 
 
@@ -294,8 +298,8 @@ class ClusterSection:
         first.""")
     trace: str | None = option(None, check=_trace_file, metavar="FILE", help="""A preemption
         trace to replay on the local cluster (Bamboo CSV, count rows, JSON rows).""")
-    time_scale: float = option(360.0, check=_time_scale, help="""Trace seconds per wall second
-        when replaying a trace.""")
+    time_scale: float | None = option(None, check=_time_scale, help=f"""Trace seconds per wall
+        second when replaying a --trace (default {DEFAULT_TIME_SCALE:g}).""")
     max_nodes: int | None = option(None, summary=lambda job: job.node_cap, help="""At most this
         many workers alive at once (default: --nodes).""")
     boot_s: float = option(0.0, check=_number(0, above=False), metavar="S", help="""Trace
@@ -305,8 +309,16 @@ class ClusterSection:
                                     help="""Preemption notice before each kill (trace removes
         and +notice kills), wall seconds.""")
 
+    @property
+    def replay_time_scale(self) -> float:
+        """The trace seconds per wall second a replay runs at."""
+        return DEFAULT_TIME_SCALE if self.time_scale is None else self.time_scale
+
     def check(self, job: JobConfig) -> None:
         nodes = job.layout.nodes
+        if self.time_scale is not None and self.trace is None:
+            raise ConfigError(f"--time-scale {self.time_scale:g} has no trace to scale: add "
+                              f"--trace FILE, or drop --time-scale", "time_scale", "trace")
         if self.max_nodes is not None and (not isinstance(self.max_nodes, int)
                                            or self.max_nodes < nodes):
             raise ConfigError(f"--max-nodes must be an integer >= --nodes {nodes} "

@@ -30,9 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bamboo simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="trace file (Bamboo CSV, count rows or JSON rows), "
                    "or synthetic:p=PROB[,alloc=A] / synthetic:mtbf=DURATION")
-    p.add_argument("--model", default="gpt2", help="gpt2|bert|resnet|vgg|gnmt|alexnet (default gpt2)")
+    from .policies import POLICIES
+    from .presets import PRESETS
+    p.add_argument("--model", default="gpt2",
+                   help=f"a model with published step times: {', '.join(m.name for m in PRESETS.values())} "
+                        f"(default gpt2); or any bamboo train model (gpt2-tiny, llama-tiny, ...) with "
+                        f"--costs from bamboo profile --model NAME")
     p.add_argument("--policies", default="bamboo,checkpoint,on-demand",
-                   help="comma-separated: bamboo, checkpoint, on-demand, adaptive")
+                   help=f"comma-separated: {', '.join(POLICIES)}")
     p.add_argument("--runs", type=int, default=1, help="Monte Carlo runs (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic traces and random placement")
     p.add_argument("--costs", help="costs file written by 'bamboo profile' (schema bamboo.costs/1)")
@@ -102,20 +107,35 @@ def _table(summary: dict) -> None:
     Console(width=160).print(t)
 
 
+def _model(name: str, costs_file: str | None):
+    """The simulated model called `name`: one of the simulator's own (published step times),
+    or a `bamboo train` model measured by `bamboo profile` (its --costs file is then required:
+    the step times are what a simulation needs). Both sets of names are accepted."""
+    from bamboo.presets import PRESETS as TRAIN_MODELS
+    from .costs import load_costs
+    from .presets import PRESETS, get_preset, preset_from_costs
+    try:
+        base = get_preset(name)
+    except KeyError:
+        if name not in TRAIN_MODELS and ":" not in name:
+            known = ", ".join(m.name for m in PRESETS.values())
+            raise _UserError(f"--model {name!r} is not a model: use one of {known} (published step "
+                             f"times) or a bamboo train model ({', '.join(sorted(TRAIN_MODELS))}) "
+                             f"with --costs") from None
+        if not costs_file:
+            raise _UserError(f"--model {name} needs its measured costs: run `bamboo profile --model "
+                             f"{name} --out costs.json`, then add --costs costs.json") from None
+        base = get_preset("gpt2")  # only its recovery costs stand in where the file has none
+    return preset_from_costs(load_costs(costs_file), base) if costs_file else base
+
+
 def _run(args: argparse.Namespace) -> int:
     from .core import SimConfig
-    from .costs import load_costs
     from .policies import POLICIES
-    from .presets import get_preset, preset_from_costs
     from .runner import resolve_trace, run_policies, summarize
 
     _check(args)
-    try:
-        preset = get_preset(args.model)
-    except KeyError as exc:
-        raise _UserError(f"--model {args.model!r}: {exc.args[0]}") from None
-    if args.costs:
-        preset = preset_from_costs(load_costs(args.costs), preset)
+    preset = _model(args.model, args.costs)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:

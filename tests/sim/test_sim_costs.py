@@ -61,3 +61,30 @@ def test_simulate_with_costs_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", "synthetic:p=0.1", "--costs", str(bad)],
                        capture_output=True, text=True)
     assert r.returncode == 2 and f"{bad}:1:" in r.stderr
+
+
+def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
+    """One set of model names: a `bamboo train` model runs with its profiled costs, and
+    without them the line says how to get them; --help lists every model and policy."""
+    from bamboo.presets import PRESETS as TRAIN_MODELS
+    from bamboo.sim.cli import build_parser, main
+    from bamboo.sim.policies import POLICIES
+    from bamboo.sim.presets import PRESETS
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(GOOD))
+    assert main(["--trace", "synthetic:p=0.1,nodes=12,hours=2", "--model", "gpt2-tiny",
+                 "--costs", str(f), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "gpt2-tiny"
+    for name in TRAIN_MODELS:
+        if name.replace("-", "") in PRESETS:  # a name both sides share (llama-1b) runs as is
+            continue
+        assert main(["--trace", "synthetic:p=0.1", "--model", name]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"bamboo simulate: error: --model {name} needs its measured costs: run "
+                       f"`bamboo profile --model {name} --out costs.json`, then add --costs "
+                       f"costs.json\n"), err
+    assert main(["--trace", "synthetic:p=0.1", "--model", "nonsense"]) == 2
+    assert "is not a model: use one of gpt2, bert, llama-1b" in capsys.readouterr().err
+    helptext = " ".join(build_parser().format_help().split())
+    for name in [m.name for m in PRESETS.values()] + list(POLICIES):
+        assert name in helptext, name

@@ -104,7 +104,7 @@ class CoordinatorCore:
         self.ctx.say(f"started {cfg.layout.nodes} workers: {plan.pipelines} pipeline(s) x "
                      f"{plan.stages} stage(s), model {cfg.model.name}, redundancy "
                      f"{plan.redundancy if (self.ctx.rc and plan.stages > 1) or plan.redundancy == 'reroute' else 'off'}"
-                     + (f", replaying {cfg.cluster.trace} at {cfg.cluster.time_scale:g}x"
+                     + (f", replaying {cfg.cluster.trace} at {cfg.cluster.replay_time_scale:g}x"
                         if self.preemptions.replay else ""))
         self.last_news = self.steps.last_commit_t = clock()
 
@@ -279,11 +279,11 @@ class CoordinatorCore:
         from bamboo.cluster.replay import TraceReplay
         from bamboo.sim.traces import load_trace
         trace = load_trace(cfg.trace)  # validated by the command line already
-        replay = TraceReplay(trace, initial=self.cfg.layout.nodes, time_scale=cfg.time_scale)
+        replay = TraceReplay(trace, initial=self.cfg.layout.nodes, time_scale=cfg.replay_time_scale)
         self.preemptions.replay = replay
         self.preemptions.trace_live.update(replay.initial_added)
         self.events.write("trace", file=cfg.trace, rows=len(trace.times),
-                          preemptions=trace.preemptions, time_scale=cfg.time_scale,
+                          preemptions=trace.preemptions, time_scale=cfg.replay_time_scale,
                           window_s=round(replay.window_s(), 2))
 
     # -- messages ---------------------------------------------------------------------------
