@@ -505,3 +505,25 @@ def test_redundancy_auto_leaves_reroute_when_one_pipeline_is_left(tmp_path: Path
     last = sim.events.of("redundancy_mode")[-1]
     assert sim.ctx.plan.pipelines == 1 and "reroute" not in last["expected"]
     assert last["mode"] in ("eager", "lazy", "off")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loss,norm", [(float("nan"), 1.0), (2.0, float("inf"))])
+def test_a_non_finite_step_stops_before_its_commit(tmp_path: Path, loss: float,
+                                                  norm: float) -> None:
+    """A diverging run stops at the first non-finite loss or gradient norm, naming the step;
+    that step is never committed and the summary holds only the finite steps before it."""
+    sim = SimCluster(cfg(nodes=2, stages=2), tmp_path / "run")
+    sim.step()
+    epoch = sim.ctx.roles.epoch
+    workers = [sim.workers[0], sim.workers[1]]
+    for r, w in enumerate(workers):
+        sim._send(w, MicroBatchesDone(rank=r, step=1, epoch=epoch))
+    for r, w in enumerate(workers):
+        sim._send(w, RoundDone(rank=r, step=1, epoch=epoch, ok=True, losses=[(r, loss, 0.5)],
+                               grad_norm=norm))
+    assert sim.stopped is not None and "training diverged in step 1" in sim.stopped
+    assert "lower --lr" in sim.stopped and len(sim.stopped.splitlines()) == 1
+    assert decide_key(1, epoch) not in sim.store.data
+    assert sim.failed["status"] == "failed" and sim.failed["steps_completed"] == 1
+    assert len(sim.failed["losses"]) == 1

@@ -5,6 +5,7 @@ the losses and parameters of a plain single-process loop.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -130,3 +131,25 @@ def test_the_demo_job_learns(bamboo) -> None:
     losses = result.summary["losses"]
     assert len(losses) == 50
     assert losses[-1] <= 0.7 * losses[0], losses
+
+
+@pytest.mark.timeout(180)
+def test_a_diverging_run_stops_naming_the_step(bamboo, tmp_path: Path) -> None:
+    """--lr 1e6: the first non-finite loss or gradient norm stops the run with one line that
+    names the step and suggests a lower --lr; the summary holds the finite steps before it,
+    and no model is written (a good model.pt already there stays as it was)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"a good model")
+    result = bamboo(["--nodes", "2", "--stages", "2", "--steps", "8", "--lr", "1e6",
+                     "--quiet", "--resume", "auto"])
+    assert result.code != 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "diverged in step" in lines[0] and "lower --lr" in lines[0], \
+        result.stderr
+    assert "Traceback" not in result.stderr
+    summary = result.summary
+    step = int(lines[0].split("diverged in step ")[1].split(":")[0])
+    assert summary["status"] == "failed" and summary["steps_completed"] == step < 8
+    assert all(math.isfinite(x) for x in summary["losses"]) and len(summary["losses"]) == step
+    assert (out / "model.pt").read_bytes() == b"a good model"

@@ -104,8 +104,8 @@ class CoordinatorLink:
         return Go(self._vote_answer(go_key(step, epoch), epoch, Go.ABORT.value))
 
     def round_done(self, step: int, epoch: int, ok: bool,
-                   losses: list[tuple[int, float, float]]) -> Verdict:
-        self.report(RoundDone, step=step, epoch=epoch, ok=ok, losses=losses)
+                   losses: list[tuple[int, float, float]], grad_norm: float = 0.0) -> Verdict:
+        self.report(RoundDone, step=step, epoch=epoch, ok=ok, losses=losses, grad_norm=grad_norm)
         return Verdict.decode(self._vote_answer(decide_key(step, epoch), epoch,
                                                 Decision.REDO.value))
 

@@ -136,6 +136,9 @@ class RoundDone(WorkerMessage):
     ok: bool
     losses: list[tuple[int, float, float]]
     """(global micro-batch, loss, weight) of every micro-batch whose loss this node computed."""
+    grad_norm: float = 0.0
+    """The step's global gradient norm as this node's commit round agreed on it (checked for
+    a non-finite value before the step is committed: a diverging run stops there)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

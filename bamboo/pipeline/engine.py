@@ -159,7 +159,8 @@ class NodeEngine:
                 result = self._commit_round(s, length)
                 self.faults.check(step, length + 2, False, True)
                 losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
-                verdict = self.link.round_done(step, self.roles.epoch, result.ok, losses)
+                verdict = self.link.round_done(step, self.roles.epoch, result.ok, losses,
+                                               result.norm)
                 if verdict.decision is Decision.COMMIT:
                     self.flags = set(verdict.flags)
                     self._apply(s, result)

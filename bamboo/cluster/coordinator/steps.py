@@ -131,16 +131,35 @@ class StepProtocol:
         if not msg.ok and self.round_failed_at is None:
             self.round_failed_at = self.ctx.clock()
         if set(reports) >= self.live_active() and all(r.ok for r in reports.values()):
+            self._check_finite(msg.step, reports)
             flags = self.boundary(msg.step)
             self._decide(key, Verdict(Decision.COMMIT, flags).encode(), msg.step)
             self._commit(msg.step, reports)
             self.on_commit(msg.step, flags)
 
+    @staticmethod
+    def _step_loss(reports: dict[int, RoundDone]) -> float:
+        mb_losses = sorted(x for r in reports.values() for x in r.losses)
+        return math.fsum(l * w for _, l, w in mb_losses)
+
+    def _check_finite(self, step: int, reports: dict[int, RoundDone]) -> None:
+        """Stop before committing a step whose loss or gradient norm is not finite: its
+        optimizer step would make every parameter non-finite (nothing of it is applied;
+        the summary keeps the steps before it and no model is written)."""
+        loss = self._step_loss(reports)
+        norm = next((r.grad_norm for r in reports.values() if not math.isfinite(r.grad_norm)),
+                    max((r.grad_norm for r in reports.values()), default=0.0))
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        raise Stop(f"training diverged in step {step}: loss {loss}, gradient norm {norm}; "
+                   f"stopped before applying it (the summary holds the {step} steps before; "
+                   f"no model written): lower --lr (it is {self.ctx.cfg.training.lr:g}) and "
+                   f"run again")
+
     def _commit(self, step: int, reports: dict[int, RoundDone]) -> None:
         ctx = self.ctx
         self.round_failed_at = None
-        mb_losses = sorted(x for r in reports.values() for x in r.losses)
-        loss = math.fsum(l * w for _, l, w in mb_losses)
+        loss = self._step_loss(reports)
         now = ctx.clock()
         expected = {self.member_node(r) for r in self.live_active()}
         self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
