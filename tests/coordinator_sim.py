@@ -318,6 +318,7 @@ class SimCluster:
         for attempt in range(10):
             if self.stopped is not None:
                 return
+            step = self.ctx.committed  # a restore (the trace's losses) may have gone back
             roles = self._roles()
             ranks = [r for r in roles.active_ranks()
                      if not self.core.gens.member(r).exited]

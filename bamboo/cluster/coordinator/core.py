@@ -208,7 +208,8 @@ class CoordinatorCore:
 
     def try_plan(self) -> None:
         """Publish the next generation's plan when a reconfiguration can have one."""
-        none_coming = self.preemptions.trace_finished() and self.source.none_coming(self)
+        none_coming = self.preemptions.trace_finished() and self.source.none_coming(self) \
+            and not self.nodes.coming()
         if self.gens.try_plan(trace_finished=none_coming) is not None:
             self.steps.round_failed_at = None
 

@@ -217,6 +217,12 @@ class Supervisor:
     def standbys(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.is_standby]
 
+    def coming(self) -> list[Node]:
+        """Nodes started and not yet up: each says it is ready within its start lease, or
+        is fenced, so a reconfiguration with no node to plan waits for them."""
+        return [n for n in self.nodes.values() if n.state is NodeState.STARTING and
+                n.rank is None and not n.exited and n.kill_at is None and not n.kill_sent]
+
     # -- admission --------------------------------------------------------------------------
 
     def _take_slot(self) -> tuple[int, int]:
