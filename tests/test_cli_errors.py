@@ -440,3 +440,35 @@ def test_the_memory_bound_grows_with_what_it_counts() -> None:
     assert wide.activation_bytes == 2 * one.activation_bytes > 0
     assert off.state_bytes < one.state_bytes  # no replica
     check_fits(JobConfig.of(**base).validate(), 4)  # the demo-sized job fits here
+
+
+@pytest.mark.parametrize("extra", [[], ["--comm-timeout", "30"]])
+def test_a_step_longer_than_the_run_waits_is_refused_before_any_worker_starts(
+        extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--micro-batches 1000000` once sat at "0/2 ready" for minutes, then stopped with
+    advice about --comm-timeout; it is refused at once, in one line."""
+    from bamboo import cli
+    from bamboo.cluster import forkserver
+
+    def started() -> None:
+        raise AssertionError("a job whose step cannot end in time started a worker")
+    monkeypatch.setattr(forkserver, "start", started)
+    code = cli.main(["train", "--nodes", "2", "--stages", "2", "--micro-batches", "1000000",
+                     *extra, "--out", str(tmp_path / "run")])
+    line = _assert_one_line_error(capsys.readouterr().err, "--micro-batches")
+    limit = 90 if not extra else 60
+    assert code == 2 and "one step would take at least" in line, line
+    assert f"longer than the {limit} s the run waits for a step" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_step_bound_is_below_what_a_step_really_takes() -> None:
+    """The bound must never refuse a job that could run: it stays under a step measured
+    here (the demo-sized job takes tens of milliseconds a step on one core)."""
+    from bamboo.config import JobConfig
+    from bamboo.pipeline.fits import check_step_length, step_seconds_lower_bound
+    cfg = JobConfig.of(nodes=2, stages=2, micro_batches=4, steps=2).validate()
+    assert 0 < step_seconds_lower_bound(cfg, "cpu") < 0.005
+    assert step_seconds_lower_bound(cfg, "cuda") < step_seconds_lower_bound(cfg, "cpu")
+    check_step_length(JobConfig.of(nodes=2, stages=2, micro_batches=20000, steps=2).validate())

@@ -170,6 +170,19 @@ def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
     assert message.startswith(f"{path}, line 4, column 2: YAML syntax error"), message
 
 
+@pytest.mark.parametrize("text, line, key, first", [
+    ("steps: 5\nnodes: 2\nsteps: 7\n", 3, "steps", 1),
+    ("layout:\n  nodes: 2\n  stages: 2\n  nodes: 4\n", 4, "nodes", 2),
+    ("layout: {nodes: 2, nodes: 4}\n", 1, "nodes", 1),
+])
+def test_a_key_given_twice_is_an_error(tmp_path: Path, text: str, line: int, key: str,
+                                       first: int) -> None:
+    """YAML's own loader keeps the last of two equal keys without a word."""
+    path = _write(tmp_path, text)
+    assert _error(path) == (f"{path}, line {line}: key '{key}' is given twice (first on line "
+                            f"{first}): keep one of them")
+
+
 def test_override_of_unknown_field_is_an_error(tmp_path: Path) -> None:
     assert "override 'nodez' is not an option" in _error(_write(tmp_path, ""), {"nodez": 1})
     assert "--steps: expected an integer" in _error(_write(tmp_path, ""), {"steps": "3"})

@@ -44,6 +44,8 @@ class Agents:
             if cfg.cluster.trace is not None or cfg.redundancy.recovery != "redundancy":
                 raise ConfigError("--trace and --recovery checkpoint-restart need local "
                                   "workers: use bamboo train")
+            from bamboo.pipeline.fits import check_step_length
+            check_step_length(cfg, nodes_here=False)
             return
         names = {f.key for f in join_options()}
         self.join = JoinConfig(**{k: v for k, v in vars(args).items() if k in names}).validate()

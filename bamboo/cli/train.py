@@ -241,8 +241,9 @@ class LocalWorkers:
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         if cfg is not None:  # the local workers share this machine's memory
-            from bamboo.pipeline.fits import check_fits
+            from bamboo.pipeline.fits import check_fits, check_step_length
             check_fits(cfg, cfg.node_cap)
+            check_step_length(cfg)
 
     def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
         return NodesStarted()

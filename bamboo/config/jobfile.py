@@ -152,7 +152,10 @@ def _read(path: Path) -> Any:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}, line {e.line}: key '{e.key}' is given twice (first on line "
+                          f"{e.first}): keep one of them") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -160,6 +163,29 @@ def _read(path: Path) -> Any:
         raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: YAML error: {' '.join(str(e).split())}") from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int, first: int) -> None:
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (the
+    plain loader keeps the last silently, so a job file could say two things at once)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: the base loader says what is wrong with it
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(str(key), line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _unknown(path: Path, dotted: str, allowed: list[str]) -> ConfigError:

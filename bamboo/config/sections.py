@@ -258,6 +258,12 @@ class RuntimeSection:
         is older than this is fenced (SIGKILL) and handled as lost; more than the
         {HEARTBEAT_S:g} s between two heartbeats.""")
 
+    @property
+    def step_stall_s(self) -> float:
+        """How long the coordinator waits for any worker's news before it stops the run: a
+        step must end (or a node report) within this."""
+        return self.comm_timeout_s + 30.0
+
     def check(self, job: JobConfig) -> None:
         if self.comm == "tagged" and self.device == "cuda" and \
                 os.environ.get("BAMBOO_BACKEND", "") != "gloo":

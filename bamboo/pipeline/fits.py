@@ -11,6 +11,12 @@ Counted only what a node certainly holds, so a job that fits is never refused:
 `bamboo train` refuses a job whose local workers together need more than this machine's
 memory (one line with both figures), instead of letting a worker die of MemoryError in its
 first step.
+
+Likewise for time: a step longer than the coordinator waits for news of it would only end in
+a stall after minutes. The lower bound of a step is its micro-batches through the largest
+stage at a rate no node of the device reaches (`OPTIMISTIC_FLOPS`), counting only the
+forward's multiply-adds of each parameter once a position (2 x parameters x positions a
+sample), so a job that could finish its steps is never refused.
 """
 from __future__ import annotations
 
@@ -20,7 +26,12 @@ from dataclasses import dataclass
 
 from bamboo.config import ConfigError, JobConfig
 
-__all__ = ["NodeMemory", "node_memory_lower_bound", "machine_memory_bytes", "check_fits"]
+__all__ = ["NodeMemory", "node_memory_lower_bound", "machine_memory_bytes", "check_fits",
+           "step_seconds_lower_bound", "check_step_length", "OPTIMISTIC_FLOPS"]
+
+OPTIMISTIC_FLOPS = {"cpu": 1e12, "cuda": 1e15}
+"""FLOP/s above what one node of each kind computes (a server CPU's cores together reach
+a few 1e11 in fp32; one GPU a few 1e14 in bf16)."""
 
 _BYTES_PER_INSTRUCTION = 56
 """The smallest a slotted dataclass instance with a few fields takes in CPython."""
@@ -93,3 +104,41 @@ def check_fits(cfg: JobConfig, local_workers: int) -> None:
         f"workers, and this machine has {_gib(machine)}: lower --micro-batch-size (now "
         f"{cfg.layout.micro_batch_size}), --micro-batches (now {cfg.layout.micro_batches}) or "
         f"--nodes, or take a smaller --model")
+
+
+def _positions(p) -> int:
+    """Positions a sample's parameters are applied at: its tokens, or 1 (images: a lower
+    bound, a convolution applies its weights at every pixel)."""
+    return 1 if p.family == "cnn" else max(1, p.context)
+
+
+def step_seconds_lower_bound(cfg: JobConfig, device: str) -> float:
+    """Seconds one step takes at the least on `device` ("cpu" or "cuda"): the pipeline's
+    micro-batches, one after another, through its largest stage."""
+    from bamboo.models import layer_param_counts
+    from bamboo.pipeline.partition import partition
+    p = cfg.model_preset()
+    counts = layer_param_counts(p)
+    parts = partition(cfg.partition_costs(counts), cfg.layout.stages)
+    largest = max(sum(counts[i] for i in part) for part in parts)
+    flops = 2.0 * largest * _positions(p) * cfg.layout.micro_batch_size
+    return cfg.layout.micro_batches * flops / OPTIMISTIC_FLOPS[device]
+
+
+def check_step_length(cfg: JobConfig, *, nodes_here: bool = True) -> None:
+    """ConfigError (one line) when even the lower bound of one step is longer than the run
+    waits for a step (`--comm-timeout` plus a grace): such a run could only stall. With
+    `nodes_here` false (the nodes run on other machines), `--device auto` counts as a GPU."""
+    device = "cpu" if cfg.runtime.device == "cpu" else "cuda"
+    if nodes_here and device == "cuda":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    least, limit = step_seconds_lower_bound(cfg, device), cfg.runtime.step_stall_s
+    if least <= limit:
+        return
+    m, b = cfg.layout.micro_batches, cfg.layout.micro_batch_size
+    raise ConfigError(
+        f"--micro-batches {m}: one step would take at least {least:.0f} s on {device} ({m} "
+        f"micro-batches of {b} samples through the largest stage), longer than the "
+        f"{limit:.0f} s the run waits for a step (--comm-timeout {cfg.runtime.comm_timeout_s:g} "
+        f"+ 30 s): lower --micro-batches, or raise --comm-timeout", "micro_batches")

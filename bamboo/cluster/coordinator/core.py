@@ -87,7 +87,7 @@ class CoordinatorCore:
         self.peer_lost_message = ""
         self.peer_lost_at: float | None = None
         self.last_news = 0.0
-        self.stall_s = cfg.runtime.comm_timeout_s + 30.0
+        self.stall_s = cfg.runtime.step_stall_s
 
     # -- the API ----------------------------------------------------------------------------
 
