@@ -13,18 +13,20 @@ from outside, as a cloud would (never through the job's own fault injection):
     coordinator  SIGKILL of the coordinator after a checkpoint, then the same command with
                  `--resume auto` (the job gets `--checkpoint-every 2` if it has none)
 
-Each trial is compared with the failure-free run: **equal** (exit 0, losses within 1e-5
-relative, `param_l2` within 1e-6, `param_sha256` equal when no loss changed the layout,
-every loss counted once), **clear_stop** (a nonzero exit with one line, e.g. every node
-killed), **hang** (past the per-trial timeout), **wrong** (anything else). A table goes to
-stderr, with the command line of every trial that was not equal; `--json` prints the
+Each trial is compared with the failure-free run by the contract's rule (`bamboo.bits`):
+**equal** (exit 0, losses within 1e-5 relative, `param_l2` within 1e-6, `param_sha256` equal
+where every step kept the layout and the order of its sums, or under `--exact`, every loss
+counted once), **clear_stop** (a nonzero exit with one line, e.g. every node killed),
+**hang** (past the per-trial timeout), **wrong** (anything else). A table goes to stderr,
+with a command line that reproduces every trial that was not equal: `bamboo train ... --kill
+D:S@K[+notice]` where the fault maps onto one (a kill or notice of a node that held a
+stage), else `bamboo soak ... --seed S --trial I` (this trial alone); `--json` prints the
 contract's object on stdout. Exit code 0 when every trial was equal or a clear stop.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -37,14 +39,12 @@ from typing import Any
 
 from bamboo import strict_json
 from bamboo.argparsing import UsageParser
+from bamboo.bits import differs
 from bamboo.runlog import read_events
 
-__all__ = ["main", "FAULT_KINDS", "Trial", "compare"]
+__all__ = ["main", "FAULT_KINDS", "Trial", "rerun_command"]
 
 FAULT_KINDS = ("kill", "stop", "notice", "coordinator", "burst")
-COUNTERS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses",
-            "stopped", "reroutes")
-LOSS_REL, L2_REL = 1e-5, 1e-6
 
 
 @dataclass
@@ -69,26 +69,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where the runs go (default runs/soak-<time>)")
     p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S",
                    help="a trial still running after this is a hang (default 300)")
+    p.add_argument("--trial", type=int, metavar="I",
+                   help="run trial I of this --seed alone (as a table line suggests)")
     p.add_argument("--json", action="store_true", help="print the result object on stdout")
     return p
 
 
-def compare(base: dict[str, Any], got: dict[str, Any]) -> str:
-    """Why `got` is not equal to the failure-free `base` ('' when it is)."""
-    if len(got.get("losses", [])) != len(base["losses"]):
-        return f"{len(got.get('losses', []))} losses, the failure-free run has {len(base['losses'])}"
-    for k, (a, b) in enumerate(zip(got["losses"], base["losses"])):
-        if not (math.isfinite(a) and abs(a - b) <= LOSS_REL * abs(b)):
-            return f"the loss of step {k} is {a!r}, failure-free {b!r}"
-    a, b = got.get("param_l2"), base.get("param_l2")
-    if a is None or b is None or abs(a - b) > L2_REL * abs(b):
-        return f"param_l2 {a!r}, failure-free {b!r}"
-    if not got.get("reconfigurations") and got.get("param_sha256") != base.get("param_sha256"):
-        return "param_sha256 differs although the layout never changed"
-    counted = sum(got.get(k, 0) for k in COUNTERS)
-    if got.get("preemptions") != counted:
-        return f"preemptions {got.get('preemptions')} but the counters sum to {counted}"
-    return ""
+def rerun_command(train: list[str], trial: Trial, kinds: list[str], seed: int) -> str:
+    """A command line that reproduces `trial`: the job with a `--kill D:S@K[+notice]` per
+    fault where every fault maps onto one (a kill or notice of a node holding stage S of
+    pipeline D in step K), else this soak's trial alone (its seed and index)."""
+    kills = []
+    for f in trial.faults:
+        if f.get("kind") not in ("kill", "burst", "notice") or f.get("pipeline") is None \
+                or f.get("stage") is None or f.get("step") is None:
+            kills = []
+            break
+        notice = "+notice" if f["kind"] == "notice" else ""
+        kills += ["--kill", f"{f['pipeline']}:{f['stage']}@{f['step']}{notice}"]
+    if kills:
+        return " ".join(["bamboo", "train", *train, *kills])
+    return " ".join(["bamboo", "soak", *train, "--faults", ",".join(kinds), "--seed", str(seed),
+                     "--trial", str(trial.index)])
 
 
 class _Run:
@@ -110,6 +112,15 @@ class _Run:
         gone = {e["node"] for e in events if e["event"] in ("node_lost", "fenced", "preempt")}
         return [(e["node"], e["pid"]) for e in events if e["event"] == "node_up"
                 and e["node"] not in gone and e.get("pid")]
+
+    def role_of(self, node: str) -> tuple[int | None, int | None]:
+        """(pipeline, stage) node `node` held last, by its node_up and role events (a shadow
+        holding two stages: its own, the first)."""
+        role: tuple[int | None, int | None] = (None, None)
+        for e in self.events():
+            if e.get("node") == node and e["event"] in ("node_up", "role"):
+                role = (e.get("pipeline"), e.get("stage"))
+        return role
 
     def steps_done(self) -> int:
         return sum(1 for e in self.events() if e["event"] == "step_done")
@@ -140,7 +151,6 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
         argv += ["--resume", "auto"]
         if "--checkpoint-every" not in train:
             argv += ["--checkpoint-every", "2"]
-    trial.command = " ".join(["bamboo", *argv[3:]])
     deadline = time.monotonic() + timeout_s
     run = _Run(argv, out)
     at_step = rng.randint(1, max(1, steps - 2))
@@ -162,9 +172,13 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
             count = rng.randint(2, min(4, len(live))) if kind == "burst" else 1
             sig = {"kill": signal.SIGKILL, "burst": signal.SIGKILL, "stop": signal.SIGSTOP,
                    "notice": signal.SIGTERM}[kind]
+            step = run.steps_done()  # the step under way
             for node, pid in rng.sample(live, min(count, len(live))):
+                pipeline, stage = run.role_of(node)
                 if _signal(pid, sig):
-                    trial.faults.append({"kind": kind, "node": node, "after_step": at_step})
+                    trial.faults.append({"kind": kind, "node": node, "after_step": at_step,
+                                         "pipeline": pipeline, "stage": stage,
+                                         "step": step if step < steps else None})
     return run.wait(deadline)
 
 
@@ -182,7 +196,7 @@ def _outcome(trial: Trial, base: dict, code: int | None, stdout: str, stderr: st
         trial.outcome = "clear_stop" if one_line else "wrong"
         trial.why = lines[-1] if lines else f"exit code {code} and no message"
         return
-    trial.why = compare(base, summary)
+    trial.why = differs(base, summary)
     trial.outcome = "wrong" if trial.why else "equal"
 
 
@@ -202,7 +216,7 @@ def soak(args: argparse.Namespace, train: list[str]) -> dict[str, Any]:
     base = json.loads(stdout)
     steps = base["steps_completed"]
     trials = []
-    for i in range(args.trials):
+    for i in range(args.trials) if args.trial is None else [args.trial]:
         rng = random.Random(args.seed * 100_003 + i)
         kind = rng.choice(kinds)
         trial = Trial(index=i)
@@ -212,6 +226,7 @@ def soak(args: argparse.Namespace, train: list[str]) -> dict[str, Any]:
         trial.wall_s = round(time.monotonic() - start, 1)
         if not trial.faults:
             trial.faults.append({"kind": kind, "note": "the run ended before the fault"})
+        trial.command = rerun_command(train, trial, kinds, args.seed)
         _outcome(trial, base, code, stdout, stderr)
         say(f"  trial {i}: {kind:<11} {trial.outcome:<10} {trial.wall_s:6.1f} s"
             + (f"  {trial.why}" if trial.outcome != "equal" else ""))
@@ -239,6 +254,9 @@ def main(argv: list[str]) -> int:
     bad = [k for k in kinds if k not in FAULT_KINDS]
     if bad or not kinds:
         p.error(f"--faults {args.faults!r}: choose from {', '.join(FAULT_KINDS)}")
+    if args.trial is not None and args.trial < 0:
+        p.error(f"--trial must be 0 or more (got {args.trial}): a trial's index as the table "
+                f"shows it")
     if args.trials < 1:
         p.error(f"--trials must be a positive integer (got {args.trials})")
     if args.out is not None and Path(args.out).exists():

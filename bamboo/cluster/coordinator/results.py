@@ -192,7 +192,9 @@ class Results:
         return buffer.getvalue()
 
     def summary(self, *, status: str, error: str | None, losses: list, standby_losses: int,
-                reconfigurations: int, redone_steps: int, reconf_times: list[dict]) -> dict[str, Any]:
+                reconfigurations: int, redone_steps: int, reconf_times: list[dict],
+                pauses: list[float] | None = None) -> dict[str, Any]:
+        """`pauses`: `pause_s`, one per lost node in event order (default: per `losses`)."""
         ctx = self.ctx
         params = self.ordered_params()
         l2 = math.sqrt(math.fsum(float(t.double().square().sum()) for _, t in params))
@@ -218,11 +220,12 @@ class Results:
             "standby_losses": standby_losses, "stopped": kinds.count("stopped"),
             "reroutes": kinds.count("reroute"), "reconfigurations": reconfigurations,
             "redone_steps": redone_steps,
-            "pause_s": [round(x.pause_s, 4) for x in losses],
+            "pause_s": pauses if pauses is not None else [round(x.cost_s, 4) for x in losses],
             # null: a generation that never became ready (a later one replaced it, or the run stopped)
             "reconfiguration_s": [round(r["total_s"], 4) if "total_s" in r else None
                                   for r in reconf_times],
             "resumed_from_step": ctx.resume_step,
+            "layouts": ctx.layouts,
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
             **self.memory_fields(),

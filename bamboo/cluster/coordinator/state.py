@@ -89,11 +89,23 @@ class Loss:
     t: float
     signal: str
     pause_s: float = 0.0
+    """The extra wall time of the step it happened in (of the step redone, for a restore)."""
     counts: dict[str, int] = field(default_factory=dict)
     in_flight: bool = False
     """Handled inside the step (a failover or peer restore by role change), with BRC."""
     written: bool = False
     """Its `node_lost` event is out (each loss is written exactly once)."""
+    reconfiguration_s: float = 0.0
+    """Its share of the reconfiguration that restored the layout it left (a standby joining,
+    the layers spread again, a drain's hand-off): the extra wall time of the new
+    generation's first step, split among the losses that generation repaired."""
+    repaired: bool = False
+    """A reconfiguration after it charged it its share (once)."""
+
+    @property
+    def cost_s(self) -> float:
+        """Every second it cost: summary.json's `pause_s` of this loss."""
+        return self.pause_s + self.reconfiguration_s
 
 
 @dataclass(slots=True)
@@ -141,9 +153,22 @@ class RunContext:
     written: set[str] = field(default_factory=set)
     resume_step: int | None = None
     resume_path: Path | None = None
+    layouts: list[dict[str, Any]] = field(default_factory=list)
+    """The layouts the committed steps ran, one entry per change: summary.json's `layouts`,
+    which `bamboo.bits` judges the parameter bits by."""
 
     def say(self, text: str) -> None:
         self.display.message(text)
+
+    def note_layout(self, step: int) -> None:
+        """Step `step` commits under the current roles: D x P, and whether a slot of it is
+        served by its stage's peers (a re-route sums that stage's gradients in another order)."""
+        roles = self.roles
+        now = {"pipelines": roles.pipelines, "stages": roles.stages,
+               "rerouted": bool(roles.reroutes)}
+        last = self.layouts[-1] if self.layouts else None
+        if last is None or any(last[k] != v for k, v in now.items()):
+            self.layouts.append({"from_step": step, **now})
 
     def set_once(self, key: str, value: str) -> None:
         """Write a decision key; a decision, once written, never changes."""

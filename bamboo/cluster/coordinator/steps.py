@@ -165,6 +165,7 @@ class StepProtocol:
         self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
         self.last_commit_t = now
         ctx.committed = step + 1
+        ctx.note_layout(step)
         del ctx.losses[step:]
         ctx.losses.append(loss)
         self._forget(step - FORGET_AFTER)
