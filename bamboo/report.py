@@ -85,8 +85,14 @@ class Failure:
     step: int | None
     handled_as: str
     pause_s: float
+    """Every second it cost: its step's extra time and its share of the reconfiguration
+    that restored its layout (`loss_cost` events), as summary.json's `pause_s`."""
     phase: str | None = None
     shadow: str | None = None
+    reconfiguration_s: float = 0.0
+    """Of `pause_s`, its share of a reconfiguration's cost (a standby joining, layers moved)."""
+    reconfigured_at: int | None = None
+    """The first step of the generation that charged it that share."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,24 +203,36 @@ def _check_event(event: dict[str, Any]) -> None:
 
 
 def _failures(run: Run) -> list[Failure]:
+    """One Failure per node_lost event. Its pause: summary.json's `pause_s` entry when that
+    list has one per event (the final figures), else the event's, with what later
+    `loss_cost` events added (a reconfiguration that loss caused)."""
     lost = run.of("node_lost")
-    pauses = [float(p) for p in run.summary.get("pause_s", [])]
+    listed = run.summary.get("pause_s")
+    aligned = isinstance(listed, list) and len(listed) == len(lost)
+    later: dict[str, list[dict[str, Any]]] = {}
+    for e in run.of("loss_cost"):
+        later.setdefault(str(e.get("node")), []).append(e)
     out = []
     for i, e in enumerate(lost):
         pause = e.get("pause_s")
-        if not _is_num(pause):
-            pause = pauses[i] if len(pauses) == len(lost) else 0.0
+        pause = float(pause) if _is_num(pause) else 0.0
+        added = [c for c in later.get(e["node"], []) if _is_num(c.get("added_s"))]
+        reconf = sum(float(c["added_s"]) for c in added)
+        pause = float(listed[i]) if aligned else pause + reconf
+        at = added[-1].get("at_step") if added else None
         step = e.get("step")
         out.append(Failure(t=float(e["t"]), node=e["node"], step=step if isinstance(step, int) else None,
-                           handled_as=str(e.get("handled_as", "unknown")), pause_s=float(pause),
-                           phase=e.get("phase"), shadow=e.get("shadow")))
+                           handled_as=str(e.get("handled_as", "unknown")), pause_s=pause,
+                           phase=e.get("phase"), shadow=e.get("shadow"),
+                           reconfiguration_s=reconf,
+                           reconfigured_at=at if isinstance(at, int) else None))
     return out
 
 
 def _pauses(run: Run, failures: list[Failure]) -> list[float]:
-    """Per failure, the wall time it cost: summary.json's list, else the events' figures."""
+    """Per failure (one per node_lost event, in their order), every second it cost."""
     listed = run.summary.get("pause_s")
-    if isinstance(listed, list) and (listed or not failures):
+    if not failures and isinstance(listed, list):  # a summary without its events
         return [float(p) for p in listed]
     return [f.pause_s for f in failures]
 
@@ -252,84 +270,7 @@ def _end_time(run: Run) -> float:
     return float(run.events[-1]["t"]) if run.events else 0.0
 
 
-def _live_nodes(run: Run) -> list[tuple[float, int]]:
-    """(t, live nodes from t on), from node_up / node_lost; all gone at the run's end."""
-    live: set[str] = set()
-    series: list[tuple[float, int]] = [(0.0, 0)]
-    for e in run.events:
-        if e["event"] == "node_up":
-            live.add(e["node"])
-        elif e["event"] == "node_lost":
-            live.discard(e["node"])
-        else:
-            continue
-        series.append((float(e["t"]), len(live)))
-    series.append((max(_end_time(run), series[-1][0]), 0))
-    return series
-
-
-def _node_seconds(series: list[tuple[float, int]], until: float) -> float:
-    total = 0.0
-    for (t0, n), (t1, _) in zip(series, series[1:]):
-        total += n * max(0.0, min(t1, until) - t0) if t0 < until else 0.0
-    return total
-
-
-def _start_time(run: Run) -> float:
-    ups = run.of("node_up")
-    return float(ups[0]["t"]) if ups else 0.0
-
-
-def _failure_free_nodes(run: Run) -> int:
-    cfg = run.config
-    try:
-        return int((cfg.get("pipelines") or cfg["nodes"] // cfg["stages"]) * cfg["stages"])
-    except (KeyError, TypeError, ZeroDivisionError):
-        return max((n for _, n in _live_nodes(run)), default=0)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Cost:
-    steps: list[int]
-    spot: list[float]
-    on_demand: list[float]
-    node_seconds: float
-    on_demand_nodes: int
-    on_demand_s: float
-
-
-def _cost(run: Run, failures: list[Failure], prices: Prices) -> _Cost:
-    """Cumulative $ after each step: the run's node-seconds on spot, and the same steps on
-    the failure-free node count at on-demand prices, taking as long as this run did since
-    its first node started, less the pauses its failures cost."""
-    series, start, n = _live_nodes(run), _start_time(run), _failure_free_nodes(run)
-    pauses = _pauses(run, failures)
-    times = [f.t for f in failures]
-    if len(pauses) != len(times):
-        times = [math.inf] * len(pauses)  # cannot place them: subtract only at the end
-
-    def on_demand_s(t: float) -> float:
-        # a pause of p seconds from tf on has cost min(p, t - tf) seconds by time t
-        lost = sum(min(p, max(0.0, t - tf)) for p, tf in zip(pauses, times))
-        return max(0.0, t - start - lost)
-
-    steps, spot, od = [0], [0.0], [0.0]
-    for i, e in enumerate(run.of("step_done"), start=1):
-        t = float(e["t"])
-        steps.append(i)
-        spot.append(_node_seconds(series, t) * prices.spot / 3600)
-        od.append(max(od[-1], n * on_demand_s(t) * prices.on_demand / 3600))  # never falls
-    end = _end_time(run)
-    total_od_s = max(0.0, end - start - sum(pauses))
-    return _Cost(steps=steps, spot=spot, on_demand=od, node_seconds=_node_seconds(series, end),
-                 on_demand_nodes=n, on_demand_s=total_od_s)
-
-
 # -- the text -----------------------------------------------------------------------------
-
-
-def _money(x: float) -> str:
-    return f"${x:.2f}" if x >= 1 else f"${x:.4f}"
 
 
 def report_text(run: Run, prices: Prices | None = None) -> str:
@@ -368,7 +309,8 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
     out += _mode_lines(run)
     out.append(f"reconfigurations: {int(s.get('reconfigurations', 0))}; "
                f"redone steps: {int(s.get('redone_steps', 0))}")
-    out += _cost_lines(_cost(run, failures, prices), prices)
+    from bamboo.report_cost import cost, cost_lines
+    out += cost_lines(cost(run, failures, prices), prices)
     out += [f"warning: {w}" for w in run.warnings]
     return "\n".join(out) + "\n"
 
@@ -414,34 +356,17 @@ def _failure_lines(run: Run, failures: list[Failure], pauses: list[float]) -> li
     for f in failures:
         where = f"step {f.step}" + (f" ({f.phase})" if f.phase else "")
         shadow = f", shadow {f.shadow}" if f.shadow else ""
+        reconf = (f" ({f.reconfiguration_s:.2f} s of it the reconfiguration before step "
+                  f"{f.reconfigured_at})" if f.reconfiguration_s > 0 and
+                  f.reconfigured_at is not None else "")
         out.append(f"  t={f.t:.2f} s  {f.node} lost in {where}: {f.handled_as}{shadow}, "
-                   f"pause {f.pause_s:.2f} s")
+                   f"pause {f.pause_s:.2f} s{reconf}")
     if pauses:
         out.append(f"pause per failure: {', '.join(f'{p:.2f}' for p in pauses)} s (total "
                    f"{sum(pauses):.2f} s, mean {sum(pauses) / len(pauses):.2f} s)")
     else:
         out.append("pause per failure: none")
     return out
-
-
-def _cost_lines(c: _Cost, prices: Prices) -> list[str]:
-    spot = c.node_seconds * prices.spot / 3600
-    od = c.on_demand_nodes * c.on_demand_s * prices.on_demand / 3600
-    saving = ""
-    if od > 0:
-        ratio = 1 - spot / od
-        saving = (f" (spot saves {100 * ratio:.1f}%)" if ratio >= 0
-                  else f" (spot costs {-100 * ratio:.1f}% more)")
-    return [
-        f"cost on spot: {_money(spot)} for {c.node_seconds:.1f} node-seconds at "
-        f"${prices.spot:.2f}/node-hour",
-        f"cost on on-demand: {_money(od)} for {c.on_demand_nodes} nodes x {c.on_demand_s:.1f} s "
-        f"at ${prices.on_demand:.2f}/node-hour{saving}",
-        "  assumption: on-demand runs the same steps on the failure-free node count "
-        "(pipelines x stages) for as long as this run took from its first node's start, "
-        "less the pauses its failures cost; spot pays every live node (standbys and "
-        "replacements included) from node_up to node_lost or the run's end.",
-    ]
 
 
 def write_report(run_dir: str | Path, prices: Prices | None = None) -> list[Path]:

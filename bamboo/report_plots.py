@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.report import (_DPI, _OTHER_COLOUR, HANDLED_COLOURS, PLOT_SIZE_PX, Failure, Prices,
-                           Run, _cost, _is_num, _live_nodes, _losses, _pauses, eval_losses,
+                           Run, _is_num, _losses, _pauses, eval_losses,
                            _samples_per_step, _write_atomic)
+from bamboo.report_cost import cost, live_nodes
 
 __all__ = ["write_plots"]
 
@@ -99,7 +100,7 @@ def _plot_throughput(run: Run, failures: list[Failure], path: Path) -> Path:
 
 def _plot_nodes(run: Run, failures: list[Failure], path: Path) -> Path:
     fig, ax = _figure("Live nodes", "time since start (s)", "nodes")
-    series = _live_nodes(run)
+    series = live_nodes(run)
     ts, ns = zip(*series)
     ax.step(ts, ns, where="post", color="tab:blue", label="live nodes")
     ax.set_ylim(bottom=0, top=max(ns) + 1)
@@ -140,7 +141,7 @@ def _plot_memory(run: Run, failures: list[Failure], path: Path) -> Path:
 
 
 def _plot_cost(run: Run, failures: list[Failure], prices: Prices, path: Path) -> Path:
-    c = _cost(run, failures, prices)
+    c = cost(run, failures, prices)
     fig, ax = _figure("Cumulative cost of the same work", "steps completed", "cost ($)")
     ax.plot(c.steps, c.spot, color="tab:green", label=f"spot, live nodes (${prices.spot:.2f}/h)")
     ax.plot(c.steps, c.on_demand, color="tab:red",
@@ -155,9 +156,11 @@ def _plot_pauses(run: Run, failures: list[Failure], path: Path) -> Path:
     fig, ax = _figure("Time lost per failure", "failure", "pause (s)")
     pauses = _pauses(run, failures)
     if pauses:
+        # one bar per lost node, labelled by node and step (a summary without its events:
+        # numbered)
         named = len(failures) == len(pauses)
-        labels = [f"{f.node}@{f.step}\n{f.handled_as}" if named else f"#{i + 1}"
-                  for i, f in enumerate(failures if named else [None] * len(pauses))]
+        labels = [f"{f.node}@{f.step}\n{f.handled_as}" for f in failures] if named else \
+            [f"#{i + 1}" for i in range(len(pauses))]
         colours = [_colour(f.handled_as) for f in failures] if named else ["tab:blue"] * len(pauses)
         ax.bar(range(len(pauses)), pauses, color=colours, tick_label=labels)
         for i, p in enumerate(pauses):

@@ -178,7 +178,7 @@ class CoordinatorCore:
             status=status, error=error, losses=self.failures.losses,
             standby_losses=self.failures.standby_losses,
             reconfigurations=self.gens.reconfigurations, redone_steps=self.restore.redone_steps,
-            reconf_times=self.gens.times)
+            reconf_times=self.gens.times, pauses=self.failures.pauses())
 
     @property
     def committed(self) -> int:

@@ -47,6 +47,10 @@ class FailureHandler:
         self.layout_changed = layout_changed
         self.losses: list[Loss] = []
         self.standby_losses = 0
+        self.written_order: list[Loss] = []
+        """Every loss whose `node_lost` event is out, standbys' included, in that order."""
+        self.reconfigured_steps: set[int] = set()
+        """First steps of generations a reconfiguration made: not clean steps."""
         """Told of each loss as its `node_lost` event is written (its handling final)."""
         self.restore_step: tuple[int, int] | None = None
         self.restores: list[Takeover] = []
@@ -111,8 +115,11 @@ class FailureHandler:
             self.kill_fired(n)
         if not in_gen:
             self.standby_losses += 1
+            self.written_order.append(Loss(node=n.name, rank=None, step=step, phase="standby",
+                                           handled_as=HandledAs.STANDBY, shadow=None,
+                                           t=self._t(), signal=signame, written=True))
             ctx.events.write("node_lost", node=n.name, step=step, phase="standby",
-                             handled_as=HandledAs.STANDBY, signal=signame)
+                             handled_as=HandledAs.STANDBY, signal=signame, pause_s=0.0)
             ctx.say(f"standby node {n.name} lost ({signame})")
             return
         active = n.rank < ctx.plan.active and n.rank in self.steps.live_active()
@@ -259,6 +266,7 @@ class FailureHandler:
         if loss.written:
             return
         loss.written = True
+        self.written_order.append(loss)
         fields = dict(node=loss.node, step=loss.step, phase=loss.phase,
                       handled_as=str(loss.handled_as))
         if loss.handled_as is not HandledAs.DRAIN:
@@ -269,22 +277,44 @@ class FailureHandler:
 
     def close(self, step: int, reports: list[StepReport], wall_s: float,
               records: list[dict]) -> None:
-        """Step `step`'s records are in: write the losses that happened in it."""
+        """Step `step`'s records are in: write the losses that happened in it, and charge
+        the first step of a generation a reconfiguration made to the losses it repaired."""
         here = [x for x in self.losses if x.step == step and not x.written
                 and x.handled_as is not HandledAs.PENDING]
-        if not here:
+        plan = self.ctx.plan
+        repaired: list[Loss] = []
+        if plan is not None and plan.gen > 0 and step == plan.start_step:
+            # this step's wall time holds the reconfiguration (a standby joining, layers
+            # moved): its cost belongs to the losses whose layout it restored
+            self.reconfigured_steps.add(step)
+            repaired = [x for x in self.losses if x.written and not x.repaired
+                        and x.step <= step and (x.in_flight or x.handled_as is HandledAs.DRAIN)]
+        if not here and not repaired:
             return
         totals = {k: sum(getattr(r, k) for r in reports) for k in ZERO_COUNTS}
         extra = max(0.0, wall_s - self._median_clean_step(records))
+        share = extra / (len(here) + len(repaired))
         for x in here:
             x.counts = totals if x.in_flight else dict(ZERO_COUNTS)
-            x.pause_s = extra / len(here)
+            x.pause_s = share
             self._write(x)
+        for x in repaired:
+            x.repaired = True
+            x.reconfiguration_s += share
+            self.ctx.events.write("loss_cost", node=x.node, step=x.step,
+                                  handled_as=str(x.handled_as), at_step=step,
+                                  added_s=round(share, 4), pause_s=round(x.cost_s, 4))
 
     def _median_clean_step(self, records: list[dict]) -> float:
-        failed = {x.step for x in self.losses}
+        failed = {x.step for x in self.losses} | self.reconfigured_steps
         clean = [r["wall_s"] for r in records[1:] if r["step"] not in failed]
         return statistics.median(clean) if clean else 0.0
+
+    def pauses(self) -> list[float]:
+        """summary.json's `pause_s`: every second each lost node cost, one entry per
+        `node_lost` event in the order they were written (a standby's: 0)."""
+        order = self.written_order + [x for x in self.losses if not x.written]
+        return [round(x.cost_s, 4) for x in order]
 
     def stopped(self) -> None:
         """The run stops: losses it could not survive are written as `stopped`; losses
