@@ -293,9 +293,10 @@ def run(argv: list[str], source: NodeSource) -> int:
     if isinstance(started, int):
         return started
     import os
-    # torch's C++ store logs a warning for every client that vanishes: here that is a
-    # preemption the coordinator handles and reports itself.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # torch's C++ store logs a warning, and for a client that vanishes mid-handshake an
+    # error ("Write setup to client failed ... EBADF"), for what is here a preemption the
+    # coordinator handles and reports itself; --debug shows its errors.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if args.debug else "FATAL")
     from bamboo.cluster import forkserver
     forkserver.start()  # imports torch in the background while this process does too
     from bamboo.cluster.coordinator import RunFailed, run_local
