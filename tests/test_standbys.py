@@ -56,3 +56,35 @@ def test_replacements_that_start_as_the_last_nodes_go_restore_the_checkpoint(
     assert restores and restores[0]["checkpoint"] is not None and restores[0]["step"] > 0
     assert summary["preemptions"] == 4 and summary["stopped"] == 0
     assert summary["checkpoint_restores"] >= 1
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(400)
+def test_a_standby_fills_one_of_two_rerouted_slots_and_keeps_the_bits_under_exact(
+        tmp_path: Path) -> None:
+    """`--redundancy reroute`, 2 x 2: two nodes of different stages and pipelines removed at
+    once (both re-routed), one trace node waiting for a slot takes one `--boot-s` later. At
+    the next boundary it fills one of the two holes (the other stays re-routed); a later
+    loss of stage 0's other holder is then re-routed to it instead of restarting the run."""
+    rows = [(0, "add", f"a{i}") for i in range(1, 5)] + [(0, "add", "s1")] + \
+        [(40_000, "remove", "a2"), (40_000, "remove", "a3")]
+    flags = dict(nodes=4, stages=2, micro_batches=4, steps=36, redundancy="reroute",
+                 exact=True, checkpoint_every=0)
+    clean = run_in_process(JobConfig.of(**flags).validate(), tmp_path / "clean",
+                           check_replicas=False)
+    cfg = JobConfig.of(**flags, max_nodes=4, time_scale=20.0, boot_s=20.0,
+                       trace=_trace(tmp_path / "t.csv", rows),
+                       kills=[parse_kill("0:0@30")]).validate()
+    summary = run_in_process(cfg, tmp_path / "run", check_replicas=False)
+    assert summary["status"] == "completed", summary.get("error")
+    assert summary["param_sha256"] == clean["param_sha256"]
+    assert summary["losses"] == clean["losses"]
+    events = run_events(tmp_path / "run")
+    [fill] = [e for e in events if e["event"] == "reconfigured"]
+    assert "fill a hole" in fill["reason"] and fill["step"] < 30, fill
+    assert (fill["pipelines"], fill["stages"], len(fill["members"])) == (2, 2, 3)
+    assert fill["checkpoint"] is None and "n4" in fill["members"]
+    lost = [e for e in events if e["event"] == "node_lost"]
+    assert [e["handled_as"] for e in lost] == ["reroute"] * 3, lost
+    assert lost[-1]["node"] == "n0" and lost[-1]["shadow"] == "n4"
+    assert summary["redone_steps"] == 0 and summary["checkpoint_restores"] == 0

@@ -198,7 +198,8 @@ class _Node:
             self.link.report(Left, gen=plan.gen)
             return "finished"
         cfg = self.cfg
-        layout = Layout(nodes=len(plan.members), pipelines=plan.pipelines, stages=plan.stages,
+        layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
+                        stages=plan.stages,
                         global_micro_batches=cfg.global_micro_batches)
         engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
                             rank=rank, roles=plan.roles(plan.redundancy in ("eager", "lazy")), task=self.task,

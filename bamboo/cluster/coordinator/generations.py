@@ -177,6 +177,12 @@ class Generations:
         d, p = self.layout_for(len(active) + len(standbys))
         if d * p > len(active):
             return f"{len(standbys)} standby node(s) join: {d} x {p} layout"
+        if standbys and len(active) < ctx.plan.pipelines * ctx.plan.stages:
+            mode = self.choose_redundancy(-1) if self.choose_redundancy else ctx.plan.redundancy
+            kept = self.layout_with_holes(len(active) + len(standbys), len(standbys), mode)
+            if kept is not None:
+                return (f"{len(standbys)} standby node(s) fill a hole of the {kept[0]} x "
+                        f"{kept[1]} layout")
         exposed = self.exposed_stages() if ctx.rc else []
         if exposed and p > 1 and d * p >= len(active):
             return (f"stage{'s' if len(exposed) > 1 else ''} {', '.join(map(str, exposed))} "
@@ -202,6 +208,22 @@ class Generations:
             if len(copies - gone - {None}) <= 1:
                 exposed.append(s)
         return exposed
+
+    def layout_with_holes(self, nodes: int, joining: int, mode: str) -> tuple[int, int] | None:
+        """The current D x P, kept with holes, when `nodes` (`joining` of them standbys)
+        cannot fill it but are more than a whole layout takes: each standby fills a slot a
+        loss emptied (a re-routed or shadowed one), and the slots still empty are served by
+        their stage's holders in the other pipelines, as a re-route does. None where the
+        whole layout is the plan: no standby joins, one pipeline, fewer nodes than stages,
+        or a mode without in-flight cover (off)."""
+        plan = self.ctx.plan
+        d, p = plan.pipelines, plan.stages
+        if joining <= 0 or d < 2 or mode not in ("reroute", "eager", "lazy"):
+            return None
+        whole_d, whole_p = self.layout_for(nodes)
+        if not (whole_d * whole_p < nodes < d * p) or nodes < p:
+            return None
+        return d, p
 
     def layout_for(self, nodes: int) -> tuple[int, int]:
         cfg = self.ctx.cfg
@@ -288,6 +310,8 @@ class Generations:
                       machine_of=self.machine_of)
         mode = self._mode(ctx.plan.gen + 1)
         kwargs["redundancy"] = mode in ("eager", "lazy")
+        kwargs["keep_layout"] = self.layout_with_holes(len(names), len(names) - len(staying),
+                                                       mode)
         handled = HandledAs.PEER_RESTORE
         try:
             plan = plan_generation(start_step=ctx.committed, **kwargs)
