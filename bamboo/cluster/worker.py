@@ -13,12 +13,11 @@ only its own channel). A background thread stamps a shared heartbeat slot, so a
 frozen process (no thread runs) is noticed by its lease. SIGTERM is a preemption
 notice: it is reported, and the coordinator drains the node at the next step boundary.
 Any exception is reported with its traceback before the process exits; the process
-also dies with its parent (the fork server, which dies with the coordinator), so no
-worker outlives the run.
+also dies with its parent (the fork server, which dies with the coordinator or agent that
+started it: `bamboo.cluster.forkserver`), so no worker outlives the run.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -37,7 +36,7 @@ import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write 
 
 from bamboo.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
-from bamboo.cluster import procmem
+from bamboo.cluster import forkserver, procmem
 from bamboo.cluster.devices import worker_device
 from bamboo.cluster.link import CoordinatorLink
 from bamboo.cluster.netif import collective_binding
@@ -60,7 +59,6 @@ from bamboo.reconfig.planner import GenerationPlan
 __all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
 
 from bamboo.config import HEARTBEAT_S  # noqa: E402 - one value for workers and --lease checks
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,11 +92,6 @@ class WorkerSpec:
 
 class _TransferFailed(RuntimeError):
     """A state transfer of a new generation failed (a source or destination was lost)."""
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, size: int,
@@ -455,7 +448,9 @@ def _one_line(e: BaseException) -> str:
 
 def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> None:
     """Entry point of a worker process."""
-    _die_with_parent()
+    forkserver.die_with_parent()
+    if not forkserver.in_server_child():
+        os._exit(1)  # the fork server died before the parent-death signal was set
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     link = None
     progress = Progress(beats, cells)

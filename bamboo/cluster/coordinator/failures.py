@@ -78,6 +78,8 @@ class FailureHandler:
             return
         if n.state is NodeState.DONE and code == 0:
             return
+        if n.machine is None and (death := self.nodes.fork_server_death(code)) is not None:
+            raise Stop(f"{death} (worker {n.name} exited with code {code})")
         if code is not None and code < 0:
             self.on_lost(n, self._signal_name(n, -code))
             return

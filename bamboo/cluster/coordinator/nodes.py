@@ -337,6 +337,19 @@ class Supervisor:
         n.process.kill()
 
     @staticmethod
+    def fork_server_death(code: int | None = None) -> str | None:
+        """Why the local workers died, when it is that their fork server (the parent of
+        every one of them, which they die with) has ended; None while it runs. A worker's
+        exit code 255 (its fork server gone before its status came) waits a moment for the
+        server to be seen ended."""
+        from bamboo.cluster import forkserver
+        how = forkserver.server_death(wait_s=2.0 if code == forkserver.LOST_SERVER_EXIT else 0.0)
+        if how is None:
+            return None
+        return (f"the fork server (pid {forkserver.server_pid()}) that starts the local "
+                f"workers {how}, and every local worker died with it")
+
+    @staticmethod
     def oom_killed(n: Node) -> bool:
         """The kernel log says its OOM killer killed `n`'s process (a local worker; False
         where the log cannot be read)."""

@@ -31,7 +31,9 @@ class LocalWorkers:
         return core.nodes.spawn_local(first_gen=first_gen)
 
     def poll(self, core: CoordinatorCore) -> None:
-        pass
+        death = core.nodes.fork_server_death()
+        if death is not None:
+            raise Stop(death)
 
     def none_coming(self, core: CoordinatorCore) -> bool:
         return True  # only the trace adds local workers (`Preemptions.trace_finished`)

@@ -1,0 +1,96 @@
+"""Process lifetimes: nothing a run started outlives its `bamboo train` process, whatever
+state a worker is in, and a lost fork server stops the run with a line that names it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_events
+from test_faults import alive, start_training, wait_for_steps, wait_gone
+
+
+def children(pid: int) -> list[int]:
+    """The children of `pid` (those of each of its threads)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for child in children(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def fork_server(pid: int) -> int:
+    return next(c for c in children(pid) if "multiprocessing.forkserver" in command(c))
+
+
+def kill_all(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_nothing_outlives_a_killed_launcher_while_a_worker_is_stopped(tmp_path: Path) -> None:
+    """SIGKILL of `bamboo train` while a worker is frozen (SIGSTOP): the fork server, the
+    resource tracker and every worker, the stopped one too, are gone within seconds (well
+    within the lease), not left until the stopped worker is continued."""
+    out = tmp_path / "run"
+    proc = start_training(out, "--lease", "5")
+    wait_for_steps(out, proc)
+    family = descendants(proc.pid)
+    workers = [e["pid"] for e in run_events(out) if e["event"] == "node_up"]
+    assert set(workers) <= set(family) and len(family) >= len(workers) + 2, family
+    os.kill(workers[0], signal.SIGSTOP)
+    try:
+        proc.kill()
+        proc.communicate(timeout=30)
+        left = wait_gone(family, timeout=5)
+        assert left == [], [command(p) for p in left]
+    finally:
+        kill_all([p for p in family if alive(p)])
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_killed_fork_server_stops_the_run_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out)
+    wait_for_steps(out, proc)
+    family = descendants(proc.pid)
+    server = fork_server(proc.pid)
+    try:
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        assert time.monotonic() - killed < 10
+        assert proc.returncode == 1
+        assert "Traceback" not in stderr and "code 255 before finishing" not in stderr, stderr
+        error = [line for line in stderr.splitlines() if "error:" in line]
+        assert len(error) == 1 and error[0].startswith(
+            f"bamboo train: error: the fork server (pid {server}) that starts the local "
+            f"workers was killed by SIGKILL, and every local worker died with it"), stderr
+        assert wait_gone(family, timeout=10) == []
+    finally:
+        kill_all([p for p in family if alive(p)])
