@@ -159,8 +159,8 @@ class RemoteAgent:
         self.free = list(range(hello.workers))
         """Local worker indices (GPUs) with no worker on them."""
         self.spares = 0
-        """Workers that ended on their own while the machine stayed: a replacement may take
-        each one's GPU."""
+        """Workers that ended other than by finishing (killed, or fenced and then confirmed
+        gone) while the machine stayed connected: a replacement may take each one's GPU."""
         self.workers: dict[int, RemoteProcess] = {}
         self.gone = False
         self._stop = threading.Event()
@@ -205,8 +205,10 @@ class RemoteAgent:
                 elif isinstance(msg, Exit):
                     w = self.workers.pop(msg.worker, None)
                     self.free.append(msg.worker)
-                    if w is not None and w.exitcode is None:
-                        w.ended(msg.code)
+                    if w is not None:
+                        w.ended(msg.code)  # no-op for one already fenced (counted gone then)
+                        # The machine is still here: its GPU can take a replacement, also
+                        # after a fence (a link cut shorter than this connection's life).
                         if msg.code != 0:
                             self.spares += 1
         except Exception:  # noqa: BLE001 - EOF, a reset, garbage: the machine is lost

@@ -217,3 +217,26 @@ def test_the_lab_command_runs_a_job_with_a_cut_and_leaves_nothing_behind(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert_equal_and_accounted(summary, config(nodes=2, stages=2, pipelines=1, steps=8))
     assert set(leftover_namespaces("bb")) <= before
+
+
+@pytest.mark.timeout(400)
+def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Path) -> None:
+    """The coordinator's link down for 2 s mid-run, with a 3 s lease: its nodes are fenced
+    (their beats arrive late), while the agents may stay connected (TCP rides out the cut)
+    or, having heard nothing for their lease, rejoin. Either way their machines take new
+    workers, which restore from live copies or the checkpoint, and the run ends equal to
+    the failure-free one instead of waiting for nodes until --comm-timeout."""
+    lab = lab_factory(3)
+    cfg = config(nodes=4, stages=2, steps=12, checkpoint_every=3)
+    job = Job(lab, tmp_path / "run", ["--nodes", "4", "--stages", "2", "--steps", "12",
+                                      "--checkpoint-every", "3", "--lease", "3"])
+    job.wait_listening()
+    agents = [job.start_agent(host, "--workers", "2", "--rejoin-s", "60") for host in ("a1", "a2")]
+    job.wait_step(4)
+    lab.cut("coord")
+    time.sleep(2.0)
+    lab.reconnect("coord")
+    summary = job.finish(timeout=240)
+    assert_equal_and_accounted(summary, cfg)
+    assert any(e["event"] == "fenced" for e in run_events(job.out)), "the cut fenced no node"
+    assert all(p.wait(timeout=30) == 0 for p in agents)
