@@ -8,9 +8,11 @@ s3://bucket/run/checkpoints, ...) that every machine reaches at the same address
         .metadata  __0_0.distcp          layer, key `layer.3.state`: the layer's parameters,
         layer.json                       AdamW moments and step count (3n+1 floats); and
                                          layer.json: the keys in order with shape, dtype
-                                         and sha256, the size of every file
-    ROOT/step-00000120/manifest.json     {"format": 2, "step": 120, "layers": [0, .., 11],
-                                          "meta": {...}}, written last, by the coordinator
+                                         and sha256, the size and sha256 of every file
+    ROOT/step-00000120/manifest.json     {"format": 3, "step": 120, "layers": [0, .., 11],
+                                          "meta": {...}, "sidecars": {layer: sha256},
+                                          "checksum": sha256 of the rest}, written last, by
+                                          the coordinator (`bamboo.checkpoint_integrity`)
     ROOT/LATEST                          "step-00000120"
     ROOT/final-00000200/layer-0003/      the trained model after the last step, keys
                                          `layer.3.param.<name>`: model.pt is built from these
@@ -27,9 +29,9 @@ fsynced) and renamed into place in one step (replacing a same-step copy); the ma
 LATEST are replaced atomically; a step folder without its manifest is never whole. The
 temporaries of writes that never finished (a process of this machine that was killed) are
 removed by the next write into the same folder. `load_latest` takes the newest whole
-checkpoint (manifest readable, every layer of the model listed, present, and every file at
-its recorded size), falls back past broken ones saying which it skipped and why, and needs
-no torch. `load_layers` checks every tensor's sha256 and unpickles nothing but DCP's own
+checkpoint (manifest readable, its checksum right, its step its folder's, every layer of the
+model listed, present, and every file at its recorded size and digest), falls back past
+broken ones saying in one line which it skipped and why, and needs no torch. `load_layers` checks every tensor's sha256 and unpickles nothing but DCP's own
 metadata classes (tensors load with `weights_only`): no code runs from a file.
 """
 from __future__ import annotations
@@ -44,6 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bamboo.checkpoint_integrity import (FORMAT, MANIFEST, SIDECAR, CheckpointError,
+                                         file_digest, manifest_body, read_manifest,
+                                         read_sidecar, verify_files)
 from bamboo.checkpoint_storage import (FsspecStore, LocalStore, is_failure, is_url,
                                        remove_stale_temporaries, single_process, why_failed,
                                        storage_for, writer_tag)
@@ -55,20 +60,12 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "Checkpoint", "FORMAT", "write_layers", "publish", "load_latest",
            "load_checkpoint", "load_layers", "load_layer_tensors", "list_checkpoints",
            "has_whole_checkpoint", "checkpoint_root", "checkpoint_location", "step_dir",
-           "final_dir"]
+           "final_dir", "discard_unpublished"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-"""1: one torch.save file per stage, written by the coordinator. 2: one DCP folder per
-layer, written by the layer's holder."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_SIDECAR = "layer.json"
-_MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or none could be loaded; str() is one line."""
+_SIDECAR, _MANIFEST = SIDECAR, MANIFEST
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,7 +155,9 @@ def _write_layer(store: LocalStore | FsspecStore, d: str, i: int, tensors: dict[
         with single_process():
             dcp.save(state, storage_writer=store.writer(tmp), no_dist=True)
         files = {f: store.size(store.join(tmp, f)) for f in sorted(store.ls(tmp))}
-        sidecar = {"format": FORMAT, "layer": i, "tensors": entries, "files": files}
+        digests = {f: file_digest(store, store.join(tmp, f)) for f in files}
+        sidecar = {"format": FORMAT, "layer": i, "tensors": entries, "files": files,
+                   "digests": digests}
         store.write_file(store.join(tmp, _SIDECAR), json.dumps(sidecar, indent=1).encode())
         store.sync_dir(tmp)
         _replace_dir(store, d, tmp, name)
@@ -200,6 +199,17 @@ def remove_unfinished_writes(root: str | Path) -> list[str]:
 # -- publishing (the coordinator) ---------------------------------------------------------
 
 
+def discard_unpublished(root: str | Path, step: int) -> bool:
+    """Remove step `step`'s folder unless it holds a manifest (a save that failed, or one
+    that will never be whole, leaves nothing behind); whether it removed one."""
+    store, r = storage_for(root), str(root)
+    d = store.join(r, _step_name(step))
+    if not store.isdir(d) or store.exists(store.join(d, _MANIFEST)):
+        return False
+    store.rmtree(d)
+    return True
+
+
 def _steps(store: LocalStore | FsspecStore, root: str) -> list[tuple[int, str]]:
     """(step, folder name) of every step folder under `root`, newest first."""
     found = [(int(m[1]), n) for n in store.ls(root) if (m := _STEP_DIR.match(n))]
@@ -227,7 +237,7 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
                 f"machine must reach the checkpoint directory at the same path: give a shared "
                 f"--checkpoint-dir)")
         remove_stale_temporaries(store, r)
-        manifest = {"format": FORMAT, "step": step, "layers": layers, "meta": meta or {}}
+        manifest = manifest_body(store, d, step, layers, meta or {})
         store.write_atomic(store.join(d, _MANIFEST),
                            json.dumps(manifest, indent=1, sort_keys=True).encode())
     except OSError as e:
@@ -269,81 +279,13 @@ def list_checkpoints(root: str | Path) -> list[Path | str]:
             if store.isdir(store.join(r, n))]
 
 
-def _expected_layers(meta: dict) -> int | None:
-    """How many layers a checkpoint of whole layers (meta "unit" "layer") must hold: those
-    of the model it names, when that model is known here."""
-    if not isinstance(meta, dict) or meta.get("unit") != "layer" or "model" not in meta:
-        return None
-    from bamboo.presets import preset
-    try:
-        return preset(str(meta["model"])).layers
-    except (ValueError, OSError, KeyError, TypeError):  # a model this version cannot read
-        return None
-
-
-def _read_manifest(store: LocalStore | FsspecStore, d: str) -> dict:
-    try:
-        manifest = json.loads(store.read_bytes(store.join(d, _MANIFEST)).decode("utf-8"))
-        fmt = manifest.get("format")
-        if fmt != FORMAT:
-            raise CheckpointError(f"manifest.json is of format {fmt}; this version of bamboo "
-                                  f"reads format {FORMAT}")
-        step, layers = int(manifest["step"]), [int(x) for x in manifest["layers"]]
-    except FileNotFoundError:
-        raise CheckpointError("manifest.json is missing (the save did not finish)") from None
-    except OSError as e:
-        raise CheckpointError(f"manifest.json cannot be read ({why_failed(e)})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"manifest.json is unreadable ({e})") from None
-    meta = manifest.get("meta") or {}
-    expected = set(range(max(layers, default=-1) + 1))
-    count = _expected_layers(meta)
-    if count is not None:
-        expected |= set(range(count))
-    missing = sorted(expected - set(layers))
-    if missing:
-        of = f" of the {count} of {meta['model']}" if count is not None else ""
-        raise CheckpointError(f"manifest.json lacks layer{'s' if len(missing) > 1 else ''} "
-                              f"{', '.join(map(str, missing))}{of}: the checkpoint is incomplete")
-    if not layers:
-        raise CheckpointError("manifest.json lists no layer")
-    return {"step": step, "layers": sorted(layers), "meta": meta}
-
-
-def _read_sidecar(store: LocalStore | FsspecStore, d: str, layer: int) -> dict:
-    """A layer folder's layer.json, with every file it lists present at its size."""
-    name = _layer_name(layer)
-    ld = store.join(d, name)
-    try:
-        sidecar = json.loads(store.read_bytes(store.join(ld, _SIDECAR)).decode("utf-8"))
-        files, entries = dict(sidecar["files"]), list(sidecar["tensors"])
-        for e in entries:
-            str(e["key"]), list(e["shape"]), str(e["dtype"]), str(e["sha256"])
-    except FileNotFoundError:
-        what = name if not store.exists(ld) else f"{name}/{_SIDECAR}"
-        raise CheckpointError(f"{what} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{name}/{_SIDECAR} cannot be read ({why_failed(e)})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{name}/{_SIDECAR} is unreadable ({e})") from None
-    for f, size in files.items():
-        try:
-            actual = store.size(store.join(ld, f))
-        except FileNotFoundError:
-            raise CheckpointError(f"{name}/{f} is missing") from None
-        except OSError as e:
-            raise CheckpointError(f"{name}/{f} cannot be read ({why_failed(e)})") from None
-        if actual != size:
-            raise CheckpointError(f"{name}/{f} is truncated ({actual} of {size} bytes)"
-                                  if actual < size else
-                                  f"{name}/{f} has {actual} bytes, {size} were written")
-    return sidecar
-
-
 def _check(store: LocalStore | FsspecStore, d: str, *, verify_data: bool) -> dict:
-    manifest = _read_manifest(store, d)
+    """The manifest of folder `d`, after checking it and every file of every layer it
+    names against their digests (`bamboo.checkpoint_integrity`)."""
+    manifest = read_manifest(store, d)
     for i in manifest["layers"]:
-        _read_sidecar(store, d, i)
+        read_sidecar(store, d, i)
+        verify_files(store, d, i, manifest["sidecars"].get(_layer_name(i)))
         if verify_data:
             _load_layer(store, d, i)
     return manifest
@@ -361,7 +303,7 @@ def _newest_whole(root: str | Path, verify_data: bool) -> Checkpoint:
     candidates = list_checkpoints(root)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {root}: pass the --out directory of an "
-                              f"earlier run that saved checkpoints (--checkpoint-every)")
+                              f"earlier run (runs save checkpoints unless --checkpoint-every 0)")
     skipped = []
     for path in candidates:
         name = posixpath.basename(str(path).rstrip("/"))
@@ -377,11 +319,12 @@ def _newest_whole(root: str | Path, verify_data: bool) -> Checkpoint:
     raise CheckpointError(f"no whole checkpoint in {root}: {'; '.join(skipped)}")
 
 
-def load_latest(root: str | Path, *, verify_data: bool = False) -> Checkpoint:
-    """The newest whole checkpoint under `root`; falls back past broken ones, saying so.
-    Reads manifests and sizes only (no torch), unless `verify_data`."""
+def load_latest(root: str | Path, *, verify_data: bool = False, quiet: bool = False) -> Checkpoint:
+    """The newest whole checkpoint under `root`; falls back past broken ones, saying so (a
+    logged warning; with `quiet` only in `.warning`, for a caller that reports it itself).
+    Reads manifests, sizes and digests (no torch); with `verify_data` loads every tensor."""
     ckpt = _newest_whole(root, verify_data)
-    if ckpt.warning:
+    if ckpt.warning and not quiet:
         log.warning("%s", ckpt.warning)
     return ckpt
 
@@ -403,7 +346,7 @@ def _load_layer(store: LocalStore | FsspecStore, d: str, layer: int) -> list[tup
     import torch
     import torch.distributed.checkpoint as dcp
     name = _layer_name(layer)
-    sidecar = _read_sidecar(store, d, layer)
+    sidecar = read_sidecar(store, d, layer)
     state = {}
     for e in sidecar["tensors"]:
         dtype = getattr(torch, e["dtype"], None)
@@ -411,8 +354,12 @@ def _load_layer(store: LocalStore | FsspecStore, d: str, layer: int) -> list[tup
             raise CheckpointError(f"{name}/{_SIDECAR} names an unknown dtype {e['dtype']!r}")
         state[e["key"]] = torch.empty([int(x) for x in e["shape"]], dtype=dtype)
     try:
+        reader = store.reader(store.join(d, name))
+        # Read first here: DCP logs a failed read with its traceback (on the root logger)
+        # before it raises.
+        reader.read_metadata()
         with single_process():
-            dcp.load(state, storage_reader=store.reader(store.join(d, name)), no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except BaseException as e:  # a damaged folder, whatever DCP makes of it
         if not is_failure(e):
             raise

@@ -61,9 +61,11 @@ def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
     assert path == tmp_path / "step-00000007"
     assert (tmp_path / "LATEST").read_text().strip() == "step-00000007"
     manifest = json.loads((path / "manifest.json").read_text())
+    checksum, sidecars = manifest.pop("checksum"), manifest.pop("sidecars")
     assert manifest == {"format": ck.FORMAT, "step": 7, "layers": list(range(8)),
                         "meta": LAYER_META | {"layout": [2, 1]}}
-    assert ck.FORMAT == 2
+    assert ck.FORMAT == 3 and len(checksum) == 64 and sorted(sidecars) == [
+        f"layer-{i:04d}" for i in range(8)]
     for i in range(8):  # each layer is a DCP folder of its own, under a per-layer key
         names = sorted(p.name for p in (path / f"layer-{i:04d}").iterdir())
         assert names == [".metadata", "__0_0.distcp", "layer.json"]
@@ -128,7 +130,7 @@ def _damage(newest: Path, damage: str) -> str:
     if damage == "old_format":
         (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
                                                           "files": {}, "meta": {}}))
-        return "manifest.json is of format 1; this version of bamboo reads format 2"
+        return "manifest.json is of format 1; this version of bamboo reads format 3"
     raise AssertionError(damage)
 
 
@@ -149,15 +151,18 @@ def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, d
 
 
 def test_corrupt_bytes_are_caught_by_sha256_when_the_layer_is_read(tmp_path):
-    """A flipped byte keeps every size: the cheap check passes, reading the layer does not
-    (and a full check falls back)."""
+    """A flipped byte keeps every size: the file's digest catches it when a checkpoint is
+    chosen (it falls back), and the tensor's when the layer is read."""
     old, _ = two_checkpoints(tmp_path)
     data = tmp_path / "step-00000020" / "layer-0003" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     at = bytes(raw).index(states(2)[3].numpy().tobytes())  # the tensor's own bytes
     raw[at + 5] ^= 0xFF
     data.write_bytes(bytes(raw))
-    assert load_latest(tmp_path).step == 20
+    got = load_latest(tmp_path)
+    assert got.step == 10 and got.warning == (
+        "checkpoint step-00000020: layer-0003/__0_0.distcp is corrupt (sha256 mismatch); "
+        "resuming from step-00000010 instead")
     with pytest.raises(CheckpointError, match="layer-0003: layer.3.state is corrupt"):
         load_layers(tmp_path / "step-00000020", [3])
     assert_same(load_layers(tmp_path / "step-00000020", [2, 4]),
@@ -185,8 +190,8 @@ def test_an_unsafe_pickle_in_dcp_metadata_is_refused_not_run(tmp_path):
     with pytest.raises(CheckpointError, match="layer-0001 cannot be read .*posix.system is not "
                                               "allowed in DCP metadata"):
         load_layers(tmp_path / "step-00000020", [1])
-    got = load_latest(tmp_path, verify_data=True)
-    assert got.step == 10 and "layer-0001 cannot be read" in got.warning
+    got = load_latest(tmp_path, verify_data=True)  # the edited sidecar: not its digest
+    assert got.step == 10 and "layer-0001/layer.json does not match" in got.warning
     assert not Path("/tmp/bamboo-pwned").exists()
 
 
@@ -420,8 +425,8 @@ def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch
     assert restore[0]["step"] == 4 and restore[0]["checkpoint"] == f"{url}/step-00000004"
     assert not (tmp_path / "run" / "checkpoints").exists()
     shared = tmp_path / "shared" / "ckpt"
-    assert sorted(p.name for p in shared.iterdir()) == ["LATEST", "final-00000007",
-                                                       "step-00000004", "step-00000006"]
+    assert sorted(p.name for p in shared.iterdir()) == [  # the final state is a resume point
+        "LATEST", "final-00000007", "step-00000006", "step-00000007"]
     kinds = {type(m).__name__ for m in seen}
     assert kinds == {"CheckpointPart", "LayerParams"}
     for msg in seen:
@@ -441,7 +446,7 @@ def test_keep_checkpoints_one_leaves_one_and_model_pt_matches_the_final_layers(t
     assert result.code == 0, result.stderr
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "final-00000005",
-                                                     "step-00000004"]
+                                                     "step-00000005"]  # the final state
     assert not [p for p in root.rglob(".*tmp*")]
     model = torch.load(out / "model.pt", weights_only=True)
     from_storage = {f"layers.{i}.{n.removeprefix('param.')}": t for i in range(8)

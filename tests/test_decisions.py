@@ -425,7 +425,8 @@ def test_redundancy_auto_tries_a_mode_whose_advantage_passes_its_uncertainty(tmp
     the observed rate makes protection worth more than lazy's estimated extra step. Lazy,
     never run, is then tried (a generation of its own until two of its steps are timed),
     and the choice after the trial is made on its measured step."""
-    sim = run(tmp_path, cfg(nodes=3, stages=2, steps=100, redundancy="auto"), {10: kill_stage(0, 1)})
+    sim = run(tmp_path, cfg(nodes=3, stages=2, steps=100, redundancy="auto", checkpoint_every=0),
+              {10: kill_stage(0, 1)})
     assert sim.stopped is None, sim.stopped
     modes = sim.events.of("redundancy_mode")
     trials = [e for e in modes if e["trial"]]
@@ -464,7 +465,7 @@ def test_redundancy_auto_weighs_a_trial_against_the_work_it_would_add(
     trial can pay. Where each worker has a processor of its own and waits longer than
     that work, lazy may be as fast as off, and it is tried as before."""
     work = dict(compute_s=0.15, wait_s=0.2, optim_s=0.1)
-    sim = run(tmp_path, cfg(nodes=3, stages=2, steps=100, redundancy="auto"),
+    sim = run(tmp_path, cfg(nodes=3, stages=2, steps=100, redundancy="auto", checkpoint_every=0),
               {10: kill_stage(0, 1)}, work=work, own_processor=own_processor)
     assert sim.stopped is None, sim.stopped
     modes = sim.events.of("redundancy_mode")

@@ -466,7 +466,7 @@ def test_coordinator_job_resumes_on_failure_and_ends_with_the_run() -> None:
     mount = _runs_mount(spec)
     assert Path(args.out).is_relative_to(mount) and Path(args.out) != Path(mount)
     cfg = _job_config(args)
-    assert cfg.checkpoints.every > 0, "a resumed coordinator needs checkpoints to resume from"
+    assert cfg.checkpoints.every != 0, "a resumed coordinator needs checkpoints to resume from"
     assert cfg.checkpoints.keep >= 2
     assert args.join_timeout_s >= 600
     # memory sized for a process that holds no tensors (docs: ~550 MiB measured)

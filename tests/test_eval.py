@@ -147,7 +147,7 @@ def test_resume_keeps_the_evaluations_before_its_checkpoint(tmp_path: Path) -> N
     second = run_bamboo([*job, "--steps", "7", "--resume", str(out)], None)
     assert second.code == 0, second.stderr
     summary = json.loads(second.stdout)
-    assert summary["resumed_from_step"] == 2
+    assert summary["resumed_from_step"] == 4  # the finished run's final state
     cfg = config(dict(nodes=2, stages=2, steps=7, eval_every=1, eval_batches=2))
     assert [s for s, _ in summary["eval_losses"]] == [1, 2, 3, 4, 5, 6, 7]
     assert_evals_equal(summary, cfg)  # warm-up's lr does not depend on --steps

@@ -190,9 +190,9 @@ def test_tagged_comm_fails_over_equal_to_failure_free(name: str, tmp_path: Path)
 @pytest.mark.timeout(120)
 def test_adjacent_kills_without_a_peer_pipeline_restart_from_the_initial_state(
         tmp_path: Path) -> None:
-    """No copy of stage 2 survives and there is no checkpoint: the run goes back to the
+    """No copy of stage 2 survives and checkpoints are off: the run goes back to the
     seeded start on the survivors, never stops."""
-    cfg = config(dict(steps=6, kills=["0:1@3", "0:2@3"]))
+    cfg = config(dict(steps=6, kills=["0:1@3", "0:2@3"], checkpoint_every=0))
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equals_failure_free(summary, cfg, rel=NEW_LAYOUT_REL)
     assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3

@@ -60,9 +60,9 @@ def test_debug_shows_the_workers_traceback(bamboo) -> None:
 
 @pytest.mark.timeout(120)
 def test_lost_node_without_redundancy_restarts_from_the_initial_state(bamboo) -> None:
-    """No copy, no checkpoint: the run goes back to its seeded start instead of stopping,
+    """No copy, checkpoints off: the run goes back to its seeded start instead of stopping,
     and ends equal to the failure-free run."""
-    args = ["--steps", "6", "--quiet", "--json", "--redundancy", "off"]
+    args = ["--steps", "6", "--quiet", "--json", "--redundancy", "off", "--checkpoint-every", "0"]
     result = bamboo([*args, "--kill", "0:1@2"], "killed")
     clean = bamboo(args, "clean")
     assert result.code == 0 and clean.code == 0, result.stderr + clean.stderr

@@ -129,9 +129,9 @@ def test_shadow_lost_in_the_same_step_restores_the_checkpoint(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_adjacent_kills_without_a_checkpoint_restart_from_the_initial_state(tmp_path: Path) -> None:
-    """No live copy and no checkpoint: the run goes back to its seeded start, redoing the
+    """No live copy and checkpoints off: the run goes back to its seeded start, redoing the
     three committed steps, and still ends equal to the failure-free run."""
-    cfg = config(nodes=4, stages=4, steps=6, kills=["0:1@3", "0:2@3"])
+    cfg = config(nodes=4, stages=4, steps=6, kills=["0:1@3", "0:2@3"], checkpoint_every=0)
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg, lost=2)
     assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 3
@@ -190,7 +190,7 @@ def test_resume_continues_a_run_to_the_failure_free_result(tmp_path: Path) -> No
                          "--resume", str(out), "--json", "--quiet"], None)
     assert second.code == 0, second.stderr
     summary = json.loads(second.stdout)
-    assert summary["resumed_from_step"] == 2  # the checkpoint before the last step
+    assert summary["resumed_from_step"] == 4  # the finished run's final state
     cfg = config(nodes=2, stages=2, steps=7)
     assert_equal_and_accounted(summary, cfg, lost=0)
 
@@ -207,9 +207,9 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path: Path) -> None:
     second = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "6",
                          "--resume", str(out), "--json", "--quiet"], None)
     assert second.code == 0, second.stderr
-    assert "truncated" in second.stderr and "step-00000002" in second.stderr
+    assert "truncated" in second.stderr and "step-00000004" in second.stderr
     summary = json.loads(second.stdout)
-    assert summary["resumed_from_step"] == 2
+    assert summary["resumed_from_step"] == 4  # the final state (5) is the corrupt one
     assert_equal_and_accounted(summary, config(nodes=2, stages=2, steps=6), lost=0)
 
 

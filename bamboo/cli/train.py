@@ -138,10 +138,15 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
                   f"nothing to do (pass more --steps, or another --out for a new run)",
                   file=sys.stderr)
             return None, False
-    from bamboo.checkpoint import has_whole_checkpoint
+    from bamboo.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.runlog import checkpoint_root
-    if has_whole_checkpoint(cfg.checkpoints.dir or checkpoint_root(out)):
-        return cfg.replace(resume=str(out)), False
+    root = cfg.checkpoints.dir or checkpoint_root(out)
+    if list_checkpoints(root):
+        try:
+            load_latest(root, quiet=True)
+            return cfg.replace(resume=str(out)), False
+        except CheckpointError as e:  # every one unusable: say so, then start over
+            print(f"{prog}: warning: --resume auto: {e}; starting from step 0", file=sys.stderr)
     return cfg.replace(resume=None), out.exists()
 
 
@@ -181,7 +186,7 @@ def _load_resume(cfg: JobConfig) -> Any:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: no checkpoint in {root}: pass the --out "
                           f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
     try:
-        ckpt = load_latest(root)
+        ckpt = load_latest(root, quiet=True)
     except CheckpointError as e:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
     meta = ckpt.meta

@@ -213,7 +213,7 @@ class RedundancySection:
     recovery: str = option("redundancy", choices=RECOVERIES, help="""redundancy |
         checkpoint-restart. The second is the baseline Bamboo is measured against: every
         preemption restarts all workers from the last checkpoint (as torchrun does); it
-        implies --redundancy off and needs --checkpoint-every.""")
+        implies --redundancy off and needs checkpoints (not --checkpoint-every 0).""")
     check_replicas: bool = option(False, summary=False, help="""Compare every replica's digest
         with its primary's after every step.""")
 
@@ -224,10 +224,10 @@ class RedundancySection:
                               f"--stages, or choose eager, lazy or off", "redundancy", "pipelines",
                               "nodes")
         if self.recovery == "checkpoint-restart" and (self.mode != "off"
-                                                      or job.checkpoints.every < 1):
+                                                      or job.checkpoints.every == 0):
             raise ConfigError("--recovery checkpoint-restart needs --redundancy off and "
-                              "--checkpoint-every K (K >= 1)", "recovery", "redundancy",
-                              "checkpoint_every")
+                              "checkpoints (--checkpoint-every K >= 1, or no --checkpoint-every)",
+                              "recovery", "redundancy", "checkpoint_every")
 
 
 def _comm_timeout(value: Any) -> str | None:
@@ -350,9 +350,13 @@ def _resume(value: str) -> str | None:
 class CheckpointSection:
     """Durable checkpoints: how often, where, how many, and a run to continue."""
 
-    every: int = option(0, key="checkpoint_every", check=non_negative_int, metavar="K",
-                        help="""Save a durable checkpoint every K steps and on every preemption
-        notice (0: never). Used only when no live node holds some layer any more.""")
+    every: int | None = option(None, key="checkpoint_every", check=non_negative_int,
+                               metavar="K", help="""Save a durable checkpoint every K steps,
+        on every preemption notice and after the last step (0: never). Default: chosen by the
+        run: the first after step 2, then every sqrt(2 x write cost x mean time between losses
+        no redundancy covers) (Young/Daly), at most 1% of step time spent writing and never
+        more than 3 minutes of training unprotected. Used only when no live node holds some
+        layer any more, and by --resume.""")
     dir: str | None = option(None, key="checkpoint_dir", check=_absolute_or_url,
                              metavar="PATH|URL", help="""Where the nodes write checkpoints and
         the final layers: an absolute path or a URL (fsspec: s3://..., gs://..., file:///...)

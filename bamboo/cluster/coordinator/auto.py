@@ -165,8 +165,8 @@ class AutoRedundancy:
         # reconfiguration plus two steps (the one thrown away and the new generation's first).
         restart_s = statistics.median(restarted) if restarted else reconf_s + 2 * tau
         done = ctx.committed - (ctx.resume_step or 0)
-        every = cfg.checkpoints.every
-        rollback_steps = every / 2 if every else max(done, 1)
+        every = self.gens.interval.every
+        rollback_steps = min(every / 2, max(done, 1)) if every else max(done, 1)
         plan = ctx.plan
         stages, pipelines = (plan.stages, plan.pipelines) if plan else (cfg.layout.stages,
                                                                          cfg.data_parallel)

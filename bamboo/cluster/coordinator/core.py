@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from bamboo.checkpoint import Checkpoint, checkpoint_location
 from bamboo.cluster.backend_errors import describe
 from bamboo.cluster.coordinator.checkpoints import CheckpointAssembly
+from bamboo.cluster.coordinator.interval import CheckpointInterval
 from bamboo.cluster.coordinator.display import RunView
 from bamboo.cluster.coordinator.failures import FailureHandler
 from bamboo.cluster.coordinator.final_layers import FinalLayers
@@ -105,7 +106,9 @@ class CoordinatorCore:
                      f"{plan.stages} stage(s), model {cfg.model.name}, redundancy "
                      f"{plan.redundancy if (self.ctx.rc and plan.stages > 1) or plan.redundancy == 'reroute' else 'off'}"
                      + (f", replaying {cfg.cluster.trace} at {cfg.cluster.replay_time_scale:g}x"
-                        if self.preemptions.replay else ""))
+                        if self.preemptions.replay else "")
+                     + (f"; resumed from step {self.resume.step} ({self.resume.path})"
+                        if self.resume is not None else ""))
         self.last_news = self.steps.last_commit_t = clock()
 
     def handle(self, n: Node, msg: WorkerMessage) -> None:
@@ -174,11 +177,15 @@ class CoordinatorCore:
             self.events.write("unfinished_writes_removed", names=sorted(removed))
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
-        return self.results.summary(
+        out = self.results.summary(
             status=status, error=error, losses=self.failures.losses,
             standby_losses=self.failures.standby_losses,
             reconfigurations=self.gens.reconfigurations, redone_steps=self.restore.redone_steps,
             reconf_times=self.gens.times, pauses=self.failures.pauses())
+        interval = self.gens.interval  # the interval in force at the end (null: none chosen yet)
+        out["config"] |= {"checkpoint_every": interval.every,
+                          "checkpoint_every_by": "run" if interval.auto else "user"}
+        return out
 
     @property
     def committed(self) -> int:
@@ -239,10 +246,11 @@ class CoordinatorCore:
                                   on_eval=self._on_eval,
                                   check_replicas=cfg.redundancy.check_replicas)
         self.steps.evaluated.update(step for step, _ in ctx.eval_losses)
-        self.checkpoints = CheckpointAssembly(ctx)
-        self.restore = RestorePoints(ctx, rewind=self._rewind)
+        interval = CheckpointInterval(ctx)
+        self.checkpoints = CheckpointAssembly(ctx, interval)
+        self.restore = RestorePoints(ctx, rewind=self._rewind, interval=interval)
         self.auto: Any = None
-        self.gens = Generations(ctx, self.nodes, self.restore,
+        self.gens = Generations(ctx, self.nodes, self.restore, interval=interval,
                                 fired_kills=self.preemptions.fired_kills,
                                 layout_shown=lambda: self.view.layout_changed(),
                                 choose_redundancy=(lambda gen: self.auto.choose(gen))
@@ -309,7 +317,7 @@ class CoordinatorCore:
                 self.gens.step_begins_pending = None
 
     def _on_notice(self, n: Node, msg: Notice) -> None:
-        if self.preemptions.on_notice(n, msg.source) and self.cfg.checkpoints.every:
+        if self.preemptions.on_notice(n, msg.source) and self.gens.interval.enabled:
             self.gens.checkpoint_due = True
 
     def _on_left(self, n: Node) -> None:

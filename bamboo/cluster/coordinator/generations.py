@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bamboo.cluster.backend_errors import peer_rank
 from bamboo.cluster.coordinator.nodes import Node, NodeState, Supervisor
+from bamboo.cluster.coordinator.interval import CheckpointInterval
 from bamboo.cluster.coordinator.restore import RestorePoints
 from bamboo.cluster.coordinator.state import HandledAs, Reconfiguration, RunContext, Stop
 from bamboo.cluster.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
@@ -30,9 +31,12 @@ __all__ = ["Generations"]
 
 class Generations:
     def __init__(self, ctx: RunContext, nodes: Supervisor, restore: RestorePoints, *,
+                 interval: CheckpointInterval,
                  fired_kills: Callable[[], list[str]], layout_shown: Callable[[], None],
                  choose_redundancy: Callable[[int], str] | None = None) -> None:
         self.ctx, self.nodes, self.restore = ctx, nodes, restore
+        self.interval = interval
+        """Which boundaries write a checkpoint."""
         self.fired_kills = fired_kills
         self.layout_shown = layout_shown
         self.choose_redundancy = choose_redundancy
@@ -153,9 +157,10 @@ class Generations:
         """What the boundary after committed `step` does."""
         cfg, flags = self.ctx.cfg, set()
         nxt = step + 1
-        if nxt >= cfg.training.steps:
-            return frozenset()
-        if cfg.checkpoints.every and (nxt % cfg.checkpoints.every == 0 or self.checkpoint_due):
+        due = self.interval.due(nxt)
+        if nxt >= cfg.training.steps:  # the finished run is a resume point
+            return frozenset({BoundaryFlag.CHECKPOINT} if due else ())
+        if due or (self.checkpoint_due and self.interval.enabled):
             flags.add(BoundaryFlag.CHECKPOINT)
             self.checkpoint_due = False
         reason = self.reconfiguration_reason()

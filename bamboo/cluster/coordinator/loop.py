@@ -173,6 +173,9 @@ class Coordinator:
             model = self.core.results.model_bytes()
             if model is not None:
                 write_atomic(self.rundir.path / "model.pt", model)
+        except RunDirError as e:  # the failed run's summary is still written (or said not)
+            raise self._failed(str(e), 1) from None
+        try:
             self.rundir.write_json("summary.json", summary)
         except RunDirError as e:
             raise self._failed(str(e), 1, write_summary=False) from None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.checkpoint import CheckpointError, checkpoint_location, load_latest
+from bamboo.cluster.coordinator.interval import CheckpointInterval
 from bamboo.cluster.coordinator.state import RunContext
 from bamboo.reconfig.planner import GenerationPlan, plan_generation
 
@@ -20,8 +21,10 @@ __all__ = ["RestorePoints"]
 
 
 class RestorePoints:
-    def __init__(self, ctx: RunContext, rewind: Callable[[int], None]) -> None:
+    def __init__(self, ctx: RunContext, rewind: Callable[[int], None],
+                 interval: CheckpointInterval) -> None:
         self.ctx = ctx
+        self.interval = interval
         self.rewind = rewind
         """Drop what the coordinator keeps about steps at or after the given one."""
         self.redone_steps = 0
@@ -32,7 +35,7 @@ class RestorePoints:
         `plan_generation`); `why`: which layers have no live copy."""
         ctx = self.ctx
         try:  # manifests and file sizes only: the nodes read the layers they need
-            ckpt = load_latest(checkpoint_location(ctx.cfg))
+            ckpt = load_latest(checkpoint_location(ctx.cfg), quiet=True)
         except CheckpointError as e:  # none yet: this run's own initial state
             return self._initial_state(kwargs, f"{why}, and {e}")
         if ckpt.step < (ctx.resume_step or 0):
@@ -71,3 +74,4 @@ class RestorePoints:
         ctx.committed = step
         del ctx.losses[step:]
         self.rewind(step)
+        self.interval.restored(step, from_checkpoint=path is not None)
