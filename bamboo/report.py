@@ -91,8 +91,8 @@ class Failure:
     shadow: str | None = None
     reconfiguration_s: float = 0.0
     """Of `pause_s`, its share of a reconfiguration's cost (a standby joining, layers moved)."""
-    reconfigured_at: int | None = None
-    """The first step of the generation that charged it that share."""
+    reconfigured_at: tuple[int, ...] = ()
+    """The first steps of the generations that charged it a share."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -219,13 +219,13 @@ def _failures(run: Run) -> list[Failure]:
         added = [c for c in later.get(e["node"], []) if _is_num(c.get("added_s"))]
         reconf = sum(float(c["added_s"]) for c in added)
         pause = float(listed[i]) if aligned else pause + reconf
-        at = added[-1].get("at_step") if added else None
+        at = tuple(c["at_step"] for c in added if isinstance(c.get("at_step"), int))
         step = e.get("step")
         out.append(Failure(t=float(e["t"]), node=e["node"], step=step if isinstance(step, int) else None,
                            handled_as=str(e.get("handled_as", "unknown")), pause_s=pause,
                            phase=e.get("phase"), shadow=e.get("shadow"),
                            reconfiguration_s=reconf,
-                           reconfigured_at=at if isinstance(at, int) else None))
+                           reconfigured_at=at))
     return out
 
 
@@ -356,9 +356,11 @@ def _failure_lines(run: Run, failures: list[Failure], pauses: list[float]) -> li
     for f in failures:
         where = f"step {f.step}" + (f" ({f.phase})" if f.phase else "")
         shadow = f", shadow {f.shadow}" if f.shadow else ""
-        reconf = (f" ({f.reconfiguration_s:.2f} s of it the reconfiguration before step "
-                  f"{f.reconfigured_at})" if f.reconfiguration_s > 0 and
-                  f.reconfigured_at is not None else "")
+        steps = " and ".join(map(str, f.reconfigured_at))
+        reconf = (f" ({f.reconfiguration_s:.2f} s of it the reconfiguration"
+                  f"{'s' if len(f.reconfigured_at) > 1 else ''} before step"
+                  f"{'s' if len(f.reconfigured_at) > 1 else ''} {steps})"
+                  if f.reconfiguration_s > 0 and f.reconfigured_at else "")
         out.append(f"  t={f.t:.2f} s  {f.node} lost in {where}: {f.handled_as}{shadow}, "
                    f"pause {f.pause_s:.2f} s{reconf}")
     if pauses:

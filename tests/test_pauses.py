@@ -26,16 +26,23 @@ def _holder(sim: SimCluster, pipeline: int, stage: int) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_a_reconfiguration_s_cost_belongs_to_the_loss_that_caused_it(tmp_path: Path) -> None:
-    """2 x 2 and a standby: a failover in step 3, the standby joins at the boundary and its
-    generation takes JOIN_S; a standby lost later costs nothing. pause_s: one entry per lost
-    node, in node_lost order, the failover's holding the join."""
+@pytest.mark.parametrize("loss", ["failover", "drain"])
+def test_a_reconfiguration_s_cost_belongs_to_the_loss_that_caused_it(tmp_path: Path,
+                                                                     loss: str) -> None:
+    """2 x 2 and two standbys: a failover in step 3 (or a notice: a drain at the boundary),
+    a standby takes the slot at the boundary and its generation takes JOIN_S; the other
+    standby lost later costs nothing. pause_s: one entry per lost node, in node_lost order,
+    the first holding the join."""
     cfg = JobConfig.of(nodes=6, stages=2, pipelines=2, steps=8, micro_batches=2).validate()
     sim = SimCluster(cfg, tmp_path / "run")
     for _ in range(3):
         sim.step()
-    sim.step(before_round=lambda: sim.kill(_holder(sim, 0, 1)))  # step 3: a failover
-    sim.settle()  # the boundary after step 3: one standby joins (2 x 2 again)
+    if loss == "failover":
+        sim.step(before_round=lambda: sim.kill(_holder(sim, 0, 1)))  # step 3
+    else:
+        sim.notice(_holder(sim, 0, 1))
+        sim.step()
+    sim.settle()  # the boundary after step 3: a standby takes the slot (2 x 2 again)
     sim._pass_time(JOIN_S)
     sim.step()  # step 4, the new generation's first: its wall time holds the join
     spare = next(w.node.node for w in sim.workers.values()
@@ -45,14 +52,14 @@ def test_a_reconfiguration_s_cost_belongs_to_the_loss_that_caused_it(tmp_path: P
     assert sim.stopped is None, sim.stopped
     summary = sim.core.final_summary()
     lost = sim.lost_events()
-    assert [e["handled_as"] for e in lost] == ["failover", "standby"]
+    assert [e["handled_as"] for e in lost] == [loss, "standby"]
     assert len(summary["pause_s"]) == summary["preemptions"] == 2
-    failover, standby = summary["pause_s"]
-    assert failover >= JOIN_S - 0.5 and standby == 0.0, summary["pause_s"]
+    first, standby = summary["pause_s"]
+    assert first >= JOIN_S - 0.5 and standby == 0.0, summary["pause_s"]
     costs = sim.events.of("loss_cost")
-    assert [(c["node"], c["step"], c["at_step"]) for c in costs] == [(lost[0]["node"], 3, 4)]
-    assert costs[0]["pause_s"] == pytest.approx(failover, abs=1e-3)
-    assert lost[0]["pause_s"] < 1.0  # the event written with step 3: its own step only
+    assert [(c["node"], c["at_step"]) for c in costs] == [(lost[0]["node"], 4)]
+    assert costs[0]["pause_s"] == pytest.approx(first, abs=1e-3)
+    assert lost[0]["pause_s"] < 1.0  # the event written at once: its own step only
     assert sim.core.failures.losses[0].pause_s < 1.0  # what --redundancy auto reads
 
 

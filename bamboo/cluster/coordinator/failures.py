@@ -97,7 +97,7 @@ class FailureHandler:
         """A noticed node handed its state over at a step boundary and left."""
         loss = Loss(node=n.name, rank=n.rank, step=self.ctx.committed, phase="boundary",
                     handled_as=HandledAs.DRAIN, shadow=None, t=self._t(), signal="notice",
-                    counts=dict(ZERO_COUNTS))
+                    counts=dict(ZERO_COUNTS), active_before=self.ctx.plan.active)
         self.losses.append(loss)
         self._write(loss)
 
@@ -130,7 +130,8 @@ class FailureHandler:
             else "between steps"
         where = self.gens.where(n)
         loss = Loss(node=n.name, rank=n.rank, step=step, phase=phase,
-                    handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame)
+                    handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame,
+                    active_before=ctx.plan.active)
         self.losses.append(loss)
         if step >= ctx.cfg.training.steps and not self.steps.eval_pending(step):
             # After the last commit: nothing to redo; a final layer it did not write comes
@@ -287,10 +288,16 @@ class FailureHandler:
         repaired: list[Loss] = []
         if plan is not None and plan.gen > 0 and step == plan.start_step:
             # this step's wall time holds the reconfiguration (a standby joining, layers
-            # moved): its cost belongs to the losses whose layout it restored
+            # moved): its cost belongs to the losses it was planned after whose layout was
+            # still short of its nodes; those it gives them back are closed
             self.reconfigured_steps.add(step)
-            repaired = [x for x in self.losses if x.written and not x.repaired
-                        and x.step <= step and (x.in_flight or x.handled_as is HandledAs.DRAIN)]
+            entered = self.gens.started - self.ctx.t0
+            before = [x for x in self.losses if not x.repaired and x.handled_as not in
+                      (HandledAs.PENDING, HandledAs.STOPPED) and (x.t <= entered or (
+                          x.handled_as is HandledAs.DRAIN and x.step <= step))]
+            repaired = [x for x in before if x.written and x not in here]
+            for x in before:
+                x.repaired = plan.active >= x.active_before
         if not here and not repaired:
             return
         totals = {k: sum(getattr(r, k) for r in reports) for k in ZERO_COUNTS}
@@ -301,7 +308,6 @@ class FailureHandler:
             x.pause_s = share
             self._write(x)
         for x in repaired:
-            x.repaired = True
             x.reconfiguration_s += share
             self.ctx.events.write("loss_cost", node=x.node, step=x.step,
                                   handled_as=str(x.handled_as), at_step=step,

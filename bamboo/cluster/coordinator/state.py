@@ -96,11 +96,15 @@ class Loss:
     written: bool = False
     """Its `node_lost` event is out (each loss is written exactly once)."""
     reconfiguration_s: float = 0.0
-    """Its share of the reconfiguration that restored the layout it left (a standby joining,
-    the layers spread again, a drain's hand-off): the extra wall time of the new
-    generation's first step, split among the losses that generation repaired."""
+    """Its share of the reconfigurations after it until its layout was whole again (a standby
+    joining, the layers spread again, a drain's hand-off): the extra wall time of each new
+    generation's first step, split among the losses still open when it was planned."""
+    active_before: int = 0
+    """The active nodes of the generation it was lost from: a later generation with as many
+    gives it its layout back (`repaired`)."""
     repaired: bool = False
-    """A reconfiguration after it charged it its share (once)."""
+    """A generation with as many active nodes as before it formed: later reconfigurations
+    are none of its cost."""
 
     @property
     def cost_s(self) -> float:
