@@ -80,8 +80,12 @@ def test_a_standby_fills_one_of_two_rerouted_slots_and_keeps_the_bits_under_exac
     assert summary["param_sha256"] == clean["param_sha256"]
     assert summary["losses"] == clean["losses"]
     events = run_events(tmp_path / "run")
-    [fill] = [e for e in events if e["event"] == "reconfigured"]
-    assert "fill a hole" in fill["reason"] and fill["step"] < 30, fill
+    # the --kill frees a slot its trace node (still live in the trace) takes again: that
+    # worker may fill the new hole before the last step, as the first standby did
+    plans = [e for e in events if e["event"] == "reconfigured"]
+    assert all("fill a hole" in e["reason"] and e["checkpoint"] is None for e in plans), plans
+    fill = plans[0]
+    assert fill["step"] < 30, fill
     assert (fill["pipelines"], fill["stages"], len(fill["members"])) == (2, 2, 3)
     assert fill["checkpoint"] is None and "n4" in fill["members"]
     lost = [e for e in events if e["event"] == "node_lost"]
