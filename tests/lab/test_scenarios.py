@@ -3,8 +3,10 @@ hosts on a bridge, each with its own address (no loopback between them), sharing
 directory. Every scenario ends equal to the failure-free local run, every loss accounted."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -220,10 +222,12 @@ def test_the_lab_command_runs_a_job_with_a_cut_and_leaves_nothing_behind(tmp_pat
 
 
 @pytest.mark.timeout(400)
-def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Path) -> None:
-    """The coordinator's link down for 2 s mid-run, with a 3 s lease: its nodes are fenced
-    (their beats arrive late), while the agents may stay connected (TCP rides out the cut)
-    or, having heard nothing for their lease, rejoin. Either way their machines take new
+@pytest.mark.parametrize("cut_s", [2.0, 6.0])
+def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Path,
+                                                      cut_s: float) -> None:
+    """The coordinator's link down for 2 s (6 s) mid-run, with a 3 s lease: its nodes are
+    fenced (their beats arrive late), while the agents may stay connected (TCP rides out the
+    cut) or, having heard nothing for their lease, rejoin. Either way their machines take new
     workers, which restore from live copies or the checkpoint, and the run ends equal to
     the failure-free one instead of waiting for nodes until --comm-timeout."""
     lab = lab_factory(3)
@@ -234,9 +238,39 @@ def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Pat
     agents = [job.start_agent(host, "--workers", "2", "--rejoin-s", "60") for host in ("a1", "a2")]
     job.wait_step(4)
     lab.cut("coord")
-    time.sleep(2.0)
+    time.sleep(cut_s)
     lab.reconnect("coord")
     summary = job.finish(timeout=240)
     assert_equal_and_accounted(summary, cfg)
     assert any(e["event"] == "fenced" for e in run_events(job.out)), "the cut fenced no node"
     assert all(p.wait(timeout=30) == 0 for p in agents)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_agent_host_with_every_node_ends_naming_the_wait(lab_factory,
+                                                                 tmp_path: Path) -> None:
+    """The only agent host freezes whole (SIGSTOP): its nodes are fenced, no worker is
+    confirmed gone and none is offered. The stall watchdog stops the run, naming what it
+    waited for, not a slow step."""
+    lab = lab_factory(2)
+    job = Job(lab, tmp_path / "run", ["--nodes", "2", "--stages", "2", "--steps", "40",
+                                      "--checkpoint-every", "2", "--lease", "3",
+                                      "--comm-timeout", "5"])
+    job.wait_listening()
+    job.start_agent("a1", "--workers", "2")
+    job.wait_step(3)
+    frozen = lab.pids("a1")
+    try:
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        _, stderr = job.coord.communicate(timeout=120)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+    assert job.coord.returncode == 1
+    error = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "no live node for" in error[0] and (
+        "waiting for an agent to offer a worker (1 connected, none with a free worker slot; "
+        "2 of their workers were fenced and never confirmed gone)") in error[0], stderr
+    assert "raise --comm-timeout" not in stderr

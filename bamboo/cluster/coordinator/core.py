@@ -76,6 +76,10 @@ class NodeSource(Protocol):
     def none_coming(self, core: CoordinatorCore) -> bool:
         """Whether no node is coming that a waiting reconfiguration could use."""
 
+    def awaited(self, core: CoordinatorCore) -> str:
+        """What a reconfiguration left without a live node waits for, said in the message
+        of the stop that ends that wait ("an agent to offer a worker (...)")."""
+
 
 class CoordinatorCore:
     """One run's decisions; see the module docstring for the calls that drive it."""
@@ -386,5 +390,12 @@ class CoordinatorCore:
             raise Stop("a node reported a failed commit round but no node was lost; stopped "
                        "the run (see events.jsonl)")
         if now - self.last_news > self.stall_s:
+            r = self.ctx.reconf
+            if r is not None and not any(n.is_alive for n in self.nodes):
+                raise Stop(f"{r.why or 'every node was lost'}; no live node for "
+                           f"{now - r.started:.0f} s, waiting for {self.source.awaited(self)}: "
+                           f"stopped the run" + (f" (the last checkpoint is in "
+                                                 f"{checkpoint_location(self.cfg)})"
+                                                 if self.checkpoints.last else ""))
             raise Stop(f"no worker reported progress for {self.stall_s:.0f} s; stopped the run "
                        f"(raise --comm-timeout if steps are that slow)")

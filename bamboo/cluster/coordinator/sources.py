@@ -38,6 +38,9 @@ class LocalWorkers:
     def none_coming(self, core: CoordinatorCore) -> bool:
         return True  # only the trace adds local workers (`Preemptions.trace_finished`)
 
+    def awaited(self, core: CoordinatorCore) -> str:
+        return "the trace to add a node"
+
     def close(self, final_status: str | None) -> None:
         pass
 
@@ -108,6 +111,16 @@ class Agents:
         passed since the reconfiguration began."""
         r = core.ctx.reconf
         return r is not None and core.ctx.clock() - r.started > self.listener.join_timeout_s
+
+    def awaited(self, core: CoordinatorCore) -> str:
+        connected = [a for a in self.remote if not a.gone]
+        if not connected:
+            return (f"an agent to join (none is connected; --join-timeout "
+                    f"{self.listener.join_timeout_s:g} s)")
+        stuck = sum(len(a.workers) for a in connected)
+        return (f"an agent to offer a worker ({len(connected)} connected, none with a free "
+                f"worker slot" + (f"; {stuck} of their workers were fenced and never confirmed "
+                                  f"gone" if stuck else "") + ")")
 
     def close(self, final_status: str | None) -> None:
         """At the end: a finished or failed run lets its agents go; an interrupted one (a
