@@ -1,7 +1,9 @@
 """Process lifetimes: nothing a run started outlives its `bamboo train` process, whatever
-state a worker is in, and a lost fork server stops the run with a line that names it."""
+state a worker is in; a lost fork server stops a local run with a line that names it, and
+on an agent is the loss of its workers."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -94,3 +96,35 @@ def test_a_killed_fork_server_stops_the_run_naming_it(tmp_path: Path) -> None:
         assert wait_gone(family, timeout=10) == []
     finally:
         kill_all([p for p in family if alive(p)])
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_an_agents_killed_fork_server_is_a_loss_of_its_workers(tmp_path: Path) -> None:
+    """On an agent, a killed fork server takes its workers with it: the agent reports them
+    killed (not "exited with code 255", a software error that would stop the run), names
+    the fork server, and its next workers come from a fresh one; the run restores and ends
+    equal to the failure-free run."""
+    from test_remote import _agent, _assert_failure_free, _coordinator, _stop, _wait_step
+    from conftest import free_port
+    out, port = tmp_path / "run", free_port()
+    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+                         "--steps", "14", "--checkpoint-every", "3")
+    agent = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "join-token").exists():
+            assert time.monotonic() < deadline and coord.poll() is None, "no join token"
+            time.sleep(0.1)
+        agent = _agent(out, port, "--workers", "2")
+        _wait_step(out, 4, coord)
+        os.kill(fork_server(agent.pid), signal.SIGKILL)
+        stdout, stderr = coord.communicate(timeout=180)
+        assert coord.returncode == 0, stderr[-2000:]
+        agent_err = agent.communicate(timeout=30)[1]
+    finally:
+        _stop([p for p in (coord, agent) if p is not None])
+    summary = json.loads(stdout)
+    _assert_failure_free(summary, nodes=2, stages=2, pipelines=1, steps=14)
+    assert summary["preemptions"] == 2, summary
+    assert "fork server" in agent_err and "was killed by SIGKILL" in agent_err, agent_err

@@ -10,7 +10,9 @@ The coordinator pings every second. When it goes away (the connection ends, or n
 arrives for the job's lease), the agent kills its workers at once (their state lives on
 in the other nodes and the checkpoints) and tries to join again with backoff for
 `--rejoin-s` seconds, so a restarted coordinator finds its machines again; past that it
-exits. `Finished` from the coordinator ends the agent with exit code 0; a drain on a notice
+exits. Its workers die with its fork server, which dies with the agent; a fork server
+killed alone takes its workers along, and they are reported killed (lost nodes), not
+failed. `Finished` from the coordinator ends the agent with exit code 0; a drain on a notice
 with 3 (`EXIT_DRAINED`), so a controller replaces the machine.
 """
 from __future__ import annotations
@@ -112,6 +114,8 @@ class _Worker:
         self.process = ctx.Process(target=worker_main, args=(self.spec, writer, beats, cells),
                                    name=f"bamboo-n{self.spec.node}")
         self.process.start()
+        self.server = forkserver.server_pid()
+        """The fork server that forked it (a later worker may come from a restarted one)."""
         writer.close()
         self.finished = False
         self.membership = _join_membership(job.etcd, self.spec.node, token, say)
@@ -237,9 +241,24 @@ class _Session:
         self._forward(w)
         w.process.join()
         code = w.process.exitcode
+        code = self._fork_server_loss(w, code)
         self.workers.pop(w.k).stop()
         self.send(Exit(worker=w.k, code=code))
         self.all_done = w.finished and not self.workers
+
+    def _fork_server_loss(self, w: _Worker, code: int | None) -> int | None:
+        """A worker whose exit status never came (code 255) because the fork server died:
+        it was killed with it (SIGKILL, its parent-death signal), which the coordinator
+        handles as a lost node; the next worker starts a fresh server."""
+        from bamboo.cluster import forkserver
+        if code != forkserver.LOST_SERVER_EXIT:
+            return code
+        how = forkserver.server_death(wait_s=2.0, pid=w.server)
+        if how is None:
+            return code
+        self.opts.say(f"the fork server (pid {w.server}) {how}: worker {w.k} "
+                      f"(node n{w.spec.node}) died with it")
+        return -signal.SIGKILL
 
     def _report_notice(self) -> None:
         for w in self.workers.values():

@@ -79,13 +79,14 @@ LOST_SERVER_EXIT = 255
 """The exit code `multiprocessing` gives a worker whose fork server it can no longer ask."""
 
 
-def server_death(wait_s: float = 0.0) -> str | None:
-    """How the fork server this process started has ended ("was killed by SIGKILL",
-    "exited with code 1"), None while it runs (or when none was started); waits up to
-    `wait_s` for it to be seen ended (its sockets close before it does). It is not
-    reaped here: `multiprocessing` reaps it when it restarts one."""
+def server_death(wait_s: float = 0.0, pid: int | None = None) -> str | None:
+    """How the fork server this process started (or the earlier one `pid`) has ended ("was
+    killed by SIGKILL", "exited with code 1"), None while it runs (or when none was
+    started); waits up to `wait_s` for it to be seen ended (its sockets close before it
+    does). It is not reaped here: `multiprocessing` reaps it when it restarts one."""
+    pid = server_pid() if pid is None else pid
     deadline = time.monotonic() + wait_s
-    while (how := _ended(server_pid())) is None and time.monotonic() < deadline:
+    while (how := _ended(pid)) is None and time.monotonic() < deadline:
         time.sleep(0.02)
     return how
 
