@@ -25,8 +25,8 @@ import time
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 
-__all__ = ["context", "start", "die_with_parent", "server_pid", "server_death", "in_server_child",
-           "LOST_SERVER_EXIT"]
+__all__ = ["context", "start", "die_with_parent", "mark_server", "server_pid", "server_death",
+           "in_server_child", "LOST_SERVER_EXIT"]
 
 _PRELOAD = ["bamboo.cluster.preload"]
 _PR_SET_PDEATHSIG = 1
