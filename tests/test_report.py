@@ -221,6 +221,7 @@ def test_malformed_event_line_is_named(tmp_path: Path, capsys: pytest.CaptureFix
     assert err.count("\n") == 1 and "line 4: step_done needs an integer 'step'" in err
 
 
+@pytest.mark.malformed_run_files
 @pytest.mark.parametrize("case", ["missing", "empty", "file", "bad summary", "bad losses"])
 def test_bad_run_directory_is_one_line_and_exit_2(tmp_path: Path, case: str,
                                                   capsys: pytest.CaptureFixture) -> None:
