@@ -104,8 +104,51 @@ def test_interrupting_the_launcher_stops_everything(tmp_path: Path, signum: int)
     _, stderr = proc.communicate(timeout=30)
     assert time.monotonic() - sent < 10
     assert proc.returncode == 128 + signum
-    assert f"interrupted by {signal.Signals(signum).name}" in stderr
+    name = signal.Signals(signum).name
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"stopped by {name} with " in errors[0], stderr
+    assert "add --resume auto" in errors[0] or "--resume auto to continue" in errors[0]
     assert wait_gone(pids) == []
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_a_stop_sent_to_the_whole_group_is_the_users_and_resumes_equal(tmp_path: Path) -> None:
+    """`timeout` and a terminal's Ctrl-C signal the launcher's whole process group. That is
+    the user stopping the run, not a notice to every worker: it is said once, a resume point
+    is written at the next boundary, and `--resume auto` (the same command otherwise) goes on
+    from it with nothing redone and ends equal to the run that was never stopped."""
+    args = ["--nodes", "2", "--stages", "2", "--steps", "40", "--no-report", "--json"]
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*BAMBOO, "train", *args, "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "step_done" and e["step"] >= 4 for e in run_events(out)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "preemption notice" not in stderr and stderr.count("stopping on SIGTERM") == 1, stderr
+    events = run_events(out)
+    assert [e for e in events if e["event"] in ("notice", "node_lost")] == []
+    done = [e for e in events if e["event"] == "checkpoint"][-1]["step"]
+    assert f"stopped by SIGTERM with {done} steps done" in stderr and done < 40, stderr
+    resumed = subprocess.run([*BAMBOO, "train", *args, "--out", str(out), "--resume", "auto"],
+                             cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {done}" in resumed.stderr
+    clean = subprocess.run([*BAMBOO, "train", *args, "--out", str(tmp_path / "clean")],
+                           cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert clean.returncode == 0, clean.stderr
+    got, want = json.loads(resumed.stdout), json.loads(clean.stdout)
+    assert got["redone_steps"] == 0 and got["resumed_from_step"] == done
+    assert got["losses"] == want["losses"] and got["param_sha256"] == want["param_sha256"]
 
 
 @pytest.mark.procs

@@ -3,6 +3,7 @@ network with the job's token; a wrong token or an unreachable coordinator is one
 an agent killed with SIGKILL is a preemption like any other."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -240,14 +241,11 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
             time.sleep(0.2)
         view = EtcdMembership.connect(etcd_url, job=out.name).alive()
         assert sorted(view) == ["n0", "n1", "n2"]
-        os.killpg(agents[0].pid, signal.SIGSTOP)  # the whole machine freezes
+        _signal_machine(agents[0], signal.SIGSTOP)  # the whole machine freezes
         stdout, stderr = coord.communicate(timeout=150)
     finally:
         if agents:
-            try:
-                os.killpg(agents[0].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_machine(agents[0])
         _stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
@@ -278,11 +276,20 @@ def _wait_step(out: Path, step: int, coord: subprocess.Popen, timeout: float = 1
         time.sleep(0.2)
 
 
-def _kill_machine(agent: subprocess.Popen) -> None:
+def _signal_machine(agent: subprocess.Popen, signum: int) -> None:
+    """`signum` to every process of the agent's machine: its session (the agent, its fork
+    server and workers, in a process group of their own, and the resource tracker)."""
     try:
-        os.killpg(agent.pid, signal.SIGKILL)  # the agent, its fork server, its workers
+        sid = os.getsid(agent.pid)
     except ProcessLookupError:
-        pass
+        return
+    for pid in _session_processes(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _kill_machine(agent: subprocess.Popen) -> None:
+    _signal_machine(agent, signal.SIGKILL)
 
 
 def _session_processes(sid: int) -> list[int]:

@@ -289,9 +289,10 @@ def run_agent(opts: AgentOptions) -> int:
     """Join, serve sessions until the run is finished or the coordinator stays away for
     `rejoin_s`; the exit code."""
     register_wire_types()
-    # torch's C++ store and sockets warn for every peer that vanishes or has no resolvable
-    # name (hosts sharing one host name): the coordinator reports what matters.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # torch's C++ store and sockets warn (or log an error) for every peer that vanishes or
+    # has no resolvable name (hosts sharing one host name): the coordinator reports what
+    # matters. TORCH_CPP_LOG_LEVEL=ERROR in the environment shows them.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from bamboo.cluster import forkserver
     forkserver.start()  # torch imports in the background while the agent joins
     host, port = opts.address

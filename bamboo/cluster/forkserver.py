@@ -56,12 +56,17 @@ def die_with_parent() -> None:
 
 
 def mark_server() -> None:
-    """In the fork server, at preload: die with the coordinator (or agent) that started it.
-    (Had that one already died, no worker holds the alive pipe yet: the server exits on
-    its EOF.)"""
+    """In the fork server, at preload: die with the coordinator (or agent) that started it
+    (had that one already died, no worker holds the alive pipe yet: the server exits on
+    its EOF), in a process group of its own."""
     global _SERVER_PID
     die_with_parent()
     _SERVER_PID = os.getpid()
+    # A process group of its own, which its workers inherit: a terminal's Ctrl-C or
+    # `timeout`'s SIGTERM, sent to the launcher's group, is the user stopping the run and
+    # reaches the launcher alone (bamboo.cluster.coordinator.user_stop), never the workers
+    # as if each had a preemption notice.
+    os.setpgid(0, 0)
 
 
 def in_server_child() -> bool:

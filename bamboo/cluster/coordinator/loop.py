@@ -22,6 +22,7 @@ from bamboo.cluster.coordinator.core import CoordinatorCore
 from bamboo.cluster.coordinator.nodes import Node
 from bamboo.cluster.coordinator.sources import Agents, LocalWorkers
 from bamboo.cluster.coordinator.state import RunFailed, Stop
+from bamboo.cluster.coordinator.user_stop import UserStop
 from bamboo.cluster.protocol import SHUTDOWN_KEY, WorkerMessage
 from bamboo.config import JobConfig
 from bamboo.faults import Fault
@@ -54,6 +55,8 @@ class Coordinator:
         """An AgentListener when nodes are agents on other machines (`bamboo coordinator`)."""
         self.resume = resume
         self.interrupted: int | None = None
+        """The first of the user's signals (SIGINT, SIGTERM), once one came."""
+        self.user_stop = UserStop()
         self.source = LocalWorkers() if agents is None else \
             Agents(agents, membership, interrupted=lambda: self.interrupted)
         self.core = CoordinatorCore(cfg, run.path, display, self.source,
@@ -112,7 +115,8 @@ class Coordinator:
             self.health = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.interrupted = signum
+        self.interrupted = self.interrupted or signum
+        self.user_stop.signal(signum)
 
     def _start_store(self) -> None:
         """The store: on loopback and any free port for local workers; for agents on the
@@ -156,9 +160,7 @@ class Coordinator:
     def _supervise(self) -> None:
         core = self.core
         while not core.finished():
-            if self.interrupted is not None:
-                raise Stop(f"interrupted by {signal.Signals(self.interrupted).name}; all "
-                           f"workers stopped", exit_code=128 + self.interrupted)
+            self.user_stop.check(core, time.monotonic())
             self._wait_and_read()
             core.tick(time.monotonic())
             if self.health is not None:
