@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LOSS_REL", "L2_REL", "COUNTERS", "bits_must_match", "differs"]
+__all__ = ["LOSS_REL", "L2_REL", "COUNTERS", "bits_must_match", "differs", "explain"]
 
 LOSS_REL, L2_REL = 1e-5, 1e-6
 COUNTERS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses",
@@ -64,3 +64,19 @@ def differs(base: Mapping[str, Any], got: Mapping[str, Any]) -> str:
     if got.get("preemptions") != counted:
         return f"preemptions {got.get('preemptions')} but the counters sum to {counted}"
     return ""
+
+
+def explain(base: Mapping[str, Any], got: Mapping[str, Any]) -> str:
+    """Why a run that keeps the contract (`differs` is '') is equal, in one line: how its
+    losses were handled, which rule judged its bits, and how close it came."""
+    handled = ", ".join(f"{k} {got[k]}" for k in COUNTERS if got.get(k)) or "no loss"
+    rel = max((abs(a - b) / abs(b) for a, b in zip(got.get("losses") or [],
+                                                    base.get("losses") or []) if b), default=0.0)
+    same = got.get("param_sha256") == base.get("param_sha256")
+    if bits_must_match(got, base):
+        rule = "bits equal, as required" + (" (--exact)" if (got.get("config") or {})
+                                              .get("exact") else " (the layout was kept)")
+    else:
+        rule = ("bits " + ("equal" if same else "differ") + ", allowed: the layout changed or "
+                "a slot was re-routed, so the tolerances judge")
+    return f"{handled}; {rule}; losses within {rel:.1e} relative"

@@ -39,7 +39,7 @@ from typing import Any
 
 from bamboo import strict_json
 from bamboo.argparsing import UsageParser
-from bamboo.bits import differs
+from bamboo.bits import differs, explain
 from bamboo.runlog import read_events
 
 __all__ = ["main", "FAULT_KINDS", "Trial", "rerun_command"]
@@ -198,6 +198,8 @@ def _outcome(trial: Trial, base: dict, code: int | None, stdout: str, stderr: st
         return
     trial.why = differs(base, summary)
     trial.outcome = "wrong" if trial.why else "equal"
+    if not trial.why:
+        trial.why = explain(base, summary)
 
 
 def soak(args: argparse.Namespace, train: list[str]) -> dict[str, Any]:
@@ -228,8 +230,7 @@ def soak(args: argparse.Namespace, train: list[str]) -> dict[str, Any]:
             trial.faults.append({"kind": kind, "note": "the run ended before the fault"})
         trial.command = rerun_command(train, trial, kinds, args.seed)
         _outcome(trial, base, code, stdout, stderr)
-        say(f"  trial {i}: {kind:<11} {trial.outcome:<10} {trial.wall_s:6.1f} s"
-            + (f"  {trial.why}" if trial.outcome != "equal" else ""))
+        say(f"  trial {i}: {kind:<11} {trial.outcome:<10} {trial.wall_s:6.1f} s  {trial.why}")
         trials.append(trial)
     counts = {k: sum(t.outcome == k for t in trials) for k in ("equal", "clear_stop", "hang",
                                                               "wrong")}
@@ -241,9 +242,8 @@ def _table(result: dict[str, Any]) -> str:
     rows = [f"trials {result['trials']}: equal {result['equal']}, clear stop "
             f"{result['clear_stop']}, hang {result['hang']}, wrong {result['wrong']}"]
     for case in result["cases"]:
-        if case["outcome"] != "equal":
-            rows.append(f"  trial {case['index']} {case['outcome']}: {case['why']}\n"
-                        f"    {case['command']}")
+        rows.append(f"  trial {case['index']} {case['outcome']}: {case['why']}"
+                    + (f"\n    {case['command']}" if case["outcome"] != "equal" else ""))
     return "\n".join(rows)
 
 

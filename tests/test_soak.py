@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.bits import COUNTERS, bits_must_match, differs
+from bamboo.bits import COUNTERS, bits_must_match, differs, explain
 from bamboo.soak import Trial, rerun_command
 from conftest import BAMBOO, REPO
 
@@ -47,6 +47,19 @@ def test_the_bits_rule_follows_the_contract() -> None:
         {"from_step": 0, "pipelines": 1, "stages": 2, "rerouted": False}]))
     old = {k: v for k, v in BASE.items() if k != "layouts"}  # before the record
     assert bits_must_match(old) and not bits_must_match(dict(old, reroutes=1))
+
+
+def test_an_equal_verdict_says_why() -> None:
+    """The table explains each equal trial: how its losses were handled and which rule
+    judged its bits."""
+    shadowed = dict(BASE, preemptions=1, failovers=1, losses=[5.0, 4.5 * (1 + 2e-8), 4.0])
+    assert explain(BASE, shadowed) == ("failovers 1; bits equal, as required (the layout was "
+                                       "kept); losses within 2.0e-08 relative")
+    rerouted = dict(BASE, preemptions=1, reroutes=1, param_sha256="abd", layouts=KEPT + [
+        {"from_step": 3, "pipelines": 2, "stages": 2, "rerouted": True}])
+    assert explain(BASE, rerouted).startswith("reroutes 1; bits differ, allowed: ")
+    assert explain(BASE, dict(BASE, config={"exact": True})) == (
+        "no loss; bits equal, as required (--exact); losses within 0.0e+00 relative")
 
 
 def test_a_rerun_command_carries_the_fault() -> None:
