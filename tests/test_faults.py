@@ -244,3 +244,23 @@ def test_a_disk_that_fills_with_checkpoints_leaves_no_temporary(tmp_path: Path, 
         left = [str(p.relative_to(out)) for p in out.rglob(".*") if ".tmp" in p.name
                 or p.name.startswith(".old-")]
         assert left == [], left
+
+
+@pytest.mark.timeout(240)
+def test_every_node_lost_stops_naming_the_resume_point_and_resumes_equal(bamboo) -> None:
+    """No node left and none coming is a clear stop (exit 3), and the line says how to go on
+    from the checkpoint the run wrote by default; that command ends equal to the run that
+    lost nothing."""
+    args = ["--nodes", "2", "--stages", "2", "--steps", "8", "--quiet", "--json"]
+    lost = bamboo([*args, "--kill", "0:0@4", "--kill", "0:1@4"], "lost")
+    assert lost.code == 3, lost.stderr
+    errors = [line for line in lost.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "none is coming" in errors[0], lost.stderr
+    assert f"its checkpoints are in {lost.out / 'checkpoints'}: run the same command with " \
+           f"--resume auto" in errors[0], errors
+    resumed = bamboo([*args, "--resume", "auto"], "lost")
+    clean = bamboo(args, "clean")
+    assert resumed.code == 0 and clean.code == 0, resumed.stderr + clean.stderr
+    got, want = resumed.summary, clean.summary
+    assert got["resumed_from_step"] in (2, 3, 4) and got["steps_completed"] == 8
+    assert got["losses"] == want["losses"] and got["param_sha256"] == want["param_sha256"]

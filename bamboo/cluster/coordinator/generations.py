@@ -284,6 +284,16 @@ class Generations:
         return (f"the state transfer {between} broke off (a node lost or unreachable while "
                 f"generation {self.ctx.plan.gen} formed); the next plan goes without it")
 
+    def _resume_hint(self) -> str:
+        """`; its newest checkpoint ...: run the same command with --resume auto` where the
+        run has a whole checkpoint to go on from once nodes are back."""
+        from bamboo.checkpoint import checkpoint_location, has_whole_checkpoint
+        where = checkpoint_location(self.ctx.cfg)
+        if not has_whole_checkpoint(where):
+            return ""
+        return (f"; its checkpoints are in {where}: run the same command with --resume auto "
+                f"to go on from the newest")
+
     # -- the next one -----------------------------------------------------------------------
 
     def try_plan(self, *, trace_finished: bool) -> GenerationPlan | None:
@@ -305,7 +315,7 @@ class Generations:
         if not names:
             if trace_finished:
                 raise Stop(f"{r.why or 'the last nodes were lost'}; no live node is left to "
-                           f"train on and none is coming", exit_code=3)
+                           f"train on and none is coming" + self._resume_hint(), exit_code=3)
             return None  # wait for the trace to add nodes
         kwargs = dict(gen=ctx.plan.gen + 1, epoch=ctx.roles.epoch + 1, nodes=names,
                       holdings=holdings, leaving=leaving, stages=ctx.cfg.layout.stages,
