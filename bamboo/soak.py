@@ -86,7 +86,11 @@ def rerun_command(train: list[str], trial: Trial, kinds: list[str], seed: int) -
             kills = []
             break
         notice = "+notice" if f["kind"] == "notice" else ""
-        kills += ["--kill", f"{f['pipeline']}:{f['stage']}@{f['step']}{notice}"]
+        spec = f"{f['pipeline']}:{f['stage']}@{f['step']}{notice}"
+        if spec in kills:  # one holder named twice: no --kill list says what happened
+            kills = []
+            break
+        kills += ["--kill", spec]
     if kills:
         return " ".join(["bamboo", "train", *train, *kills])
     return " ".join(["bamboo", "soak", *train, "--faults", ",".join(kinds), "--seed", str(seed),
@@ -173,8 +177,12 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
             sig = {"kill": signal.SIGKILL, "burst": signal.SIGKILL, "stop": signal.SIGSTOP,
                    "notice": signal.SIGTERM}[kind]
             step = run.steps_done()  # the step under way
-            for node, pid in rng.sample(live, min(count, len(live))):
-                pipeline, stage = run.role_of(node)
+            chosen = rng.sample(live, min(count, len(live)))
+            # Roles as they are before the first signal: a burst's later victims would
+            # otherwise read the shadow roles its first ones caused.
+            roles = {node: run.role_of(node) for node, _ in chosen}
+            for node, pid in chosen:
+                pipeline, stage = roles[node]
                 if _signal(pid, sig):
                     trial.faults.append({"kind": kind, "node": node, "after_step": at_step,
                                          "pipeline": pipeline, "stage": stage,

@@ -73,6 +73,9 @@ def test_a_rerun_command_carries_the_fault() -> None:
     notice = Trial(index=0, faults=[{"kind": "notice", "node": "n3", "pipeline": 1, "stage": 1,
                                      "step": 4}])
     assert rerun_command(train, notice, ["notice"], 5).endswith("--kill 1:1@4+notice")
+    twice = Trial(index=7, faults=[dict(kill.faults[0], node=n) for n in ("n0", "n2")])
+    assert rerun_command(train, twice, ["burst"], 5) == (  # one holder named twice
+        "bamboo soak --nodes 4 --stages 2 --faults burst --seed 5 --trial 7")
     for faults in ([{"kind": "stop", "node": "n1", "pipeline": 0, "stage": 1, "step": 2}],
                    [{"kind": "kill", "node": "n4", "pipeline": None, "stage": None, "step": 2}],
                    [{"kind": "coordinator", "after_step": 2}]):
