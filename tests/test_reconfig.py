@@ -153,7 +153,9 @@ def test_trace_replay_preempts_and_adds_nodes(tmp_path: Path) -> None:
         (2_500_000, "remove", "b"), (4_000_000, "add", "e"), (4_000_000, "add", "f"),
         (9_000_000, "remove", "e"),
     ])
-    cfg = config(nodes=4, stages=4, steps=14, trace=str(trace), time_scale=3600.0,
+    # 24 steps outlast the trace's last event (2.5 wall s after the first step) on a quiet
+    # machine too, so f is started in e's slot before the run ends.
+    cfg = config(nodes=4, stages=4, steps=24, trace=str(trace), time_scale=3600.0,
                  max_nodes=4)
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equal_and_accounted(summary, cfg)

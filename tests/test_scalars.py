@@ -13,6 +13,7 @@ from bamboo.cluster.coordinator.scalars import ScalarLog
 from bamboo.config import JobConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import run_events  # noqa: E402
 from test_failover import config, run_in_process  # noqa: E402
 
 
@@ -41,7 +42,11 @@ def test_tensorboard_holds_the_runs_scalars_through_a_kill(tmp_path: Path) -> No
                                                             rel=1e-6)
     assert tb["preemptions/failover"] == [(2, 1.0)] and tb["preemptions/total"] == [(2, 1.0)]
     [(step, pause)] = tb["failover/pause_s"]
-    assert step == 2 and pause == pytest.approx(summary["pause_s"][0], abs=1e-4)
+    [lost] = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
+    assert step == 2 and pause == pytest.approx(lost["pause_s"], abs=1e-4)
+    # the loss's whole cost (summary.json) = its pause + its shares of reconfigurations
+    shares = sum(v for _, v in tb.get("preemptions/reconfiguration_s", []))
+    assert pause + shares == pytest.approx(summary["pause_s"][0], abs=2e-4)
     live = dict(tb["cluster/live_nodes"])
     assert live[0] == 3 and live[4] == 2  # the node killed in step 2 is gone after it
     assert tb["cluster/redundancy_mode"] == [(0, 2.0)]  # eager

@@ -13,7 +13,11 @@ held-out loss of those same parameters, so the two curves line up.
                                                every --redundancy auto choice
     eval/loss                                  each evaluation
     preemptions/<handled_as>, preemptions/total  cumulative, at each loss
-    failover/pause_s                           each failover's pause
+    failover/pause_s                           each failover's pause in the step it hit
+    preemptions/reconfiguration_s              a loss's share of a later reconfiguration
+                                               it caused (`loss_cost`: a standby joining,
+                                               layers moved), at the step that paid it;
+                                               with the pause, summary.json's `pause_s`
 
 A sink that fails (a full disk, a lost W&B connection) is switched off with one message;
 the run goes on: logging never stops training.
@@ -128,6 +132,9 @@ class ScalarLog:
             if handled == "failover" and record.get("pause_s") is not None:
                 values["failover/pause_s"] = record["pause_s"]
             self._emit(values, int(record.get("step") or 0))
+        elif kind == "loss_cost" and record.get("added_s") is not None:
+            self._emit({"preemptions/reconfiguration_s": record["added_s"]},
+                       int(record.get("at_step") or 0))
         elif kind == "redundancy_mode" and record.get("mode") in MODE_CODES:
             step = int(record.get("step") or 0)
             self._emit({"cluster/redundancy_mode": MODE_CODES[record["mode"]]}, step)
