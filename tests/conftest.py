@@ -52,10 +52,20 @@ def run_events(out: Path) -> list[dict]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, and so was the one after it (a
+    coordinator's store takes its --bind port + 1 by default)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            try:
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two free TCP ports in a row on 127.0.0.1")
 
 
 def run_bamboo(args: list[str], out: Path | None, timeout: float = 240) -> Result:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bamboo.bits import COUNTERS as KINDS  # every counter of a lost node
 from bamboo.config import JobConfig, parse_kill
 from bamboo.faults import Fault
 from conftest import assert_close, run_bamboo, run_events
@@ -25,7 +26,6 @@ from test_failover import reference, run_in_process  # noqa: E402
 pytestmark = pytest.mark.procs  # every test here starts processes
 
 REL = 1e-4
-KINDS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses")
 
 
 def config(**flags) -> JobConfig:
