@@ -111,6 +111,8 @@ class AgentListener:
         """Connections that did not speak the protocol (probes, garbage, stalls)."""
         self._slots = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._closed = False
+        self._final: str | None = None
+        self._closing = threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
     def _accept(self) -> None:
@@ -141,13 +143,31 @@ class AgentListener:
             self.dropped += 1
             channel.close()
         else:
-            self.joined.put((channel, hello))
+            with self._closing:
+                if not self._closed:
+                    self.joined.put((channel, hello))
+                    return
+            self._let_go(channel)
         finally:
             self._slots.release()
 
-    def close(self) -> None:
-        self._closed = True
+    def _let_go(self, channel: Channel) -> None:
+        """A joined agent the run will never admit: told the run's end (it exits 0), or
+        just closed when the coordinator is being restarted (it rejoins)."""
+        if self._final is not None:
+            try:
+                channel.send(Finished(status=self._final))
+            except (OSError, ValueError):
+                pass
+        channel.close()
+
+    def close(self, final_status: str | None = None) -> None:
+        """Stop accepting; agents that joined but were never admitted are let go."""
+        with self._closing:
+            self._closed, self._final = True, final_status
         self.sock.close()
+        while not self.joined.empty():
+            self._let_go(self.joined.get()[0])
 
 
 class RemoteAgent:

@@ -57,11 +57,24 @@ class Job:
 
     def start_agent(self, host: str, *extra: str) -> subprocess.Popen:
         argv = [*BAMBOO, "agent", "--join", f"{self.coord_address}:{JOIN}", "--token-file",
-                str(self.token), "--quiet", *extra]
-        p = self.lab.run(host, argv, cwd=REPO, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=ENV)
+                str(self.token), *extra]
+        # a file, not a pipe nobody reads: a chatty agent must never block on its stderr
+        log = self.out.parent / f"agent-{host}-{len(self.agents)}.log"
+        with log.open("w") as err:
+            p = self.lab.run(host, argv, cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=err, text=True, env=ENV)
+        p.log = log  # type: ignore[attr-defined]
         self.agents.append(p)
         return p
+
+    def agents_exit_0(self, timeout: float = 30) -> None:
+        """Every agent exits 0 once the run is over; else its last words."""
+        for p in self.agents:
+            try:
+                code = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"agent exit {code}: {p.log.read_text()[-2000:]}"
 
     def wait_step(self, step: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -102,7 +115,7 @@ def test_a_plain_run_across_hosts_after_probes_garbage_and_a_wrong_token(lab_fac
     summary = job.finish()
     assert_equal_and_accounted(summary, cfg, lost=0)
     assert len(set(_nodes_on(job.out).values())) == 2
-    assert all(p.wait(timeout=30) == 0 for p in job.agents)
+    job.agents_exit_0()
 
 
 @pytest.mark.timeout(500)
@@ -194,7 +207,7 @@ def test_the_coordinator_host_killed_and_restarted_with_resume_auto(lab_factory,
     summary = job.finish()
     assert summary["resumed_from_step"] in (3, 6)
     assert_equal_and_accounted(summary, cfg)
-    assert all(p.wait(timeout=30) == 0 for p in job.agents)
+    job.agents_exit_0()
     assert time.monotonic() - killed < 300
 
 
@@ -235,7 +248,8 @@ def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Pat
     job = Job(lab, tmp_path / "run", ["--nodes", "4", "--stages", "2", "--steps", "12",
                                       "--checkpoint-every", "3", "--lease", "3"])
     job.wait_listening()
-    agents = [job.start_agent(host, "--workers", "2", "--rejoin-s", "60") for host in ("a1", "a2")]
+    for host in ("a1", "a2"):
+        job.start_agent(host, "--workers", "2", "--rejoin-s", "60")
     job.wait_step(4)
     lab.cut("coord")
     time.sleep(cut_s)
@@ -243,7 +257,7 @@ def test_a_short_cut_of_the_coordinators_link_mid_run(lab_factory, tmp_path: Pat
     summary = job.finish(timeout=240)
     assert_equal_and_accounted(summary, cfg)
     assert any(e["event"] == "fenced" for e in run_events(job.out)), "the cut fenced no node"
-    assert all(p.wait(timeout=30) == 0 for p in agents)
+    job.agents_exit_0()
 
 
 @pytest.mark.timeout(300)

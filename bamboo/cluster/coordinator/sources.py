@@ -130,6 +130,9 @@ class Agents:
                 agent.lost()
             else:
                 agent.finish(final_status)
+        # agents that rejoined but were not admitted yet (or finish their handshake now)
+        # are told too: else they would try to rejoin a coordinator that is gone for good
+        self.listener.close(final_status)
         if self.membership is not None:
             self.membership.close()
 
