@@ -43,10 +43,10 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, sch
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                               ScheduleInterleavedZeroBubble)
 
-    from bamboo.data import make_task
-    from bamboo.models import build_layers, layer_param_counts, loss_fn, preset
-    from bamboo.pipeline.optim import learning_rate, make_optimizer
-    from bamboo.pipeline.partition import partition
+    from bamboo.data.datasets import make_task
+    from bamboo.model import build_layers, layer_param_counts, loss_fn, preset
+    from bamboo.engine.optim import learning_rate, make_optimizer
+    from bamboo.plan.partition import partition
 
     cores = sorted(os.sched_getaffinity(0))
     if args.pin_cpus == "auto" and len(cores) >= world:

@@ -15,7 +15,7 @@ In one invocation, on the same machine state:
         `step_done` (new processes, torch import, store, process groups, model build,
         and the first step, which is the redo of step K), timed from outside by
         watching events.jsonl;
-      - loading the checkpoint: `bamboo.checkpoint.load_latest` and `load_layers` of the
+      - loading the checkpoint: `bamboo.run.checkpoint.load_latest` and `load_layers` of the
         whole model's parameters and AdamW state (one DCP folder per layer), and loading
         them into the stages (in this process, all stages one after the other; the
         workers would load their own in parallel).
@@ -104,13 +104,13 @@ def fresh_run(args: argparse.Namespace, out: Path) -> dict:
 
 
 def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
-    """Save and load the whole model + AdamW state with bamboo.checkpoint, timed."""
+    """Save and load the whole model + AdamW state with bamboo.run.checkpoint, timed."""
     import torch
 
-    from bamboo.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
-    from bamboo.models import layer_param_counts, preset
-    from bamboo.pipeline.partition import partition
-    from bamboo.pipeline.stage import StageState
+    from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
+    from bamboo.model import layer_param_counts, preset
+    from bamboo.plan.partition import partition
+    from bamboo.engine.stage import StageState
 
     torch.set_num_threads(1)
     p = preset(args.model)

@@ -16,7 +16,7 @@ whether the final parameters are bit-identical).
 
 NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected",
 ncclInvalidUsage), so with fewer GPUs than workers the N workers share the GPUs over gloo
-(BAMBOO_BACKEND=gloo: CUDA tensors staged through host memory, bamboo/pipeline/comm.py);
+(BAMBOO_BACKEND=gloo: CUDA tensors staged through host memory, bamboo/engine/comm.py);
 with two GPUs or more the check then also runs one worker per GPU over NCCL (as many
 workers as GPUs, at most N). With N GPUs or more it runs N workers over NCCL only.
 --shared always (only the gloo layout) / never (only NCCL, one worker per GPU) changes

@@ -1,6 +1,6 @@
 """State movement between lab hosts, against a raw socket copy between the same hosts.
 
-One lab (bamboo.lab: hosts in network namespaces on a bridge; needs root): a coordinator
+One lab (bamboo.chaos.lab: hosts in network namespaces on a bridge; needs root): a coordinator
 host and three agent hosts of one worker each (the third a standby). In one run:
 
 1. raw TCP copy a1 -> a2 (plain sockets, no bamboo code): the bridge's MB/s;
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bamboo.lab import Lab, unsupported_reason  # noqa: E402
+from bamboo.chaos.lab import Lab, unsupported_reason  # noqa: E402
 from lab_transfer import SEND, SINK  # noqa: E402
 
 JOIN, SINK_PORT = 29400, 29556

@@ -1,4 +1,4 @@
-"""Raw TCP copy speed between two hosts of a `bamboo.lab` lab, uncapped and capped.
+"""Raw TCP copy speed between two hosts of a `bamboo.chaos.lab` lab, uncapped and capped.
 
 Host "coord" sends N bytes to a sink in host "a1" over the lab's bridge (veth -> bridge ->
 veth, plain sockets, no bamboo code), timed from connect to the sink's answer; each case
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bamboo.lab import Lab, unsupported_reason  # noqa: E402
-from bamboo.lab.hosts import parse_rate  # noqa: E402
+from bamboo.chaos.lab import Lab, unsupported_reason  # noqa: E402
+from bamboo.chaos.lab.hosts import parse_rate  # noqa: E402
 
 PORT = 29556
 

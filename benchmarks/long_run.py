@@ -37,7 +37,7 @@ def proc_figures(pid: int) -> tuple[int, int] | None:
 
 
 def main() -> int:
-    from bamboo.runlog import read_events
+    from bamboo.run.runlog import read_events
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=1000)

@@ -7,7 +7,7 @@ In one invocation:
    the median step wall time after `--warmup` steps from each run's events.jsonl;
 2. profiles each stage's forward, backward and optimizer step in this process (one
    thread, the engine's own StageState), and feeds those costs to the timeline model
-   (`bamboo.redundancy.timeline`) for (a) one processor per node (a GPU per node) and
+   (`bamboo.plan.timeline`) for (a) one processor per node (a GPU per node) and
    (b) this machine's cores shared by all workers; it also shows the model on the
    costs as the eager runs' own timers saw them;
 3. accounts memory per node from the runs' byte counters: parameters and AdamW state
@@ -42,8 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bamboo.redundancy.measured import costs_from_events
-from bamboo.redundancy.timeline import Costs, compare, render
+from bamboo.plan.measured import costs_from_events
+from bamboo.plan.timeline import Costs, compare, render
 
 MODES = ("off", "lazy", "eager", "eager-slot")
 FLAGS = {"off": ["--redundancy", "off"], "lazy": ["--redundancy", "lazy"],
@@ -91,10 +91,10 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
     """Forward, backward and optimizer step of every stage, alone in this process."""
     import torch
 
-    from bamboo.data import make_task
-    from bamboo.models import layer_param_counts, loss_fn, preset
-    from bamboo.pipeline.partition import partition
-    from bamboo.pipeline.stage import StageState
+    from bamboo.data.datasets import make_task
+    from bamboo.model import layer_param_counts, loss_fn, preset
+    from bamboo.plan.partition import partition
+    from bamboo.engine.stage import StageState
 
     torch.set_num_threads(1)
     p = preset(args.model)
@@ -155,8 +155,8 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
 
 def output_bytes(args: argparse.Namespace) -> list[int]:
     """Bytes of one micro-batch's output of each stage (0 for the last: its output is a loss)."""
-    from bamboo.models import boundary_shapes, layer_param_counts, preset
-    from bamboo.pipeline.partition import partition
+    from bamboo.model import boundary_shapes, layer_param_counts, preset
+    from bamboo.plan.partition import partition
 
     p = preset(args.model)
     parts = partition(layer_param_counts(p), args.stages)

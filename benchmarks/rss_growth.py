@@ -45,7 +45,7 @@ def run_train(args: argparse.Namespace, flags: list[str], out: Path) -> tuple[di
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): "
                          f"{proc.stderr.strip()[-800:]}")
-    from bamboo.runlog import read_events
+    from bamboo.run.runlog import read_events
     steps = [e for e in read_events(out / "events.jsonl") if e["event"] == "step_done"]
     return json.loads((out / "summary.json").read_text()), steps
 

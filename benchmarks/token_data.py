@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bamboo.tokendata import TokenHeader, dtype_for, write_header  # noqa: E402
+from bamboo.data.tokens import TokenHeader, dtype_for, write_header  # noqa: E402
 
 
 _PEAK = """
@@ -39,7 +39,7 @@ def peak_kb():
 _RSS_PROBE = _PEAK + """
 import sys
 from bamboo.config import JobConfig
-from bamboo.data import make_task
+from bamboo.data.datasets import make_task
 before = peak_kb()
 p = JobConfig.of(model="gpt2-mini", data=sys.argv[1]).model_preset()
 task = make_task(p, seed=0, global_micro_batches=4, micro_batch_size=8,
@@ -50,7 +50,7 @@ print(before, peak_kb(), status_kb("RssAnon"), status_kb("RssFile"))
 """
 _PREPARE = _PEAK + """
 import sys, time
-from bamboo.tokendata import main
+from bamboo.data.tokens import main
 t0 = time.perf_counter()
 assert main(sys.argv[1:]) == 0
 print(time.perf_counter() - t0, peak_kb())
@@ -88,7 +88,7 @@ def _big_dir(directory: Path, gigabytes: float) -> int:
 
 def _batches_per_s(data: str, seconds: float = 1.5) -> float:
     from bamboo.config import JobConfig
-    from bamboo.data import make_task
+    from bamboo.data.datasets import make_task
     p = JobConfig.of(model="gpt2-mini", data=data).model_preset()
     task = make_task(p, seed=0, global_micro_batches=4, micro_batch_size=8,
                      data_file=data)

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of every scale")
     args = ap.parse_args()
     from bamboo.config import JobConfig
-    from bamboo.sim.traces import load_trace
+    from bamboo.traces.trace import load_trace
     from reference import train_reference
     duration = load_trace(REPO / args.trace).duration
     tmp = Path(tempfile.mkdtemp(prefix="bamboo-soak-"))

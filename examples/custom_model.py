@@ -7,7 +7,7 @@ Train it from the repository root (the worker processes import it from there too
 or name the file itself: `--model examples/custom_model.py:build`. Each of the four
 pipeline layers is one pre-LN transformer block; the token and position embedding ride in
 layer 0 and the final norm and the vocabulary projection in layer 3, so every boundary
-carries a `[B, 64, 64]` float32 activation. See bamboo/models/api.py for the rules.
+carries a `[B, 64, 64]` float32 activation. See bamboo/model/api.py for the rules.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.models.api import PipelineModel, TensorSpec
+from bamboo.model.api import PipelineModel, TensorSpec
 
 CONTEXT, WIDTH, HEADS, BLOCKS = 64, 64, 4, 4
 

@@ -22,10 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.runlog import read_events
+from bamboo.run.runlog import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 BAMBOO = [sys.executable, "-m", "bamboo"]
+
+# the shared helpers (`reference`, `coordinator_sim`) and tests whose helpers other tests
+# import are importable by name from every tier's folder
+for _folder in [Path(__file__).parent, Path(__file__).parent / "integration",
+                *sorted((Path(__file__).parent / "unit").iterdir())]:
+    if _folder.is_dir() and str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 
 @dataclass
@@ -200,7 +207,7 @@ def mounted_tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 def assert_no_lab_namespaces(prefix: str | None = None) -> None:
     """No network namespace of this process's labs (or of `prefix`) is left on the machine."""
-    from bamboo.lab import lab_prefix, leftover_namespaces
+    from bamboo.chaos.lab import lab_prefix, leftover_namespaces
     left = leftover_namespaces(prefix or lab_prefix())
     assert not left, f"lab namespaces left behind: {left} (remove with `ip netns del NAME`)"
 
@@ -210,7 +217,7 @@ def lab_session_check():
     """Not autouse: `lab_factory` requests it, so only sessions that built labs check, at
     their end, that every namespace those labs made is gone."""
     yield
-    from bamboo.lab import unsupported_reason
+    from bamboo.chaos.lab import unsupported_reason
     if unsupported_reason() is None:
         assert_no_lab_namespaces()
 
@@ -220,7 +227,7 @@ def lab_factory(lab_session_check):
     """`make(hosts) -> Lab`: a lab of `hosts` network-namespace hosts ("coord", "a1", ...),
     every one closed (and checked gone) at teardown. Skipped only where labs cannot be
     built at all: not root, or no `ip` command."""
-    from bamboo.lab import Lab, LabError, leftover_namespaces, unsupported_reason
+    from bamboo.chaos.lab import Lab, LabError, leftover_namespaces, unsupported_reason
     reason = unsupported_reason()
     if reason is not None:
         pytest.skip(f"a lab of network namespaces cannot be built here: {reason}")

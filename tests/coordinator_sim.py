@@ -2,7 +2,7 @@
 
 `SimCluster` starts a `CoordinatorCore` through its public API (`start`, `handle`,
 `node_exited`, `tick`) with a dict store, a list of events and a fake clock, and plays
-every worker by the protocol (reading the store through `bamboo.cluster.protocol`'s
+every worker by the protocol (reading the store through `bamboo.wire.protocol`'s
 keys): vote micro-batches done and the commit round for each step under the newest role epoch, report the step, end a generation with the
 layers it holds, enter the next one. Losses, notices, joins and checkpoints are methods,
 so a test can put them anywhere, including while a generation forms. No torch process,
@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from bamboo.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
-from bamboo.cluster.coordinator.core import CoordinatorCore
-from bamboo.cluster.coordinator.nodes import Node, NodeState
-from bamboo.cluster.coordinator.sources import LocalWorkers
-from bamboo.cluster.coordinator.state import Stop
-from bamboo.cluster.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
+from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
+from bamboo.control.core import CoordinatorCore
+from bamboo.control.nodes import Node, NodeState
+from bamboo.control.sources import LocalWorkers
+from bamboo.control.state import Stop
+from bamboo.wire.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
                                      LayerParams, Left, MicroBatchesDone, Notice, Ready,
                                      RoundDone, StepReport, decide_key, epoch_key,
                                      final_request_key, go_key, plan_key)
 from bamboo.config import JobConfig
-from bamboo.reconfig.planner import GenerationPlan
-from bamboo.redundancy.roles import RoleMap
+from bamboo.plan.planner import GenerationPlan
+from bamboo.plan.roles import RoleMap
 
 
 class DictStore:

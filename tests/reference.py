@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from bamboo.config import JobConfig
-from bamboo.data import make_task
-from bamboo.models import build_layers, loss_fn
-from bamboo.pipeline.optim import clip_coefficient, learning_rate, make_optimizer
+from bamboo.data.datasets import make_task
+from bamboo.model import build_layers, loss_fn
+from bamboo.engine.optim import clip_coefficient, learning_rate, make_optimizer
 
 
 def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None

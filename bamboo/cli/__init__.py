@@ -16,15 +16,15 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from bamboo.argparsing import EXIT_USAGE
+from bamboo.cli.parsing import EXIT_USAGE
 
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS: dict[str, str] = {
-    "train": "bamboo.cli.train", "simulate": "bamboo.sim.cli", "report": "bamboo.report",
-    "config": "bamboo.cli.config", "profile": "bamboo.profile",
-    "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.lab.cli",
-    "data": "bamboo.tokendata", "export": "bamboo.export", "soak": "bamboo.soak",
+    "train": "bamboo.cli.train", "simulate": "bamboo.sim.cli", "report": "bamboo.run.report",
+    "config": "bamboo.cli.config", "profile": "bamboo.sim.profile",
+    "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.chaos.lab.cli",
+    "data": "bamboo.data.tokens", "export": "bamboo.run.export", "soak": "bamboo.chaos.soak",
 }
 """Command -> the module whose `main(argv) -> int` runs it."""
 

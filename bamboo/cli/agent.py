@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bamboo.argparsing import EXIT_USAGE, UsageParser
+from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import REJOIN_S
 
 __all__ = ["main", "agent_parser"]
@@ -34,8 +34,8 @@ def agent_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = agent_parser().parse_args(argv)
-    from bamboo.cluster.agent import AgentOptions, run_agent
-    from bamboo.cluster.remote import JoinError, parse_address
+    from bamboo.fleet.agent import AgentOptions, run_agent
+    from bamboo.fleet.remote import JoinError, parse_address
     try:
         address = parse_address(args.join, "--join")
         if (args.token is None) == (args.token_file is None):
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
 
 def _agent_health(http: tuple[str, int], opts: Any) -> Any:
     """/healthz for an agent's probes: healthy while the process runs its loop."""
-    from bamboo.cluster.http import HealthServer, RunMetrics
+    from bamboo.control.http import HealthServer, RunMetrics
     try:
         return HealthServer(http[0], http[1], metrics=RunMetrics(),
                             health=lambda: (True, {"status": "agent", "join": "%s:%d" % opts.address,

@@ -1,7 +1,7 @@
 """`bamboo config --example`: a commented job file for `bamboo train --config`."""
 from __future__ import annotations
 
-from bamboo.argparsing import UsageParser
+from bamboo.cli.parsing import UsageParser
 
 __all__ = ["main"]
 

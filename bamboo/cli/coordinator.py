@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bamboo.argparsing import EXIT_USAGE
+from bamboo.cli.parsing import EXIT_USAGE
 from bamboo.cli.train import NodesStarted, run, train_parser
 from bamboo.config import ConfigError, JobConfig
 from bamboo.config.join import JoinConfig, join_options
@@ -44,7 +44,7 @@ class Agents:
             if cfg.cluster.trace is not None or cfg.redundancy.recovery != "redundancy":
                 raise ConfigError("--trace and --recovery checkpoint-restart need local "
                                   "workers: use bamboo train")
-            from bamboo.pipeline.fits import check_step_length
+            from bamboo.plan.fits import check_step_length
             check_step_length(cfg, nodes_here=False)
             return
         names = {f.key for f in join_options()}
@@ -56,7 +56,7 @@ class Agents:
         assert join is not None, "check() comes first"
         import secrets
 
-        from bamboo.cluster.remote import AgentListener, write_join_token
+        from bamboo.fleet.remote import AgentListener, write_join_token
         run.path.mkdir(parents=True, exist_ok=True)
         token_file = Path(join.token_file) if join.token_file else run.path / "join-token"
         generated = not token_file.exists()
@@ -80,7 +80,7 @@ class Agents:
         if generated:  # only now: whoever waits for the file may connect at once
             write_join_token(token_file, token)
         if join.etcd:
-            from bamboo.cluster.membership import EtcdMembership, MembershipError
+            from bamboo.fleet.membership import EtcdMembership, MembershipError
             job = run.path.resolve().name
             try:
                 membership = EtcdMembership.host(join.etcd, token, job=job,

@@ -13,8 +13,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bamboo import strict_json
-from bamboo.argparsing import EXIT_USAGE, UsageParser
+from bamboo.util import strict_json
+from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, parse_kill
 from bamboo.config.options import add_flags
 
@@ -73,7 +73,7 @@ def job_config(args: argparse.Namespace, argv: list[str],
 
 
 def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
-    from bamboo.faults import Fault
+    from bamboo.plan.faults import Fault
     out: dict[int, list] = {}
     for text in specs:
         try:
@@ -91,7 +91,7 @@ def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
 def write_run_report(path: Path, quiet: bool) -> None:
     """report.txt and the PNG plots, at the end of every run (a failure here is a warning:
     the run's own files are already written)."""
-    from bamboo.report import ReportError, write_report
+    from bamboo.run.report import ReportError, write_report
     try:
         written = write_report(path)
     except (ReportError, OSError, ValueError) as e:
@@ -105,7 +105,7 @@ def _check_trace(cfg: JobConfig) -> None:
     """Parse the trace now, so a malformed row is a one-line error before anything starts."""
     if cfg.cluster.trace is None:
         return
-    from bamboo.sim.traces import TraceError, load_trace
+    from bamboo.traces.trace import TraceError, load_trace
     try:
         trace = load_trace(cfg.cluster.trace)
     except TraceError as e:
@@ -138,8 +138,8 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
                   f"nothing to do (pass more --steps, or another --out for a new run)",
                   file=sys.stderr)
             return None, False
-    from bamboo.checkpoint import CheckpointError, list_checkpoints, load_latest
-    from bamboo.runlog import checkpoint_root
+    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
+    from bamboo.run.runlog import checkpoint_root
     root = cfg.checkpoints.dir or checkpoint_root(out)
     if list_checkpoints(root):
         try:
@@ -170,7 +170,7 @@ def _load_resume(cfg: JobConfig) -> Any:
     """The checkpoint `--resume` continues from, checked against this job."""
     if cfg.checkpoints.resume is None:
         if cfg.checkpoints.dir is not None:
-            from bamboo.checkpoint import has_whole_checkpoint
+            from bamboo.run.checkpoint import has_whole_checkpoint
             if has_whole_checkpoint(cfg.checkpoints.dir):  # a restore would take another run's
                 raise ConfigError(f"--checkpoint-dir {cfg.checkpoints.dir} holds the checkpoints "
                                   f"of an earlier run: continue it with --resume, or choose an "
@@ -178,8 +178,8 @@ def _load_resume(cfg: JobConfig) -> Any:
         return None
     # No checkpoint at all is a user error found without importing torch (nor is torch
     # needed to find the newest whole one: its tensors stay where they are).
-    from bamboo.checkpoint import CheckpointError, list_checkpoints, load_latest
-    from bamboo.runlog import checkpoint_root
+    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
+    from bamboo.run.runlog import checkpoint_root
     # A run that wrote to --checkpoint-dir is resumed from there.
     root = cfg.checkpoints.dir or checkpoint_root(cfg.checkpoints.resume)
     if not list_checkpoints(root):
@@ -198,7 +198,7 @@ def _load_resume(cfg: JobConfig) -> Any:
                           f"--steps is {cfg.training.steps}: ask for more steps")
     planned = meta.get("steps")
     if isinstance(planned, int) and planned != cfg.training.steps:
-        # The learning rate's cosine decay ends at --steps (bamboo.pipeline.optim).
+        # The learning rate's cosine decay ends at --steps (bamboo.engine.optim).
         how = "stretched" if cfg.training.steps > planned else "shortened"
         print(f"bamboo train: note: resuming a run planned for {planned} steps with --steps "
               f"{cfg.training.steps}: the learning-rate schedule is {how} to "
@@ -246,7 +246,7 @@ class LocalWorkers:
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         if cfg is not None:  # the local workers share this machine's memory
-            from bamboo.pipeline.fits import check_fits, check_step_length
+            from bamboo.plan.fits import check_fits, check_step_length
             check_fits(cfg, cfg.node_cap)
             check_step_length(cfg)
 
@@ -268,7 +268,7 @@ def run(argv: list[str], source: NodeSource) -> int:
         source.check(args, None)
         http = None
         if args.http is not None:
-            from bamboo.cluster.remote import parse_address
+            from bamboo.fleet.remote import parse_address
             try:
                 http = parse_address(args.http, "--http")
             except ValueError as e:
@@ -277,7 +277,7 @@ def run(argv: list[str], source: NodeSource) -> int:
         source.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
         _check_trace(cfg)
-        from bamboo.runlog import RunDir, default_run_dir
+        from bamboo.run.runlog import RunDir, default_run_dir
         auto_fresh = False
         if cfg.checkpoints.resume == "auto":
             cfg, auto_fresh = _resolve_auto_resume(cfg, prog)
@@ -302,15 +302,15 @@ def run(argv: list[str], source: NodeSource) -> int:
     # error ("Write setup to client failed ... EBADF"), for what is here a preemption the
     # coordinator handles and reports itself; --debug shows its errors.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if args.debug else "FATAL")
-    from bamboo.cluster import forkserver
+    from bamboo.node import forkserver
     forkserver.start()  # imports torch in the background while this process does too
-    from bamboo.cluster.coordinator import RunFailed, run_local
-    from bamboo.progress import ProgressDisplay
-    from bamboo.runlog import RunDirError
+    from bamboo.control import RunFailed, run_local
+    from bamboo.run.progress import ProgressDisplay
+    from bamboo.run.runlog import RunDirError
     display = ProgressDisplay(cfg.training.steps, enabled=not args.quiet)
     serve_error: Any = ()  # catches nothing unless --http (prometheus_client loads only then)
     if http is not None:
-        from bamboo.cluster.http import HttpServeError
+        from bamboo.control.http import HttpServeError
         serve_error = HttpServeError
     try:
         summary = run_local(cfg, run, display, crash, debug=args.debug, resume=resume,

@@ -55,7 +55,7 @@ class JoinConfig:
 
     def address(self) -> tuple[str, int]:
         """--bind as (host, port), checked (ConfigError, one line)."""
-        from bamboo.cluster.remote import parse_address
+        from bamboo.fleet.remote import parse_address
         try:
             return parse_address(self.bind, "--bind")
         except ValueError as e:

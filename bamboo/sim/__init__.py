@@ -2,8 +2,8 @@
 
 from .core import RunResult, SimConfig
 from .costs import StepCosts, load_costs
-from .presets import PRESETS, ModelPreset, get_preset
-from .traces import Trace, TraceError, generate_synthetic, load_trace
+from .cost_presets import PRESETS, ModelPreset, get_preset
+from bamboo.traces.trace import Trace, TraceError, generate_synthetic, load_trace
 
 __all__ = [
     "RunResult",

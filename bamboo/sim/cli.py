@@ -16,8 +16,8 @@ import argparse
 import os
 import sys
 
-from bamboo import strict_json
-from bamboo.argparsing import UsageParser as _Parser  # one-line usage errors, exit 2
+from bamboo.util import strict_json
+from bamboo.cli.parsing import UsageParser as _Parser  # one-line usage errors, exit 2
 
 __all__ = ["main", "build_parser"]
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True, help="trace file (Bamboo CSV, count rows or JSON rows), "
                    "or synthetic:p=PROB[,alloc=A] / synthetic:mtbf=DURATION")
     from .policies import POLICIES
-    from .presets import PRESETS
+    from .cost_presets import PRESETS
     p.add_argument("--model", default="gpt2",
                    help=f"a model with published step times: {', '.join(m.name for m in PRESETS.values())} "
                         f"(default gpt2); or any bamboo train model (gpt2-tiny, llama-tiny, ...) with "
@@ -111,9 +111,9 @@ def _model(name: str, costs_file: str | None):
     """The simulated model called `name`: one of the simulator's own (published step times),
     or a `bamboo train` model measured by `bamboo profile` (its --costs file is then required:
     the step times are what a simulation needs). Both sets of names are accepted."""
-    from bamboo.presets import PRESETS as TRAIN_MODELS
+    from bamboo.model.presets import PRESETS as TRAIN_MODELS
     from .costs import load_costs
-    from .presets import PRESETS, get_preset, preset_from_costs
+    from .cost_presets import PRESETS, get_preset, preset_from_costs
     try:
         base = get_preset(name)
     except KeyError:
@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``bamboo simulate``; returns the exit status."""
     from .costs import CostsError
-    from .traces import TraceError
+    from bamboo.traces.trace import TraceError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

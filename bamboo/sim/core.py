@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from random import Random
 
-from .presets import ModelPreset
-from .traces import ADD, READY, Trace
+from .cost_presets import ModelPreset
+from bamboo.traces.trace import ADD, READY, Trace
 
 __all__ = [
     "SimConfig",

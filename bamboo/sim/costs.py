@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bamboo import strict_json
+from bamboo.util import strict_json
 
 __all__ = ["SCHEMA", "CostsError", "StepCosts", "load_costs", "save_costs", "costs_from_dict"]
 

@@ -4,8 +4,8 @@ result is closed form; and the size of that cluster (``--on-demand ref|matched|N
 from __future__ import annotations
 
 from .core import Policy, RunResult, SimConfig
-from .presets import ModelPreset
-from .traces import Trace
+from .cost_presets import ModelPreset
+from bamboo.traces.trace import Trace
 
 __all__ = ["OnDemandPolicy", "on_demand_layout"]
 

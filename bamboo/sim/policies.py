@@ -16,7 +16,7 @@
   holders of the same stage in the other pipelines until a reconfiguration gives the
   slot a node again; only a stage lost in every pipeline is fatal.
 * ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks (with
-  :mod:`bamboo.redundancy.auto`, the decision ``--redundancy auto`` training uses) the
+  :mod:`bamboo.plan.redundancy_choice`, the decision ``--redundancy auto`` training uses) the
   redundancy mode (eager, lazy, off) and the number of pipelines that maximise
   expected samples per dollar under the preemption rate observed so far, and only
   pays for the instances that layout needs (plus one spare per pipeline).
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import math
 
-from ..redundancy import auto
+from bamboo.plan import redundancy_choice as auto
 from .core import CKPT, IDLE, REBALANCE, RESTART, RUN, ClusterPolicy, Policy, RunResult, SimConfig
 from .on_demand import OnDemandPolicy, on_demand_layout
-from .presets import ModelPreset
+from .cost_presets import ModelPreset
 
 __all__ = [
     "BambooPolicy",
@@ -433,10 +433,10 @@ class ReroutePolicy(BambooPolicy):
 class AdaptivePolicy(BambooPolicy):
     """Picks the redundancy mode and pipelines from the observed preemption rate, maximising samples per dollar.
 
-    The decision is :mod:`bamboo.redundancy.auto`'s, the one ``--redundancy auto`` training
-    runs use: the same rate estimate (:func:`~bamboo.redundancy.auto.posterior_rate`) and the
-    same expected throughput (:func:`~bamboo.redundancy.auto.mode_terms` and
-    :func:`~bamboo.redundancy.auto.value`), evaluated for every (D, mode) of the layout.
+    The decision is :mod:`bamboo.plan.redundancy_choice`'s, the one ``--redundancy auto`` training
+    runs use: the same rate estimate (:func:`~bamboo.plan.redundancy_choice.posterior_rate`) and the
+    same expected throughput (:func:`~bamboo.plan.redundancy_choice.mode_terms` and
+    :func:`~bamboo.plan.redundancy_choice.value`), evaluated for every (D, mode) of the layout.
     """
 
     name = "adaptive"
@@ -462,7 +462,7 @@ class AdaptivePolicy(BambooPolicy):
         return auto.posterior_rate(self.removals, self.exposure, self.PRIOR_RATE, self.PRIOR_WEIGHT)
 
     def mode_costs(self, D: int) -> auto.ModeCosts:
-        """The costs of a layout of D pipelines, as :mod:`bamboo.redundancy.auto` takes them."""
+        """The costs of a layout of D pipelines, as :mod:`bamboo.plan.redundancy_choice` takes them."""
         p = self.preset
         every = self.cfg.fallback_every_s
         plain = p.plain_step_time(D)
@@ -480,7 +480,7 @@ class AdaptivePolicy(BambooPolicy):
         )
 
     def _terms(self) -> list[auto.ModeTerms]:
-        """Per (D, mode), D ascending then modes in :data:`~bamboo.redundancy.auto.MODES` order,
+        """Per (D, mode), D ascending then modes in :data:`~bamboo.plan.redundancy_choice.MODES` order,
         the constants of :meth:`expected_throughput` (only the rate varies)."""
         out = []
         for D in range(1, self.preset.max_pipelines + 1):

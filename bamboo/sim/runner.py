@@ -15,8 +15,8 @@ from typing import Callable
 
 from .core import CATEGORIES, RunResult, SimConfig
 from .policies import make_policy
-from .presets import ModelPreset
-from .traces import Trace, generate_synthetic, load_trace, parse_synthetic_spec
+from .cost_presets import ModelPreset
+from bamboo.traces.trace import Trace, generate_synthetic, load_trace, parse_synthetic_spec
 
 __all__ = ["TraceSource", "resolve_trace", "run_policies", "summarize", "run_seed"]
 

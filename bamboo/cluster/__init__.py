@@ -1,1 +1,0 @@
-"""The local cluster: a coordinator process that hosts the store, and its workers."""

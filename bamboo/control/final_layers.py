@@ -1,0 +1,78 @@
+"""The trained model's last mile: a layer whose writer was lost after the last step.
+
+After the last step each stage's first live holder writes its layers' final parameters
+(`LayerParams`). A holder killed after the last commit but before that write would leave
+the model incomplete, although other live nodes hold the same parameters: its replica
+holder (lazy or eager redundancy keeps the replica stepped with the primary) or the
+stage's holder in another pipeline. `FinalLayers.pending()` asks one of them, through
+`protocol.final_request_key`, to write those layers from its copy, and keeps the run open
+until it reports them (or, when no live copy is left, lets it end with the documented
+"trained model is incomplete" stop).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bamboo.control.nodes import NodeState, Supervisor
+from bamboo.control.state import RunContext
+from bamboo.wire.protocol import final_request_key
+
+__all__ = ["FinalLayers"]
+
+
+class FinalLayers:
+    def __init__(self, ctx: RunContext, nodes: Supervisor, results: Any, member: Any) -> None:
+        self.ctx, self.nodes, self.results, self.member = ctx, nodes, results, member
+        self.asked: dict[int, int] = {}
+        """Layer -> the node asked to write it from its copy."""
+
+    def _copies(self) -> dict[int, list[int]]:
+        """Layer -> the live nodes (done with the last step, waiting to shut down) that hold
+        a copy of it, primaries first."""
+        roles, plan = self.ctx.roles, self.ctx.plan
+        out: dict[int, list[int]] = {}
+        for table in (roles.holders, roles.replicas if plan.redundancy != "off" else []):
+            for row in table:
+                for s, rank in enumerate(row):
+                    if rank is None:
+                        continue
+                    n = self.member(rank)
+                    if n.state is not NodeState.DONE or n.exited:
+                        continue
+                    for layer in range(*plan.parts[s]):
+                        out.setdefault(layer, [])
+                        if n.node not in out[layer]:
+                            out[layer].append(n.node)
+        return out
+
+    def pending(self) -> bool:
+        """Whether the run must wait for a layer's final parameters from another copy
+        (asking for them when that is news)."""
+        missing = set(range(len(self.ctx.param_counts))) - self.results.final
+        if not missing:
+            return False
+        copies = self._copies()
+        ask: dict[int, list[int]] = {}
+        waiting = False
+        for layer in sorted(missing):
+            asked = self.asked.get(layer)
+            if asked is not None and asked in copies.get(layer, []):
+                waiting = True  # asked, alive, not reported yet
+                continue
+            holders = copies.get(layer, [])
+            if not holders:
+                continue  # no live copy: the run ends, the model incomplete
+            self.asked[layer] = holders[0]
+            ask.setdefault(holders[0], []).append(layer)
+            waiting = True
+        for node, layers in ask.items():
+            n = self.nodes[node]
+            mine = sorted(layer for layer, asked in self.asked.items() if asked == node
+                          and layer in missing)
+            self.ctx.store.set(final_request_key(n.name), json.dumps(mine))
+            self.ctx.events.write("final_rewrite", node=n.name, layers=mine)
+            self.ctx.say(f"the final parameters of layer(s) {', '.join(map(str, layers))} "
+                         f"were not written by their lost holder; {n.name} writes them from "
+                         f"its copy")
+        return waiting

@@ -1,0 +1,362 @@
+"""Generations: which plan is current, when it ends, and what the next one is.
+
+The coordinator publishes a generation's plan (`gen/<g>`) and its first role map, waits
+until every active member reports `GenerationReady`, and ends the generation either at
+a step boundary (the `reconf` flag: a drain, standbys that fit a bigger layout, or a
+stage left with one copy) or mid-step (`abandon`: a loss no in-flight copy covers).
+Once every live member has sent `GenerationEnd`, the next plan is made from the state
+the live nodes hold (`bamboo.plan.planner`), or, when some layer has no live copy,
+from a restore point (`restore.RestorePoints`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from bamboo.node.backend_errors import peer_rank
+from bamboo.control.nodes import Node, NodeState, Supervisor
+from bamboo.control.interval import CheckpointInterval
+from bamboo.control.restore import RestorePoints
+from bamboo.control.state import HandledAs, Reconfiguration, RunContext, Stop
+from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
+                                     plan_key)
+from bamboo.plan.partition import partition
+from bamboo.run.progress import pipeline_rows
+from bamboo.plan.placement import spread
+from bamboo.plan.planner import GenerationPlan, NoLiveCopy, choose_layout, plan_generation
+from bamboo.plan.roles import RoleMap
+
+__all__ = ["Generations"]
+
+
+class Generations:
+    def __init__(self, ctx: RunContext, nodes: Supervisor, restore: RestorePoints, *,
+                 interval: CheckpointInterval,
+                 fired_kills: Callable[[], list[str]], layout_shown: Callable[[], None],
+                 choose_redundancy: Callable[[int], str] | None = None) -> None:
+        self.ctx, self.nodes, self.restore = ctx, nodes, restore
+        self.interval = interval
+        """Which boundaries write a checkpoint."""
+        self.fired_kills = fired_kills
+        self.layout_shown = layout_shown
+        self.choose_redundancy = choose_redundancy
+        """`--redundancy auto`: generation number -> the mode of that generation."""
+        self.ready: set[int] = set()
+        self.started = ctx.clock()
+        self.reconfigurations = 0
+        self.times: list[dict] = []
+        self.step_begins_pending: int | None = ctx.committed
+        """The step whose start waits for the next generation to run."""
+        self.checkpoint_due = False
+        """A notice asked for a checkpoint at the next boundary."""
+        self.next_reason = ""
+        self.first_members: list[str] | None = None
+        """Generation 0's members in rank order, once its plan is made."""
+
+    # -- who is who -------------------------------------------------------------------------
+
+    def member(self, rank: int) -> Node:
+        return self.nodes.by_name(self.ctx.plan.members[rank])
+
+    def rank_name(self, rank: int | None) -> str | None:
+        return None if rank is None else self.ctx.plan.members[rank]
+
+    def live_members(self) -> list[Node]:
+        members = [self.member(r) for r in range(len(self.ctx.plan.members))]
+        return [n for n in members if not n.is_gone]
+
+    def active_members(self) -> set[int]:
+        return {n.node for n in self.live_members()
+                if n.rank is not None and n.rank < self.ctx.plan.active}
+
+    def running(self) -> bool:
+        """Every live active member has its state and trains."""
+        return self.ready >= self.active_members()
+
+    def where(self, n: Node) -> str:
+        """`pipeline D, stage S` (or `standby`), for messages."""
+        roles = self.ctx.roles
+        if n.rank is None or n.rank >= self.ctx.plan.active:
+            return "standby"
+        d, stages = roles.pipeline_of(n.rank), roles.stages_of(n.rank)
+        if d is None or not stages:
+            return "standby"
+        return f"pipeline {d}, stage{'s' if len(stages) > 1 else ''} " + \
+            " and ".join(map(str, stages))
+
+    def machine_of(self, name: str) -> str | None:
+        """The machine of node `name` (None: a local worker, a machine of its own)."""
+        return self.nodes.by_name(name).machine
+
+    def initial_role(self, node: int) -> tuple[int | None, int | None]:
+        d, p = self.ctx.cfg.data_parallel, self.ctx.cfg.layout.stages
+        if self.first_members is not None:  # placed (across machines): the first plan says
+            name = f"n{node}"
+            k = self.first_members.index(name) if name in self.first_members else None
+            return (k // p, k % p) if k is not None else (None, None)
+        return (node // p, node % p) if node < d * p else (None, None)
+
+    # -- entering a generation --------------------------------------------------------------
+
+    def first_plan(self) -> GenerationPlan:
+        ctx = self.ctx
+        d, p = ctx.cfg.data_parallel, ctx.cfg.layout.stages
+        parts = partition(ctx.partition_costs, p)
+        resumed = ctx.resume_path is not None
+        members = self.first_members = spread([f"n{i}" for i in range(d * p)],
+                                              self.machine_of, p)
+        return GenerationPlan(gen=0, epoch=0, members=members,
+                              redundancy=self._mode(0), pipelines=d, stages=p, parts=[[r.start, r.stop] for r in parts],
+                              start_step=ctx.committed,
+                              checkpoint=str(ctx.resume_path) if resumed else None,
+                              reason="resume" if resumed else "start")
+
+    def _mode(self, gen: int) -> str:
+        """The redundancy mode of generation `gen`."""
+        return self.choose_redundancy(gen) if self.choose_redundancy else self.ctx.cfg.redundancy.mode
+
+    def enter(self, plan: GenerationPlan) -> None:
+        """Make `plan` the current generation and publish it."""
+        ctx = self.ctx
+        plan.fired_kills = self.fired_kills()
+        ctx.rc = plan.redundancy in ("eager", "lazy")
+        ctx.plan = plan
+        ctx.roles = plan.roles(ctx.rc)
+        for n in self.nodes:
+            n.rank = None
+        for rank, name in enumerate(plan.members):
+            self.nodes.by_name(name).rank = rank
+        self.ready = set()
+        self.started = ctx.clock()
+        ctx.store.set(epoch_key(plan.epoch), ctx.roles.to_json())
+        ctx.store.set(plan_key(plan.gen), plan.to_json())
+        self.layout_shown()
+
+    def on_ready(self, n: Node, msg: GenerationReady) -> bool:
+        """True when this made the generation run."""
+        if msg.gen != self.ctx.plan.gen or self.ctx.reconf is not None:
+            return False
+        self.ready.add(n.node)
+        if msg.state_bytes:
+            self.ctx.events.write("state_loaded", gen=msg.gen, node=n.name, source=msg.state_from,
+                                  bytes=msg.state_bytes, seconds=msg.state_s,
+                                  mb_per_s=round(msg.state_bytes / 1e6 / max(msg.state_s, 1e-9), 2))
+        if not self.running():
+            return False
+        took = self.ctx.clock() - self.started
+        self.ctx.events.write("generation_ready", gen=self.ctx.plan.gen, took_s=round(took, 4),
+                              parts=self.ctx.plan.parts)
+        if self.times and self.times[-1]["gen"] == self.ctx.plan.gen:
+            self.times[-1]["setup_s"] = took
+            self.times[-1]["total_s"] = self.ctx.clock() - self.times[-1]["t"]
+        return True
+
+    # -- ending one -------------------------------------------------------------------------
+
+    def boundary_flags(self, step: int) -> frozenset[BoundaryFlag]:
+        """What the boundary after committed `step` does."""
+        cfg, flags = self.ctx.cfg, set()
+        nxt = step + 1
+        due = self.interval.due(nxt)
+        if nxt >= cfg.training.steps:  # the finished run is a resume point
+            return frozenset({BoundaryFlag.CHECKPOINT} if due else ())
+        if due or (self.checkpoint_due and self.interval.enabled):
+            flags.add(BoundaryFlag.CHECKPOINT)
+            self.checkpoint_due = False
+        reason = self.reconfiguration_reason()
+        if reason:
+            self.next_reason = reason
+            flags.add(BoundaryFlag.RECONFIGURE)
+        return frozenset(flags)
+
+    def reconfiguration_reason(self) -> str | None:
+        """Why the generation should end at this boundary, if it should."""
+        ctx = self.ctx
+        live_active = set(ctx.roles.active_ranks())
+        active = [n for n in self.live_members() if n.rank is not None
+                  and n.rank < ctx.plan.active and n.rank in live_active]
+        draining = [n for n in active if n.state is NodeState.NOTICED]
+        if draining:
+            return "drain " + ", ".join(n.name for n in draining)
+        standbys = self.nodes.standbys()
+        d, p = self.layout_for(len(active) + len(standbys))
+        if d * p > len(active):
+            return f"{len(standbys)} standby node(s) join: {d} x {p} layout"
+        if standbys and len(active) < ctx.plan.pipelines * ctx.plan.stages:
+            mode = self.choose_redundancy(-1) if self.choose_redundancy else ctx.plan.redundancy
+            kept = self.layout_with_holes(len(active) + len(standbys), len(standbys), mode)
+            if kept is not None:
+                return (f"{len(standbys)} standby node(s) fill a hole of the {kept[0]} x "
+                        f"{kept[1]} layout")
+        exposed = self.exposed_stages() if ctx.rc else []
+        if exposed and p > 1 and d * p >= len(active):
+            return (f"stage{'s' if len(exposed) > 1 else ''} {', '.join(map(str, exposed))} "
+                    f"left with one copy: rebalance onto a {d} x {p} layout")
+        if self.choose_redundancy is not None:
+            mode = self.choose_redundancy(-1)  # what the next generation would run
+            if mode != ctx.plan.redundancy:
+                return f"redundancy {ctx.plan.redundancy} -> {mode}"
+        return None
+
+    def exposed_stages(self) -> list[int]:
+        """Stages whose only live copy is one node (a second loss would need a checkpoint).
+
+        This is the risk trigger: with one pipeline, a failover leaves the shadow's two
+        stages without replicas, so the planner spreads the layers over the survivors and
+        every stage has a replica again. With more pipelines, the peers' copies cover it."""
+        roles = self.ctx.roles
+        gone = {n.rank for n in self.nodes if n.state is NodeState.LOST and n.rank is not None}
+        exposed = []
+        for s in range(roles.stages):
+            copies = {roles.holders[d][s] for d in range(roles.pipelines)} | \
+                {roles.replicas[d][s] for d in range(roles.pipelines)}
+            if len(copies - gone - {None}) <= 1:
+                exposed.append(s)
+        return exposed
+
+    def layout_with_holes(self, nodes: int, joining: int, mode: str) -> tuple[int, int] | None:
+        """The current D x P, kept with holes, when `nodes` (`joining` of them standbys)
+        cannot fill it but are more than a whole layout takes: each standby fills a slot a
+        loss emptied (a re-routed or shadowed one), and the slots still empty are served by
+        their stage's holders in the other pipelines, as a re-route does. None where the
+        whole layout is the plan: no standby joins, one pipeline, fewer nodes than stages,
+        or a mode without in-flight cover (off)."""
+        plan = self.ctx.plan
+        d, p = plan.pipelines, plan.stages
+        if joining <= 0 or d < 2 or mode not in ("reroute", "eager", "lazy"):
+            return None
+        whole_d, whole_p = self.layout_for(nodes)
+        if not (whole_d * whole_p < nodes < d * p) or nodes < p:
+            return None
+        return d, p
+
+    def layout_for(self, nodes: int) -> tuple[int, int]:
+        cfg = self.ctx.cfg
+        return choose_layout(nodes, stages=cfg.layout.stages, layers=len(self.ctx.param_counts),
+                             global_micro_batches=cfg.global_micro_batches,
+                             max_pipelines=cfg.layout.pipelines)
+
+    def begin(self, reason: str, *, abandoned: bool) -> Reconfiguration:
+        ctx = self.ctx
+        ending = self.active_members()  # leaving sources send `left`, not `gen_end`
+        if ctx.reconf is not None:  # a loss while one is already under way
+            ctx.reconf.ending &= ending
+            ctx.reconf.abandoned |= abandoned
+            return ctx.reconf
+        ctx.reconf = Reconfiguration(reason=reason, started=ctx.clock(), ending=ending,
+                                     abandoned=abandoned)
+        ctx.events.write("reconfiguration_start", reason=reason, step=ctx.committed,
+                         abandoned=abandoned, gen=ctx.plan.gen)
+        ctx.say(f"reconfiguring at step {ctx.committed}: {reason}")
+        return ctx.reconf
+
+    def abandon(self, reason: str, dead: set[int]) -> Reconfiguration:
+        """End the generation mid-step: publish a role map marked `abandon` (every survivor
+        drops the step under way) and begin the reconfiguration. `dead`: ranks known lost."""
+        ctx = self.ctx
+        new = RoleMap.from_json(ctx.roles.to_json())
+        new.epoch += 1
+        new.takeovers = []
+        new.abandon = True
+        new.dead = sorted(set(new.dead) | dead)
+        ctx.roles = new
+        ctx.store.set(epoch_key(new.epoch), new.to_json())
+        return self.begin(reason, abandoned=True)
+
+    def on_end(self, n: Node, msg: GenerationEnd, abandon: Callable[[str], object]) -> None:
+        ctx = self.ctx
+        if msg.gen != ctx.plan.gen:
+            return
+        if ctx.reconf is None:  # a transfer failed: the generation cannot start
+            ctx.events.write("transfer_failed", node=n.name, gen=msg.gen, error=msg.failed)
+            abandon(self._transfer_failure(n, msg.failed or ""))
+        if msg.step == ctx.committed:  # else held at another step: not usable
+            ctx.reconf.holdings[n.node] = set(msg.layers)
+        ctx.reconf.ending.discard(n.node)
+
+    def _transfer_failure(self, n: Node, raw: str) -> str:
+        """A failed state transfer in the project's words (which nodes, what follows); the
+        backend's own text stays in the `transfer_failed` event."""
+        members = self.ctx.plan.members
+        rank = peer_rank(raw)
+        peer = members[rank] if rank is not None and rank < len(members) else None
+        between = f"between {n.name} and {peer}" if peer else f"of {n.name}"
+        return (f"the state transfer {between} broke off (a node lost or unreachable while "
+                f"generation {self.ctx.plan.gen} formed); the next plan goes without it")
+
+    def _resume_hint(self) -> str:
+        """`; its newest checkpoint ...: run the same command with --resume auto` where the
+        run has a whole checkpoint to go on from once nodes are back."""
+        from bamboo.run.checkpoint import checkpoint_location, has_whole_checkpoint
+        where = checkpoint_location(self.ctx.cfg)
+        if not has_whole_checkpoint(where):
+            return ""
+        return (f"; its checkpoints are in {where}: run the same command with --resume auto "
+                f"to go on from the newest")
+
+    # -- the next one -----------------------------------------------------------------------
+
+    def try_plan(self, *, trace_finished: bool) -> GenerationPlan | None:
+        """Publish the next generation once every live member of the old one has ended it."""
+        ctx, r = self.ctx, self.ctx.reconf
+        if r is None or r.ending:
+            return None
+        if r.restarting is not None and not all(self.nodes[n].state is not NodeState.STARTING
+                                                or self.nodes[n].exited for n in r.restarting):
+            return None  # checkpoint-restart: wait for the fresh workers
+        old = [self.member(i) for i in range(len(ctx.plan.members))]
+        staying = [n for n in old if n.can_stay and n.rank is not None
+                   and n.rank < ctx.plan.active]
+        names = [n.name for n in staying] + [n.name for n in self.nodes.standbys()]
+        leaving = [n.name for n in old if not n.exited and
+                   (n.state is NodeState.NOTICED or n.kill_at is not None)]
+        holdings = {self.nodes[k].name: layers for k, layers in r.holdings.items()
+                    if self.nodes[k].state is not NodeState.LOST}
+        if not names:
+            if trace_finished:
+                raise Stop(f"{r.why or 'the last nodes were lost'}; no live node is left to "
+                           f"train on and none is coming" + self._resume_hint(), exit_code=3)
+            return None  # wait for the trace to add nodes
+        kwargs = dict(gen=ctx.plan.gen + 1, epoch=ctx.roles.epoch + 1, nodes=names,
+                      holdings=holdings, leaving=leaving, stages=ctx.cfg.layout.stages,
+                      param_counts=ctx.param_counts, partition_costs=ctx.partition_costs,
+                      global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
+                      max_pipelines=ctx.cfg.layout.pipelines, reason=r.reason,
+                      machine_of=self.machine_of)
+        mode = self._mode(ctx.plan.gen + 1)
+        kwargs["redundancy"] = mode in ("eager", "lazy")
+        kwargs["keep_layout"] = self.layout_with_holes(len(names), len(names) - len(staying),
+                                                       mode)
+        handled = HandledAs.PEER_RESTORE
+        try:
+            plan = plan_generation(start_step=ctx.committed, **kwargs)
+        except NoLiveCopy as e:
+            plan = self.restore.plan(kwargs, str(e))
+            handled = HandledAs.CHECKPOINT_RESTORE
+        plan.redundancy = mode
+        for loss in r.lost:
+            if loss.handled_as is HandledAs.PENDING:
+                loss.handled_as = handled
+        self.reconfigurations += 1
+        decided = ctx.clock()
+        moved = sum(3 * ctx.param_counts[layer] + 1 for layer, _, _ in plan.transfers) * 4
+        ctx.reconf = None
+        self.enter(plan)
+        self.times.append({"gen": plan.gen, "t": r.started, "decision_s": decided - r.started,
+                           "bytes": moved, "from_nodes": len(old), "to_nodes": plan.active})
+        ctx.events.write("reconfigured", gen=plan.gen, reason=r.reason, step=plan.start_step,
+                         pipelines=plan.pipelines, stages=plan.stages, members=plan.members,
+                         leavers=plan.leavers, transfers=len(plan.transfers), bytes=moved,
+                         checkpoint=plan.checkpoint, parts=plan.parts,
+                         redundancy=plan.redundancy)
+        ctx.say(f"generation {plan.gen}: {plan.pipelines} pipeline(s) x {plan.stages} stage(s) "
+                f"on {plan.active} node(s) from step {plan.start_step}"
+                + (f", {len(plan.transfers)} layer state(s) moved" if plan.transfers else "")
+                + (f", restored from {Path(plan.checkpoint).name}" if plan.checkpoint else "")
+                + (", restarted from the initial state" if plan.fresh_start else ""))
+        return plan
+
+    def rows(self) -> list:
+        roles = self.ctx.roles
+        return pipeline_rows(roles.holders, self.ctx.plan.members, roles.dead,
+                             {(r.pipeline, r.stage): r.peers for r in roles.reroutes})

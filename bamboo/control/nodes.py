@@ -1,0 +1,376 @@
+"""Supervision of nodes: worker processes started here and agents on other machines.
+
+Every node is a `Node` record with one `NodeState` and a process handle: a local worker
+from the fork server, or a `RemoteProcess` that makes an agent look like one. Both come in
+through one path (`Supervisor.admit`). The supervisor owns the shared heartbeat/progress
+arrays, fences nodes whose heartbeat lease ran out (or whose etcd lease expired) with
+SIGKILL, and answers the questions the other parts ask: who is a live member of the
+generation, who waits as a standby, who may be planned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import RawArray
+from typing import Any
+
+from bamboo.control.state import RunContext
+from bamboo.wire.protocol import Progress, Refused
+
+__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "LOCAL_START_GRACE_S",
+           "free_device_slot"]
+
+START_GRACE_S = 60.0
+"""The heartbeat lease of an agent's worker before its first beat (it may import torch
+itself: seconds on two busy cores)."""
+
+LOCAL_START_GRACE_S = 8.0
+"""The same for a local worker, counted from the moment the warm fork server forked it
+(torch is already imported there): it beats within about a second here, so one frozen as
+it starts is fenced after this plus `--lease`, not after a minute."""
+
+
+def free_device_slot(taken: Iterable[int], devices: int | None = None) -> int:
+    """A device slot for a new local worker, given the slots live workers hold (`taken`).
+    A worker's GPU is its slot modulo the `devices` visible GPUs
+    (`devices.choose_device_index`); slots are never shared. The new slot lands on the
+    GPU with the fewest live workers (the lowest index on a tie), so while a GPU is free no
+    two live workers share one, and a replacement takes the GPU of a worker that ended.
+    `devices` unknown (None or 0: no GPU here): the lowest free slot."""
+    used = set(taken)
+    step = devices if devices and devices > 0 else 1
+    load = [0] * step
+    for t in used:
+        load[t % step] += 1
+    slot = min(range(step), key=lambda g: (load[g], g))
+    while slot in used:
+        slot += step
+    return slot
+
+
+def _oom_killed(pid: int, path: str = "/dev/kmsg") -> bool:
+    """Whether the kernel log has the OOM killer's "Killed process PID" line."""
+    needle = f"Killed process {pid} ".encode()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                return False
+            except OSError:  # EPIPE: a record was overwritten while reading; go on
+                continue
+            if not record:
+                return False
+            if needle in record:
+                return True
+    finally:
+        os.close(fd)
+
+
+class NodeState(enum.Enum):
+    STARTING = "starting"
+    """The process runs; it has not said it is ready."""
+    READY = "ready"
+    """Up: a member of a generation, or a standby."""
+    NOTICED = "noticed"
+    """A preemption notice arrived: it drains at the next step boundary."""
+    FENCED = "fenced"
+    """Silent past its lease: killed by the coordinator; its exit is a loss."""
+    RETIRED = "retired"
+    """Stopped by the coordinator itself (checkpoint-restart restarts every worker)."""
+    LEFT = "left"
+    """Drained: handed its state over and left."""
+    DONE = "done"
+    """Finished the last step."""
+    LOST = "lost"
+    """Its process ended by a signal: preempted (or fenced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndedProcess:
+    """What is left of a node's process once its exit is handled: its pid and exit code.
+    The real handle (a local process's sentinel, an agent worker's pipes) is closed, so a
+    long run that loses many nodes holds no descriptor for any of them."""
+
+    pid: int | None
+    exitcode: int | None
+    host: str | None = None
+    """The agent's host, for a worker of another machine (None: a local process)."""
+
+    @staticmethod
+    def of(process: Any) -> EndedProcess:
+        ended = EndedProcess(process.pid, process.exitcode, getattr(process, "host", None))
+        process.close()
+        return ended
+
+    def is_alive(self) -> bool:
+        return False
+
+    def kill(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class Node:
+    node: int
+    slot: int
+    process: Any
+    conn: Connection
+    trace_node: int | None = None
+    state: NodeState = NodeState.STARTING
+    exited: bool = False
+    """The process is gone (whatever the state says about why)."""
+    rank: int | None = None
+    """Rank in the current generation's process group; None while not a member."""
+    kill_at: float | None = None
+    """A preemption with notice: SIGKILL at this time."""
+    kill_sent: bool = False
+    """The coordinator sent (or ordered) its SIGKILL."""
+    machine: str | None = None
+    """The agent's machine it runs on (None: a local worker, a machine of its own)."""
+    device_slot: int | None = None
+    """A local worker's slot on this machine (its GPU, `WorkerSpec.device_index`); an
+    agent's workers have the agent's slots."""
+    own_processor: bool = False
+    """Its `Ready` said it has a processor of its own (see `protocol.Ready`)."""
+
+    @property
+    def name(self) -> str:
+        return f"n{self.node}"
+
+    @property
+    def pid_local(self) -> int | None:
+        """The pid of a worker process on this machine (None for an agent's)."""
+        return None if getattr(self.process, "host", None) is not None else self.process.pid
+
+    @property
+    def is_gone(self) -> bool:
+        """No longer part of the run (its last words may still be in its pipe)."""
+        return self.state in (NodeState.LOST, NodeState.LEFT, NodeState.RETIRED)
+
+    @property
+    def is_alive(self) -> bool:
+        """Counts against --max-nodes."""
+        return not self.exited and self.state is not NodeState.LOST
+
+    @property
+    def is_leased(self) -> bool:
+        """Its heartbeat is watched (a silent one is fenced)."""
+        return not self.exited and self.state in (NodeState.STARTING, NodeState.READY,
+                                                  NodeState.NOTICED)
+
+    @property
+    def can_stay(self) -> bool:
+        """May be planned into the next generation."""
+        return not self.exited and self.state in (NodeState.STARTING, NodeState.READY) and \
+            self.kill_at is None
+
+    @property
+    def is_standby(self) -> bool:
+        return self.rank is None and self.state is NodeState.READY and not self.exited and \
+            self.kill_at is None
+
+
+class Supervisor:
+    """The nodes of the run and their processes."""
+
+    def __init__(self, ctx: RunContext, slots: int, spec_for: Callable[[int, int, int], Any]) -> None:
+        self.ctx = ctx
+        self.spec_for = spec_for
+        """(node, slot, first generation) -> the WorkerSpec to start it with."""
+        now = ctx.clock()
+        self.beats = RawArray("d", [now + START_GRACE_S] * slots)
+        self.cells = RawArray("i", [0] * Progress.cells_for(slots))
+        self.progress = Progress(self.beats, self.cells)
+        self.free_slots = list(range(slots))
+        self.nodes: dict[int, Node] = {}
+        self.next_node = 0
+        self.expired: list[str] = []
+        """Node names whose etcd lease expired (filled by the membership watch)."""
+        self._local_gpus: int | None = None
+
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self.nodes.values()))
+
+    def __getitem__(self, node: int) -> Node:
+        return self.nodes[node]
+
+    def by_name(self, name: str) -> Node:
+        return self.nodes[int(name[1:])]
+
+    def alive_count(self) -> int:
+        return sum(1 for n in self.nodes.values() if n.is_alive)
+
+    def standbys(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.is_standby]
+
+    def coming(self) -> list[Node]:
+        """Nodes started and not yet up: each says it is ready within its start lease, or
+        is fenced, so a reconfiguration with no node to plan waits for them."""
+        return [n for n in self.nodes.values() if n.state is NodeState.STARTING and
+                n.rank is None and not n.exited and n.kill_at is None and not n.kill_sent]
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _take_slot(self) -> tuple[int, int]:
+        node, self.next_node = self.next_node, self.next_node + 1
+        slot = self.free_slots.pop(0)
+        self.progress.reset(slot, self.ctx.clock() + START_GRACE_S)
+        return node, slot
+
+    def admit(self, start: Callable[[Any, int], tuple[Any, Connection]], *, first_gen: int,
+              trace_node: int | None = None, machine: str | None = None) -> Node:
+        """Take a node id and a slot, start its process with `start(spec, slot)`."""
+        node, slot = self._take_slot()
+        process, conn = start(self.spec_for(node, slot, first_gen), slot)
+        grace = START_GRACE_S if machine is not None else LOCAL_START_GRACE_S
+        self.progress.reset(slot, self.ctx.clock() + grace)  # from now: the process exists
+        n = Node(node, slot, process, conn, trace_node=trace_node, machine=machine)
+        self.nodes[node] = n
+        return n
+
+    def local_device_slots(self) -> set[int]:
+        """Device slots held by this machine's local workers: every one whose process has
+        not ended, unless the coordinator already sent it SIGKILL (a checkpoint-restart's
+        fresh worker takes the GPU of the one it replaces). One with a notice keeps its
+        slot until it is gone: it still trains and drains meanwhile."""
+        return {n.device_slot for n in self.nodes.values()
+                if n.machine is None and n.device_slot is not None and not n.exited
+                and not (n.kill_sent and n.kill_at is None)}
+
+    def local_gpus(self) -> int | None:
+        """The GPUs local workers will see (CUDA_VISIBLE_DEVICES applied; None: they run on
+        the CPU). Asked once; torch counts through NVML where it can, and the fork server
+        is a fresh process, so the workers inherit no CUDA state from this one."""
+        if self._local_gpus is None:
+            device = self.ctx.cfg.runtime.device
+            count = 0
+            if device != "cpu":
+                import torch
+                count = torch.cuda.device_count()
+            self._local_gpus = count
+        return self._local_gpus or None
+
+    def spawn_local(self, *, first_gen: int, trace_node: int | None = None) -> Node:
+        """A worker process from the fork server, on a free device slot (its GPU)."""
+        from bamboo.node import forkserver
+        from bamboo.node.worker import worker_main
+
+        device_slot = free_device_slot(self.local_device_slots(), self.local_gpus())
+
+        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
+            spec = dataclasses.replace(spec, device_index=device_slot,
+                                       local_workers=self.ctx.cfg.node_cap)
+            ctx = forkserver.context()
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells),
+                                  name=f"bamboo-{spec.name}")
+            process.start()
+            writer.close()
+            return process, reader
+
+        n = self.admit(start, first_gen=first_gen, trace_node=trace_node)
+        n.device_slot = device_slot
+        return n
+
+    def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
+                    limit: int | None = None) -> list[Node]:
+        """Workers on an agent's machine become nodes, as many as it offers (at most
+        `limit`) and --max-nodes allows; an agent given none is told why."""
+        alive = self.alive_count()
+        room = min(len(agent.free), self.ctx.cfg.node_cap - alive, len(self.free_slots))
+        if limit is not None:
+            room = min(room, limit)
+        if room <= 0:
+            if not agent.workers:
+                why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
+                agent.send(Refused(why=why))
+                agent.lost()  # it retries while its --rejoin-s lasts
+                self.ctx.events.write("agent_refused", host=agent.hello.host, why=why)
+            return []
+
+        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
+            process = agent.start_worker(spec, slot, etcd, self.ctx.cfg.runtime.lease_s)
+            return process, process.reader
+
+        return [self.admit(start, first_gen=first_gen, machine=agent.machine)
+                for _ in range(room)]
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def check_leases(self) -> None:
+        """Fence every leased node silent for longer than --lease, or whose etcd lease
+        expired: SIGKILL now, and its exit is handled as a loss."""
+        now = self.ctx.clock()
+        for n in self:
+            silent = now - self.beats[n.slot]
+            if n.is_leased and silent > self.ctx.cfg.runtime.lease_s and n.process.is_alive():
+                self.fence(n, f"stopped answering for {silent:.1f} s", silent_s=round(silent, 2))
+        while self.expired:
+            name = self.expired.pop(0)
+            n = self.nodes.get(int(name[1:])) if name[1:].isdigit() else None
+            if n is not None and n.is_leased:
+                self.fence(n, "etcd lease expired", why="etcd lease expired")
+
+    def set_state(self, n: Node, state: NodeState) -> None:
+        """The one place a node's state changes (see `NodeState` for what each means)."""
+        n.state = state
+
+    def fence(self, n: Node, what: str, **fields: Any) -> None:
+        self.set_state(n, NodeState.FENCED)
+        n.kill_sent = True
+        self.ctx.events.write("fenced", node=n.name, **fields)
+        self.ctx.say(f"node {n.name} {what}; fenced with SIGKILL")
+        n.process.kill()
+
+    @staticmethod
+    def fork_server_death(code: int | None = None) -> str | None:
+        """Why the local workers died, when it is that their fork server (the parent of
+        every one of them, which they die with) has ended; None while it runs. A worker's
+        exit code 255 (its fork server gone before its status came) waits a moment for the
+        server to be seen ended."""
+        from bamboo.node import forkserver
+        how = forkserver.server_death(wait_s=2.0 if code == forkserver.LOST_SERVER_EXIT else 0.0)
+        if how is None:
+            return None
+        return (f"the fork server (pid {forkserver.server_pid()}) that starts the local "
+                f"workers {how}, and every local worker died with it")
+
+    @staticmethod
+    def oom_killed(n: Node) -> bool:
+        """The kernel log says its OOM killer killed `n`'s process (a local worker; False
+        where the log cannot be read)."""
+        return isinstance(n.pid_local, int) and _oom_killed(n.pid_local)
+
+    def exited(self, n: Node) -> None:
+        """The process of `n` is gone: free its slot."""
+        n.exited = True
+        self.free_slots.append(n.slot)
+
+    @staticmethod
+    def release(n: Node) -> None:
+        """`n`'s exit is handled: close its pipe and its process handle (descriptors)."""
+        n.conn.close()
+        if not isinstance(n.process, EndedProcess):
+            n.process = EndedProcess.of(n.process)
+
+    def stop_all(self) -> None:
+        for n in self.nodes.values():
+            if n.process.is_alive():
+                n.process.kill()
+        deadline = time.monotonic() + 5
+        for n in self.nodes.values():
+            n.process.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,187 @@
+"""What the coordinator's parts share: the run's services and the run's state.
+
+`RunContext` holds the services (config, store, events, display, clock) and the state
+every part reads: the current plan and role map, the committed step and its losses, the
+nodes, the reconfiguration under way. Each part (supervision, step protocol, failures,
+generations, preemptions, checkpoints, results) owns the fields it writes; tests build a
+context around a dict store and a fake clock and drive the parts without processes.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from bamboo.config import JobConfig
+from bamboo.plan.planner import GenerationPlan
+from bamboo.plan.roles import RoleMap
+
+__all__ = ["RunFailed", "Store", "Events", "Display", "RunContext", "HandledAs", "Loss",
+           "Reconfiguration"]
+
+
+class RunFailed(RuntimeError):
+    """The run stopped before its last step; str() is the one line for the user."""
+
+    def __init__(self, message: str, summary: dict[str, Any], exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.summary, self.exit_code = summary, exit_code
+
+
+class Stop(Exception):
+    """Raised by a part that decided the run cannot go on: caught by the loop, which writes
+    the summary and raises RunFailed."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Store(Protocol):
+    """The part of a store the coordinator writes (a TCPStore, or a dict in tests)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
+    def num_keys(self) -> int: ...
+
+
+class Events(Protocol):
+    bytes_written: int
+
+    def write(self, event: str, **fields: Any) -> dict: ...
+
+
+class Display(Protocol):
+    def message(self, text: str) -> None: ...
+
+
+class HandledAs(enum.StrEnum):
+    """How a lost node was covered (the `handled_as` of its `node_lost` event)."""
+
+    PENDING = "pending"
+    """Not decided yet: the next generation's plan says how."""
+    FAILOVER = "failover"
+    PEER_RESTORE = "peer_restore"
+    CHECKPOINT_RESTORE = "checkpoint_restore"
+    DRAIN = "drain"
+    STANDBY = "standby"
+    STOPPED = "stopped"
+    """The run could not survive it."""
+    REROUTE = "reroute"
+    """Its stage's micro-batches went to the stage's data-parallel peers (`--redundancy reroute`)."""
+
+
+@dataclass(slots=True)
+class Loss:
+    """One lost node, from the moment it is seen until its `node_lost` event is written."""
+
+    node: str
+    rank: int | None
+    step: int
+    phase: str
+    handled_as: HandledAs
+    shadow: str | None
+    t: float
+    signal: str
+    pause_s: float = 0.0
+    """The extra wall time of the step it happened in (of the step redone, for a restore)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    in_flight: bool = False
+    """Handled inside the step (a failover or peer restore by role change), with BRC."""
+    written: bool = False
+    """Its `node_lost` event is out (each loss is written exactly once)."""
+    reconfiguration_s: float = 0.0
+    """Its share of the reconfigurations after it until its layout was whole again (a standby
+    joining, the layers spread again, a drain's hand-off): the extra wall time of each new
+    generation's first step, split among the losses still open when it was planned."""
+    active_before: int = 0
+    """The active nodes of the generation it was lost from: a later generation with as many
+    gives it its layout back (`repaired`)."""
+    repaired: bool = False
+    """A generation with as many active nodes as before it formed: later reconfigurations
+    are none of its cost."""
+
+    @property
+    def cost_s(self) -> float:
+        """Every second it cost: summary.json's `pause_s` of this loss."""
+        return self.pause_s + self.reconfiguration_s
+
+
+@dataclass(slots=True)
+class Reconfiguration:
+    """A generation change under way."""
+
+    reason: str
+    started: float
+    ending: set[int]
+    """Node ids of the old generation whose `gen_end` is awaited."""
+    holdings: dict[int, set[int]] = field(default_factory=dict)
+    abandoned: bool = False
+    lost: list[Loss] = field(default_factory=list)
+    """Losses the new generation must account for (peer or checkpoint restore)."""
+    why: str = ""
+    """Why no in-flight copy covered a loss."""
+    restarting: set[int] | None = None
+    """Checkpoint-restart recovery: the fresh workers the next generation waits for."""
+
+
+@dataclass(slots=True)
+class RunContext:
+    """The services and shared state of one run."""
+
+    cfg: JobConfig
+    store: Store
+    events: Events
+    display: Display
+    run_path: Path
+    param_counts: list[int]
+    partition_costs: list[float] = field(default_factory=list)
+    """What stages are cut by (`JobConfig.partition_costs`): parameter counts by default."""
+    clock: Callable[[], float] = time.monotonic
+    t0: float = 0.0
+    rc: bool = True
+    """Redundancy on (eager or lazy) in the current generation."""
+    committed: int = 0
+    """Steps committed: the next step to run."""
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[list[float]] = field(default_factory=list)
+    """[steps done, held-out loss] of every evaluation, in step order."""
+    plan: GenerationPlan | None = None
+    roles: RoleMap | None = None
+    reconf: Reconfiguration | None = None
+    written: set[str] = field(default_factory=set)
+    resume_step: int | None = None
+    resume_path: Path | None = None
+    layouts: list[dict[str, Any]] = field(default_factory=list)
+    """The layouts the committed steps ran, one entry per change: summary.json's `layouts`,
+    which `bamboo.chaos.bits` judges the parameter bits by."""
+
+    def say(self, text: str) -> None:
+        self.display.message(text)
+
+    def note_layout(self, step: int) -> None:
+        """Step `step` commits under the current roles: D x P, and whether a slot of it is
+        served by its stage's peers (a re-route sums that stage's gradients in another order)."""
+        roles = self.roles
+        now = {"pipelines": roles.pipelines, "stages": roles.stages,
+               "rerouted": bool(roles.reroutes)}
+        last = self.layouts[-1] if self.layouts else None
+        if last is None or any(last[k] != v for k, v in now.items()):
+            self.layouts.append({"from_step": step, **now})
+
+    def set_once(self, key: str, value: str) -> None:
+        """Write a decision key; a decision, once written, never changes."""
+        if key not in self.written:
+            self.written.add(key)
+            self.store.set(key, value)
+
+    def forget(self, key: str) -> None:
+        """Delete a decision key no node can still wait for (the store stays bounded)."""
+        if key in self.written:
+            self.written.discard(key)
+            self.store.delete_key(key)

@@ -1,0 +1,231 @@
+"""The step protocol: the two votes of every step, the commit, and the step records.
+
+For step k under role epoch e, every live active node votes `MicroBatchesDone`; when all
+have, the coordinator writes Go.GO to `go/k/e`. Then every node votes `RoundDone`; when
+all succeeded, `decide/k/e` is COMMIT (with boundary flags from the generations part),
+and step k's loss is the sum of the micro-batch losses. A vote under an older epoch is
+answered ABORT/REDO. After the commit each node sends its `StepReport`; when every
+expected report is in, the step's record (`step_done` event) is written in order, the
+replicas' digests are compared, and the losses of that step are closed.
+
+Evaluation (`--eval-every`) has a vote of its own between steps: after k steps, every live
+active node votes `EvalDone` with the val losses it computed; when all have under the
+current epoch, `eval/k/e` is GO and the held-out loss after k steps is recorded (once).
+
+Nothing here grows with the run: when step k commits, every survivor has read the
+decisions of step k-1 (it voted in step k after them), so the votes and the store keys of
+steps up to k-2 are deleted (`FORGET_AFTER`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bamboo.control.state import RunContext, Stop
+from bamboo.wire.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
+                                     RoundDone, StepReport, Verdict, decide_key, eval_key, go_key)
+
+__all__ = ["StepProtocol", "PendingStep", "FORGET_AFTER"]
+
+FORGET_AFTER = 2
+"""When step k commits, the votes and decision keys of steps <= k - FORGET_AFTER go."""
+
+
+@dataclass(slots=True)
+class PendingStep:
+    step: int
+    loss: float
+    wall_s: float
+    expected: set[int]
+    """Node ids whose step report is awaited."""
+    reports: dict[int, StepReport] = field(default_factory=dict)
+
+
+class StepProtocol:
+    """Votes, commits and step records of the current generation."""
+
+    def __init__(self, ctx: RunContext, *, member_node: Callable[[int], int],
+                 gone: Callable[[], set[int]], boundary: Callable[[int], frozenset[BoundaryFlag]],
+                 on_commit: Callable[[int, frozenset[BoundaryFlag]], None],
+                 on_record: Callable[[PendingStep, list[StepReport]], None],
+                 on_eval: Callable[[int, float], None] = lambda step, loss: None,
+                 check_replicas: bool = False) -> None:
+        self.ctx = ctx
+        self.member_node = member_node
+        """Rank in the current generation -> node id."""
+        self.gone = gone
+        """Node ids whose reports will never come."""
+        self.boundary = boundary
+        self.on_commit = on_commit
+        self.on_record = on_record
+        self.on_eval = on_eval
+        self.eval_votes: dict[tuple[int, int], dict[int, EvalDone]] = {}
+        self.evaluated: set[int] = set()
+        """Steps whose held-out loss is recorded (a generation that starts again at an
+        evaluation point evaluates again: the first result stands)."""
+        self.check_replicas = check_replicas
+        self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
+        self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}
+        self.pending: dict[int, PendingStep] = {}
+        self.decided: dict[int, set[str]] = {}
+        """Step -> the decision keys written for it (deleted once no node can wait for them)."""
+        self.round_failed_at: float | None = None
+        self.last_commit_t = ctx.clock()
+
+    def live_active(self) -> set[int]:
+        return set(self.ctx.roles.active_ranks())
+
+    def _stale(self, epoch: int) -> bool:
+        return epoch < self.ctx.roles.epoch or self.ctx.reconf is not None
+
+    def on_micro_batches_done(self, msg: MicroBatchesDone) -> None:
+        key = go_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self._decide(key, Go.ABORT.value, msg.step)
+            return
+        done = self.micro_batches_done.setdefault((msg.step, msg.epoch), set())
+        done.add(msg.rank)
+        if done >= self.live_active():
+            self._decide(key, Go.GO.value, msg.step)
+
+    def release_waiting_votes(self) -> None:
+        """After a role change: a vote that only the lost node was missing is complete."""
+        for (step, epoch), done in list(self.micro_batches_done.items()):
+            if epoch == self.ctx.roles.epoch and done >= self.live_active():
+                self._decide(go_key(step, epoch), Go.GO.value, step)
+
+    def on_eval_done(self, msg: EvalDone) -> None:
+        key = eval_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self._decide(key, Go.ABORT.value, msg.step)
+            return
+        votes = self.eval_votes.setdefault((msg.step, msg.epoch), {})
+        votes[msg.rank] = msg
+        if set(votes) >= self.live_active():
+            self._decide(key, Go.GO.value, msg.step)
+            del self.eval_votes[(msg.step, msg.epoch)]
+            if msg.step not in self.evaluated:
+                self.evaluated.add(msg.step)
+                losses = dict(sorted((i, (loss, w)) for v in votes.values()
+                                     for i, loss, w in v.losses))
+                self.on_eval(msg.step, math.fsum(loss * w for loss, w in losses.values()))
+
+    def eval_pending(self, step: int) -> bool:
+        """An evaluation after `step` steps is due and not recorded yet."""
+        return self.ctx.cfg.evaluates_at(step) and step not in self.evaluated
+
+    def moot(self, step: int, epoch: int) -> None:
+        """Roles changed in `step`: votes under `epoch` are answered abort and redo."""
+        self._decide(go_key(step, epoch), Go.ABORT.value, step)
+        self._decide(decide_key(step, epoch), Decision.REDO.value, step)
+        self.round_failed_at = None
+
+    def on_round_done(self, msg: RoundDone) -> None:
+        key = decide_key(msg.step, msg.epoch)
+        if self._stale(msg.epoch):
+            self._decide(key, Decision.REDO.value, msg.step)
+            return
+        reports = self.rounds.setdefault((msg.step, msg.epoch), {})
+        reports[msg.rank] = msg
+        if not msg.ok and self.round_failed_at is None:
+            self.round_failed_at = self.ctx.clock()
+        if set(reports) >= self.live_active() and all(r.ok for r in reports.values()):
+            self._check_finite(msg.step, reports)
+            flags = self.boundary(msg.step)
+            self._decide(key, Verdict(Decision.COMMIT, flags).encode(), msg.step)
+            self._commit(msg.step, reports)
+            self.on_commit(msg.step, flags)
+
+    @staticmethod
+    def _step_loss(reports: dict[int, RoundDone]) -> float:
+        mb_losses = sorted(x for r in reports.values() for x in r.losses)
+        return math.fsum(l * w for _, l, w in mb_losses)
+
+    def _check_finite(self, step: int, reports: dict[int, RoundDone]) -> None:
+        """Stop before committing a step whose loss or gradient norm is not finite: its
+        optimizer step would make every parameter non-finite (nothing of it is applied;
+        the summary keeps the steps before it and no model is written)."""
+        loss = self._step_loss(reports)
+        norm = next((r.grad_norm for r in reports.values() if not math.isfinite(r.grad_norm)),
+                    max((r.grad_norm for r in reports.values()), default=0.0))
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        raise Stop(f"training diverged in step {step}: loss {loss}, gradient norm {norm}; "
+                   f"stopped before applying it (the summary holds the {step} steps before; "
+                   f"no model written): lower --lr (it is {self.ctx.cfg.training.lr:g}) and "
+                   f"run again")
+
+    def _commit(self, step: int, reports: dict[int, RoundDone]) -> None:
+        ctx = self.ctx
+        self.round_failed_at = None
+        loss = self._step_loss(reports)
+        now = ctx.clock()
+        expected = {self.member_node(r) for r in self.live_active()}
+        self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
+        self.last_commit_t = now
+        ctx.committed = step + 1
+        ctx.note_layout(step)
+        del ctx.losses[step:]
+        ctx.losses.append(loss)
+        self._forget(step - FORGET_AFTER)
+        self.emit()
+
+    def _forget(self, upto: int) -> None:
+        """Drop the votes of steps <= `upto` and delete their decision keys from the store:
+        every survivor read them before it voted in a later step."""
+        for votes in (self.micro_batches_done, self.rounds, self.eval_votes):
+            for step, epoch in [k for k in votes if k[0] <= upto]:
+                del votes[(step, epoch)]
+        for step in [s for s in self.decided if s <= upto]:
+            for key in self.decided.pop(step):
+                self.ctx.forget(key)
+
+    def _decide(self, key: str, value: str, step: int) -> None:
+        """Write a decision key of `step` (once), remembered for `_forget`."""
+        self.ctx.set_once(key, value)
+        self.decided.setdefault(step, set()).add(key)
+
+    def on_step_report(self, node: int, msg: StepReport) -> None:
+        pending = self.pending.get(msg.step)
+        if pending is not None:
+            pending.reports[node] = msg
+            self.emit()
+
+    def emit(self) -> None:
+        """Record every committed step whose reports are all in, in order."""
+        gone = self.gone()
+        while self.pending:
+            first = min(self.pending)
+            p = self.pending[first]
+            if not (p.expected - gone) <= set(p.reports):
+                return
+            del self.pending[first]
+            reports = sorted(p.reports.values(), key=lambda r: r.rank)
+            self.on_record(p, reports)
+            self._check_digests(reports, p.step)
+
+    def rewind(self, step: int) -> None:
+        """A restore goes back to `step`: records of later steps will never complete."""
+        self.pending = {k: v for k, v in self.pending.items() if k < step}
+
+    def _check_digests(self, reports: list[StepReport], step: int) -> None:
+        if not self.check_replicas:
+            return
+        roles = self.ctx.roles
+        primaries, replicas = {}, {}
+        for r in reports:
+            for name, digest in r.digests.items():
+                stage = int(name.removeprefix("replica").removeprefix("stage"))
+                target = replicas if name.startswith("replica") else primaries
+                target[(roles.pipeline_of(r.rank), stage)] = digest
+        for key, digest in replicas.items():
+            if key in primaries and primaries[key] != digest:
+                raise Stop(f"replica of stage {key[1]} in pipeline {key[0]} differs from its "
+                           f"primary after step {step}")
+        self.ctx.events.write("replicas_checked", step=step, replicas=len(replicas))
+
+    def stalled_round(self) -> bool:
+        """A node reported a failed round and no loss explains it within the lease."""
+        return self.round_failed_at is not None and \
+            self.ctx.clock() - self.round_failed_at > self.ctx.cfg.runtime.lease_s + 5

@@ -1,0 +1,471 @@
+"""Tokenized datasets: `bamboo data prepare` and the on-disk format `--data DIR` reads.
+
+    bamboo data prepare notes/*.txt --out data/notes                    # byte tokens
+    bamboo data prepare corpus.txt --out data/c --tokenizer bpe:8192    # train a byte-level BPE
+    bamboo data prepare corpus.txt --out data/c --tokenizer hf:tok/     # a local HF tokenizer
+
+A prepared directory holds one flat token file per split (train.bin, val.bin: uint16 when
+the vocabulary fits, else uint32), read through np.memmap so a run never loads it whole,
+and header.json describing them (docs/data.md). The last --val-fraction of every input
+file is held out as val. Inputs are streamed in chunks, so a corpus larger than memory
+can be prepared. Importable without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import importlib.util
+import json
+import math
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bamboo.util import strict_json
+from bamboo.cli.parsing import EXIT_USAGE, UsageParser
+
+__all__ = ["FORMAT", "VERSION", "HEADER", "SPLITS", "VAL_FRACTION", "TokenHeader", "read_header",
+           "largest_token_id", "open_split", "write_header", "text_split", "prepare", "main"]
+
+FORMAT = "bamboo-tokens"
+VERSION = 1
+HEADER = "header.json"
+SPLITS = ("train", "val")
+VAL_FRACTION = 0.05
+"""Share of every input held out (prepared directories), or of a text file's bytes (--data FILE)."""
+EOT = "<|endoftext|>"
+CHUNK_BYTES = 1 << 22
+"""Input read per chunk while streaming: memory stays bounded whatever the corpus size."""
+PIECE_CHARS = 1 << 16
+"""Characters given to a tokenizer at once (its per-call structures are ~100x the text)."""
+MIN_SPLIT_TOKENS = 2
+"""A split needs at least one input and one target; training checks the model's context."""
+MAX_VOCAB = 1 << 24
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+             "chat_template.jinja")
+"""Files of a Hugging Face tokenizer directory copied next to the data (those present)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHeader:
+    """header.json of a prepared directory, checked."""
+
+    vocab_size: int
+    dtype: str
+    tokens: dict[str, int]
+    """Tokens per split: {"train": n, "val": n}."""
+    tokenizer: dict[str, Any]
+    eot_id: int | None
+    sources: list[dict[str, Any]]
+    max_token_id: int | None = None
+    """The largest token id in the splits (None: a header written before it was recorded;
+    `largest_token_id` then scans the splits)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer,
+                "vocab_size": self.vocab_size, "dtype": self.dtype, "eot_id": self.eot_id,
+                "tokens": self.tokens, "files": {s: f"{s}.bin" for s in SPLITS},
+                "sources": self.sources, "max_token_id": self.max_token_id}
+
+
+def dtype_for(vocab: int) -> str:
+    return "uint16" if vocab <= 1 << 16 else "uint32"
+
+
+def read_header(directory: str | Path) -> TokenHeader:
+    """The checked header of a prepared directory; ValueError with one line otherwise."""
+    path = Path(directory) / HEADER
+    again = "prepare it again with `bamboo data prepare FILE... --out DIR`"
+    if not path.is_file():
+        raise ValueError(f"'{directory}' is a directory without {HEADER}, not a prepared "
+                         f"token directory: write one with `bamboo data prepare FILE... --out "
+                         f"DIR`, or give a UTF-8 text file")
+    try:
+        h = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path} ({str(e).splitlines()[0]}): {again}") from None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} header: {again}")
+    if h.get("version") != VERSION:
+        raise ValueError(f"{path} has format version {h.get('version')!r}; this bamboo reads "
+                         f"version {VERSION}: {again}")
+    vocab, dtype, tokens = h.get("vocab_size"), h.get("dtype"), h.get("tokens")
+    good_vocab = isinstance(vocab, int) and 1 <= vocab <= MAX_VOCAB
+    if not good_vocab or dtype not in ("uint16", "uint32") or not isinstance(tokens, dict) \
+            or (dtype == "uint16" and vocab > 1 << 16) \
+            or not all(isinstance(tokens.get(s), int) and tokens[s] >= 0 for s in SPLITS):
+        raise ValueError(f"{path} has a malformed vocab_size, dtype or tokens field: {again}")
+    eot, largest = h.get("eot_id"), h.get("max_token_id")
+    return TokenHeader(vocab_size=vocab, dtype=dtype, tokens={s: tokens[s] for s in SPLITS},
+                       tokenizer=h.get("tokenizer") or {}, sources=h.get("sources") or [],
+                       eot_id=eot if isinstance(eot, int) else None,
+                       max_token_id=largest if isinstance(largest, int) else None)
+
+
+def largest_token_id(directory: str | Path, header: TokenHeader) -> int:
+    """The largest token id of the directory's splits: the header's record, else a scan
+    (in chunks, so a large split is never read into memory at once)."""
+    if header.max_token_id is not None:
+        return header.max_token_id
+    largest = 0
+    for split in SPLITS:
+        tokens = open_split(directory, header, split)
+        for start in range(0, len(tokens), 1 << 24):
+            largest = max(largest, int(tokens[start:start + (1 << 24)].max()))
+    return largest
+
+
+def open_split(directory: str | Path, header: TokenHeader, split: str) -> np.memmap:
+    """Split `split`'s tokens as a read-only memory map (pages are read on access)."""
+    path = Path(directory) / f"{split}.bin"
+    n = header.tokens[split]
+    size = path.stat().st_size if path.is_file() else -1
+    expected = n * np.dtype(header.dtype).itemsize
+    if size != expected:
+        what = "is missing" if size < 0 else f"holds {size} bytes"
+        raise ValueError(f"{path} {what}; its header says {n} {header.dtype} tokens "
+                         f"({expected} bytes): prepare the directory again")
+    if n == 0:
+        raise ValueError(f"{path} holds no tokens: prepare the directory with more text")
+    tokens = np.memmap(path, dtype=header.dtype, mode="r", shape=(n,))
+    mapped = getattr(tokens, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_RANDOM"):
+        # Windows are drawn at random offsets: read-ahead would only map pages never used.
+        mapped.madvise(mmap.MADV_RANDOM)
+    return tokens
+
+
+def write_header(directory: str | Path, header: TokenHeader) -> None:
+    (Path(directory) / HEADER).write_text(strict_json.dumps(header.to_json(), indent=2) + "\n",
+                                          encoding="utf-8")
+
+
+def text_split(size: int, length: int) -> int:
+    """Where a raw text file of `size` bytes splits into train | val for windows of `length`:
+    the last VAL_FRACTION of its bytes, and at least one window, is held out."""
+    return size - max(math.ceil(size * VAL_FRACTION), length)
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Tokenizer:
+    kind: str
+    spec: str
+    vocab: int
+    encode: Callable[[str], np.ndarray]
+    eot_id: int | None
+    save: Callable[[Path], list[str]]
+    """Writes the tokenizer's files into the output directory; returns their names."""
+
+
+def parse_tokenizer_spec(spec: str) -> tuple[str, Any]:
+    """`bytes`, `bpe:VOCAB` or `hf:DIR`; ValueError with one line otherwise."""
+    form = "write bytes, bpe:VOCAB (e.g. bpe:8192) or hf:DIR (a local tokenizer directory)"
+    kind, sep, arg = spec.partition(":")
+    if spec == "bytes":
+        return "bytes", None
+    if kind in ("bpe", "hf") and sep and importlib.util.find_spec("tokenizers") is None:
+        raise ValueError(f"--tokenizer {spec} needs the tokenizers package: pip install "
+                         f"tokenizers (or the hf extra: pip install 'bamboo-train[hf]')")
+    if kind == "bpe" and sep:
+        try:
+            vocab = int(arg)
+        except ValueError:
+            raise ValueError(f"--tokenizer '{spec}': '{arg}' is not an integer; {form}") from None
+        if not 257 <= vocab <= MAX_VOCAB:
+            raise ValueError(f"--tokenizer '{spec}': VOCAB must be between 257 (256 bytes and "
+                             f"an end-of-text token) and {MAX_VOCAB}")
+        return "bpe", vocab
+    if kind == "hf" and sep and arg:
+        directory = Path(arg)
+        if not directory.is_dir():
+            raise ValueError(f"--tokenizer '{spec}': directory '{arg}' does not exist; {form}")
+        if not (directory / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer '{spec}': '{arg}' has no tokenizer.json; save a fast "
+                             f"tokenizer there (tokenizer.save_pretrained(DIR))")
+        return "hf", directory
+    raise ValueError(f"--tokenizer '{spec}' is not a tokenizer; {form}")
+
+
+def _bytes_tokenizer() -> _Tokenizer:
+    def encode(text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    return _Tokenizer("bytes", "bytes", 256, encode, None, lambda out: [])
+
+
+def _wrap(kind: str, spec: str, tok: Any, eot: str | None, save: Callable[[Path], list[str]]
+          ) -> _Tokenizer:
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = dtype_for(vocab)
+
+    def encode(text: str) -> np.ndarray:
+        batch = tok.encode_batch(list(_pieces(text)), add_special_tokens=False)
+        ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in batch] or
+                             [np.zeros(0, dtype=np.int64)])
+        if ids.size and int(ids.max()) >= vocab:  # an id beyond the tokenizer's own count
+            raise ValueError(f"--tokenizer {spec} produced token id {int(ids.max())}, outside "
+                             f"its vocabulary of {vocab}: the tokenizer files are inconsistent")
+        return ids.astype(dtype)
+    eot_id = tok.token_to_id(eot) if eot else None
+    return _Tokenizer(kind, spec, vocab, encode, eot_id, save)
+
+
+def _train_bpe(spec: str, vocab: int, texts: Iterator[str]) -> _Tokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((p for text in texts for p in _pieces(text)), trainer=trainer)
+
+    def save(out: Path) -> list[str]:
+        tok.save(str(out / "tokenizer.json"))
+        return ["tokenizer.json"]
+    return _wrap("bpe", spec, tok, EOT, save)
+
+
+def _hf_tokenizer(spec: str, directory: Path) -> _Tokenizer:
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+        raise ValueError(f"--tokenizer {spec}: cannot load {directory / 'tokenizer.json'}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    eot = _hf_eos(directory)
+    if eot is None or tok.token_to_id(eot) is None:
+        eot = EOT if tok.token_to_id(EOT) is not None else None
+
+    def save(out: Path) -> list[str]:
+        names = [n for n in _HF_FILES if (directory / n).is_file()]
+        for name in names:
+            shutil.copyfile(directory / name, out / name)
+        return names
+    return _wrap("hf", spec, tok, eot, save)
+
+
+def _hf_eos(directory: Path) -> str | None:
+    """The eos token a tokenizer_config.json names, if any."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+# -- reading the inputs ----------------------------------------------------------------------
+
+
+def _pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in pieces of about `size` characters that end at line breaks: a tokenizer's
+    memory grows with the length of what it is given at once, far beyond the text itself."""
+    i = 0
+    while i < len(text):
+        j = text.find("\n", i + size)
+        j = len(text) if j < 0 else j + 1
+        yield text[i:j]
+        i = j
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    path: Path
+    size: int
+    cut: int
+    """Bytes [0, cut) are train, [cut, size) val (cut on a UTF-8 character boundary)."""
+
+
+def _check_sources(files: list[str], fraction: float) -> list[_Source]:
+    sources = []
+    for name in files:
+        path = Path(name)
+        if path.is_dir():
+            raise ValueError(f"input '{name}' is a directory: give text files (e.g. DIR/*.txt)")
+        if not path.is_file():
+            raise ValueError(f"input file '{name}' does not exist")
+        size = path.stat().st_size
+        if size == 0:
+            raise ValueError(f"input file '{name}' is empty: leave it out")
+        sources.append(_Source(path, size, _char_boundary(path, size - math.ceil(size * fraction))))
+    return sources
+
+
+def _char_boundary(path: Path, cut: int) -> int:
+    """`cut` moved forward past UTF-8 continuation bytes, so no character is split."""
+    with path.open("rb") as f:
+        f.seek(cut)
+        for byte in f.read(4):
+            if byte & 0xC0 != 0x80:
+                break
+            cut += 1
+    return cut
+
+
+def _texts(source: _Source, split: str) -> Iterator[str]:
+    """The text of `source`'s part for `split`, in chunks that end at a line break where
+    the text has one (so a tokenizer rarely sees a word cut in two)."""
+    start, end = (0, source.cut) if split == "train" else (source.cut, source.size)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry = ""
+    with source.path.open("rb") as f:
+        f.seek(start)
+        offset = start
+        while offset < end:
+            raw = f.read(min(CHUNK_BYTES, end - offset))
+            if not raw:
+                break
+            try:
+                text = decoder.decode(raw, final=offset + len(raw) >= end)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"input file '{source.path}' is not UTF-8 text (invalid byte "
+                                 f"near offset {offset + e.start}): convert it (iconv -t UTF-8) "
+                                 f"or leave it out") from None
+            if "\0" in text:
+                raise ValueError(f"input file '{source.path}' looks binary (a NUL byte near "
+                                 f"offset {offset + text.index(chr(0))}): give text files")
+            offset += len(raw)
+            text = carry + text
+            cut = text.rfind("\n") + 1
+            if offset >= end or cut == 0 and len(text) > 4 * CHUNK_BYTES:
+                cut = len(text)
+            carry = text[cut:]
+            if cut:
+                yield text[:cut]
+    if carry:
+        yield carry
+
+
+# -- prepare ---------------------------------------------------------------------------------
+
+
+def prepare(files: list[str], out: str | Path, tokenizer: str = "bytes",
+            val_fraction: float = VAL_FRACTION, say: Callable[[str], None] = lambda s: None
+            ) -> TokenHeader:
+    """Tokenize `files` into the prepared directory `out` (which must not exist, or be empty).
+
+    Everything is written into a temporary directory next to `out` and renamed at the end,
+    so an error leaves nothing behind and an existing directory is never touched."""
+    if not files:
+        raise ValueError("no input files: give one or more UTF-8 text files")
+    if not (0 < val_fraction < 1):  # also nan
+        raise ValueError(f"--val-fraction must be between 0 and 1, e.g. 0.05 (got {val_fraction})")
+    kind, arg = parse_tokenizer_spec(tokenizer)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        what = "is not empty" if target.is_dir() else "exists and is not a directory"
+        raise ValueError(f"--out {target} {what}: choose a new directory (nothing is overwritten)")
+    sources = _check_sources(files, val_fraction)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",
+                                    dir=target.parent))
+    except OSError as e:
+        raise ValueError(f"cannot write beside --out {target}: {e.strerror or e}") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
+        if kind == "bytes":
+            tok = _bytes_tokenizer()
+        elif kind == "bpe":
+            say(f"training a byte-level BPE of {arg} tokens on {len(sources)} file(s)")
+            tok = _train_bpe(tokenizer, arg, (t for s in sources for t in _texts(s, "train")))
+        else:
+            tok = _hf_tokenizer(tokenizer, arg)
+        header = _write_splits(tmp, sources, tok)
+        for split in SPLITS:
+            if header.tokens[split] < MIN_SPLIT_TOKENS:
+                raise ValueError(f"the {split} split has {header.tokens[split]} token(s): give "
+                                 f"more text" + (" or a larger --val-fraction" if split == "val"
+                                                 else " or a smaller --val-fraction"))
+        write_header(tmp, header)
+        os.rename(tmp, target)  # replaces an empty directory; atomic on one file system
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return header
+
+
+def _write_splits(tmp: Path, sources: list[_Source], tok: _Tokenizer) -> TokenHeader:
+    dtype = dtype_for(tok.vocab)
+    counts = {s: 0 for s in SPLITS}
+    per_source: list[dict[str, Any]] = [{"path": str(s.path.resolve()), "bytes": s.size}
+                                        for s in sources]
+    eot = None if tok.eot_id is None else np.array([tok.eot_id], dtype=dtype)
+    largest = -1 if tok.eot_id is None or len(sources) < 2 else tok.eot_id
+    for split in SPLITS:
+        with (tmp / f"{split}.bin").open("wb") as f:
+            for i, source in enumerate(sources):
+                if i and eot is not None:  # files are separated by end-of-text
+                    f.write(eot.tobytes())
+                    counts[split] += 1
+                n = 0
+                for text in _texts(source, split):
+                    ids = tok.encode(text).astype(dtype, copy=False)
+                    if len(ids):
+                        largest = max(largest, int(ids.max()))
+                    f.write(ids.tobytes())
+                    n += len(ids)
+                per_source[i][f"{split}_tokens"] = n
+                counts[split] += n
+    files = tok.save(tmp)
+    return TokenHeader(vocab_size=tok.vocab, dtype=dtype, tokens=counts, eot_id=tok.eot_id,
+                       tokenizer={"kind": tok.kind, "spec": tok.spec, "files": files},
+                       sources=per_source, max_token_id=largest if largest >= 0 else None)
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = UsageParser(prog="bamboo data", description="Prepare tokenized datasets for "
+                    "`bamboo train --data DIR`.")
+    sub = p.add_subparsers(dest="action", metavar="prepare", parser_class=UsageParser)
+    prep = sub.add_parser("prepare", help="tokenize text files into a prepared directory",
+                          description="Tokenize UTF-8 text files into DIR: train.bin and val.bin "
+                          "(the last --val-fraction of every file), header.json and the "
+                          "tokenizer's files (docs/data.md).")
+    prep.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files")
+    prep.add_argument("--out", required=True, metavar="DIR",
+                      help="the directory to write (must not exist, or be empty)")
+    prep.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                      help="bytes (default: the 256 byte values) | bpe:VOCAB (train a byte-level "
+                      "BPE of VOCAB tokens on the files) | hf:DIR (a local Hugging Face "
+                      "tokenizer directory with tokenizer.json)")
+    prep.add_argument("--val-fraction", type=float, default=VAL_FRACTION, metavar="F",
+                      help=f"share of every file held out for evaluation (default {VAL_FRACTION})")
+    prep.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`bamboo data prepare ...`; a user error is one line and exit status 2."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.action is None:
+        parser.error("nothing to do; use `bamboo data prepare FILE... --out DIR`")
+    prog = "bamboo data prepare"
+    say = (lambda s: None) if args.quiet else (lambda s: print(f"{prog}: {s}", file=sys.stderr))
+    try:
+        header = prepare(args.files, args.out, args.tokenizer, args.val_fraction, say)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    t = header.tokens
+    say(f"wrote {args.out}: {t['train']} train and {t['val']} val tokens "
+        f"({header.tokenizer['kind']}, vocab {header.vocab_size}, {header.dtype})")
+    return 0

@@ -1,0 +1,275 @@
+"""The commit round: reduce gradients across pipelines, feed the replicas, agree on the norm.
+
+The round runs in phases, the same on every node, each posted as one batch (`P2P.exchange`)
+and finished before the next begins: so between any two nodes the messages of a direction
+come in one fixed order (what NCCL's in-order matching needs, and what `--comm strict`
+holds gloo to), and two nodes sending to each other in one phase do so in one group call.
+
+1. data-parallel sums of every stage held by more than one pipeline:
+   - `exact`: members send their float64 sums to the stage's holder in pipeline 0 (UP),
+     which adds them in pipeline order and sends the total back (DOWN): any layout gives
+     the same bits (a peer serving a re-routed slot sends that pipeline's sum apart from its
+     own, so the order is kept);
+   - otherwise: one all-reduce on the stage's data-parallel group, in the sums' dtype;
+2. REPLICA: each stage's reduced gradient (float32) to the node keeping its replica;
+3. NORM: per-layer squared norms to the root (UP), the global norm back to all (DOWN).
+
+Every message carries a status word and every node sends all it owes even when
+something failed (with status 0), so a failed round leaves no message between two live
+nodes unmatched, and the coordinator can simply ask every survivor to run it again.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from bamboo.engine.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, Interrupted,
+                                  Key, PeerLost)
+from bamboo.engine.stage import StageState
+from bamboo.plan.roles import RoleMap
+
+__all__ = ["RoundResult", "commit_round"]
+
+
+@dataclass(slots=True)
+class RoundResult:
+    ok: bool = True
+    reduced: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Stage -> its gradient summed over all pipelines (the accumulation dtype)."""
+    replica_grad: torch.Tensor | None = None
+    """The replica stage's reduced gradient (float32), from its primary."""
+    norm: float = 0.0
+    bytes_replica: int = 0
+
+
+def _with_status(payload: torch.Tensor, ok: bool) -> torch.Tensor:
+    status = torch.full((1,), 1.0 if ok else 0.0, dtype=payload.dtype, device=payload.device)
+    return torch.cat([payload.reshape(-1), status])
+
+
+_Message = tuple[torch.Tensor, int, Key]
+
+
+class _Round:
+    def __init__(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState],
+                 replica: StageState | None, p2p: P2P, num_layers: int, exact: bool,
+                 interrupt: Callable[[], bool], after_reduce: Callable[[], None]) -> None:
+        self.roles, self.rank, self.stages, self.replica = roles, rank, stages, replica
+        self.after_reduce, self.exact, self.interrupt = after_reduce, exact, interrupt
+        self.p2p, self.num_layers = p2p, num_layers
+        self.pipeline = roles.pipeline_of(rank)
+        self.result = RoundResult()
+        self.device = next(iter(stages.values())).device
+
+    def run(self) -> RoundResult:
+        if self.exact:
+            self._reduce_in_pipeline_order()
+        else:
+            self._reduce_with_collectives()
+        self.after_reduce()
+        self._feed_replicas()
+        self._agree_on_norm()
+        return self.result
+
+    # -- transport: one batch per phase ----------------------------------------------------
+
+    def _phase(self, sends: list[_Message], recvs: list[_Message]) -> list[bool]:
+        """Post a phase's messages as one batch; whether each receive arrived with status 1.
+
+        With tags (gloo, --comm tagged) a receive is waited to its end even when the roles
+        changed: a receive left posted would take the matching message of the next round.
+        Under strict rules the group is dropped on any loss, so waits give way to new roles.
+        """
+        try:
+            works = self.p2p.exchange(sends, recvs)
+        except PeerLost:
+            self.result.ok = False
+            return [False] * len(recvs)
+        arrived = []
+        for (work, peer), (buf, _, _) in zip(works, recvs):
+            try:
+                if self.p2p.strict:
+                    self.p2p.wait_interruptible(work, peer, self.interrupt)
+                else:
+                    self.p2p.wait(work, peer)
+                arrived.append(bool(buf[-1] == 1.0))
+            except (PeerLost, Interrupted):
+                arrived.append(False)
+        self.result.ok &= all(arrived)
+        return arrived
+
+    # -- 1. data-parallel sums ---------------------------------------------------------------
+
+    def _local_sum(self, st: StageState) -> torch.Tensor:
+        """This node's whole sum for the stage: its own pipeline's, plus the micro-batches of
+        re-routed slots it served."""
+        served = st.served_sums()
+        if not served:
+            return st.grad_sum
+        total = st.grad_sum.clone()
+        for flat in served.values():
+            total += flat
+        return total
+
+    def _shared_stages(self) -> list[tuple[int, StageState, list[int]]]:
+        out = []
+        for stage, st in sorted(self.stages.items()):
+            members = self.roles.stage_members(stage)
+            if len(members) == 1 and not self.exact:
+                self.result.reduced[stage] = self._local_sum(st)
+            else:
+                out.append((stage, st, members))
+        return out
+
+    def _contributions(self, stage: int) -> list[tuple[int, int]]:
+        """(pipeline, rank) of every partial sum of `stage`, in pipeline order: one per
+        pipeline, or for a re-routed slot one per serving peer, in peer order."""
+        out = []
+        for d in range(self.roles.pipelines):
+            route = self.roles.route(d, stage)
+            peers = [self.roles.holders[d][stage]] if route is None else \
+                list(dict.fromkeys(route.peers))
+            out += [(d, rank) for rank in peers]
+        return out
+
+    def _partial(self, st: StageState, pipeline: int) -> torch.Tensor:
+        """This node's partial sum of `pipeline` at stage `st`."""
+        if pipeline == self.pipeline:
+            return st.grad_sum
+        served = st.served_sums().get(pipeline)
+        return served if served is not None else torch.zeros_like(st.grad_sum)
+
+    def _reduce_in_pipeline_order(self) -> None:
+        """Every partial sum goes to the first contributor (the stage's holder in the
+        lowest pipeline), which adds them in pipeline order and sends the total back."""
+        shared = self._shared_stages()
+        plans = {stage: self._contributions(stage) for stage, _, _ in shared}
+        sends, recvs = [], []
+        for stage, st, _ in shared:
+            parts = plans[stage]
+            root = parts[0][1]
+            if root != self.rank:
+                sends += [(_with_status(self._partial(st, d), True), root, (DP_UP, stage, d))
+                          for d, rank in parts if rank == self.rank]
+            else:
+                recvs += [(st.grad_sum.new_empty(st.numel + 1), rank, (DP_UP, stage, d))
+                          for d, rank in parts if rank != self.rank]
+        arrived = iter(zip(self._phase(sends, recvs), recvs))
+        sends, recvs = [], []
+        for stage, st, members in shared:
+            parts = plans[stage]
+            if parts[0][1] == self.rank:
+                total, ok = None, True
+                for d, rank in parts:
+                    if rank == self.rank:
+                        part = self._partial(st, d)
+                    else:
+                        got, (buf, _, _) = next(arrived)
+                        ok &= got
+                        part = buf[:-1]
+                    if ok:
+                        total = part.clone() if total is None else total.__iadd__(part)
+                if total is None:
+                    total = torch.zeros_like(st.grad_sum)
+                members = [m for m in members if m != self.rank]
+                if ok:
+                    self.result.reduced[stage] = total
+                message = _with_status(total, ok)
+                sends += [(message, m, (DP_DOWN, stage, 0)) for m in members]
+            else:
+                recvs.append((st.grad_sum.new_empty(st.numel + 1), parts[0][1], (DP_DOWN, stage, 0)))
+        recv_stages = [stage for stage, _, _ in shared if plans[stage][0][1] != self.rank]
+        for stage, got, (buf, _, _) in zip(recv_stages, self._phase(sends, recvs), recvs):
+            if got:
+                self.result.reduced[stage] = buf[:-1]
+
+    def _reduce_with_collectives(self) -> None:
+        """One all-reduce per shared stage, in stage order (a global order: no two nodes wait
+        on each other's groups), on the group of its members under these roles."""
+        for stage, st, members in self._shared_stages():
+            buf = _with_status(self._local_sum(st), True)
+            try:
+                self.p2p.all_reduce(buf, members, f"e{self.roles.epoch}.dp{stage}", self.interrupt)
+            except (PeerLost, Interrupted):
+                self.result.ok = False
+                continue
+            if bool(buf[-1] == len(members)):
+                self.result.reduced[stage] = buf[:-1]
+            else:
+                self.result.ok = False
+
+    # -- 2. replicas -------------------------------------------------------------------------
+
+    def _feed_replicas(self) -> None:
+        sends, recvs = [], []
+        for stage, st in sorted(self.stages.items()):
+            holder = self.roles.replicas[self.pipeline][stage]
+            if holder is None or holder == self.rank:
+                continue
+            reduced = self.result.reduced.get(stage)
+            payload = reduced.to(torch.float32) if reduced is not None else \
+                torch.zeros(st.numel, dtype=torch.float32, device=self.device)
+            message = _with_status(payload, reduced is not None)
+            self.result.bytes_replica += message.numel() * message.element_size()
+            sends.append((message, holder, (REPLICA, stage, 0)))
+        if self.replica is not None:
+            primary = self.roles.holders[self.pipeline][self.replica.stage]
+            buf = torch.empty(self.replica.numel + 1, dtype=torch.float32, device=self.device)
+            recvs.append((buf, primary, (REPLICA, self.replica.stage, 0)))
+        arrived = self._phase(sends, recvs)
+        if recvs and arrived[0]:
+            self.result.replica_grad = recvs[0][0][:-1]
+        elif recvs:
+            self.result.ok = False
+
+    # -- 3. the global norm ------------------------------------------------------------------
+
+    def _local_norms(self) -> torch.Tensor:
+        vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=self.device)
+        for stage, st in self.stages.items():
+            if self.roles.holders[0][stage] != self.rank or stage not in self.result.reduced:
+                continue
+            for layer, sq in st.layer_sq_norms(self.result.reduced[stage]):
+                vec[layer] = sq
+        vec[-1] = 1.0 if self.result.ok else 0.0
+        return vec
+
+    def _agree_on_norm(self) -> None:
+        root = min(self.roles.active_ranks())
+        contributors = sorted({self.roles.holders[0][s] for s in range(self.roles.stages)})
+        f64 = dict(dtype=torch.float64, device=self.device)
+        vec = self._local_norms() if self.rank in contributors else None
+        if self.rank != root:
+            sends = [(vec, root, (NORM_UP, 0, 0))] if vec is not None else []
+            self._phase(sends, [])
+            buf = torch.empty(2, **f64)
+            if self._phase([], [(buf, root, (NORM_DOWN, 0, 0))])[0]:
+                self.result.norm = float(buf[0])
+            return
+        recvs = [(torch.empty(self.num_layers + 1, **f64), c, (NORM_UP, 0, 0))
+                 for c in contributors if c != self.rank]
+        self._phase([], recvs)
+        total = vec.clone() if vec is not None else torch.zeros(self.num_layers + 1, **f64)
+        for buf, _, _ in recvs:
+            total[:-1] += buf[:-1]
+        self.result.norm = math.sqrt(float(total[:-1].sum()))
+        ok = self.result.ok and (vec is None or bool(vec[-1] == 1.0))
+        message = torch.tensor([self.result.norm, 1.0 if ok else 0.0], **f64)
+        self._phase([(message, peer, (NORM_DOWN, 0, 0)) for peer in self.roles.active_ranks()
+                     if peer != self.rank], [])
+
+
+def commit_round(*, roles: RoleMap, rank: int, stages: dict[int, StageState],
+                 replica: StageState | None, p2p: P2P, num_layers: int, exact: bool = True,
+                 interrupt: Callable[[], bool] = lambda: False,
+                 after_reduce: Callable[[], None] = lambda: None) -> RoundResult:
+    """Run the round; `ok` is False if any part failed anywhere this node could see.
+
+    `after_reduce` runs between the data-parallel sums and the rest (a fault hook).
+    """
+    return _Round(roles=roles, rank=rank, stages=stages, replica=replica, p2p=p2p,
+                  num_layers=num_layers, exact=exact, interrupt=interrupt,
+                  after_reduce=after_reduce).run()

@@ -1,0 +1,160 @@
+"""Memory by tensor accounting: what a node keeps alive, counted from the tensors themselves.
+
+Not process RSS (the Python/torch runtime, allocator caches and fragmentation are left
+out): the bytes of the tensors the engine holds. Two parts make a node's peak in a step:
+
+- between steps, `StageState.memory()` of every stage held, the replica included:
+  parameters, the gradient sum and the optimizer state (on the host for a replica whose
+  optimizer is offloaded);
+- within the step, `StepMemory`: every forward's saved tensors from that forward until its
+  backward (eager FRC's until the step ends, on the host under `--frc-offload`), the
+  stage outputs kept for a shadow, the received inputs; its running maximum is the peak.
+
+`SavedTensors` are the pack/unpack hooks one forward runs under: they count what autograd
+saves (each storage once; parameters and the stage's input leaf are held elsewhere and
+not counted) and, for an offloaded forward, move it to host memory (pinned, with
+non-blocking copies, where an accelerator is present; a plain copy on a CPU-only machine).
+Counting keeps nothing alive: the hooks keep storage keys, never tensors, and what they
+hand autograd holds no reference back to the graph (see `SavedTensors.pack`).
+
+What the process really holds (resident memory, the CUDA allocator's figures) is measured
+apart, by `bamboo.node.procmem`.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["SavedTensors", "StepMemory", "storage_bytes", "state_dict_bytes", "to_host", "can_pin"]
+
+
+def can_pin(t: torch.Tensor) -> bool:
+    """Whether a host copy of `t` should be pinned: only for a tensor on a CUDA device
+    (pinning needs an accelerator, and only pays off for copies to and from one)."""
+    return t.device.type == "cuda" and torch.cuda.is_available()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`: pinned and non-blocking from a CUDA device (ordered on its
+    stream before any later use of `t`'s memory), a plain copy otherwise."""
+    if can_pin(t):
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+    return t.to("cpu", copy=True)
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the memory `t` keeps alive: its whole storage (a view keeps all of it)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    try:
+        return str(t.device), t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return str(t.device), id(t)
+
+
+class SavedTensors:
+    """The saved-tensor hooks of one forward: counts what it saves, offloads it if asked.
+
+    `device_bytes` counts each storage once (autograd often saves several views of one
+    buffer, e.g. q, k and v of one projection); `host_bytes` the host copies made.
+    """
+
+    def __init__(self, offload: bool = False) -> None:
+        self.offload = offload
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self._seen: set[tuple[str, int]] = set()
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor, int]:
+        """Called by autograd for every tensor a forward op saves for its backward."""
+        if t.is_leaf and t.requires_grad:  # a parameter or the stage's input: held anyway
+            return None, t, t._version
+        if self.offload:
+            host = to_host(t)
+            self.host_bytes += host.numel() * host.element_size()
+            return t.device, host, -1
+        key = _storage_key(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.device_bytes += storage_bytes(t)
+        # Never `t` itself: for an op that saves its own output (softmax, exp, tanh) the
+        # packed value would hold the output, whose grad_fn holds the packed value, a cycle
+        # through autograd's C++ graph that Python's collector cannot see. It is freed only
+        # by a backward, which a redundant forward never gets unless a failover adopts it:
+        # every eager FRC graph would leak. A detached alias shares the storage and the
+        # version counter and holds no grad_fn; autograd re-attaches the grad_fn to what
+        # `unpack` returns.
+        return None, t.detach(), t._version
+
+    @staticmethod
+    def unpack(packed: tuple[torch.device | None, torch.Tensor, int]) -> torch.Tensor:
+        """Called in the backward: an offloaded tensor goes back to its device. Under hooks
+        autograd skips its own check that a saved tensor was not changed in place since it
+        was saved: the shared version counter makes it here."""
+        device, t, version = packed
+        if device is not None:
+            return t.to(device, non_blocking=True)
+        if t._version != version:
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               f"modified by an inplace operation (version {t._version}, saved "
+                               f"at {version})")
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+@dataclass(slots=True)
+class StepMemory:
+    """The bytes a node holds within one step on top of its stages' state, by owner.
+
+    An owner is a key such as ("fwd", stage, mb); its bytes are held from `hold` until
+    `release` (a backward) or the end of the step. `peak_device` and `peak_host` are the
+    running maxima of the sums.
+    """
+
+    device: int = 0
+    host: int = 0
+    peak_device: int = 0
+    peak_host: int = 0
+    held: dict[Hashable, list[int]] = field(default_factory=dict)
+
+    def hold(self, key: Hashable, device_bytes: int, host_bytes: int = 0) -> None:
+        """Add bytes to `key`'s share (created if new) and update the peaks."""
+        share = self.held.setdefault(key, [0, 0])
+        share[0] += device_bytes
+        share[1] += host_bytes
+        self.device += device_bytes
+        self.host += host_bytes
+        self.peak_device = max(self.peak_device, self.device)
+        self.peak_host = max(self.peak_host, self.host)
+
+    def release(self, key: Hashable) -> bool:
+        """Drop `key`'s share (its backward ran); False when it holds nothing."""
+        share = self.held.pop(key, None)
+        if share is None:
+            return False
+        self.device -= share[0]
+        self.host -= share[1]
+        return True
+
+    def release_all(self) -> None:
+        """Drop every share (the step starts again); the peaks stay."""
+        self.held.clear()
+        self.device = self.host = 0
+
+
+def state_dict_bytes(state: dict[Any, dict[str, Any]], keys: tuple[str, ...]) -> int:
+    """Bytes of the tensors `keys` in an optimizer's per-parameter state."""
+    return sum(v.numel() * v.element_size() for per in state.values()
+               for k, v in per.items() if k in keys and isinstance(v, torch.Tensor))

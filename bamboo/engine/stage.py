@@ -1,0 +1,274 @@
+"""One stage a node holds: its layers, optimizer and gradient sum.
+
+The same class serves a primary stage and a replica: a replica applies the same
+reduced gradient with the same optimizer step, so it stays bit-identical to the
+primary without shipping parameters or optimizer state.
+
+The gradient sum is float64 under `--exact` (every layout gives the same bits) and
+float32 otherwise; it is allocated on first use, so a replica, which is handed its
+stage's reduced gradient and never sums one, holds none until it is adopted.
+
+A replica's optimizer state may live in host memory (`offload_optimizer`, under
+`--frc-offload`): its AdamW step then brings one parameter's moments to the device at a
+time, runs the very step the primary runs (same kernels, same device: the same bits) and
+puts them back. `to_device_optimizer` moves the state to the device for good, when the
+replica is adopted as a primary.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from bamboo.model import ModelPreset, build_layers
+from bamboo.engine.memory import state_dict_bytes, to_host
+from bamboo.engine.optim import make_optimizer
+
+__all__ = ["StageState"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW state tensors of a parameter (its `step` count is a host scalar)."""
+
+
+class StageState:
+    """Stage `stage` (layers `layer_indices`) on this node."""
+
+    def __init__(self, *, preset: ModelPreset, stage: int, layer_indices: range, seed: int,
+                 device: torch.device, lr: float, weight_decay: float,
+                 accumulate_dtype: torch.dtype = torch.float32) -> None:
+        self.stage, self.layer_indices, self.device = stage, layer_indices, device
+        self.accumulate_dtype = accumulate_dtype
+        self.module = nn.Sequential(*build_layers(preset, layer_indices, seed, device))
+        self.module.train()
+        self.optimizer = make_optimizer(self.module, lr=lr, weight_decay=weight_decay)
+        self.params = list(self.module.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self._grad_sum: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._served: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        """`--redundancy reroute`: the gradient sums of the micro-batches of other pipelines
+        this node serves at this stage, one per pipeline (summed apart, so that `--exact`
+        adds every pipeline's sum in pipeline order as a failure-free step does)."""
+        self.optimizer_on_host = False
+        """The AdamW moments live in host memory (see `offload_optimizer`)."""
+        self.taping: Any = None
+        """Under zb-h1, the forward hooks that tape its linear layers (`split_backward.Taping`)."""
+        self.layer_spans: list[tuple[int, int, int]] = []
+        offset = 0
+        for layer_index, layer in zip(layer_indices, self.module):
+            size = sum(p.numel() for p in layer.parameters())
+            self.layer_spans.append((layer_index, offset, offset + size))
+            offset += size
+
+    @property
+    def grad_sum(self) -> torch.Tensor:
+        """The sum of this step's micro-batch gradients, flat in parameter order
+        (`accumulate_dtype`; allocated, zeroed, on first use)."""
+        self._sum_views()
+        assert self._grad_sum is not None
+        return self._grad_sum
+
+    def _sum_views(self) -> list[torch.Tensor]:
+        """Views of the gradient sum shaped like the parameters (allocating the sum, zeroed,
+        the first time)."""
+        if self._grad_sum is None:
+            self._grad_sum = torch.zeros(self.numel, dtype=self.accumulate_dtype,
+                                         device=self.device)
+            self._views = self._split(self._grad_sum)
+        return self._views
+
+    def _split(self, flat: torch.Tensor,
+               params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """Views of `flat` shaped like `params` (default: all of the stage's), in order."""
+        views, offset = [], 0
+        for p in self.params if params is None else params:
+            views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def served_sums(self) -> dict[int, torch.Tensor]:
+        """Pipeline -> the gradient sum of its re-routed micro-batches this node ran."""
+        return {d: flat for d, (flat, _) in sorted(self._served.items())}
+
+    def accumulate(self, served_for: int | None = None) -> None:
+        """Add this micro-batch's parameter gradients to the gradient sum (with `served_for`,
+        to the sum of that pipeline's re-routed micro-batches)."""
+        if served_for is None:
+            views = self._sum_views()
+        else:
+            if served_for not in self._served:
+                flat = torch.zeros(self.numel, dtype=self.accumulate_dtype, device=self.device)
+                self._served[served_for] = (flat, self._split(flat))
+            views = self._served[served_for][1]
+        for view, p in zip(views, self.params):
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+
+    def layer_sq_norms(self, reduced: torch.Tensor) -> list[tuple[int, float]]:
+        """(layer index, sum of squares) of a reduced gradient of this stage, summed in
+        float64 whatever the gradient's dtype."""
+        return [(i, float(reduced[a:b].to(torch.float64).square().sum()))
+                for i, a, b in self.layer_spans]
+
+    def apply(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
+        """One optimizer step with the reduced gradient `grad32` (float32) scaled by `coef`."""
+        grad = grad32 * coef if coef != 1.0 else grad32
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.optimizer_on_host:
+            self._step_streamed(grad)
+            return
+        for view, p in zip(self._split(grad), self.params):
+            p.grad = view
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    def _step_streamed(self, grad: torch.Tensor) -> None:
+        """The AdamW step with host-resident moments, one parameter at a time: its moments
+        go to the device, the optimizer steps that parameter alone (AdamW skips parameters
+        without a gradient, and its arithmetic for one parameter does not depend on which
+        others step with it, loop or foreach (tests/test_devices.py), so the bits are
+        the all-at-once step's) and the moments go back to their host buffers."""
+        state = self.optimizer.state
+        for view, p in zip(self._split(grad), self.params):
+            host = {k: state[p][k] for k in MOMENTS} if p in state else None
+            if host is not None:
+                for k in MOMENTS:
+                    state[p][k] = host[k].to(self.device, non_blocking=True)
+            p.grad = view
+            try:
+                self.optimizer.step()
+            finally:
+                p.grad = None
+            for k in MOMENTS:
+                on_device = state[p][k]
+                if host is None:
+                    state[p][k] = on_device if on_device.device.type == "cpu" else to_host(on_device)
+                else:
+                    if host[k] is not on_device:
+                        host[k].copy_(on_device, non_blocking=True)
+                    state[p][k] = host[k]
+        self._sync()
+
+    def _sync(self) -> None:
+        """Wait for non-blocking copies to host memory (before anyone reads it there)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- where the optimizer state lives -----------------------------------------------------
+
+    def offload_optimizer(self) -> None:
+        """Keep the AdamW moments in host memory from now on (pinned where an accelerator
+        is present); the step streams them through the device (see `_step_streamed`)."""
+        if self.optimizer_on_host:
+            return
+        for per in self.optimizer.state.values():
+            for k in MOMENTS:
+                if k in per and per[k].device.type != "cpu":
+                    per[k] = to_host(per[k])
+        self._sync()
+        self.optimizer_on_host = True
+
+    def to_device_optimizer(self) -> None:
+        """Bring host-resident AdamW moments to the device for good (a replica adopted as
+        a primary); a no-op for a stage whose optimizer state is on the device."""
+        if not self.optimizer_on_host:
+            return
+        for per in self.optimizer.state.values():
+            for k in MOMENTS:
+                if k in per:
+                    per[k] = per[k].to(self.device)
+        self.optimizer_on_host = False
+
+    def memory(self) -> tuple[int, int]:
+        """(device bytes, host bytes) this stage holds between steps by tensor accounting:
+        parameters, the gradient sum (once allocated) and the AdamW moments (on the host
+        when offloaded, even where host and device are the same memory)."""
+        params = sum(p.numel() * p.element_size() for p in self.params)
+        grads = 0 if self._grad_sum is None else \
+            self._grad_sum.numel() * self._grad_sum.element_size()
+        grads += sum(flat.numel() * flat.element_size() for flat, _ in self._served.values())
+        moments = state_dict_bytes(self.optimizer.state, MOMENTS)
+        if self.optimizer_on_host:
+            return params + grads, moments
+        return params + grads + moments, 0
+
+    def reset_grads(self) -> None:
+        if self._grad_sum is not None:
+            self._grad_sum.zero_()
+        self._served.clear()
+        for p in self.params:
+            p.grad = None
+
+    # -- state transfer (peer restore, reconfiguration, checkpoints) -------------------------
+
+    def state_vector(self) -> torch.Tensor:
+        """The whole stage's state: its layers' `layer_state` vectors, in layer order."""
+        return torch.cat([self.layer_state(i).to(self.device) for i in self.layer_indices])
+
+    def state_size(self) -> int:
+        return sum(3 * (b - a) + 1 for _, a, b in self.layer_spans)
+
+    def load_state_vector(self, vector: torch.Tensor) -> None:
+        offset = 0
+        for i, a, b in self.layer_spans:
+            size = 3 * (b - a) + 1
+            self.load_layer_state(i, vector[offset:offset + size])
+            offset += size
+
+    def _layer_params(self, layer_index: int) -> list[torch.nn.Parameter]:
+        position = self.layer_indices.index(layer_index)
+        return list(self.module[position].parameters())
+
+    def layer_state(self, layer_index: int) -> torch.Tensor:
+        """One layer's parameters, AdamW moments and step count as a float32 CPU vector
+        (the unit a reconfiguration moves and a checkpoint stores: layers, not stages,
+        since the partition may change)."""
+        params = self._layer_params(layer_index)
+        state = self.optimizer.state
+        parts = [torch.cat([p.detach().reshape(-1) for p in params]).to("cpu", torch.float32)]
+        for key in MOMENTS:  # on the device, or on the host when offloaded
+            parts.append(torch.cat([state[p][key].reshape(-1).to("cpu", torch.float32)
+                                    if p in state else torch.zeros(p.numel())
+                                    for p in params]))
+        steps = float(state[params[0]]["step"]) if params[0] in state else 0.0
+        parts.append(torch.tensor([steps], dtype=torch.float32))
+        return torch.cat(parts)
+
+    def load_layer_state(self, layer_index: int, vector: torch.Tensor) -> None:
+        """Set one layer's parameters and optimizer state from a `layer_state` vector."""
+        params = self._layer_params(layer_index)
+        n = sum(p.numel() for p in params)
+        if vector.numel() != 3 * n + 1:
+            raise ValueError(f"layer {layer_index}: state of {vector.numel()} values, expected "
+                             f"{3 * n + 1} (a different model or layer)")
+        vector = vector.to(self.device, torch.float32)
+        with torch.no_grad():
+            for view, p in zip(self._split(vector[:n], params), params):
+                p.copy_(view)
+        steps = float(vector[3 * n])
+        for p, a, b in zip(params, self._split(vector[n:2 * n], params),
+                           self._split(vector[2 * n:3 * n], params)):
+            if steps == 0:
+                self.optimizer.state.pop(p, None)
+            else:
+                place = to_host if self.optimizer_on_host else torch.clone
+                self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
+                                           "exp_avg": place(a), "exp_avg_sq": place(b)}
+        self._sync()
+
+    def digest(self) -> str:
+        """sha256 of the parameters' float32 bytes (replica checks)."""
+        import hashlib
+        sha = hashlib.sha256()
+        for p in self.params:
+            sha.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return sha.hexdigest()
+
+    def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        return [(i, [(n, p.detach().to("cpu", torch.float32).clone())
+                     for n, p in layer.named_parameters()])
+                for i, layer in zip(self.layer_indices, self.module)]

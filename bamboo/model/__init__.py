@@ -1,0 +1,150 @@
+"""Models as ordered lists of layers that a partition may cut anywhere between.
+
+Every layer is built from its own RNG stream, keyed by (seed, layer index), so a
+node that builds only its stage's layers gets exactly the parameters a single
+process building the whole model would get.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bamboo.model.api import custom_layer, load_model
+from bamboo.model.bert import bert_layer
+from bamboo.model.cnn import _block_widths, cnn_layer
+from bamboo.model.gpt2 import gpt2_layer
+from bamboo.model.hf import hf_layer, load_transformers
+from bamboo.model.llama import llama_layer
+from bamboo.model.presets import PRESETS, ModelPreset, preset
+
+__all__ = [
+    "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",
+    "boundary_shapes", "loss_fn", "BoundarySpec", "derive_seed",
+]
+
+
+def _custom_layer(p: ModelPreset, index: int) -> nn.Module:
+    """Your own model's layer (bamboo.model.api), built for the preset's vocabulary."""
+    return custom_layer(load_model(p.name, p.vocab), index)
+
+
+_BUILDERS: dict[str, Callable[[ModelPreset, int], nn.Module]] = {
+    "custom": _custom_layer,
+    "gpt2": gpt2_layer, "bert": bert_layer, "cnn": cnn_layer, "llama": llama_layer,
+}
+
+
+def _builder(p: ModelPreset) -> Callable[[ModelPreset, int], nn.Module]:
+    """transformers' modules for hf: presets, bamboo's own otherwise (same family, same task)."""
+    return hf_layer if p.hf_config else _BUILDERS[p.family]
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that is a pure function of `parts` (stable across processes)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """Layer `index` of preset `p`, initialised from the stream (seed, index)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed("layer", seed, index))
+        layer = _builder(p)(p, index)
+    return layer.to(device)
+
+
+def build_layers(p: ModelPreset, indices: Iterable[int], seed: int,
+                 device: str | torch.device = "cpu") -> list[nn.Module]:
+    """The layers `indices` of preset `p`."""
+    return [build_layer(p, i, seed, device) for i in indices]
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_",
+                   "ones_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "constant_")
+
+
+@contextlib.contextmanager
+def _shapes_only() -> Iterator[None]:
+    """Build modules on the meta device with initialisers switched off.
+
+    Random initialisers on meta tensors route through torch's reference
+    implementations and cost seconds; shapes need none of it.
+    """
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
+    if p.hf_config:
+        load_transformers()  # before the init functions are stubbed: it keeps references
+        with _shapes_only():
+            return hf_layer(p, index, init=False)
+    if p.family == "custom":
+        try:
+            with _shapes_only():
+                return _custom_layer(p, index)
+        except Exception:  # a constructor that needs real tensors: count them on the CPU
+            with torch.random.fork_rng(devices=[]):
+                return _custom_layer(p, index)
+    with _shapes_only():
+        return _BUILDERS[p.family](p, index)
+
+
+def layer_param_counts(p: ModelPreset) -> list[int]:
+    """Parameter count of every layer, computed on the meta device (no memory)."""
+    return [sum(t.numel() for t in _meta_layer(p, i).parameters()) for i in range(p.layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundarySpec:
+    """Shape and dtype of the tensor flowing out of one layer for one micro-batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def boundary_shapes(p: ModelPreset, micro_batch_size: int) -> list[BoundarySpec]:
+    """Output spec of every layer for a micro-batch of `micro_batch_size` samples.
+
+    Worked out from the preset (a forward pass on the meta device costs seconds);
+    a test checks it against real forward passes.
+    """
+    b = micro_batch_size
+    if p.family == "custom":
+        return [BoundarySpec((b, *spec.shape), spec.dtype)
+                for spec in load_model(p.name, p.vocab).boundaries]
+    if p.family == "cnn":
+        shapes, size = [(b, p.channels, p.image_size, p.image_size)], p.image_size
+        for _, c_out, stride in _block_widths(p):
+            size = (size + 1) // stride if stride > 1 else size
+            shapes.append((b, c_out, size, size))
+        shapes.append((b, p.classes))
+    else:
+        shapes = [(b, p.context, p.d_model)] * (p.layers - 1) + [(b, p.context, p.vocab)]
+    return [BoundarySpec(shape, torch.float32) for shape in shapes]
+
+
+def loss_fn(p: ModelPreset) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Mean loss of a micro-batch: next-token, masked-token or class cross-entropy."""
+    if p.family == "cnn":
+        return F.cross_entropy
+    if p.family == "custom":
+        return load_model(p.name, p.vocab).loss
+
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100)
+    return token_loss

@@ -1,0 +1,345 @@
+"""Your own model: an ordered list of layers, the tensor between them, and a loss.
+
+A model is one Python file with a build function that returns a `PipelineModel`;
+`bamboo train --model PACKAGE.MODULE:FUNCTION` (or `--model path/to/file.py:FUNCTION`)
+trains it on next-token prediction like bamboo's own GPT-2 presets: every layer of the
+pipeline gets a micro-batch of `[B, context]` int64 token ids (layer 0) or the previous
+layer's output, and the last layer's output goes with the `[B, context]` int64 targets
+into the loss. A complete model::
+
+    # mymodel.py
+    import torch
+    from torch import nn
+
+    from bamboo.model.api import PipelineModel, TensorSpec
+
+
+    class Embed(nn.Module):
+        def __init__(self, vocab: int, context: int, d: int) -> None:
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(context, d)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+
+
+    class Mix(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.fc(self.ln(x)))
+
+
+    def build(vocab_size: int = 256) -> PipelineModel:
+        context, d = 32, 64
+        return PipelineModel(
+            layers=[lambda: nn.Sequential(Embed(vocab_size, context, d), Mix(d)),
+                    lambda: Mix(d),
+                    lambda: nn.Sequential(Mix(d), nn.Linear(d, vocab_size))],
+            boundary=TensorSpec((context, d)),
+            context=context,
+            vocab_size=vocab_size,
+        )
+
+    $ bamboo train --model mymodel:build --nodes 3 --stages 3
+
+The rules:
+
+- `layers` are zero-argument callables, one per pipeline layer, each returning a fresh
+  `nn.Module`. A node calls only the factories of the layers it holds, each under the
+  random stream bamboo seeds from (seed, layer index), so every node draws exactly the
+  parameters a single process building the whole model would. Draw random numbers only
+  from torch's global generator, and use no dropout (masks drawn on different nodes
+  would differ from a single process's).
+- `boundary` is the tensor one layer hands the next, per sample (no batch dimension):
+  one `TensorSpec` for every boundary, or a list of `len(layers) - 1`, one per boundary.
+  Boundaries are floating point: gradients flow back through them.
+- The last layer's output is `output` per sample, `[context, vocab_size]` float32 logits
+  unless given, and `loss(output, targets)` is the micro-batch's mean loss (by default
+  next-token cross-entropy, targets of -100 ignored).
+- The build function takes the vocabulary as the keyword `vocab_size` with a default:
+  the training data's tokenizer may ask for another size, and bamboo calls it again.
+- Every process of a run imports the module: the coordinator, and each worker, which
+  starts in the coordinator's working directory. A `PACKAGE.MODULE` is imported with that
+  directory first on `sys.path` (as `python -m` does), so a module in the directory you run
+  `bamboo` from is found; otherwise install it or put it on PYTHONPATH. Workers on other
+  machines (`bamboo agent`) import it there the same way.
+
+Before anything starts, bamboo builds every layer on the meta device (no memory) and runs a
+`[1, context]` batch through them, so a layer that raises or a declared shape that does not
+hold is one line on the command line, not a failure inside a worker.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
+           "custom_layer"]
+
+
+class ModelError(ValueError):
+    """A model that cannot be used as declared; the message is one line."""
+
+
+class _RunError(ModelError):
+    """A factory, forward or loss that raised: on the meta device, maybe only there."""
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `[B, T, V]` logits against `[B, T]` targets (-100 ignored)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=-100)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape of one sample (no batch dimension) and dtype of a tensor between layers."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        if (not isinstance(shape, (tuple, list)) or not shape
+                or not all(type(n) is int and n > 0 for n in shape)):
+            raise ModelError(f"TensorSpec shape {shape!r} is not a tuple of positive integers "
+                             f"(one sample, no batch dimension), e.g. TensorSpec((context, d))")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ModelError(f"TensorSpec dtype {self.dtype!r} is not a floating torch dtype: "
+                             f"gradients flow back through it (use torch.float32)")
+        object.__setattr__(self, "shape", tuple(shape))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineModel:
+    """A model bamboo can cut into pipeline stages between any two of its layers."""
+
+    layers: Sequence[Callable[[], nn.Module]]
+    """One zero-argument factory per pipeline layer, in order; each returns an nn.Module."""
+    boundary: TensorSpec | Sequence[TensorSpec] | None = None
+    """The tensor between layers, per sample: one spec for all, or one per boundary."""
+    context: int
+    """Tokens per sample: layer 0 receives `[B, context]` int64 token ids."""
+    vocab_size: int
+    """Token ids are 0..vocab_size-1."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
+    """(last layer's output, `[B, context]` int64 targets) -> scalar mean loss."""
+    output: TensorSpec | None = None
+    """The last layer's output per sample; `[context, vocab_size]` float32 logits if None."""
+    description: str = ""
+    boundaries: tuple[TensorSpec, ...] = field(init=False, repr=False)
+    """The output of every layer (len(layers) specs, the last one `output`)."""
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+            raise ModelError(f"PipelineModel layers must be a list of zero-argument callables "
+                             f"returning nn.Modules (got {type(layers).__name__})")
+        if not layers:
+            raise ModelError("PipelineModel has no layers: give at least one layer factory")
+        for i, make in enumerate(layers):
+            if not callable(make) or isinstance(make, nn.Module):
+                raise ModelError(f"PipelineModel layers[{i}] is {type(make).__name__}, not a "
+                                 f"zero-argument callable returning an nn.Module (e.g. "
+                                 f"lambda: nn.Linear(d, d))")
+        for name in ("context", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"PipelineModel {name}={value!r} is not a positive integer")
+        if not callable(self.loss):
+            raise ModelError(f"PipelineModel loss is {type(self.loss).__name__}, not a callable "
+                             f"(output, targets) -> scalar mean loss")
+        output = self.output or TensorSpec((self.context, self.vocab_size))
+        if not isinstance(output, TensorSpec):
+            raise ModelError(f"PipelineModel output is {type(output).__name__}, not a TensorSpec")
+        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "boundaries", (*self._inner_boundaries(), output))
+
+    def _inner_boundaries(self) -> tuple[TensorSpec, ...]:
+        n, spec = len(self.layers) - 1, self.boundary
+        if spec is None and n == 0:
+            return ()
+        if isinstance(spec, TensorSpec):
+            return (spec,) * n
+        if (spec is None or isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence)
+                or not all(isinstance(s, TensorSpec) for s in spec)):
+            raise ModelError(f"PipelineModel boundary must be a TensorSpec (the tensor between "
+                             f"layers) or a list of {n}, one per boundary (got {spec!r})")
+        if len(spec) != n:
+            raise ModelError(f"PipelineModel boundary lists {len(spec)} specs but its {n + 1} "
+                             f"layers need {n}, one per boundary (or one TensorSpec for all)")
+        return tuple(spec)
+
+
+# -- loading by import path ----------------------------------------------------------------
+
+def split_name(name: str) -> tuple[str, str]:
+    """`pkg.module:function` or `path/to/file.py:function` -> (target, function)."""
+    target, _, function = name.rpartition(":")
+    module = target.endswith(".py") or all(part.isidentifier() for part in target.split("."))
+    if not target or not module or not function.isidentifier():
+        raise ModelError(f"'{name}' is not MODULE:FUNCTION; write e.g. "
+                         f"examples.custom_model:build or path/to/model.py:build")
+    return target, function
+
+
+def _import(target: str) -> object:
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ModelError(f"file '{target}' does not exist")
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+        module_name = f"_bamboo_model_{path.stem}_{digest}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))  # its sibling modules, as for a script
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        return module
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)  # the console script's sys.path lacks it; `python -m` has it
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        # the module (or its package) itself is missing, not a module it imports
+        if e.name is not None and (target + ".").startswith(e.name + "."):
+            raise ModelError(f"no module '{target}' in {cwd} or on sys.path: run bamboo from the "
+                             f"directory that holds it, or put it on PYTHONPATH") from None
+        raise
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+@functools.cache
+def load_model(name: str, vocab: int | None = None) -> PipelineModel:
+    """The model of `name` (MODULE:FUNCTION), built for `vocab` tokens (the function's
+    default when None), with its layers and declared shapes checked on the meta device.
+    ValueError with one line when anything is wrong."""
+    try:
+        model = _load(name, vocab)
+        _check_shapes(model)
+    except ModelError as e:
+        raise ModelError(f"model '{name}': {e}") from None
+    return model
+
+
+def _load(name: str, vocab: int | None) -> PipelineModel:
+    target, function = split_name(name)
+    try:
+        module = _import(target)
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"importing '{target}' failed: {_one_line(e)}") from None
+    build = getattr(module, function, None)
+    if build is None:
+        raise ModelError(f"'{target}' has no function '{function}'")
+    if not callable(build):
+        raise ModelError(f"'{function}' in '{target}' is {type(build).__name__}, not a function")
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(vocab_size=1)
+        except TypeError:
+            raise ModelError(f"{function}() takes no vocab_size keyword; define it as "
+                             f"def {function}(vocab_size: int = 256) -> PipelineModel") from None
+        if vocab is None:
+            try:
+                signature.bind()
+            except TypeError:
+                raise ModelError(f"{function}() has a parameter without a default; give "
+                                 f"vocab_size (and any other) a default") from None
+    try:
+        model = build() if vocab is None else build(vocab_size=vocab)
+    except ModelError as e:
+        raise ModelError(f"{function}(): {e}") from None
+    except Exception as e:
+        raise ModelError(f"{function}() raised {_one_line(e)}") from None
+    if not isinstance(model, PipelineModel):
+        raise ModelError(f"{function}() returned {type(model).__name__}, not a "
+                         f"bamboo.model.api.PipelineModel")
+    if vocab is not None and model.vocab_size != vocab:
+        raise ModelError(f"{function}(vocab_size={vocab}) returned a model with vocab_size="
+                         f"{model.vocab_size}: pass vocab_size on to the model")
+    return model
+
+
+def _check_shapes(model: PipelineModel) -> None:
+    """Build every layer and run a `[1, context]` batch through them, on the meta device
+    (no memory, no init); on CPU when some op has no meta kernel."""
+    from bamboo.model import _shapes_only  # bamboo.model imports this module
+    try:
+        with _shapes_only(), torch.no_grad():
+            _trace(model)
+    except _RunError:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            _trace(model)
+
+
+def _trace(model: PipelineModel) -> None:
+    x = torch.zeros((1, model.context), dtype=torch.int64)
+    for i, spec in enumerate(model.boundaries):
+        layer = custom_layer(model, i)
+        try:
+            x = layer(x)
+        except Exception as e:
+            raise _RunError(f"layer {i} failed on its input of shape {list(x.shape)}: "
+                             f"{_one_line(e)}") from None
+        if not isinstance(x, torch.Tensor):
+            raise ModelError(f"layer {i} returned {type(x).__name__}, not one tensor")
+        what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
+        if tuple(x.shape) != (1, *spec.shape) or x.dtype != spec.dtype:
+            raise ModelError(f"layer {i} outputs [B, {', '.join(map(str, x.shape[1:]))}] "
+                             f"{x.dtype} but the model declares its {what} as "
+                             f"[B, {', '.join(map(str, spec.shape))}] {spec.dtype}")
+    targets = torch.zeros((1, model.context), dtype=torch.int64)
+    try:
+        loss = model.loss(x.float(), targets)
+    except Exception as e:
+        raise _RunError(f"loss failed on the output {list(x.shape)} and targets "
+                         f"{list(targets.shape)}: {_one_line(e)}") from None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ModelError(f"loss returned {type(loss).__name__} "
+                         f"{list(getattr(loss, 'shape', []))}, not a scalar tensor")
+
+
+def custom_layer(model: PipelineModel, index: int) -> nn.Module:
+    """Layer `index` of `model`, from its factory (under whatever RNG state is current)."""
+    try:
+        layer = model.layers[index]()
+    except Exception as e:
+        raise _RunError(f"layer {index}'s factory raised {_one_line(e)}") from None
+    if not isinstance(layer, nn.Module):
+        raise ModelError(f"layer {index}'s factory returned {type(layer).__name__}, not an "
+                         f"nn.Module")
+    return layer

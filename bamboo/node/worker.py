@@ -1,0 +1,484 @@
+"""A worker process: one node of the cluster, playing one spot instance.
+
+A worker lives through *generations* (`bamboo.plan.planner`): it waits for the plan of the
+next generation it belongs to, joins that generation's process group, gets the state
+of the layers it lacks from the live nodes that hold them (or from a checkpoint when
+no live copy exists), and runs the engine step after step until the coordinator ends
+the generation at a step boundary (a join, a drain, a new layout) or abandons it
+mid-step (a loss no copy covers in flight). A node that is not in a plan waits as a
+standby; a draining node sends the state it is asked for, then leaves.
+
+It reports to the coordinator over its own pipe (a worker killed mid-write corrupts
+only its own channel). A background thread stamps a shared heartbeat slot, so a
+frozen process (no thread runs) is noticed by its lease. SIGTERM is a preemption
+notice: it is reported, and the coordinator drains the node at the next step boundary.
+Any exception is reported with its traceback before the process exits; the process
+also dies with its parent (the fork server, which dies with the coordinator or agent that
+started it: `bamboo.node.forkserver`), so no worker outlives the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write waits for it
+
+from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
+                               step_dir, write_layers)
+from bamboo.node import forkserver
+from bamboo.node import procmem
+from bamboo.node.devices import worker_device
+from bamboo.wire.link import CoordinatorLink
+from bamboo.node.netif import collective_binding
+from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
+                                     GenerationEnd, GenerationReady, LayerParams, Left, Notice,
+                                     Progress, Ready, StepReport, WorkerError,
+                                     final_request_key, plan_key)
+from bamboo.node.pinning import pin_this_process
+from bamboo.config import JobConfig
+from bamboo.data.datasets import make_task
+from bamboo.plan.faults import Fault, FaultPlan
+from bamboo.model import layer_param_counts
+from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
+                                  form_interruptibly)
+from bamboo.engine.engine import GenerationEnded, NodeEngine, TrainingHyper
+from bamboo.plan.layout import Layout
+from bamboo.engine.stage import StageState
+from bamboo.plan.planner import GenerationPlan
+
+__all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
+
+from bamboo.config import HEARTBEAT_S  # noqa: E402 - one value for workers and --lease checks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs to start."""
+
+    node: int
+    """Node id: the worker is `n{node}` for the whole run."""
+    slot: int
+    """Its index in the shared heartbeat and progress arrays."""
+    first_gen: int
+    """The first generation whose plan it waits for."""
+    store_host: str
+    store_port: int
+    config: JobConfig
+    faults: tuple[Fault, ...] = ()
+    device_index: int | None = None
+    """With CUDA: the worker's slot on its machine, which picks its GPU (see
+    `choose_device_index`): an agent's worker k has slot k; a local run gives each worker
+    a slot no live local worker holds, on the least used GPU (`Supervisor.spawn_local`,
+    `free_device_slot`). None: slot 0. Never the node id (node ids keep growing as
+    replacements join)."""
+    local_workers: int = 1
+    """How many workers this machine runs at most at once: under `--pin-cpus auto` each gets
+    an equal share of its cores, by `device_index` (`bamboo.node.pinning`)."""
+
+    @property
+    def name(self) -> str:
+        return f"n{self.node}"
+
+
+class _TransferFailed(RuntimeError):
+    """A state transfer of a new generation failed (a source or destination was lost)."""
+
+
+def _process_group(backend: str, store: dist.Store, rank: int, size: int,
+                   timeout: timedelta, bind: tuple[str | None, str | None]) -> dist.ProcessGroup:
+    """A fresh process group for one generation (never the global default group, so
+    generations can follow one another in one process). gloo binds `bind`: the address
+    (or the user's GLOO_SOCKET_IFNAME interface) that reaches the other nodes."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    address, interface = bind
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)
+                        if address is None else
+                        dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+class _Node:
+    """One worker's life: generations one after another."""
+
+    def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
+                 device: torch.device, backend: str, progress: Progress,
+                 cpus: list[int] | None = None) -> None:
+        self.spec, self.link, self.store, self.device, self.backend = spec, link, store, device, backend
+        self.cpus = tuple(cpus or ())
+        self.bind = collective_binding(spec.store_host, spec.store_port)
+        self.progress = progress
+        cfg = self.cfg = spec.config
+        self.preset = cfg.model_preset()
+        self.task = make_task(self.preset, seed=cfg.training.seed,
+                              global_micro_batches=cfg.global_micro_batches,
+                              micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
+        self.hyper = TrainingHyper(lr=cfg.training.lr, warmup_steps=cfg.training.warmup_steps,
+                                   total_steps=cfg.training.steps, weight_decay=cfg.training.weight_decay,
+                                   grad_clip=cfg.training.grad_clip)
+        self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
+        self.holdings: dict[int, torch.Tensor] = {}
+        """Layer -> state vector at the last generation's end (what this node can give)."""
+        self.holdings_step = -1
+        """The step `holdings` are at (the first step not yet applied)."""
+        self.faults = FaultPlan(list(spec.faults))
+        self.param_counts = layer_param_counts(self.preset)
+
+    def _mark(self, step: int, phase: int) -> None:
+        self.progress.mark(self.spec.slot, step, phase)
+
+    def wait_plan(self, gen: int) -> GenerationPlan | None:
+        """The plan of generation `gen`, or None when the run is over."""
+        key = plan_key(gen)
+        while True:  # polled: a store wait that times out logs a warning each time
+            if self.store.check([key]):
+                return GenerationPlan.from_json(self.store.get(key).decode())
+            if self.store.check([SHUTDOWN_KEY]):
+                return None
+            time.sleep(0.05)
+
+    def live(self) -> None:
+        own = self.device.type != "cpu" or bool(self.cpus) or \
+            self.spec.local_workers <= len(os.sched_getaffinity(0))
+        self.link.report(Ready, cpus=self.cpus, own_processor=own)
+        gen = self.spec.first_gen
+        while True:
+            plan = self.wait_plan(gen)
+            if plan is None:
+                self.link.report(Done)
+                return
+            if self.spec.name not in plan.members:
+                if self.spec.name in plan.leavers:
+                    self.link.report(Left, gen=plan.gen)
+                    return
+                gen = plan.gen + 1  # a standby in this generation
+                continue
+            if self._generation(plan) == "finished":
+                return
+            gen = plan.gen + 1
+
+    # -- one generation ---------------------------------------------------------------------
+
+    def _generation(self, plan: GenerationPlan) -> str:
+        rank = plan.members.index(self.spec.name)
+        self.link.rank = rank
+        self.faults.forget(plan.fired_kills)
+        if self.holdings_step != plan.start_step or plan.fresh_start:
+            self.holdings = {}  # a standby's old state: never current
+        try:
+            group = self._join_group(plan, rank)
+        except _TransferFailed as e:
+            return self._failed(plan, e)
+        if rank >= plan.active:  # leaving: only a source of state
+            try:
+                self._transfer(plan, rank, group, {})
+            except _TransferFailed:
+                pass
+            self.link.report(Left, gen=plan.gen)
+            return "finished"
+        cfg = self.cfg
+        layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
+                        stages=plan.stages,
+                        global_micro_batches=cfg.global_micro_batches)
+        engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
+                            rank=rank, roles=plan.roles(plan.redundancy in ("eager", "lazy")), task=self.task,
+                            hyper=self.hyper, seed=cfg.training.seed, device=self.device, link=self.link,
+                            redundancy=plan.redundancy, group=group,
+                            former=self._former(plan, rank), slot=self.spec.slot,
+                            faults=self.faults,
+                            progress=self._mark,
+                            check_replicas=cfg.redundancy.check_replicas,
+                            frc_offload=cfg.redundancy.frc_offload,
+                            frc_at=cfg.redundancy.frc_at, schedule=cfg.layout.schedule,
+                            comm=cfg.runtime.comm,
+                            precision=cfg.model.precision, exact=cfg.training.exact,
+                            activation_checkpointing=cfg.model.activation_checkpointing)
+        try:
+            loaded = self._load_state(plan, rank, group, engine.held())
+        except _TransferFailed as e:
+            return self._failed(plan, e)
+        self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
+                         replica=engine.replica.stage if engine.replica is not None else None,
+                         **loaded)
+        done_step = plan.start_step
+        finished = False
+        for step in range(plan.start_step, cfg.training.steps + 1):
+            try:
+                if cfg.evaluates_at(step):  # the parameters after `step` steps
+                    engine.evaluate(step, cfg.evaluation.batches)
+                if step == cfg.training.steps:
+                    finished = True
+                    break
+                report = engine.run_step(step)
+            except GenerationEnded:
+                break
+            done_step = step + 1
+            self._sample_memory(report)
+            self.link.send(report)
+            if BoundaryFlag.CHECKPOINT in engine.flags:
+                self._send_checkpoint_part(engine, step + 1)
+            if BoundaryFlag.RECONFIGURE in engine.flags:
+                break
+        if finished:
+            # The first live holder of each stage writes its final layers to storage (after
+            # any checkpoint write still going); the coordinator reads them back.
+            layers, error = _write_final(self, engine)
+            self.link.report(LayerParams, layers=layers, error=error)
+            self.link.report(Done)
+            self._serve_final_requests(engine)  # returns at shutdown
+            return "finished"
+        engine.p2p.close()
+        self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
+        self.holdings_step = done_step
+        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
+        return "next"
+
+    def _serve_final_requests(self, engine: NodeEngine) -> None:
+        """Until the run shuts down: when the coordinator asks (a layer's first holder was
+        lost after the last step, before it wrote the layer), write those layers' final
+        parameters from this node's copy (its replica, or a data-parallel peer's stage)."""
+        key, served = final_request_key(self.spec.name), None
+        while not self.store.check([SHUTDOWN_KEY]):
+            if self.store.check([key]):
+                text = self.store.get(key).decode()
+                if text != served:
+                    served = text
+                    layers, error = _write_final(self, engine, json.loads(text))
+                    self.link.report(LayerParams, layers=layers, error=error)
+            time.sleep(0.05)
+
+    def _sample_memory(self, report: StepReport) -> None:
+        """The process's real memory at the end of the step, into its report."""
+        m = procmem.sample(self.device if self.device.type == "cuda" else None)
+        report.rss_bytes, report.rss_peak_bytes = m.rss, m.rss_peak
+        report.cuda_peak_bytes, report.cuda_reserved_bytes = m.cuda_peak, m.cuda_reserved
+
+    def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
+        """The generation's process group. Building it waits for every member, so it is
+        built on a helper thread and given up when the coordinator abandons the generation
+        (a member was lost before it connected).
+
+        The group gets a store connection of its own: an abandoned formation keeps waiting
+        in the store until its timeout, and on a shared connection that wait would hold up
+        this node's every later store call (its next plan, its votes) for as long."""
+        try:
+            return form_interruptibly(self._former(plan, rank), "all",
+                                      range(len(plan.members)),
+                                      lambda: self.link.latest_epoch > plan.epoch)
+        except Interrupted:
+            raise _TransferFailed(f"generation {plan.gen} was abandoned while its process "
+                                  f"group formed") from None
+        except PeerLost as e:
+            raise _TransferFailed(f"process group of generation {plan.gen} failed: "
+                                  f"{e}") from None
+
+    def _former(self, plan: GenerationPlan, rank: int) -> GroupFormer:
+        """Forms a process group of generation `plan.gen` among some of its ranks (the
+        generation's own, and under strict communication the survivors' group after a loss,
+        the gradient lane, a data-parallel group), each on a store connection of its own."""
+        def form(name: str, ranks: list[int]) -> dist.ProcessGroup:
+            own = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False,
+                                timeout=self.timeout)
+            return _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}/{name}", own),
+                                  ranks.index(rank), len(ranks), self.timeout, self.bind)
+        return form
+
+    def _failed(self, plan: GenerationPlan, error: Exception) -> str:
+        """The generation could not start here: report the state of the last boundary."""
+        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings),
+                         step=self.holdings_step, failed=str(error))
+        return "next"
+
+    def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
+                    held: list[StageState]) -> dict[str, Any]:
+        """Load the state of `held`; where it came from, its bytes and seconds (for
+        GenerationReady)."""
+        start = time.perf_counter()
+        if plan.checkpoint is not None:  # only the layers this node holds, from storage
+            states = load_layers(plan.checkpoint, [i for st in held for i in st.layer_indices])
+            for st in held:
+                for i in st.layer_indices:
+                    st.load_layer_state(i, states[i])
+            return {"state_from": "checkpoint", "state_s": round(time.perf_counter() - start, 4),
+                    "state_bytes": sum(v.numel() * v.element_size() for v in states.values())}
+        received = self._transfer(plan, rank, group, {i for st in held for i in st.layer_indices})
+        for st in held:
+            for i in st.layer_indices:
+                vector = received.get(i, self.holdings.get(i))
+                if vector is not None:  # else a fresh start: the layer as built from the seed
+                    st.load_layer_state(i, vector)
+        got = sum(v.numel() * v.element_size() for v in received.values())
+        return {"state_from": "peers" if got else "", "state_bytes": got,
+                "state_s": round(time.perf_counter() - start, 4) if got else 0.0}
+
+    def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
+                  needed: set[int]) -> dict[int, torch.Tensor]:
+        """Post this node's sends and receives of the plan; wait for all of them."""
+        sends, recvs, received = [], [], {}
+        p2p = P2P(group, strict=self.cfg.runtime.comm == "strict", device=self.device)
+        engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
+        abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731
+        try:
+            # One batch in the plan's order, which every node shares (strict: no tags).
+            for layer, src, dst in plan.transfers:
+                key = (RESTORE, layer, dst)
+                if src == rank:
+                    sends.append((self.holdings[layer].to(self.device), dst, key))
+                elif dst == rank:
+                    buf = torch.empty(3 * self.param_counts[layer] + 1, dtype=torch.float32,
+                                      device=self.device)
+                    recvs.append((buf, src, key))
+                    received[layer] = buf
+            works = p2p.exchange(sends, recvs) + [(w, dst) for w, _, dst in p2p.pending]
+            for work, peer in works:
+                # A peer that waits on a lost node never sends: the abandoned generation's
+                # new epoch, not the communication timeout, ends the wait.
+                p2p.wait_interruptible(work, peer, abandoned)
+        except Interrupted as e:
+            raise _TransferFailed(f"generation {plan.gen} was abandoned during its state "
+                                  f"transfer") from e
+        except (RuntimeError, PeerLost) as e:
+            raise _TransferFailed(f"state transfer of generation {plan.gen} failed: "
+                                  f"{str(e).splitlines()[0][:200]}") from e
+        finally:
+            self.link.on_epoch = engine_wake
+            p2p.close()
+        return {i: v for i, v in received.items() if i in needed}
+
+    def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
+        """After a commit marked `ckpt`: this node writes the layers of each stage whose
+        first live holder (lowest pipeline) it is. Their state is copied now; the write runs
+        on this node's writer thread, so the next step does not wait for storage, and the
+        coordinator hears of the layers (`CheckpointPart`) once they are durable."""
+        states = {i: {"state": st.layer_state(i)}  # a CPU copy: training goes on meanwhile
+                  for st in _first_holder_stages(engine) for i in st.layer_indices}
+        if not states:
+            return
+        cfg, link = self.cfg, self.link
+
+        size = sum(v["state"].numel() * v["state"].element_size() for v in states.values())
+
+        def write() -> None:
+            start = time.perf_counter()
+            try:
+                written = write_layers(step_dir(checkpoint_location(cfg), step), states)
+                error = None
+            except Exception as e:  # noqa: BLE001 - a full disk: a warning, not a crash
+                written, error = [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
+            link.report(CheckpointPart, step=step, layers=written, error=error,
+                        bytes=size if error is None else 0,
+                        seconds=round(time.perf_counter() - start, 4))
+
+        _writer(self).submit(write)
+
+
+def _first_holder_stages(engine: NodeEngine) -> list[StageState]:
+    """The stages whose first live holder (lowest pipeline) this node is: the ones it writes
+    to storage (a checkpoint, the final model); every stage has exactly one."""
+    roles, dead = engine.roles, set(engine.roles.dead)
+    return [st for stage, st in sorted(engine.stages.items())
+            if next(r for r in roles.stage_members(stage) if r not in dead) == engine.rank]
+
+
+def _writer(node: _Node) -> ThreadPoolExecutor:
+    """The node's writer thread: its writes to storage, one after another. (Not at a lower
+    CPU priority: it holds the GIL in parts of a write, and training would wait on it.)"""
+    pool = getattr(node, "_storage_writer", None)
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        node._storage_writer = pool  # type: ignore[attr-defined]
+    return pool
+
+
+def _write_final(node: _Node, engine: NodeEngine,
+                 layers: list[int] | None = None) -> tuple[list[int], str | None]:
+    """After the last step: write the parameters (named, as model.pt holds them) of the
+    layers this node is the first live holder of (or of `layers`, from any copy it holds)
+    to `final-<steps>/`, after every earlier write of this node; (layers written, error)."""
+    states = _first_holder_stages(engine) if layers is None else engine.held()
+    params = {i: {f"param.{name}": t for name, t in named}
+              for st in states for i, named in st.parameters_by_layer()
+              if layers is None or i in layers}
+
+    def write() -> tuple[list[int], str | None]:
+        if not params:
+            return [], None
+        try:
+            return write_layers(final_dir(checkpoint_location(node.cfg), node.cfg.training.steps),
+                                params), None
+        except Exception as e:  # noqa: BLE001 - the coordinator stops the run with it
+            return [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
+
+    return _writer(node).submit(write).result()
+
+
+def _notice_handler(link: CoordinatorLink) -> Any:
+    """SIGTERM is a preemption notice (as Kubernetes and most clouds' agents deliver it)."""
+    noticed = threading.Event()
+
+    def report() -> None:
+        noticed.wait()
+        link.report(Notice, source="SIGTERM")
+
+    threading.Thread(target=report, daemon=True, name="notice").start()
+    return lambda signum, frame: noticed.set()
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line that always says something (`MemoryError()` has no text)."""
+    text = str(e).splitlines()[0][:500] if str(e).strip() else ""
+    if isinstance(e, MemoryError):
+        return f"MemoryError: out of memory{': ' + text if text else ''}"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> None:
+    """Entry point of a worker process."""
+    forkserver.die_with_parent()
+    if not forkserver.in_server_child():
+        os._exit(1)  # the fork server died before the parent-death signal was set
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    link = None
+    progress = Progress(beats, cells)
+    try:
+        cfg = spec.config
+        torch.set_num_threads(cfg.runtime.threads)
+        cpus = pin_this_process(cfg.runtime.pin_cpus, spec.device_index or 0, spec.local_workers)
+        timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
+        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        watch = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        link = CoordinatorLink(rank=spec.node, conn=conn, store=store,
+                               timeout_s=cfg.runtime.comm_timeout_s, watch_store=watch)
+        signal.signal(signal.SIGTERM, _notice_handler(link))
+        threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, progress, spec.slot),
+                         daemon=True, name="heartbeat").start()
+        device, backend = worker_device(cfg, spec.node, spec.device_index)
+        _Node(spec, link, store, device, backend, progress, cpus).live()
+        os._exit(0)
+    except BaseException as e:  # reported to the coordinator, which decides the run's fate
+        try:
+            message = WorkerError(rank=spec.node, step=progress.step_of(spec.slot),
+                                  peer_lost=isinstance(e, PeerLost),
+                                  error=_one_line(e), traceback=traceback.format_exc())
+            if link is not None:
+                with link.lock:
+                    conn.send(message)
+            else:
+                conn.send(message)
+        finally:
+            os._exit(1)

@@ -1,1 +1,0 @@
-"""The pipeline: partitions, schedules as data, and the engine that dispatches them."""

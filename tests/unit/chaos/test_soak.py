@@ -1,0 +1,167 @@
+"""`bamboo soak`: the user's job, failure-free and then with faults sent from outside."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bamboo.chaos.bits import COUNTERS, bits_must_match, differs, explain
+from bamboo.chaos.soak import Trial, rerun_command
+from conftest import BAMBOO, REPO
+
+KEPT = [{"from_step": 0, "pipelines": 2, "stages": 2, "rerouted": False}]
+BASE = {"losses": [5.0, 4.5, 4.0], "param_l2": 10.0, "param_sha256": "abc",
+        "reconfigurations": 0, "preemptions": 0, "layouts": KEPT, "config": {"exact": False},
+        **{k: 0 for k in COUNTERS}}
+
+
+def test_differs_says_what_differs() -> None:
+    assert differs(BASE, BASE) == ""
+    one_loss = dict(BASE, preemptions=1, failovers=1)
+    assert differs(BASE, one_loss) == ""
+    assert "the loss of step 1" in differs(BASE, dict(BASE, losses=[5.0, 4.6, 4.0]))
+    assert "2 losses" in differs(BASE, dict(BASE, losses=[5.0, 4.5]))
+    assert "param_l2" in differs(BASE, dict(BASE, param_l2=10.1))
+    assert "param_sha256 differs" in differs(BASE, dict(BASE, param_sha256="abd"))
+    assert "counters sum to 0" in differs(BASE, dict(BASE, preemptions=1))
+    assert "is nan" in differs(BASE, dict(BASE, losses=[5.0, float("nan"), 4.0]))
+
+
+def test_the_bits_rule_follows_the_contract() -> None:
+    """Bits equal where every step kept D x P and no slot was re-routed, or under --exact;
+    a re-route (another order of the fp32 sums) or a change of D or P leaves tolerance."""
+    rerouted = KEPT + [{"from_step": 3, "pipelines": 2, "stages": 2, "rerouted": True}]
+    smaller = KEPT + [{"from_step": 3, "pipelines": 1, "stages": 2, "rerouted": False}]
+    back = smaller + [{"from_step": 5, "pipelines": 2, "stages": 2, "rerouted": False}]
+    shadowed = dict(BASE, preemptions=2, failovers=1, drains=1, reconfigurations=1)
+    assert bits_must_match(shadowed, BASE)  # a failover and a drain that keep the layout
+    assert "param_sha256 differs" in differs(BASE, dict(shadowed, param_sha256="abd"))
+    for layouts in (rerouted, smaller, back):
+        got = dict(BASE, layouts=layouts, param_sha256="abd", preemptions=1, reroutes=1)
+        assert not bits_must_match(got, BASE) and differs(BASE, got) == ""
+        exact = dict(got, config={"exact": True})
+        assert bits_must_match(exact, BASE) and "(--exact)" in differs(BASE, exact)
+    assert not bits_must_match(dict(BASE, layouts=KEPT), dict(BASE, layouts=[
+        {"from_step": 0, "pipelines": 1, "stages": 2, "rerouted": False}]))
+    old = {k: v for k, v in BASE.items() if k != "layouts"}  # before the record
+    assert bits_must_match(old) and not bits_must_match(dict(old, reroutes=1))
+
+
+def test_an_equal_verdict_says_why() -> None:
+    """The table explains each equal trial: how its losses were handled and which rule
+    judged its bits."""
+    shadowed = dict(BASE, preemptions=1, failovers=1, losses=[5.0, 4.5 * (1 + 2e-8), 4.0])
+    assert explain(BASE, shadowed) == ("failovers 1; bits equal, as required (the layout was "
+                                       "kept); losses within 2.0e-08 relative")
+    rerouted = dict(BASE, preemptions=1, reroutes=1, param_sha256="abd", layouts=KEPT + [
+        {"from_step": 3, "pipelines": 2, "stages": 2, "rerouted": True}])
+    assert explain(BASE, rerouted).startswith("reroutes 1; bits differ, allowed: ")
+    assert explain(BASE, dict(BASE, config={"exact": True})) == (
+        "no loss; bits equal, as required (--exact); losses within 0.0e+00 relative")
+
+
+def test_a_rerun_command_carries_the_fault() -> None:
+    train = ["--nodes", "4", "--stages", "2"]
+    kill = Trial(index=2, faults=[{"kind": "burst", "node": "n0", "pipeline": 0, "stage": 0,
+                                   "step": 3},
+                                  {"kind": "burst", "node": "n1", "pipeline": 0, "stage": 1,
+                                   "step": 3}])
+    assert rerun_command(train, kill, ["kill", "burst"], 5) == \
+        "bamboo train --nodes 4 --stages 2 --kill 0:0@3 --kill 0:1@3"
+    notice = Trial(index=0, faults=[{"kind": "notice", "node": "n3", "pipeline": 1, "stage": 1,
+                                     "step": 4}])
+    assert rerun_command(train, notice, ["notice"], 5).endswith("--kill 1:1@4+notice")
+    twice = Trial(index=7, faults=[dict(kill.faults[0], node=n) for n in ("n0", "n2")])
+    assert rerun_command(train, twice, ["burst"], 5) == (  # one holder named twice
+        "bamboo soak --nodes 4 --stages 2 --faults burst --seed 5 --trial 7")
+    for faults in ([{"kind": "stop", "node": "n1", "pipeline": 0, "stage": 1, "step": 2}],
+                   [{"kind": "kill", "node": "n4", "pipeline": None, "stage": None, "step": 2}],
+                   [{"kind": "coordinator", "after_step": 2}]):
+        assert rerun_command(train, Trial(index=7, faults=faults), ["kill", "stop"], 5) == \
+            "bamboo soak --nodes 4 --stages 2 --faults kill,stop --seed 5 --trial 7"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--faults", "kill,meteor"], "--faults 'kill,meteor': choose from kill, stop"),
+    (["--trials", "0"], "--trials must be a positive integer"),
+    (["--trial", "-1"], "--trial must be 0 or more"),
+    (["--resume", "auto"], "--out, --resume and --json are the soak's own"),
+])
+def test_bad_soak_flags_are_one_line(args: list[str], expected: str,
+                                     capsys: pytest.CaptureFixture) -> None:
+    from bamboo.cli import main
+    with pytest.raises(SystemExit) as info:
+        main(["soak", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(400)
+def test_a_short_soak_of_a_small_job_is_equal_every_trial(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    proc = subprocess.run(BAMBOO + ["soak", "--nodes", "4", "--stages", "2", "--steps", "8",
+                                    "--lease", "2", "--trials", "3", "--faults",
+                                    "kill,stop,notice", "--seed", "1", "--out", str(out),
+                                    "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=380)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert {k: result[k] for k in ("trials", "equal", "clear_stop", "hang", "wrong")} == {
+        "trials": 3, "equal": 3, "clear_stop": 0, "hang": 0, "wrong": 0}, proc.stderr
+    for case in result["cases"]:
+        assert case["outcome"] == "equal"
+        assert case["command"].startswith("bamboo train " if case["faults"][0]["kind"] != "stop"
+                                          else "bamboo soak "), case
+        assert case["faults"] and all("node" in f for f in case["faults"]), case
+        events = [json.loads(line) for line in
+                  (out / f"trial-{case['index']:03d}" / "events.jsonl").read_text().splitlines()]
+        lost = [e for e in events if e["event"] == "node_lost"]
+        if [e["step"] for e in events if e["event"] == "notice"] == [7]:
+            # noticed for the last step: the run ends at the boundary it would drain at
+            assert case["faults"][0]["kind"] == "notice" and not lost, case
+            continue
+        assert lost, f"trial {case['index']}: no node was lost"
+    assert "trials 3: equal 3" in proc.stderr
+
+
+def _soak(out: Path, args: list[str]) -> tuple[dict, list[dict]]:
+    proc = subprocess.run(BAMBOO + ["soak", "--model", "gpt2-tiny", *args, "--out", str(out),
+                                    "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    summaries = [json.loads((out / f"trial-{c['index']:03d}" / "summary.json").read_text())
+                 for c in result["cases"]]
+    assert result["equal"] == result["trials"], proc.stderr
+    return result, summaries
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_soak_of_re_routes_judges_them_equal(tmp_path: Path) -> None:
+    """D = 3: every loss is re-routed (the fp32 sums change order, so the bits may differ)
+    and every trial is equal by the contract's rule; the rerun lines carry the kills."""
+    result, summaries = _soak(tmp_path / "soak", [
+        "--nodes", "6", "--stages", "2", "--micro-batches", "2", "--steps", "8",
+        "--trials", "2", "--faults", "kill", "--seed", "11"])
+    for case, summary in zip(result["cases"], summaries):
+        assert summary["reroutes"] >= 1 and any(x["rerouted"] for x in summary["layouts"])
+        assert "--kill " in case["command"], case
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_soak_of_shadows_and_peer_restores_judges_them_equal(tmp_path: Path) -> None:
+    """D = 2: a kill is a shadow's failover (the layout kept: the bits must match), a burst
+    of both nodes of a pipeline a failover then a peer restore (seed 3 draws both)."""
+    result, summaries = _soak(tmp_path / "soak", [
+        "--nodes", "4", "--stages", "2", "--steps", "8", "--lease", "2", "--trials", "2",
+        "--faults", "kill,burst", "--seed", "3"])
+    assert sum(s["peer_restores"] for s in summaries) >= 1, summaries
+    kept = [s for s in summaries if bits_must_match(s)]
+    assert kept and all(s["failovers"] >= 1 for s in kept)
+    base = json.loads((tmp_path / "soak" / "failure-free" / "summary.json").read_text())
+    assert all(s["param_sha256"] == base["param_sha256"] for s in kept)

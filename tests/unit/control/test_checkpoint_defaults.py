@@ -1,0 +1,239 @@
+"""Checkpoints a newcomer gets without asking, and checkpoints that cannot be trusted.
+
+On by default (the interval chosen by the run, Young/Daly within bounds, the first one early,
+the finished run's final state a resume point); a rerun into its own --out names
+`--resume auto`; a manifest or layer that was edited or damaged is skipped with one line,
+never loaded; a save that fails leaves no folder; a summary that cannot be written is said.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bamboo.run.checkpoint import (CheckpointError, discard_unpublished, load_latest,
+                               load_layer_tensors, publish, step_dir, write_layers)
+from bamboo.control.interval import (FIRST_AFTER, MAX_UNPROTECTED_S,
+                                                 MAX_WRITE_SHARE, choose_interval)
+from bamboo.config import JobConfig
+from conftest import assert_close, mounted_tmpfs, run_bamboo, run_events
+from coordinator_sim import SimCluster
+
+from test_decisions import kill_stages, run  # noqa: E402
+
+META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0, "losses": [5.0, 4.0]}
+
+
+def save(root: Path, step: int, seed: int) -> dict[int, torch.Tensor]:
+    torch.manual_seed(seed)
+    vectors = {i: torch.randn(7) for i in range(8)}
+    write_layers(step_dir(root, step), {i: {"state": v} for i, v in vectors.items()})
+    publish(root, step, range(8), META, keep=5)
+    return vectors
+
+
+# -- the interval -----------------------------------------------------------------------------
+
+
+def test_the_interval_is_young_daly_within_its_bounds() -> None:
+    # 0.1 s to write, 0.2 s a step, the prior rate (one uncovered loss an hour): T =
+    # sqrt(2 x 0.1 x 3600) = 26.8 s = 134 steps; writing costs 0.1 / 26.8 = 0.4% < 1%.
+    every, why = choose_interval(0.1, 0.2, 0.0)
+    assert every == 134 and why["bound"] == "young_daly" and why["mtbf_s"] == 3600.0
+    # A rate seen far above the prior shortens it, down to where writing costs 1%.
+    every, why = choose_interval(0.1, 0.2, 3600.0)
+    assert every == math.ceil(0.1 / (MAX_WRITE_SHARE * 0.2)) == 50 and why["bound"] == "write_share"
+    # A slow write is never allowed to leave more than MAX_UNPROTECTED_S unprotected.
+    every, why = choose_interval(30.0, 0.5, 0.0)
+    assert every == MAX_UNPROTECTED_S / 0.5 and why["bound"] == "unprotected"
+    assert choose_interval(0.0, 0.2, 0.0)[0] == 1  # free writes: every step
+
+
+def test_without_the_flag_a_run_checkpoints_early_and_restores_the_newest(tmp_path: Path) -> None:
+    """Two adjacent stages of the only pipeline lost in step 6: no redundancy covers it, and
+    the run goes back to its newest checkpoint, not to step 0. (The simulated writes cost
+    nothing, so the interval chosen here is every step.)"""
+    cfg = JobConfig.of(nodes=4, stages=4, steps=10, micro_batches=4).validate()
+    assert cfg.checkpoints.every is None  # chosen by the run
+    sim = run(tmp_path, cfg, {6: kill_stages((0, 1), (0, 2))})
+    assert sim.stopped is None, sim.stopped
+    published = [e["step"] for e in sim.events.of("checkpoint")]
+    assert published[0] == FIRST_AFTER and published[-1] == 10  # early, and the final state
+    chosen = sim.events.of("checkpoint_interval")[0]
+    assert chosen["after_step"] == FIRST_AFTER
+    assert chosen["every"] == choose_interval(chosen["write_s"], chosen["step_s"], 0.0)[0]
+    restores = sim.events.of("checkpoint_restore")
+    newest = max(s for s in published if s <= 6)
+    assert [(Path(e["checkpoint"]).name, e["step"]) for e in restores] == [
+        (f"step-{newest:08d}", newest)]
+    config = sim.core.summary("completed", None)["config"]
+    assert config["checkpoint_every_by"] == "run" and config["checkpoint_every"] == chosen["every"]
+
+
+def test_checkpoint_every_0_turns_them_off(tmp_path: Path) -> None:
+    cfg = JobConfig.of(nodes=4, stages=4, steps=6, micro_batches=4, checkpoint_every=0).validate()
+    sim = run(tmp_path, cfg, {3: kill_stages((0, 1), (0, 2))})
+    assert sim.events.of("checkpoint") == []
+    assert [e["checkpoint"] for e in sim.events.of("checkpoint_restore")] == [None]
+    assert sim.core.summary("completed", None)["config"]["checkpoint_every"] == 0
+
+
+# -- a manifest is checked, not trusted ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("edit", ["step", "losses", "layer_digest"])
+def test_an_edited_manifest_is_skipped_with_one_line(tmp_path: Path, edit: str) -> None:
+    save(tmp_path, 10, 1)
+    save(tmp_path, 15, 2)
+    path = tmp_path / "step-00000015" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if edit == "step":
+        manifest["step"] = 14
+    elif edit == "losses":
+        manifest["meta"]["losses"][0] = 1.0
+    else:
+        manifest["sidecars"]["layer-0003"] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    got = load_latest(tmp_path, quiet=True)
+    assert got.step == 10 and got.meta["losses"] == [5.0, 4.0]
+    assert got.warning == ("checkpoint step-00000015: manifest.json does not match its checksum "
+                           "(edited or damaged); resuming from step-00000010 instead")
+
+
+def test_a_manifest_of_another_folder_is_skipped(tmp_path: Path) -> None:
+    """A whole checkpoint copied under another step's name is not that step."""
+    import shutil
+    save(tmp_path, 10, 1)
+    save(tmp_path, 12, 2)
+    shutil.copytree(tmp_path / "step-00000012", tmp_path / "step-00000020")
+    got = load_latest(tmp_path, quiet=True)
+    assert got.step == 12 and "step-00000020: manifest.json names step 12, its folder step 20" \
+        in got.warning
+
+
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp", "layer.json"])
+def test_a_same_size_byte_flip_falls_back_without_a_traceback(tmp_path: Path, victim: str,
+                                                               capfd: pytest.CaptureFixture) -> None:
+    old = save(tmp_path, 10, 1)
+    save(tmp_path, 20, 2)
+    path = tmp_path / "step-00000020" / "layer-0003" / victim
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x20  # a flipped bit keeps every size
+    path.write_bytes(bytes(raw))
+    got = load_latest(tmp_path, quiet=True)
+    assert got.step == 10 and "\n" not in got.warning
+    assert "step-00000020: layer-0003/" in got.warning
+    assert torch.equal(dict(load_layer_tensors(got.path, 3))["state"], old[3])
+    if victim == ".metadata":  # read directly: one error, and nothing of torch's on stderr
+        capfd.readouterr()
+        with pytest.raises(CheckpointError, match="layer-0003 cannot be read"):
+            load_layer_tensors(tmp_path / "step-00000020", 3)
+        assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_failed_save_leaves_no_folder_but_a_published_one_stays(tmp_path: Path) -> None:
+    save(tmp_path, 10, 1)
+    write_layers(step_dir(tmp_path, 20), {0: {"state": torch.ones(3)}})  # never whole
+    assert discard_unpublished(tmp_path, 20) and not (tmp_path / "step-00000020").exists()
+    assert not discard_unpublished(tmp_path, 10) and load_latest(tmp_path).step == 10
+    assert not discard_unpublished(tmp_path, 30)  # nothing there
+
+
+# -- real runs ----------------------------------------------------------------------------------
+
+JOB = ["train", "--nodes", "2", "--stages", "2", "--no-report"]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_an_uncovered_loss_restores_the_default_checkpoint_not_step_0(tmp_path: Path) -> None:
+    """The newcomer's run: 4 nodes, no checkpoint flag, stages 1 and 2 of the only pipeline
+    killed in step 6. The run goes back to the checkpoint it wrote after step 2 and ends
+    equal to the failure-free run."""
+    from test_reconfig import assert_equal_and_accounted
+    out = tmp_path / "run"
+    result = run_bamboo([*JOB[:1], "--nodes", "4", "--stages", "4", "--steps", "8", "--quiet",
+                         "--no-report", "--json", "--kill", "0:1@6", "--kill", "0:2@6"], out)
+    assert result.code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert_equal_and_accounted(summary, JobConfig.of(nodes=4, stages=4, steps=8).validate(),
+                               lost=2)
+    restores = [e for e in run_events(out) if e["event"] == "checkpoint_restore"]
+    assert [(Path(e["checkpoint"]).name, e["redone_steps"]) for e in restores] == [
+        ("step-00000002", 4)]
+    assert summary["checkpoint_restores"] == 1 and summary["redone_steps"] == 4
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_the_same_command_resumes_and_a_finished_run_extends_without_redoing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = run_bamboo([*JOB, "--steps", "4", "--json", "--quiet"], out)
+    assert first.code == 0, first.stderr
+    summary = json.loads(first.stdout)
+    assert summary["config"]["checkpoint_every_by"] == "run"
+    assert summary["config"]["checkpoint_every"] >= 1
+    again = run_bamboo([*JOB, "--steps", "4", "--quiet"], out)
+    assert again.code == 2 and "--resume auto" in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    more = run_bamboo([*JOB, "--steps", "6", "--json", "--resume", "auto"], out)
+    assert more.code == 0, more.stderr
+    extended = json.loads(more.stdout)
+    assert "resumed from step 4 (" in more.stderr, more.stderr
+    assert (extended["resumed_from_step"], extended["redone_steps"]) == (4, 0)
+    assert_close(extended["losses"][:4], summary["losses"], rel=0)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_resume_auto_past_an_edited_or_corrupt_checkpoint(tmp_path: Path) -> None:
+    """The newest checkpoint edited: resumed from the one before, with one line. Every one
+    damaged: one line saying so, and a start from step 0 (no traceback either way)."""
+    out = tmp_path / "run"
+    first = run_bamboo([*JOB, "--steps", "5", "--checkpoint-every", "2", "--json", "--quiet"], out)
+    assert first.code == 0, first.stderr
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
+    manifest = json.loads((root / "step-00000005" / "manifest.json").read_text())
+    manifest["step"] = 3
+    (root / "step-00000005" / "manifest.json").write_text(json.dumps(manifest))
+    second = run_bamboo([*JOB, "--steps", "6", "--json", "--quiet", "--resume", "auto"], out)
+    assert second.code == 0, second.stderr
+    warned = [line for line in second.stderr.splitlines() if "step-00000005" in line]
+    assert len(warned) == 1 and "does not match its checksum" in warned[0], second.stderr
+    assert json.loads(second.stdout)["resumed_from_step"] == 4
+    for manifest in root.glob("step-*/manifest.json"):
+        manifest.write_text(manifest.read_text().replace('"step"', '"stop"'))
+    third = run_bamboo([*JOB, "--steps", "7", "--json", "--quiet", "--resume", "auto"], out)
+    assert third.code == 0, third.stderr
+    warned = [line for line in third.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "--resume auto: no whole checkpoint" in warned[0] and \
+        "starting from step 0" in warned[0], third.stderr
+    assert "Traceback" not in second.stderr + third.stderr
+    assert json.loads(third.stdout)["resumed_from_step"] is None
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_full_disk_leaves_no_failed_save_and_says_where_the_summary_is(tmp_path: Path) -> None:
+    """A 2 MB --out and a checkpoint every step: the saves that do not fit are warned about
+    and removed (no step folder without its manifest), and the run's last line says whether
+    summary.json was written."""
+    with mounted_tmpfs(tmp_path / "disk", "size=2m") as disk:
+        out = disk / "run"
+        result = run_bamboo([*JOB, "--steps", "8", "--checkpoint-every", "1", "--json", "--quiet"],
+                            out)
+        assert "Traceback" not in result.stderr
+        failed = [e for e in run_events(out) if e["event"] == "checkpoint_failed"]
+        assert failed, "the disk was expected to fill"
+        leftover = [p.name for p in (out / "checkpoints").glob("step-*")
+                    if not (p / "manifest.json").exists()]
+        assert leftover == []
+        if (out / "summary.json").exists():
+            assert json.loads((out / "summary.json").read_text())["steps_completed"] == 8
+        else:
+            assert result.code != 0 and "summary.json" in result.stderr.splitlines()[-1]

@@ -1,0 +1,154 @@
+"""End to end: real worker processes, gloo, the real command line.
+
+The invariant every later feature keeps: any layout of the same global batch gives
+the losses and parameters of a plain single-process loop.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bamboo.config import JobConfig
+from conftest import assert_close
+
+from reference import train_reference  # noqa: E402
+
+STEPS = 6
+# Same global batch everywhere: D x M = 4 micro-batches of 8 samples.
+LAYOUTS = {
+    "1 node": ["--nodes", "1", "--stages", "1", "--micro-batches", "4"],
+    "4 stages": ["--nodes", "4", "--stages", "4", "--micro-batches", "4"],
+    "2 pipelines x 2 stages": ["--nodes", "4", "--stages", "2", "--pipelines", "2",
+                               "--micro-batches", "2"],
+    "2 pipelines x 4 stages": ["--nodes", "8", "--stages", "4", "--micro-batches", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return train_reference(JobConfig.of(steps=STEPS, micro_batches=4).validate())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_equals_the_single_process_loop(bamboo, reference, layout: str) -> None:
+    result = bamboo(["--steps", str(STEPS), "--json", "--quiet", *LAYOUTS[layout]])
+    assert result.code == 0, result.stderr
+    summary = result.summary
+    ref_losses, ref_params = reference
+    assert summary["steps_completed"] == STEPS
+    assert_close(summary["losses"], ref_losses, rel=1e-6)
+    l2 = float(torch.sqrt(sum(t.double().square().sum() for t in ref_params.values())))
+    assert_close(summary["param_l2"], l2, rel=1e-6)
+    params = torch.load(result.out / "model.pt", weights_only=True)
+    assert params.keys() == ref_params.keys()
+    for name, tensor in ref_params.items():
+        torch.testing.assert_close(params[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_exact_layouts_are_bit_identical(bamboo) -> None:
+    """--exact: float64 sums in pipeline order, so one node, one pipeline of four stages and
+    two pipelines give the same parameter bits and the same losses; the default (fp32 sums,
+    one all-reduce) stays within 1e-6 of them."""
+    runs = {name: bamboo(["--steps", "3", "--json", "--quiet", "--exact", *LAYOUTS[name]], name)
+            for name in ("1 node", "4 stages", "2 pipelines x 2 stages")}
+    assert all(r.code == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    summaries = [r.summary for r in runs.values()]
+    assert len({s["param_sha256"] for s in summaries}) == 1
+    assert all(s["losses"] == summaries[0]["losses"] for s in summaries)
+    assert all(s["config"]["exact"] for s in summaries)
+    fp32 = bamboo(["--steps", "3", "--json", "--quiet", *LAYOUTS["2 pipelines x 2 stages"]], "fp32")
+    assert fp32.code == 0, fp32.stderr
+    assert_close(fp32.summary["losses"], summaries[0]["losses"], rel=1e-6)
+    assert_close(fp32.summary["param_l2"], summaries[0]["param_l2"], rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_summary_and_events_follow_the_contract(bamboo) -> None:
+    result = bamboo(["--nodes", "5", "--stages", "4", "--steps", "3", "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    summary = result.summary
+    for key, kind in [("steps_completed", int), ("samples", int), ("losses", list),
+                      ("param_l2", float), ("param_sha256", str), ("preemptions", int),
+                      ("failovers", int), ("drains", int), ("peer_restores", int),
+                      ("checkpoint_restores", int), ("standby_losses", int),
+                      ("reconfigurations", int), ("redone_steps", int), ("pause_s", list),
+                      ("wall_s", float), ("throughput", float), ("config", dict)]:
+        assert isinstance(summary[key], kind), key
+    assert summary["samples"] == 3 * 4 * 8
+    assert summary["config"] | {} == summary["config"]
+    assert {k: summary["config"][k] for k in ("nodes", "stages", "pipelines", "micro_batches",
+                                              "redundancy", "model", "seed")} == {
+        "nodes": 5, "stages": 4, "pipelines": 1, "micro_batches": 4, "redundancy": "eager",
+        "model": "gpt2-tiny", "seed": 0}
+    assert result.stdout.strip().startswith("{")  # --json: the summary on stdout
+    events = result.events()
+    ups = [e for e in events if e["event"] == "node_up"]
+    assert [e["node"] for e in ups] == ["n0", "n1", "n2", "n3", "n4"]
+    assert [e["stage"] for e in ups] == [0, 1, 2, 3, None]  # n4 is a standby
+    assert all(isinstance(e["pid"], int) for e in ups)
+    steps = [e for e in events if e["event"] == "step_done"]
+    assert [e["step"] for e in steps] == [0, 1, 2]
+    assert [e["loss"] for e in steps] == summary["losses"]
+    for e in steps:
+        assert [n["stages"] for n in e["nodes"]] == [[0], [1], [2], [3]]
+        for node in e["nodes"]:
+            assert node["compute_s"] > 0 and node["step_s"] >= node["compute_s"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model,stages", [("bert-tiny", 2), ("cnn-tiny", 3)])
+def test_other_models_pipeline_equals_single_process(bamboo, model: str, stages: int) -> None:
+    args = ["--model", model, "--steps", "3", "--json", "--quiet", "--micro-batches", "3"]
+    one = bamboo([*args, "--nodes", "1", "--stages", "1"], "one")
+    many = bamboo([*args, "--nodes", str(stages), "--stages", str(stages)], "many")
+    assert one.code == 0 and many.code == 0, one.stderr + many.stderr
+    assert_close(many.summary["losses"], one.summary["losses"], rel=1e-6)
+    assert_close(many.summary["param_l2"], one.summary["param_l2"], rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_trains_on_a_text_file(bamboo, tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
+    result = bamboo(["--data", str(text), "--nodes", "2", "--stages", "2", "--steps", "8",
+                     "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    losses = result.summary["losses"]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_job_learns(bamboo) -> None:
+    result = bamboo(["--steps", "50", "--json", "--quiet"])
+    assert result.code == 0, result.stderr
+    losses = result.summary["losses"]
+    assert len(losses) == 50
+    assert losses[-1] <= 0.7 * losses[0], losses
+
+
+@pytest.mark.timeout(180)
+def test_a_diverging_run_stops_naming_the_step(bamboo, tmp_path: Path) -> None:
+    """--lr 1e6: the first non-finite loss or gradient norm stops the run with one line that
+    names the step and suggests a lower --lr; the summary holds the finite steps before it,
+    and no model is written (a good model.pt already there stays as it was)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"a good model")
+    result = bamboo(["--nodes", "2", "--stages", "2", "--steps", "8", "--lr", "1e6",
+                     "--quiet", "--resume", "auto"])
+    assert result.code != 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "diverged in step" in lines[0] and "lower --lr" in lines[0], \
+        result.stderr
+    assert "Traceback" not in result.stderr
+    summary = result.summary
+    step = int(lines[0].split("diverged in step ")[1].split(":")[0])
+    assert summary["status"] == "failed" and summary["steps_completed"] == step < 8
+    assert all(math.isfinite(x) for x in summary["losses"]) and len(summary["losses"]) == step
+    assert (out / "model.pt").read_bytes() == b"a good model"

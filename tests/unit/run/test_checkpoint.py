@@ -1,0 +1,512 @@
+"""Durable checkpoints written by the holders (format 2: one DCP folder per layer, the
+manifest written last by the coordinator): round trip, subsets, fallback past partial and
+broken ones, pruning, full disks, safe loading, URLs; and real runs that write, restore and
+resume from them without a tensor passing through the coordinator."""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bamboo.run import checkpoint as ck
+from bamboo.run.checkpoint_storage import HOST, LocalStore
+from bamboo.run.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
+                               load_latest, load_layer_tensors, load_layers, publish, step_dir,
+                               write_layers)
+from conftest import mounted_tmpfs, run_bamboo
+
+LAYER_META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0}
+"""What the coordinator writes: one entry per layer of the model (gpt2-tiny has 8)."""
+
+
+def states(seed: int, layers=range(8), size: int = 13) -> dict[int, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {i: torch.randn(size) for i in layers}
+
+
+def save(root, step: int, vectors: dict[int, torch.Tensor], meta=None, *, keep: int = 2,
+         layers=None):
+    """What a run does: the holders write their layers, the coordinator publishes."""
+    write_layers(step_dir(root, step), {i: {"state": v} for i, v in vectors.items()})
+    return publish(root, step, sorted(vectors) if layers is None else layers,
+                   LAYER_META if meta is None else meta, keep=keep)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def two_checkpoints(root) -> tuple[dict, dict]:
+    old, new = states(1), states(2)
+    save(root, 10, old, LAYER_META | {"losses": [3.5]})
+    save(root, 20, new, LAYER_META | {"losses": [3.5, 3.1]})
+    return old, new
+
+
+def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
+    vectors = states(0)
+    path = save(tmp_path, 7, vectors, LAYER_META | {"layout": [2, 1]})
+    assert path == tmp_path / "step-00000007"
+    assert (tmp_path / "LATEST").read_text().strip() == "step-00000007"
+    manifest = json.loads((path / "manifest.json").read_text())
+    checksum, sidecars = manifest.pop("checksum"), manifest.pop("sidecars")
+    assert manifest == {"format": ck.FORMAT, "step": 7, "layers": list(range(8)),
+                        "meta": LAYER_META | {"layout": [2, 1]}}
+    assert ck.FORMAT == 3 and len(checksum) == 64 and sorted(sidecars) == [
+        f"layer-{i:04d}" for i in range(8)]
+    for i in range(8):  # each layer is a DCP folder of its own, under a per-layer key
+        names = sorted(p.name for p in (path / f"layer-{i:04d}").iterdir())
+        assert names == [".metadata", "__0_0.distcp", "layer.json"]
+    got = load_latest(tmp_path)
+    assert (got.step, got.layers, got.warning, got.path) == (7, list(range(8)), None, path)
+    assert got.meta == LAYER_META | {"layout": [2, 1]}
+    assert_same(load_layers(got.path, range(8)), vectors)
+    # A later layout with another partition reads only its layers.
+    assert_same(load_layers(got.path, [5, 2, 3]), {i: vectors[i] for i in (2, 3, 5)})
+    assert [n for n, _ in load_layer_tensors(got.path, 4)] == ["state"]
+
+
+def test_named_tensors_keep_their_order_and_dtype(tmp_path):
+    tensors = {"param.b": torch.arange(3.0), "param.a": torch.ones(2, 2, dtype=torch.float64),
+               "param.c": torch.tensor([1, 2], dtype=torch.int64)}
+    write_layers(tmp_path / "final-00000005", {3: tensors})
+    got = load_layer_tensors(tmp_path / "final-00000005", 3)
+    assert [n for n, _ in got] == ["param.b", "param.a", "param.c"]
+    assert_same(dict(got), tensors)
+
+
+def test_publishing_prunes_to_keep_and_leaves_no_temporaries(tmp_path):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, states(step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000003", "step-00000004"]
+    save(tmp_path, 5, states(5), keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000005"]
+    assert load_latest(tmp_path).step == 5
+
+
+def test_pruning_spares_a_later_step_still_being_written(tmp_path):
+    save(tmp_path, 4, states(4))
+    write_layers(step_dir(tmp_path, 8), {0: {"state": torch.ones(2)}})  # in flight
+    write_layers(step_dir(tmp_path, 5), {0: {"state": torch.ones(2)}})  # never finished
+    save(tmp_path, 6, states(6), keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000006",
+                                                         "step-00000008"]
+
+
+def _damage(newest: Path, damage: str) -> str:
+    layer = newest / "layer-0003"
+    data = layer / "__0_0.distcp"
+    if damage == "layer_missing":
+        import shutil
+        shutil.rmtree(layer)
+        return "layer-0003 is missing"
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[:100])
+        return "layer-0003/__0_0.distcp is truncated (100 of"
+    if damage == "no_metadata":
+        (layer / ".metadata").unlink()
+        return "layer-0003/.metadata is missing"
+    if damage == "no_sidecar":
+        (layer / "layer.json").unlink()
+        return "layer-0003/layer.json is missing"
+    if damage == "no_manifest":
+        (newest / "manifest.json").unlink()
+        return "manifest.json is missing"
+    if damage == "bad_manifest":
+        (newest / "manifest.json").write_text('{"step": 20, "lay')
+        return "manifest.json is unreadable"
+    if damage == "old_format":
+        (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
+                                                          "files": {}, "meta": {}}))
+        return "manifest.json is of format 1; this version of bamboo reads format 3"
+    raise AssertionError(damage)
+
+
+@pytest.mark.parametrize("damage", ["layer_missing", "truncated", "no_metadata", "no_sidecar",
+                                    "no_manifest", "bad_manifest", "old_format"])
+def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, damage, caplog):
+    old, _ = two_checkpoints(tmp_path)
+    expected = _damage(tmp_path / "step-00000020", damage)
+    assert has_whole_checkpoint(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="bamboo.run.checkpoint"):
+        got = load_latest(tmp_path)
+    assert got.step == 10 and got.meta["losses"] == [3.5]
+    assert_same(load_layers(got.path, range(8)), old)
+    assert "step-00000020" in got.warning and expected in got.warning, got.warning
+    assert "resuming from step-00000010" in got.warning and "\n" not in got.warning
+    assert [r.getMessage() for r in caplog.records if r.name == "bamboo.run.checkpoint"] == \
+        [got.warning]
+
+
+def test_corrupt_bytes_are_caught_by_sha256_when_the_layer_is_read(tmp_path):
+    """A flipped byte keeps every size: the file's digest catches it when a checkpoint is
+    chosen (it falls back), and the tensor's when the layer is read."""
+    old, _ = two_checkpoints(tmp_path)
+    data = tmp_path / "step-00000020" / "layer-0003" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    at = bytes(raw).index(states(2)[3].numpy().tobytes())  # the tensor's own bytes
+    raw[at + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    got = load_latest(tmp_path)
+    assert got.step == 10 and got.warning == (
+        "checkpoint step-00000020: layer-0003/__0_0.distcp is corrupt (sha256 mismatch); "
+        "resuming from step-00000010 instead")
+    with pytest.raises(CheckpointError, match="layer-0003: layer.3.state is corrupt"):
+        load_layers(tmp_path / "step-00000020", [3])
+    assert_same(load_layers(tmp_path / "step-00000020", [2, 4]),
+                {i: states(2)[i] for i in (2, 4)})  # the other layers are fine
+    got = load_latest(tmp_path, verify_data=True)
+    assert got.step == 10 and "sha256 mismatch" in got.warning
+    assert_same(load_layers(got.path, range(8)), old)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/bamboo-pwned",))
+
+
+def test_an_unsafe_pickle_in_dcp_metadata_is_refused_not_run(tmp_path):
+    two_checkpoints(tmp_path)
+    meta = tmp_path / "step-00000020" / "layer-0001" / ".metadata"
+    payload = pickle.dumps(_Evil())
+    meta.write_bytes(payload)
+    sidecar = meta.parent / "layer.json"
+    info = json.loads(sidecar.read_text())
+    info["files"][".metadata"] = len(payload)  # a valid size: only reading can tell
+    sidecar.write_text(json.dumps(info))
+    Path("/tmp/bamboo-pwned").unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="layer-0001 cannot be read .*posix.system is not "
+                                              "allowed in DCP metadata"):
+        load_layers(tmp_path / "step-00000020", [1])
+    got = load_latest(tmp_path, verify_data=True)  # the edited sidecar: not its digest
+    assert got.step == 10 and "layer-0001/layer.json does not match" in got.warning
+    assert not Path("/tmp/bamboo-pwned").exists()
+
+
+def test_a_failed_layer_write_keeps_everything_earlier(tmp_path, monkeypatch):
+    old = states(1)
+    save(tmp_path, 10, old)
+    import torch.distributed.checkpoint.filesystem as fs
+    real = fs._write_item
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(CheckpointError) as info:
+        write_layers(step_dir(tmp_path, 20), {2: {"state": torch.ones(5)}})
+    text = str(info.value)
+    assert "\n" not in text
+    assert text == f"could not write layer 2 to {tmp_path}/step-00000020: No space left on device"
+    monkeypatch.setattr(fs, "_write_item", real)
+    assert sorted(p.name for p in (tmp_path / "step-00000020").iterdir()) == []  # no temporary
+    got = load_latest(tmp_path)
+    assert got.step == 10 and "step-00000020: manifest.json is missing" in got.warning
+    assert_same(load_layers(got.path, range(8)), old)
+
+
+def test_a_failed_manifest_write_publishes_nothing(tmp_path, monkeypatch):
+    save(tmp_path, 10, states(1))
+    write_layers(step_dir(tmp_path, 20), {i: {"state": v} for i, v in states(2).items()})
+
+    def fail(self, path, data):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(LocalStore, "write_atomic", fail)
+    with pytest.raises(CheckpointError) as info:
+        publish(tmp_path, 20, range(8), LAYER_META)
+    assert str(info.value) == (f"checkpoint of step 20 not published in {tmp_path}: could not "
+                               f"write step-00000020/manifest.json: Input/output error; "
+                               f"step-00000010 is kept")
+    monkeypatch.undo()
+    assert load_latest(tmp_path).step == 10
+    assert (tmp_path / "LATEST").read_text() == "step-00000010\n"
+
+
+def test_a_layer_the_coordinator_cannot_see_is_not_published(tmp_path):
+    """A worker that wrote to its own disk instead of the shared one: caught at publish."""
+    write_layers(step_dir(tmp_path, 3), {i: {"state": v} for i, v in states(1, range(7)).items()})
+    with pytest.raises(CheckpointError, match=r"layer 7 reported written but not found in "
+                                              r".*give a shared --checkpoint-dir"):
+        publish(tmp_path, 3, range(8), LAYER_META)
+    assert list_checkpoints(tmp_path) == [tmp_path / "step-00000003"]
+    assert not has_whole_checkpoint(tmp_path)
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint in .*--checkpoint-every"):
+        load_latest(tmp_path / "nothing-here")
+    assert not has_whole_checkpoint(tmp_path / "nothing-here")
+    (tmp_path / "step-00000003").mkdir()
+    with pytest.raises(CheckpointError, match="no whole checkpoint in .*manifest.json is missing"):
+        load_latest(tmp_path)
+    assert not has_whole_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("damage,missing", [("dropped", "layer 3 of the 8"),
+                                            ("two_dropped", "layers 2, 5 of the 8"),
+                                            ("last_never_written", "layer 7 of the 8")])
+def test_a_manifest_lacking_a_layer_is_skipped_like_a_broken_one(tmp_path, damage, missing,
+                                                                  caplog):
+    old = states(1)
+    save(tmp_path, 10, old)
+    newest = tmp_path / "step-00000020"
+    if damage == "last_never_written":
+        save(tmp_path, 20, states(2, range(7)))
+    else:
+        save(tmp_path, 20, states(2))
+        manifest = json.loads((newest / "manifest.json").read_text())
+        for layer in ([3] if damage == "dropped" else [2, 5]):
+            manifest["layers"].remove(layer)
+        (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as info:
+        ck.load_checkpoint(newest)
+    assert f"manifest.json lacks {missing} of gpt2-tiny" in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="bamboo.run.checkpoint"):
+        got = load_latest(tmp_path)
+    assert got.step == 10 and got.layers == list(range(8))
+    assert_same(load_layers(got.path, range(8)), old)
+    assert f"step-00000020: manifest.json lacks {missing}" in got.warning
+    assert "resuming from step-00000010" in got.warning and "\n" not in got.warning
+
+
+def test_a_gap_is_caught_without_knowing_the_model(tmp_path):
+    save(tmp_path, 10, {0: torch.ones(2), 2: torch.ones(2)}, {})
+    with pytest.raises(CheckpointError, match=r"no whole checkpoint .*lacks layer 1:"):
+        load_latest(tmp_path)
+
+
+@pytest.mark.procs
+def test_finding_whole_checkpoints_needs_no_torch(tmp_path):
+    two_checkpoints(tmp_path)
+    _damage(tmp_path / "step-00000020", "truncated")
+    code = ("import sys; from bamboo import checkpoint as c; "
+            f"assert c.has_whole_checkpoint({str(tmp_path)!r}); "
+            f"assert c.load_latest({str(tmp_path)!r}).step == 10; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_file_url_root_works_like_a_folder(tmp_path):
+    root = f"file://{tmp_path}/ckpt"
+    old, new = states(1), states(2)
+    assert save(root, 10, old) == f"{root}/step-00000010"
+    save(root, 20, new)
+    save(root, 30, states(3), keep=2)
+    assert list_checkpoints(root) == [f"{root}/step-00000030", f"{root}/step-00000020"]
+    assert (tmp_path / "ckpt" / "LATEST").read_text() == "step-00000030\n"
+    (tmp_path / "ckpt" / "step-00000030" / "manifest.json").unlink()
+    got = load_latest(root)
+    assert got.step == 20 and got.path == f"{root}/step-00000020"
+    assert "step-00000030: manifest.json is missing" in got.warning
+    assert_same(load_layers(got.path, [1, 6]), {i: new[i] for i in (1, 6)})
+    assert not [p for p in (tmp_path / "ckpt").rglob(".*tmp*")]
+
+
+# -- interrupted writes leave nothing behind ------------------------------------------------
+
+
+def _leftovers(folder: Path, pid: int, host: str | None = None) -> list[str]:
+    """What a write killed mid-way by process `pid` leaves: a partial layer folder, a half
+    replaced same-layer folder and a half written manifest."""
+    tag = f"{pid}-{host}" if host else str(pid)
+    partial = folder / f".tmp-layer-0001-{tag}"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a file")
+    (folder / f".old-layer-0002-{tag}").mkdir()
+    (folder / f".manifest.json.tmp-{tag}").write_text("{")
+    return sorted([partial.name, f".old-layer-0002-{tag}", f".manifest.json.tmp-{tag}"])
+
+
+@pytest.mark.procs
+def test_the_next_write_removes_what_interrupted_writes_of_this_machine_left(tmp_path):
+    folder = step_dir(tmp_path, 20)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    _leftovers(folder, dead.pid)
+    _leftovers(folder, dead.pid, HOST)  # this machine's, named with its host
+    _leftovers(folder, os.getpid(), HOST)  # this process's own, from a write it never finished
+    elsewhere = _leftovers(folder, dead.pid, "another-machine")  # its processes can't be seen
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        try:
+            in_progress = _leftovers(folder, alive.pid)  # a write still running here
+            write_layers(folder, {0: {"state": torch.ones(3)}})
+            assert sorted(p.name for p in folder.iterdir()) == \
+                sorted(["layer-0000", *in_progress, *elsewhere])
+        finally:
+            alive.kill()
+    write_layers(folder, {0: {"state": torch.ones(3)}})
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["layer-0000", *elsewhere])
+
+
+@pytest.mark.procs
+def test_a_real_full_disk_is_one_error_naming_the_layer_and_leaves_no_temporaries(tmp_path):
+    """A 256 kB tmpfs, a layer of 400 kB."""
+    with mounted_tmpfs(tmp_path / "disk", "size=256k") as disk:
+        root = disk / "checkpoints"
+        old = states(1, size=100)
+        save(root, 10, old)
+        with pytest.raises(CheckpointError) as info:
+            write_layers(step_dir(root, 20), {0: {"state": torch.ones(100_000)}})
+        assert str(info.value) == (f"could not write layer 0 to {root}/step-00000020: No space "
+                                   f"left on device")
+        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010",
+                                                         "step-00000020"]
+        assert list((root / "step-00000020").iterdir()) == []
+        got = load_latest(root)
+        assert got.step == 10 and "step-00000020: manifest.json is missing" in got.warning
+        assert_same(load_layers(got.path, range(8)), old)
+        save(root, 30, states(3, size=100))  # the space was given back
+        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010",
+                                                         "step-00000030"]
+
+
+# -- the protocol carries no tensor -------------------------------------------------------
+
+
+def test_checkpoint_and_final_reports_are_plain_json() -> None:
+    from bamboo.wire import frames as wire
+    from bamboo.wire.protocol import CheckpointPart, LayerParams
+    wire.register(CheckpointPart, LayerParams)
+    for msg in (CheckpointPart(rank=1, step=4, layers=[2, 3]),
+                CheckpointPart(rank=1, step=4, layers=[], error="could not write layer 2"),
+                LayerParams(rank=0, layers=[0, 1]), LayerParams(rank=2)):
+        data = dataclasses.asdict(msg)
+        assert json.loads(json.dumps(data)) == data
+        assert wire.decode(json.loads(json.dumps(wire.encode(msg)))) == msg  # the agents' wire
+
+
+# -- real runs ------------------------------------------------------------------------------
+
+
+def _recorded(monkeypatch) -> list:
+    """Every CheckpointPart and LayerParams the in-process coordinator receives."""
+    from bamboo.control.checkpointing import CheckpointAssembly
+    from bamboo.control.results import Results
+    seen: list = []
+    for cls, name in ((CheckpointAssembly, "on_part"), (Results, "on_params")):
+        real = getattr(cls, name)
+
+        def spy(self, msg, real=real):
+            seen.append(msg)
+            return real(self, msg)
+        monkeypatch.setattr(cls, name, spy)
+    return seen
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch):
+    """No live copy of stage 2 survives: the run restores from the checkpoint its holders
+    wrote under a file:// URL; the parts and final reports are plain JSON."""
+    from conftest import run_events
+    from test_failover import run_in_process
+    from test_reconfig import assert_equal_and_accounted, config
+    seen = _recorded(monkeypatch)
+    url = f"file://{tmp_path}/shared/ckpt"
+    cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"],
+                 checkpoint_dir=url)
+    summary = run_in_process(cfg, tmp_path / "run")
+    assert_equal_and_accounted(summary, cfg, lost=2)
+    assert summary["checkpoint_restores"] >= 1 and summary["redone_steps"] == 1
+    restore = [e for e in run_events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
+    assert restore[0]["step"] == 4 and restore[0]["checkpoint"] == f"{url}/step-00000004"
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    shared = tmp_path / "shared" / "ckpt"
+    assert sorted(p.name for p in shared.iterdir()) == [  # the final state is a resume point
+        "LATEST", "final-00000007", "step-00000006", "step-00000007"]
+    kinds = {type(m).__name__ for m in seen}
+    assert kinds == {"CheckpointPart", "LayerParams"}
+    for msg in seen:
+        data = dataclasses.asdict(msg)
+        assert json.loads(json.dumps(data)) == data
+    finals = sorted(i for m in seen if type(m).__name__ == "LayerParams" for i in m.layers)
+    assert finals == list(range(8))  # each layer's final copy written once
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+def test_keep_checkpoints_one_leaves_one_and_model_pt_matches_the_final_layers(tmp_path):
+    out = tmp_path / "run"
+    result = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "5",
+                         "--checkpoint-every", "1", "--keep-checkpoints", "1", "--json",
+                         "--quiet", "--no-report"], out)
+    assert result.code == 0, result.stderr
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "final-00000005",
+                                                     "step-00000005"]  # the final state
+    assert not [p for p in root.rglob(".*tmp*")]
+    model = torch.load(out / "model.pt", weights_only=True)
+    from_storage = {f"layers.{i}.{n.removeprefix('param.')}": t for i in range(8)
+                    for n, t in load_layer_tensors(root / "final-00000005", i)}
+    assert list(model) == list(from_storage)
+    assert_same(model, from_storage)
+
+
+# -- the final model: written by the holders, read back by the coordinator --------------------
+
+
+def _finished_sim(tmp_path: Path, **kw):
+    """A run played to its last step by scripted workers (tests/coordinator_sim.py), each
+    stage's first holder having written its final layers."""
+    from bamboo.config import JobConfig
+    from coordinator_sim import SimCluster
+    sim = SimCluster(JobConfig.of(**(dict(nodes=4, stages=4, steps=3) | kw)).validate(),
+                     tmp_path / "run")
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    return sim
+
+
+def test_the_model_is_read_back_from_the_final_layers_on_storage(tmp_path):
+    sim = _finished_sim(tmp_path, nodes=8)
+    summary = sim.core.final_summary()
+    final = tmp_path / "run" / "checkpoints" / "final-00000003"
+    assert sorted(p.name for p in final.iterdir()) == [f"layer-{i:04d}" for i in range(8)]
+    model = torch.load(io.BytesIO(sim.core.results.model_bytes()), weights_only=True)
+    assert list(model) == [f"layers.{i}.w" for i in range(8)]  # the sim's one parameter
+    assert summary["param_l2"] == 0.0 and summary["param_sha256"]
+
+
+@pytest.mark.parametrize("damage", ["never_reported", "truncated"])
+def test_a_missing_or_broken_final_layer_fails_the_run_cleanly(tmp_path, damage):
+    from bamboo.control.state import Stop
+    sim = _finished_sim(tmp_path)
+    results = sim.core.results
+    if damage == "never_reported":  # its writer was lost after the last step
+        results.final.discard(5)
+    else:
+        data = tmp_path / "run" / "checkpoints" / "final-00000003" / "layer-0005" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:50])
+    with pytest.raises(Stop) as info:
+        sim.core.final_summary()
+    if damage == "never_reported":
+        assert info.value.exit_code == 3
+        assert str(info.value).startswith("the node writing layer 5's final parameters was lost")
+    else:
+        assert info.value.exit_code == 1
+        assert "the trained model cannot be read back" in str(info.value)
+        assert "layer-0005/__0_0.distcp is truncated (50 of" in str(info.value)
+    assert not (tmp_path / "run" / "model.pt").exists()
+    assert sim.core.summary("failed", "x")["param_l2"] is None
+
+
+def test_a_failed_final_write_stops_the_run_naming_it(tmp_path):
+    from bamboo.control.state import Stop
+    from bamboo.wire.protocol import LayerParams
+    sim = _finished_sim(tmp_path)
+    with pytest.raises(Stop, match=r"^the trained model was not saved \(model.pt not written\): "
+                                   r"could not write layer 2 to .*: No space left on device$"):
+        sim.core.results.on_params(LayerParams(rank=1, layers=[], error=(
+            "could not write layer 2 to /x/final-00000003: No space left on device")))

@@ -1,0 +1,212 @@
+"""Policy mechanics: the fatal-failure rule, on-demand closed form, time accounting, determinism."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bamboo.sim.core import SimConfig
+from bamboo.sim.policies import make_policy
+from bamboo.sim.cost_presets import ModelPreset, get_preset
+from bamboo.traces.trace import ADD, REMOVE, Trace, load_trace
+
+TRACES = Path(__file__).resolve().parents[3] / "traces"
+P3 = TRACES / "aws-p3-2xlarge.csv"
+
+# A tiny 4-stage model: 2 pipelines of 4 need 8 nodes.
+TINY = ModelPreset(name="tiny", stages=4, samples_per_step=8, step_s={1: 2.0, 2: 1.0},
+                   rebalance_s=20.0, restart_s=30.0, ckpt_save_s=5.0, ckpt_restart_s=60.0)
+CFG = SimConfig(alloc_delay_s=0.0, fallback_every_s=0.0)
+
+
+def make_trace(events, duration=3600.0, nodes=8):
+    rows = [(0.0, ADD, n) for n in range(nodes)] + [(t, REMOVE, n) for t, n in events]
+    rows.sort(key=lambda r: r[0])
+    return Trace(name="hand", times=[r[0] for r in rows], kinds=[r[1] for r in rows],
+                 nodes=[r[2] for r in rows], duration=duration)
+
+
+def bamboo(trace):
+    return make_policy("bamboo", TINY, CFG).run(trace)
+
+
+# Layout (ordered placement, rendezvous done at t=30): pipeline 0 = nodes 0,1,2,3 (stages 0..3),
+# pipeline 1 = nodes 4,5,6,7. A reconfiguration starts at the step boundary after a failover.
+
+def test_adjacent_stages_lost_before_recovery_is_fatal():
+    assert bamboo(make_trace([(100.0, 1), (100.5, 2)])).fatal_failures == 1  # stages 1 and 2
+    assert bamboo(make_trace([(100.0, 2), (100.5, 1)])).fatal_failures == 1  # the other order
+    assert bamboo(make_trace([(100.0, 0), (100.5, 3)])).fatal_failures == 1  # wrap-around: 3 then 0
+
+
+def test_non_adjacent_or_other_pipeline_or_after_recovery_is_not_fatal():
+    assert bamboo(make_trace([(100.0, 1), (100.5, 3)])).fatal_failures == 0  # stages 1 and 3
+    assert bamboo(make_trace([(100.0, 1), (100.5, 6)])).fatal_failures == 0  # pipelines differ
+    # After the reconfiguration (boundary + 20 s rendezvous) the second loss is covered again.
+    r = bamboo(make_trace([(100.0, 1), (200.0, 2)]))
+    assert r.fatal_failures == 0 and r.extra["failovers"] == 2
+    assert bamboo(make_trace([(100.0, 1)])).extra["failovers"] == 1
+
+
+def test_fatal_restores_from_peer_pipeline_without_losing_steps():
+    r = bamboo(make_trace([(100.0, 1), (100.5, 2)]))
+    assert r.extra["peer_restores"] == 1 and r.extra.get("rolled_back_steps", 0) == 0
+
+
+def reroute(trace):
+    return make_policy("reroute", TINY, CFG).run(trace)
+
+
+def test_reroute_survives_what_kills_a_shadow_and_dies_only_with_a_whole_stage():
+    """Adjacent stages of one pipeline (fatal for bamboo) are re-routed to the other
+    pipeline; stage 1 lost in both pipelines has no holder left: a restore point."""
+    r = reroute(make_trace([(100.0, 1), (100.5, 2)]))
+    assert r.fatal_failures == 0 and r.extra["reroutes"] == 2
+    assert "failovers" not in r.extra
+    lost_everywhere = reroute(make_trace([(100.0, 1), (100.5, 5)]))  # stage 1 of both pipelines
+    assert lost_everywhere.fatal_failures == 1 and lost_everywhere.extra["reroutes"] == 1
+
+
+def test_reroute_costs_nothing_before_a_loss():
+    """No replica, no FRC: on a quiet trace it runs at the plain step time, eager's
+    overhead (`rc_overhead`) faster than bamboo."""
+    quiet = make_trace([])
+    ratio = reroute(quiet).steps / bamboo(quiet).steps
+    assert ratio == pytest.approx(1 + TINY.rc_overhead, rel=0.01)
+
+
+def test_on_demand_closed_form():
+    preset = get_preset("gpt2")
+    trace = make_trace([], duration=7200.0, nodes=24)  # mean 24 live -> 2 pipelines of 12
+    cfg = SimConfig()
+    r = make_policy("on-demand", preset, cfg).run(trace)
+    tau = 1.085 / 1.10
+    steps = int((7200 - 45) / tau)
+    assert r.steps == steps
+    assert abs(r.throughput - steps * 32 / 7200) < 1e-9
+    assert abs(r.cost_per_hour - 24 * 3.06) < 1e-9
+    ref = make_policy("on-demand", preset, SimConfig(on_demand="ref")).run(trace)
+    assert ref.steps == int((7200 - 45) / 3.37) and abs(ref.cost_per_hour - 32 * 3.06) < 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.floats(0, 7200), st.integers(0, 15), st.booleans()), max_size=60),
+    policy=st.sampled_from(["bamboo", "checkpoint", "adaptive", "reroute"]),
+    rollback=st.booleans(),
+)
+def test_time_accounting_sums_to_wall_time(events, policy, rollback):
+    rows = [(0.0, ADD, n) for n in range(10)]
+    live = set(range(10))
+    nxt = 10
+    for t, n, add in sorted(events):
+        if add:
+            rows.append((t, ADD, nxt)); live.add(nxt); nxt += 1
+        elif live:
+            victim = sorted(live)[n % len(live)]
+            live.discard(victim)
+            rows.append((t, REMOVE, victim))
+    rows.sort(key=lambda r: r[0])
+    trace = Trace(name="h", times=[r[0] for r in rows], kinds=[r[1] for r in rows],
+                  nodes=[r[2] for r in rows], duration=7200.0)
+    cfg = SimConfig(alloc_delay_s=45.0, fallback_every_s=600.0, checkpoint_every_s=300.0, fatal_rollback=rollback)
+    r = make_policy(policy, TINY, cfg).run(trace)
+    assert abs(sum(r.breakdown.values()) - 7200.0) < 1e-6
+    assert all(v > -1e-6 for v in r.breakdown.values()), r.breakdown
+    assert r.steps >= 0 and r.preemptions == sum(1 for k in trace.kinds if k == REMOVE)
+
+
+def _sim(*args):
+    return subprocess.run([sys.executable, "-m", "bamboo.sim", *args], capture_output=True, text=True)
+
+
+@pytest.mark.procs
+def test_same_seed_gives_byte_identical_json():
+    args = ["--trace", "synthetic:p=0.1,hours=4", "--runs", "8", "--seed", "3", "--json",
+            "--policies", "bamboo,checkpoint,on-demand,adaptive"]
+    a, b = _sim(*args), _sim(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+    c = _sim(*args[:-3], "4", *args[-2:])
+    assert c.stdout != a.stdout
+    d = json.loads(a.stdout)
+    for name, e in d["policies"].items():
+        for key, typ in (("throughput", float), ("cost_per_hour", float), ("value", float), ("preemptions", int),
+                         ("fatal_failures", int), ("reconfigurations", int), ("steps", int)):
+            assert isinstance(e[key], typ), (name, key)
+        assert abs(e["value"] - 3600 * e["throughput"] / e["cost_per_hour"]) < 1e-3 * e["value"]
+
+
+def test_p3_trace_calibration_and_speed():
+    trace = load_trace(P3)
+    t0 = time.perf_counter()
+    res = {p: make_policy(p, get_preset("gpt2"), SimConfig()).run(trace)
+           for p in ("bamboo", "checkpoint", "on-demand", "adaptive")}
+    assert time.perf_counter() - t0 < 1.0  # the issue's target (measured ~10 ms)
+    b = res["bamboo"]
+    assert b.preemptions == 167
+    assert abs(b.cost_per_hour - 21.90) / 21.90 < 0.01
+    assert abs(b.throughput - 23.68) / 23.68 < 0.15
+    assert 3 <= b.fatal_failures <= 9
+    assert res["bamboo"].throughput > res["checkpoint"].throughput
+
+
+@pytest.mark.procs
+def test_every_format_end_to_end_and_plots(tmp_path):
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\n".join(json.dumps([i * 60000, "add", {"nodes": [f"n{i}"]}]) for i in range(30)) + "\n"
+                  + json.dumps([3_600_000, "remove", {"nodes": ["n3"]}]) + "\n")
+    for trace in (str(P3), str(TRACES / "gcp-a100-counts.txt"), str(jl), "synthetic:mtbf=30min,hours=3"):
+        r = _sim("--trace", trace, "--json", "--model", "bert")
+        assert r.returncode == 0, (trace, r.stderr)
+        assert set(json.loads(r.stdout)["policies"]) == {"bamboo", "checkpoint", "on-demand"}
+    r = _sim("--trace", str(P3), "--plot", str(tmp_path / "plots"), "--policies", "bamboo,checkpoint")
+    assert r.returncode == 0, r.stderr
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert len(pngs) == 5
+    for p in pngs:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_every_format_json_end_to_end_and_same_seed_same_bytes(tmp_path):
+    """Each trace format through `python -m bamboo.sim --json`: valid contract JSON, and byte-identical
+    stdout when run twice with the same seed (a file trace with --runs uses seeded random placement)."""
+    rows = [[i * 60000, "add", {"nodes": [f"n{i}"]}] for i in range(26)]
+    rows += [[3_600_000, "remove", {"nodes": ["n3"], "zone": "a"}], [3_700_000, "no-op", {}],
+             [3_800_000, "remove", {"nodes": ["n4", "n5"]}], [7_200_000, "add", {"nodes": ["n3b"]}]]
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    arr = tmp_path / "t.json"
+    arr.write_text(json.dumps(rows, indent=1))
+    counts = tmp_path / "c.txt"
+    counts.write_text("\n".join(f"2024-01-01, {h:02d}:00:00, {n}" for h, n in enumerate([30, 28, 31, 24, 26])) + "\n")
+    traces = [str(P3), str(TRACES / "gcp-a100-counts.txt"), str(counts), str(jl), str(arr),
+              "synthetic:p=0.25,hours=3", "synthetic:mtbf=20min,hours=3"]
+    pols = "bamboo,checkpoint,on-demand,adaptive"
+    for trace in traces:
+        args = ["--trace", trace, "--json", "--policies", pols, "--seed", "7", "--runs", "3", "--jobs", "1"]
+        a, b = _sim(*args), _sim(*args)
+        assert a.returncode == 0, (trace, a.stderr)
+        assert a.stdout == b.stdout, trace
+        d = json.loads(a.stdout)
+        assert set(d) >= {"trace", "model", "hours", "policies"} and set(d["policies"]) == set(pols.split(","))
+        for e in d["policies"].values():
+            assert e["throughput"] >= 0 and e["cost_per_hour"] > 0 and e["steps"] >= 0, (trace, e)
+
+
+@pytest.mark.procs
+def test_user_errors_are_one_line(tmp_path):
+    for args in (["--trace", str(P3), "--model", "llama"], ["--trace", str(P3), "--policies", "magic"],
+                 ["--trace", str(P3), "--costs", str(tmp_path / "none.json")], ["--trace", "synthetic:p=7"],
+                 ["--trace", str(P3), "--runs", "-1"], ["--trace", str(P3), "--bogus"]):
+        r = _sim(*args)
+        assert r.returncode == 2, args
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, (args, r.stderr)
