@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from bamboo.engine.comm import ACTIVATION, GRADIENT, P2P, PeerLost
-from conftest import free_port
+from support.procs import free_port
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

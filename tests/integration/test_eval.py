@@ -3,7 +3,6 @@ model's in every layout and through kills, including one in the middle of the pa
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +10,9 @@ import pytest
 from bamboo.config import JobConfig
 from bamboo.plan.faults import Fault
 from bamboo.engine.engine import EVAL_FAULT_INDEX
-from conftest import assert_close, run_events
-
-from reference import train_reference  # noqa: E402
-from test_failover import config, run_in_process  # noqa: E402
+from support.procs import run_events
+from support.reference import train_reference
+from support.runs import assert_close, config, run_in_process
 
 REL = 1e-6
 
@@ -137,7 +135,7 @@ def test_prepared_data_with_eval_through_a_kill(model: str, prepared: Path,
 def test_resume_keeps_the_evaluations_before_its_checkpoint(tmp_path: Path) -> None:
     """Evaluations recorded before the checkpoint a run resumes from travel in its metadata;
     the resumed run adds the rest: the failure-free run's list, each step once."""
-    from conftest import run_bamboo
+    from support.procs import run_bamboo
     out = tmp_path / "run"
     job = ["train", "--nodes", "2", "--stages", "2", "--eval-every", "1", "--eval-batches", "2",
            "--json", "--quiet"]

@@ -7,57 +7,19 @@ documented message.
 from __future__ import annotations
 
 import os
-import sys
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bamboo.control import RunFailed, run_local
-from bamboo.config import JobConfig, parse_kill
-from bamboo.plan.faults import Fault
+from bamboo.config import JobConfig
 from bamboo.plan import schedule as S
-from bamboo.run.progress import ProgressDisplay
+from bamboo.plan.faults import Fault
 from bamboo.run.runlog import RunDir
-from conftest import assert_close, run_events
-
-from reference import train_reference  # noqa: E402
-
-REL = 1e-6
-
-
-@lru_cache(maxsize=None)
-def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> tuple:
-    losses, params = train_reference(JobConfig.of(
-        nodes=1, stages=1, steps=steps, micro_batches=global_micro_batches,
-        micro_batch_size=micro_batch_size).validate())
-    l2 = float(torch.sqrt(sum(t.double().square().sum() for t in params.values())))
-    return losses, l2
-
-
-def assert_equals_failure_free(summary: dict, cfg: JobConfig, rel: float = REL) -> None:
-    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
-    assert summary["status"] == "completed", summary["error"]
-    assert_close(summary["losses"], losses, rel=rel)
-    assert_close(summary["param_l2"], l2, rel=rel)
-
-
-NEW_LAYOUT_REL = 1e-4
-"""A restore onto a new layout sums data-parallel gradients in another grouping."""
-
-
-def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | None = None,
-                   check_replicas: bool = True) -> dict:
-    """The launcher in this process: its fork server stays warm across runs."""
-    try:
-        cfg = cfg.replace(check_replicas=check_replicas)
-        return run_local(cfg, RunDir(out), ProgressDisplay(cfg.training.steps, enabled=False),
-                         faults or {})
-    except RunFailed as e:
-        return e.summary | {"exit_code": e.exit_code}
+from support.procs import run_events
+from support.runs import (NEW_LAYOUT_REL, REL, assert_close, assert_equals_failure_free, config,
+                          run_in_process)
 
 
 # -- the acceptance scenarios, as data -----------------------------------------------------
@@ -81,12 +43,6 @@ SCENARIOS = {
     "the shadow is lost later (its two stages)": (
         dict(steps=8, nodes=8, micro_batches=2, kills=["1:2@2", "1:1@5"]), 1, 1),
 }
-
-
-def config(flags: dict) -> JobConfig:
-    flags = dict(flags)
-    kills = [parse_kill(k) for k in flags.pop("kills", [])]
-    return JobConfig.of(kills=kills, **flags).validate()
 
 
 @pytest.mark.procs

@@ -6,32 +6,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO, assert_close, run_events
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
+from support.procs import BAMBOO, REPO, mounted_tmpfs, run_bamboo, run_events
+from support.processes import start_training, wait_for_steps, wait_gone
+from support.runs import assert_close, reference
 
 
 def worker_pids(result) -> list[int]:
     return [e["pid"] for e in result.events() if e["event"] == "node_up"]
-
-
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.mark.timeout(120)
@@ -73,22 +59,6 @@ def test_lost_node_without_redundancy_restarts_from_the_initial_state(bamboo) ->
     assert [(e["node"], e["step"], e["handled_as"]) for e in lost] == [
         ("n1", 2, "checkpoint_restore")]
     assert wait_gone(worker_pids(result)) == []
-
-
-def start_training(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*BAMBOO, "train", "--steps", "500", "--quiet", "--out", str(out),
-                             *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_steps(out: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["event"] == "step_done" for e in run_events(out)):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise AssertionError("training never reached its first step")
 
 
 @pytest.mark.procs
@@ -189,7 +159,6 @@ def test_a_worker_killed_from_outside_is_a_lost_node(tmp_path: Path) -> None:
 def test_a_full_disk_at_the_end_is_one_line_with_the_summary(tmp_path: Path, bamboo) -> None:
     """model.pt does not fit: one line naming it, exit 1, the summary still on stdout with
     --json, and no temporary file left behind."""
-    from conftest import mounted_tmpfs, run_bamboo
     with mounted_tmpfs(tmp_path / "disk", "size=600k") as disk:
         out = disk / "run"
         result = run_bamboo(["train", "--steps", "3", "--quiet", "--json", "--no-report"], out)
@@ -222,7 +191,6 @@ def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> No
     assert proc.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["steps_completed"] == 3 and summary["preemptions"] == 1
-    from test_failover import reference
     losses, l2 = reference(3, 8, 8)
     assert_close(summary["losses"], losses, rel=1e-4)
     assert_close(summary["param_l2"], l2, rel=1e-4)
@@ -232,7 +200,6 @@ def test_a_worker_killed_as_the_last_one_starts_is_covered(tmp_path: Path) -> No
 def test_a_disk_that_fills_with_checkpoints_leaves_no_temporary(tmp_path: Path, bamboo) -> None:
     """A 2 MB --out: checkpoints and the final layers fill it. The run ends with one line
     and its summary, and no write of any worker leaves a temporary behind."""
-    from conftest import mounted_tmpfs, run_bamboo
     with mounted_tmpfs(tmp_path / "disk", "size=2m") as disk:
         out = disk / "run"
         result = run_bamboo(["train", "--steps", "12", "--checkpoint-every", "4", "--quiet",

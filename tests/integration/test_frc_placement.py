@@ -4,15 +4,13 @@ failure-free run's, and only waits place them in the node's waits. (A failover r
 is `tests/test_failover.py`'s scenarios, which run the default.)"""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from bamboo.config import JobConfig
-from conftest import run_events
-
-from test_failover import assert_equals_failure_free, run_in_process  # noqa: E402
+from support.procs import run_events
+from support.runs import assert_equals_failure_free, run_in_process
 
 STEPS, M = 4, 4
 

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO, run_events
-
-from test_reconfig import assert_equal_and_accounted, config  # noqa: E402
+from support.procs import BAMBOO, REPO, run_events
+from support.runs import assert_equal_and_accounted, config
 
 pytestmark = pytest.mark.slow
 JOIN = 29400

@@ -11,45 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_events
-from test_faults import alive, start_training, wait_for_steps, wait_gone
-
-
-def children(pid: int) -> list[int]:
-    """The children of `pid` (those of each of its threads)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for child in children(pid):
-        out += [child, *descendants(child)]
-    return out
-
-
-def command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def fork_server(pid: int) -> int:
-    return next(c for c in children(pid) if "multiprocessing.forkserver" in command(c))
-
-
-def kill_all(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
+from support.agents import agent as start_agent, assert_failure_free, coordinator, stop, wait_step
+from support.procs import free_port, run_events
+from support.processes import (alive, command, descendants, fork_server, kill_all,
+                               start_training, wait_for_steps, wait_gone)
 
 
 @pytest.mark.procs
@@ -105,10 +70,8 @@ def test_an_agents_killed_fork_server_is_a_loss_of_its_workers(tmp_path: Path) -
     killed (not "exited with code 255", a software error that would stop the run), names
     the fork server, and its next workers come from a fresh one; the run restores and ends
     equal to the failure-free run."""
-    from test_remote import _agent, _assert_failure_free, _coordinator, _stop, _wait_step
-    from conftest import free_port
     out, port = tmp_path / "run", free_port()
-    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+    coord = coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
                          "--steps", "14", "--checkpoint-every", "3")
     agent = None
     try:
@@ -116,15 +79,15 @@ def test_an_agents_killed_fork_server_is_a_loss_of_its_workers(tmp_path: Path) -
         while not (out / "join-token").exists():
             assert time.monotonic() < deadline and coord.poll() is None, "no join token"
             time.sleep(0.1)
-        agent = _agent(out, port, "--workers", "2")
-        _wait_step(out, 4, coord)
+        agent = start_agent(out, port, "--workers", "2")
+        wait_step(out, 4, coord)
         os.kill(fork_server(agent.pid), signal.SIGKILL)
         stdout, stderr = coord.communicate(timeout=180)
         assert coord.returncode == 0, stderr[-2000:]
         agent_err = agent.communicate(timeout=30)[1]
     finally:
-        _stop([p for p in (coord, agent) if p is not None])
+        stop([p for p in (coord, agent) if p is not None])
     summary = json.loads(stdout)
-    _assert_failure_free(summary, nodes=2, stages=2, pipelines=1, steps=14)
+    assert_failure_free(summary, nodes=2, stages=2, pipelines=1, steps=14)
     assert summary["preemptions"] == 2, summary
     assert "fork server" in agent_err and "was killed by SIGKILL" in agent_err, agent_err

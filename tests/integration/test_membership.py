@@ -1,78 +1,26 @@
 """The membership suite, run against a real etcd (`bamboo coordinator --etcd`).
 
-It needs `/usr/bin/etcd` (Debian's etcd-server); the module starts its own
-etcd on a free loopback port with a temporary data directory, and FAILS (never skips)
+It needs `/usr/bin/etcd` (Debian's etcd-server); the session's `etcd_url` fixture starts
+one on a free loopback port with a temporary data directory, and FAILS (never skips)
 when the binary is missing. Each test uses its own job name, so tests do not see each
 other's nodes.
 """
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
 from bamboo.fleet.membership import EtcdMembership, LeaseExpired, MembershipError, MembershipEvent
+from support.servers import one_free_port as free_port
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
 TTL = 1.0
 SLACK = 1.5  # expiry is seen within TTL + SLACK after the last heartbeat (etcd checks leases every 0.5 s)
 TOKEN = "s3cret-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory):
-    binary = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
-    if binary is None:
-        pytest.fail("etcd is not installed: run `apt-get install -y etcd-server` "
-                    "(make setup / .ci/run do this) to test the etcd membership backend")
-    data = tmp_path_factory.mktemp("etcd")
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
-    log = open(data / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        [binary, "--name", "t", "--data-dir", str(data / "d"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-         # short raft timers: etcd's smallest lease TTL is 1.5 x the election timeout
-         "--heartbeat-interval", "50", "--election-timeout", "250"],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if b"true" in resp.read():
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"etcd did not start: {(data / 'etcd.log').read_text()[-800:]}")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 class Backend:

@@ -8,38 +8,19 @@ in another grouping), and accounts for every lost node exactly once.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from bamboo.chaos.bits import COUNTERS as KINDS  # every counter of a lost node
-from bamboo.config import JobConfig, parse_kill
+from bamboo.config import JobConfig
 from bamboo.plan.faults import Fault
-from conftest import assert_close, run_bamboo, run_events
-
-from reference import train_reference  # noqa: E402
-from test_failover import reference, run_in_process  # noqa: E402
+from support.procs import REPO, run_bamboo, run_events
+from support.reference import train_reference
+from support.runs import (NEW_LAYOUT_REL as REL, assert_close, assert_equal_and_accounted,
+                          config, param_l2, run_in_process)
 
 pytestmark = pytest.mark.procs  # every test here starts processes
-
-REL = 1e-4
-
-
-def config(**flags) -> JobConfig:
-    kills = [parse_kill(k) for k in flags.pop("kills", [])]
-    return JobConfig.of(kills=kills, **flags).validate()
-
-
-def assert_equal_and_accounted(summary: dict, cfg: JobConfig, lost: int | None = None) -> None:
-    assert summary["status"] == "completed", summary["error"]
-    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
-    assert_close(summary["losses"], losses, rel=REL)
-    assert_close(summary["param_l2"], l2, rel=REL)
-    assert sum(summary[k] for k in KINDS) == summary["preemptions"]
-    if lost is not None:
-        assert summary["preemptions"] == lost, summary
 
 
 @pytest.mark.timeout(180)
@@ -219,9 +200,8 @@ def test_the_demo_job_survives_its_trace_and_writes_the_report(tmp_path: Path) -
     """`make demo`'s job file, shortened: the real p3 trace preempts and adds nodes while
     8 workers train; the run ends equal to the failure-free run, with its report."""
     from bamboo.data.tokens import prepare
-    repo = Path(__file__).resolve().parents[2]
     data = tmp_path / "demo-data"  # what `make demo` prepares, from the same files
-    prepare([str(repo / "README.md"), *map(str, sorted((repo / "docs").glob("*.md")))], data,
+    prepare([str(REPO / "README.md"), *map(str, sorted((REPO / "docs").glob("*.md")))], data,
             "bpe:1024")
     out = tmp_path / "demo"
     result = run_bamboo(["train", "--config", "examples/demo.yaml", "--steps", "24",
@@ -237,8 +217,7 @@ def test_the_demo_job_survives_its_trace_and_writes_the_report(tmp_path: Path) -
     assert summary["status"] == "completed", summary["error"]
     assert_close(summary["losses"], losses, rel=REL)
     assert_close([x for _, x in summary["eval_losses"]], [x for _, x in evals], rel=REL)
-    l2 = float(torch.sqrt(sum(t.double().square().sum() for t in params.values())))
-    assert_close(summary["param_l2"], l2, rel=REL)
+    assert_close(summary["param_l2"], param_l2(params), rel=REL)
     assert sum(summary[k] for k in KINDS) == summary["preemptions"] >= 3
     assert [s for s, _ in summary["eval_losses"]] == [10, 20, 24]  # and after the last step
     assert summary["eval_losses"][-1][1] < summary["eval_losses"][0][1]

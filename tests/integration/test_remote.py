@@ -3,62 +3,37 @@ network with the job's token; a wrong token or an unreachable coordinator is one
 an agent killed with SIGKILL is a preemption like any other."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BAMBOO, REPO, assert_close, free_port, run_events
-
-from test_reconfig import config, reference  # noqa: E402
+from support.agents import (agent as start_agent, assert_failure_free, coordinator as
+                            start_coordinator, kill_machine, signal_machine, start, stop,
+                            wait_for, wait_step)
+from support.procs import BAMBOO, REPO, free_port, run_events
+from support.processes import session_processes
+from support.servers import MetadataServer
 
 pytestmark = pytest.mark.procs  # every test here starts processes
-
-
-def _start(args: list[str], session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen(BAMBOO + args, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=session,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-
-def _wait_for(path: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-
-
-def _assert_failure_free(summary: dict, **layout: int) -> None:
-    cfg = config(**layout)
-    losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
-    assert_close(summary["losses"], losses, rel=1e-4)
-    assert_close(summary["param_l2"], l2, rel=1e-4)
 
 
 @pytest.mark.timeout(240)
 def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "4", "--stages",
+    coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "4", "--stages",
                     "4", "--steps", "8", "--kill", "0:2@4", "--out", str(out), "--json",
                     "--quiet", "--no-report"])
     agents = []
     try:
         token_file = out / "join-token"
-        _wait_for(token_file)
+        wait_for(token_file)
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         # A wrong token is refused at the door, in one line; the job is unaffected.
         bad = subprocess.run(BAMBOO + ["agent", "--join", f"127.0.0.1:{port}", "--token", "0" * 32],
@@ -67,14 +42,14 @@ def test_agents_join_with_the_token_and_train_to_the_failure_free_result(tmp_pat
         assert bad.stderr.strip().splitlines() == [
             f"bamboo agent: error: the coordinator at 127.0.0.1:{port} refused the join token: "
             f"use the token it printed (its run directory's join-token file)"]
-        agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+        agents = [start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
                           str(token_file)]) for _ in range(4)]
         stdout, stderr = coord.communicate(timeout=200)
     finally:
-        _stop([coord, *agents])
+        stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    _assert_failure_free(summary, nodes=4, stages=4, steps=8)
+    assert_failure_free(summary, nodes=4, stages=4, steps=8)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
     ups = [e for e in run_events(out) if e["event"] == "node_up"]
     assert all(e["host"] for e in ups)
@@ -90,15 +65,15 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
     secret = tmp_path / "secret"  # a token made beforehand, as a mounted secret would be
     secret.write_text("f" * 64 + "\n")
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--token-file", str(secret),
+    coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--token-file", str(secret),
                     "--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "30",
                     "--checkpoint-every", "5", "--out", str(out), "--json", "--quiet",
                     "--no-report"])
     agents = []
     try:
         token = "f" * 64
-        _wait_for(out / "events.jsonl")
-        agents = [_start(["agent", "--join", f"127.0.0.1:{port}", "--token", token])
+        wait_for(out / "events.jsonl")
+        agents = [start(["agent", "--join", f"127.0.0.1:{port}", "--token", token])
                   for _ in range(3)]  # the third is a standby
         deadline = time.monotonic() + 150
         while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
@@ -110,10 +85,10 @@ def test_an_agent_killed_by_sigkill_is_a_preemption(tmp_path: Path) -> None:
         victim.send_signal(signal.SIGKILL)  # the machine is gone, worker and all
         stdout, stderr = coord.communicate(timeout=150)
     finally:
-        _stop([coord, *agents])
+        stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    _assert_failure_free(summary, nodes=2, stages=2, steps=30)
+    assert_failure_free(summary, nodes=2, stages=2, steps=30)
     assert summary["preemptions"] == 1
     assert summary["failovers"] + summary["standby_losses"] == 1
 
@@ -160,27 +135,23 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
     """The agent of n0 watches an AWS IMDSv2 endpoint (a local server answering as AWS
     does); when the spot interruption notice appears, n0 drains at the next step boundary:
     its stage moves to the standby, no redundant backward, nothing redone."""
-    import threading
-    from test_notices import MetadataServer
-    imds = MetadataServer("aws")
-    threading.Thread(target=imds.serve_forever, kwargs={"poll_interval": 0.05},
-                     daemon=True).start()
+    imds = MetadataServer("aws").start()
     out, port = tmp_path / "run", free_port()
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
+    coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
                     "2", "--pipelines", "1", "--max-nodes", "3", "--steps", "16",
                     "--out", str(out), "--json", "--quiet", "--no-report"])
     agents = []
     try:
-        _wait_for(out / "join-token")
-        _wait_for(out / "events.jsonl")
+        wait_for(out / "join-token")
+        wait_for(out / "events.jsonl")
         token = (out / "join-token").read_text().strip()
         join = ["agent", "--join", f"127.0.0.1:{port}", "--token", token]
-        agents.append(_start([*join, "--notices", "aws", "--metadata-url", imds.url]))
+        agents.append(start([*join, "--notices", "aws", "--metadata-url", imds.url]))
         deadline = time.monotonic() + 60
         while not any(e["event"] == "node_up" for e in run_events(out)):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        agents += [_start(join), _start(join)]  # n1, and n2 as a standby
+        agents += [start(join), start(join)]  # n1, and n2 as a standby
         while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
             assert time.monotonic() < deadline + 90 and coord.poll() is None
             time.sleep(0.2)
@@ -189,12 +160,12 @@ def test_an_agent_drains_on_its_cloud_notice(tmp_path: Path) -> None:
         noticed_agent = agents[0].wait(timeout=30)
     finally:
         imds.shutdown()
-        _stop([coord, *agents])
+        stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
     assert (summary["drains"], summary["failovers"], summary["preemptions"]) == (1, 0, 1)
     assert summary["redone_steps"] == 0 and noticed_agent == 3  # EXIT_DRAINED
-    _assert_failure_free(summary, nodes=2, stages=2, steps=16)
+    assert_failure_free(summary, nodes=2, stages=2, steps=16)
     notices = [e for e in run_events(out) if e["event"] == "notice"]
     assert [e["node"] for e in notices] == ["n0"]
 
@@ -210,90 +181,48 @@ def test_coordinator_token_file_too_short_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "at least 16" in lines[0], lines
 
 
-from test_membership import etcd_url  # noqa: E402,F401,F811  (a real etcd on loopback)
-
-
 @pytest.mark.timeout(240)
-def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_url: str) -> None:  # noqa: F811
+def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_url: str) -> None:
     """`--etcd`: agents hold leases in a real etcd. Freezing n0's whole machine (agent,
     fork server and worker: SIGSTOP to its process group) stops its keep-alives; etcd
     expires the lease, the coordinator's watch sees it and fences n0, the shadow takes
     over, and the run ends equal to the failure-free one."""
     from bamboo.fleet.membership import EtcdMembership
     out, port = tmp_path / "run", free_port()
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--etcd", etcd_url,
+    coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--etcd", etcd_url,
                     "--nodes", "2", "--stages", "2", "--pipelines", "1", "--max-nodes", "3",
                     "--steps", "40", "--out", str(out), "--json", "--quiet", "--no-report"])
     agents: list[subprocess.Popen] = []
     try:
-        _wait_for(out / "join-token")
-        _wait_for(out / "events.jsonl")
+        wait_for(out / "join-token")
+        wait_for(out / "events.jsonl")
         join = ["agent", "--join", f"127.0.0.1:{port}", "--token-file", str(out / "join-token")]
-        agents.append(_start(join, session=True))
+        agents.append(start(join, session=True))
         deadline = time.monotonic() + 90
         while not any(e["event"] == "node_up" for e in run_events(out)):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        agents += [_start(join), _start(join)]
+        agents += [start(join), start(join)]
         while not any(e["event"] == "step_done" and e["step"] >= 3 for e in run_events(out)):
             assert time.monotonic() < deadline + 60 and coord.poll() is None
             time.sleep(0.2)
         view = EtcdMembership.connect(etcd_url, job=out.name).alive()
         assert sorted(view) == ["n0", "n1", "n2"]
-        _signal_machine(agents[0], signal.SIGSTOP)  # the whole machine freezes
+        signal_machine(agents[0], signal.SIGSTOP)  # the whole machine freezes
         stdout, stderr = coord.communicate(timeout=150)
     finally:
         if agents:
-            _kill_machine(agents[0])
-        _stop([coord, *agents])
+            kill_machine(agents[0])
+        stop([coord, *agents])
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["failovers"] == 1 and summary["preemptions"] == 1
-    _assert_failure_free(summary, nodes=2, stages=2, steps=40)
+    assert_failure_free(summary, nodes=2, stages=2, steps=40)
     fenced = [e for e in run_events(out) if e["event"] == "fenced"]
     assert fenced and fenced[0]["node"] == "n0" and fenced[0]["why"] == "etcd lease expired"
 
 
 # -- the join port, machines of several workers, restarts --------------------------------
-
-
-def _coordinator(out: Path, port: int, *job: str) -> subprocess.Popen:
-    return _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--out", str(out), "--json",
-                   "--quiet", "--no-report", *job])
-
-
-def _agent(out: Path, port: int, *extra: str) -> subprocess.Popen:
-    return _start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
-                   str(out / "join-token"), *extra], session=True)
-
-
-def _wait_step(out: Path, step: int, coord: subprocess.Popen, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while not (out / "events.jsonl").exists() or not any(
-            e["event"] == "step_done" and e["step"] >= step for e in run_events(out)):
-        assert time.monotonic() < deadline and coord.poll() is None, "the run never got there"
-        time.sleep(0.2)
-
-
-def _signal_machine(agent: subprocess.Popen, signum: int) -> None:
-    """`signum` to every process of the agent's machine: its session (the agent, its fork
-    server and workers, in a process group of their own, and the resource tracker)."""
-    try:
-        sid = os.getsid(agent.pid)
-    except ProcessLookupError:
-        return
-    for pid in _session_processes(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _kill_machine(agent: subprocess.Popen) -> None:
-    _signal_machine(agent, signal.SIGKILL)
-
-
-def _session_processes(sid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "sid=,pid="], capture_output=True, text=True).stdout
-    return [int(p) for s, p in (line.split() for line in out.splitlines()) if int(s) == sid]
 
 
 @pytest.mark.timeout(240)
@@ -304,12 +233,12 @@ def test_the_join_port_survives_probes_garbage_and_stalled_clients(tmp_path: Pat
     stalled client is dropped after the handshake deadline."""
     import struct
     out, port = tmp_path / "run", free_port()
-    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+    coord = start_coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
                          "--steps", "6")
     agents: list[subprocess.Popen] = []
     stalled = None
     try:
-        _wait_for(out / "join-token")
+        wait_for(out / "join-token")
         deadline = time.monotonic() + 60
         while True:  # the listener is up once a connection is accepted
             try:
@@ -329,7 +258,7 @@ def test_the_join_port_survives_probes_garbage_and_stalled_clients(tmp_path: Pat
             s.sendall(struct.pack(">I", len(body)) + body)
         stalled = socket.create_connection(("127.0.0.1", port), timeout=30)
         stalled_at = time.monotonic()
-        agents = [_agent(out, port, "--workers", "2")]
+        agents = [start_agent(out, port, "--workers", "2")]
         stdout, stderr = coord.communicate(timeout=200)
         stalled.settimeout(max(1.0, 20 - (time.monotonic() - stalled_at)))
         received = b""
@@ -340,11 +269,11 @@ def test_the_join_port_survives_probes_garbage_and_stalled_clients(tmp_path: Pat
     finally:
         if stalled is not None:
             stalled.close()
-        _stop([coord])
+        stop([coord])
         for a in agents:
-            _kill_machine(a)
+            kill_machine(a)
     assert coord.returncode == 0, stderr
-    _assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=6)
+    assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=6)
 
 
 @pytest.mark.timeout(300)
@@ -355,13 +284,13 @@ def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path
     checkpoint, and the result equals the failure-free run."""
     out, port = tmp_path / "run", free_port()
     http = free_port()
-    coord = _coordinator(out, port, "--nodes", "4", "--stages", "2", "--steps", "10",
+    coord = start_coordinator(out, port, "--nodes", "4", "--stages", "2", "--steps", "10",
                          "--lease", "3", "--http", f"127.0.0.1:{http}")
     agents: list[subprocess.Popen] = []
     try:
-        _wait_for(out / "join-token")
-        agents = [_agent(out, port, "--workers", "2") for _ in range(2)]
-        _wait_step(out, 3, coord)
+        wait_for(out / "join-token")
+        agents = [start_agent(out, port, "--workers", "2") for _ in range(2)]
+        wait_step(out, 3, coord)
         import urllib.request
 
         from prometheus_client.parser import text_string_to_metric_families
@@ -369,15 +298,15 @@ def test_losing_a_machine_loses_all_its_workers_and_placement_covers_it(tmp_path
             scraped = {s.name: s.value for f in text_string_to_metric_families(r.read().decode())
                        for s in f.samples}
         assert scraped["bamboo_live_nodes"] == 4 and scraped["bamboo_step"] >= 3
-        _kill_machine(agents[0])
+        kill_machine(agents[0])
         stdout, stderr = coord.communicate(timeout=200)
     finally:
-        _stop([coord])
+        stop([coord])
         for a in agents:
-            _kill_machine(a)
+            kill_machine(a)
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    _assert_failure_free(summary, nodes=4, stages=2, steps=10)
+    assert_failure_free(summary, nodes=4, stages=2, steps=10)
     assert summary["preemptions"] == 2 and summary["failovers"] == 2, summary
     assert summary["checkpoint_restores"] == 0
     ups = [e for e in run_events(out) if e["event"] == "node_up"]
@@ -397,28 +326,28 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
     out, port = tmp_path / "run", free_port()
     job = ["--nodes", "2", "--stages", "2", "--pipelines", "1", "--steps", "16",
            "--checkpoint-every", "3", "--resume", "auto", "--lease", "3"]
-    coord = _coordinator(out, port, *job)
+    coord = start_coordinator(out, port, *job)
     agents: list[subprocess.Popen] = []
     try:
-        _wait_for(out / "join-token")
-        agents = [_agent(out, port, "--rejoin-s", "120") for _ in range(2)]
-        _wait_step(out, 7, coord)
+        wait_for(out / "join-token")
+        agents = [start_agent(out, port, "--rejoin-s", "120") for _ in range(2)]
+        wait_step(out, 7, coord)
         coord.send_signal(signal.SIGKILL)
         coord.wait(timeout=30)
         killed_at = time.monotonic()
         time.sleep(1.0)
-        coord = _coordinator(out, port, *job)
+        coord = start_coordinator(out, port, *job)
         stdout, stderr = coord.communicate(timeout=200)
         resumed_s = time.monotonic() - killed_at
         codes = [a.wait(timeout=30) for a in agents]
     finally:
-        _stop([coord])
+        stop([coord])
         for a in agents:
-            _kill_machine(a)
+            kill_machine(a)
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["resumed_from_step"] in (3, 6)
-    _assert_failure_free(summary, nodes=2, stages=2, steps=16)
+    assert_failure_free(summary, nodes=2, stages=2, steps=16)
     assert codes == [0, 0]
     assert resumed_s < 150
     again = subprocess.run(BAMBOO + ["coordinator", "--bind", f"127.0.0.1:{port}", "--out",
@@ -435,15 +364,15 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
 @pytest.mark.timeout(200)
 def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
-    coord = _coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
+    coord = start_coordinator(out, port, "--nodes", "2", "--stages", "2", "--pipelines", "1",
                          "--steps", "500", "--lease", "3")
     agent = None
     try:
-        _wait_for(out / "join-token")
+        wait_for(out / "join-token")
         health = free_port()
-        agent = _agent(out, port, "--workers", "2", "--rejoin-s", "2", "--http",
+        agent = start_agent(out, port, "--workers", "2", "--rejoin-s", "2", "--http",
                        f"127.0.0.1:{health}")
-        _wait_step(out, 2, coord)
+        wait_step(out, 2, coord)
         import urllib.request
         with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=10) as r:
             assert r.status == 200 and json.loads(r.read())["workers"] == 2
@@ -453,16 +382,16 @@ def test_an_agent_gives_up_after_rejoin_s_and_leaves_no_worker(tmp_path: Path) -
         waited = time.monotonic() - gone_at
         _, stderr = agent.communicate(timeout=10)
         deadline = time.monotonic() + 10  # the fork server follows its agent out
-        while (leftovers := _session_processes(agent.pid)) and time.monotonic() < deadline:
+        while (leftovers := session_processes(agent.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         if leftovers:
             leftovers = subprocess.run(["ps", "-o", "pid=,args=", "-p",
                                         ",".join(map(str, leftovers))],
                                        capture_output=True, text=True).stdout.splitlines()
     finally:
-        _stop([coord])
+        stop([coord])
         if agent is not None:
-            _kill_machine(agent)
+            kill_machine(agent)
     assert code == 1, stderr
     assert "giving up" in stderr.strip().splitlines()[-1]
     assert leftovers == []
@@ -504,19 +433,19 @@ def test_an_agents_workers_are_pinned_to_cores_of_their_own(tmp_path: Path) -> N
     """`--pin-cpus auto` on a coordinator: an agent running two workers gives each its own
     share of the machine's cores, as local workers get."""
     out, port = tmp_path / "run", free_port()
-    coord = _start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
+    coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--nodes", "2", "--stages",
                     "2", "--steps", "3", "--micro-batches", "2", "--pin-cpus", "auto",
                     "--out", str(out), "--json", "--quiet", "--no-report"])
     agent = None
     try:
-        _wait_for(out / "join-token")
-        agent = _start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+        wait_for(out / "join-token")
+        agent = start(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
                         str(out / "join-token"), "--workers", "2"])
         stdout, stderr = coord.communicate(timeout=150)
     finally:
-        _stop([coord, *([agent] if agent else [])])
+        stop([coord, *([agent] if agent else [])])
     assert coord.returncode == 0, stderr
-    _assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=3, micro_batches=2)
+    assert_failure_free(json.loads(stdout), nodes=2, stages=2, steps=3, micro_batches=2)
     cpus = {e["node"]: e["cpus"] for e in run_events(out) if e["event"] == "pinned"}
     assert set(cpus) == {"n0", "n1"}, cpus
     shares = list(cpus.values())

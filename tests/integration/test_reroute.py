@@ -21,9 +21,10 @@ from bamboo.config import JobConfig, parse_kill
 from bamboo.plan import schedule as S
 from bamboo.plan.layout import micro_batch_blocks
 from bamboo.plan.roles import RoleMap, Unrecoverable, plan_reroute
-from conftest import assert_close, run_events
+from support.procs import run_events
+from support.runs import assert_close
 
-from test_failover import assert_equals_failure_free, run_in_process  # noqa: E402
+from support.runs import assert_equals_failure_free, run_in_process
 
 
 def initial(P: int, D: int) -> RoleMap:
@@ -224,7 +225,7 @@ def test_reroute_survives_a_dense_trace(tmp_path: Path) -> None:
                          time_scale=3600.0, max_nodes=5)
     summary = run_in_process(cfg, tmp_path / "run", check_replicas=False)
     assert summary["status"] == "completed", summary["error"]
-    from test_failover import reference
+    from support.runs import reference
     losses, l2 = reference(cfg.training.steps, cfg.global_micro_batches,
                            cfg.layout.micro_batch_size)
     assert_close(summary["losses"], losses, rel=1e-4)  # a change of D reorders fp32 sums

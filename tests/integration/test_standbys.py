@@ -8,15 +8,13 @@ losses and parameters of the failure-free run.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from bamboo.config import JobConfig, parse_kill
-from conftest import assert_close, run_events
-
-from test_failover import reference, run_in_process  # noqa: E402
+from support.procs import run_events
+from support.runs import assert_close, reference, run_in_process
 
 NEW_LAYOUT_REL = 1e-5
 """A restore onto another layout sums fp32 gradients in another order (the contract's

@@ -9,7 +9,7 @@ import pytest
 
 from bamboo.chaos.bits import COUNTERS, bits_must_match, differs, explain
 from bamboo.chaos.soak import Trial, rerun_command
-from conftest import BAMBOO, REPO
+from support.procs import BAMBOO, REPO
 
 KEPT = [{"from_step": 0, "pipelines": 2, "stages": 2, "rerouted": False}]
 BASE = {"losses": [5.0, 4.5, 4.0], "param_l2": 10.0, "param_sha256": "abc",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
-from conftest import REPO
+from support.procs import REPO
 
 REQUIRED = {"train": [], "simulate": ["--trace", "x.csv"], "report": ["some-run"],
             "profile": [], "config": [], "agent": ["--join", "127.0.0.1:1"]}

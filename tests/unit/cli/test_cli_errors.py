@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mounted_tmpfs
+from support.procs import REPO, mounted_tmpfs
 
 CASES = {
     "too many stages": (["--stages", "9"], "--stages 9 is more than the 8 layers"),

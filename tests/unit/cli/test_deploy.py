@@ -34,7 +34,7 @@ import yaml
 from bamboo.cli.agent import agent_parser
 from bamboo.cli.coordinator import coordinator_parser
 from bamboo.config import JOIN_PORT, JobConfig
-from conftest import REPO
+from support.procs import REPO
 
 k8s = pytest.importorskip("kubernetes.client", reason="the `kubernetes` test dependency")
 

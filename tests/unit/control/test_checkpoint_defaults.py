@@ -20,7 +20,8 @@ from bamboo.run.checkpoint import (CheckpointError, discard_unpublished, load_la
 from bamboo.control.interval import (FIRST_AFTER, MAX_UNPROTECTED_S,
                                                  MAX_WRITE_SHARE, choose_interval)
 from bamboo.config import JobConfig
-from conftest import assert_close, mounted_tmpfs, run_bamboo, run_events
+from support.procs import mounted_tmpfs, run_bamboo, run_events
+from support.runs import assert_close
 from coordinator_sim import SimCluster
 
 from test_decisions import kill_stages, run  # noqa: E402
@@ -154,7 +155,7 @@ def test_an_uncovered_loss_restores_the_default_checkpoint_not_step_0(tmp_path: 
     """The newcomer's run: 4 nodes, no checkpoint flag, stages 1 and 2 of the only pipeline
     killed in step 6. The run goes back to the checkpoint it wrote after step 2 and ends
     equal to the failure-free run."""
-    from test_reconfig import assert_equal_and_accounted
+    from support.runs import assert_equal_and_accounted
     out = tmp_path / "run"
     result = run_bamboo([*JOB[:1], "--nodes", "4", "--stages", "4", "--steps", "8", "--quiet",
                          "--no-report", "--json", "--kill", "0:1@6", "--kill", "0:2@6"], out)

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bamboo.control.http import HealthServer, RunMetrics
-from conftest import BAMBOO, REPO, free_port, run_events
+from support.procs import BAMBOO, REPO, free_port, run_events
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str, str]:

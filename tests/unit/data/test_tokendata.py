@@ -14,7 +14,8 @@ from bamboo.config import ConfigError, JobConfig
 from bamboo.data.datasets import TextFile, TokenFile, make_task
 from bamboo.model.presets import preset, with_vocab
 from bamboo.data.tokens import EOT, SPLITS, open_split, read_header
-from conftest import REPO, assert_close
+from support.procs import REPO
+from support.runs import assert_close
 
 TEXT = "Grüße aus Bamboo — preemptible instances, pipelines and shadows.\n"
 

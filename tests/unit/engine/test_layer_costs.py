@@ -11,8 +11,8 @@ from bamboo.cli import main
 from bamboo.engine.layer_costs import (SCHEMA, LayerCosts, load_layer_costs,
                                          measure_layer_costs, save_layer_costs)
 
-from conftest import run_events  # noqa: E402
-from test_failover import assert_equals_failure_free, config, run_in_process  # noqa: E402
+from support.procs import run_events
+from support.runs import assert_equals_failure_free, config, run_in_process
 
 
 def test_each_layer_is_timed_alone_and_the_file_round_trips(tmp_path: Path) -> None:

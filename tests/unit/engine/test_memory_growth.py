@@ -23,7 +23,8 @@ from bamboo.node import procmem
 from bamboo.control.node_memory import GROWTH_STEPS, MemoryWatch, growth_slope
 from bamboo.wire.protocol import StepReport
 from bamboo.engine.memory import SavedTensors
-from conftest import Result, assert_close, run_bamboo
+from support.procs import Result, run_bamboo
+from support.runs import assert_close
 
 GROWTH_BOUND = 1 << 20
 STEPS = 48

@@ -17,9 +17,9 @@ import torch
 from bamboo.model import preset
 from bamboo.engine.memory import SavedTensors, StepMemory
 from bamboo.engine.stage import StageState
-from conftest import assert_close
+from support.runs import assert_close
 
-from test_failover import config, run_in_process  # noqa: E402
+from support.runs import config, run_in_process
 
 BF16_REL = 1e-2
 """bf16 against fp32, per loss and for param_l2 (gpt2-tiny, 6 steps): observed at most

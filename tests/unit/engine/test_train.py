@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig
-from conftest import assert_close
+from support.runs import assert_close
 
-from reference import train_reference  # noqa: E402
+from support.reference import train_reference
 
 STEPS = 6
 # Same global batch everywhere: D x M = 4 micro-batches of 8 samples.

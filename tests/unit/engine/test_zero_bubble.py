@@ -24,9 +24,9 @@ from bamboo.plan.partition import partition
 from bamboo.engine.split_backward import Tape, Taping, deferred_linears, input_gradient, \
     weight_gradient
 from bamboo.plan.timeline import Costs, simulate_step
-from conftest import run_events
+from support.procs import run_events
 
-from test_failover import assert_equals_failure_free, run_in_process  # noqa: E402
+from support.runs import assert_equals_failure_free, run_in_process
 
 
 @pytest.mark.parametrize("P", range(1, 7))

@@ -3,7 +3,6 @@ and trained through the real command line like bamboo's own presets, failover in
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,9 +13,10 @@ from bamboo.config import JobConfig
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
 from bamboo.model.api import PipelineModel, TensorSpec
 from bamboo.model.presets import custom_preset, preset, with_vocab
-from conftest import REPO, assert_close
+from support.procs import REPO
+from support.runs import assert_close
 
-from reference import train_reference  # noqa: E402
+from support.reference import train_reference
 
 EXAMPLE = "examples.custom_model:build"
 

@@ -22,9 +22,10 @@ from bamboo.model import (boundary_shapes, build_layer, build_layers, layer_para
                            loss_fn, preset)
 from bamboo.model.hf import Checkpoint, hf_config, hf_state_key, load_layer
 from bamboo.model.presets import HF_SIZES
-from conftest import REPO, assert_close
+from support.procs import REPO
+from support.runs import assert_close
 
-from reference import train_reference  # noqa: E402
+from support.reference import train_reference
 
 GPT2 = "hf:gpt2:n_layer=3,n_embd=32,n_head=4,n_positions=32,vocab_size=256"
 BERT = ("hf:bert:num_hidden_layers=3,hidden_size=32,num_attention_heads=4,intermediate_size=64,"

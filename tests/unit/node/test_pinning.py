@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bamboo.node.pinning import cores_for
-from conftest import assert_close
+from support.runs import assert_close
 
 
 def test_an_equal_disjoint_share_each() -> None:

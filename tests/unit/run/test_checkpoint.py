@@ -23,7 +23,7 @@ from bamboo.run.checkpoint_storage import HOST, LocalStore
 from bamboo.run.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
                                load_latest, load_layer_tensors, load_layers, publish, step_dir,
                                write_layers)
-from conftest import mounted_tmpfs, run_bamboo
+from support.procs import mounted_tmpfs, run_bamboo
 
 LAYER_META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0}
 """What the coordinator writes: one entry per layer of the model (gpt2-tiny has 8)."""
@@ -410,9 +410,9 @@ def _recorded(monkeypatch) -> list:
 def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch):
     """No live copy of stage 2 survives: the run restores from the checkpoint its holders
     wrote under a file:// URL; the parts and final reports are plain JSON."""
-    from conftest import run_events
-    from test_failover import run_in_process
-    from test_reconfig import assert_equal_and_accounted, config
+    from support.procs import run_events
+    from support.runs import run_in_process
+    from support.runs import assert_equal_and_accounted, config
     seen = _recorded(monkeypatch)
     url = f"file://{tmp_path}/shared/ckpt"
     cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"],

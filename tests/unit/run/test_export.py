@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bamboo import cli
 from bamboo.run.export import read_run
 from bamboo.model import build_layers
-from conftest import REPO
+from support.procs import REPO
 
 
 def _train(tmp_path: Path, name: str, *args: str) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bamboo.run.report import PLOT_SIZE_PX, Prices, ReportError, load_run, main, report_text, write_report
-from conftest import REPO
+from support.procs import REPO
 
 PLOTS = ("loss.png", "throughput.png", "nodes.png", "cost.png", "pauses.png", "memory.png")
 CONFIG = {"nodes": 5, "stages": 2, "pipelines": 2, "micro_batches": 2, "micro_batch_size": 4,

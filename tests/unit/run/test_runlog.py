@@ -9,7 +9,7 @@ import pytest
 
 from bamboo.config import ConfigError
 from bamboo.run.runlog import RunDir, RunDirError, write_atomic
-from conftest import mounted_tmpfs
+from support.procs import mounted_tmpfs
 
 
 @pytest.mark.procs

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -12,8 +11,8 @@ from bamboo.cli import main
 from bamboo.control.scalars import ScalarLog
 from bamboo.config import JobConfig
 
-from conftest import run_events  # noqa: E402
-from test_failover import config, run_in_process  # noqa: E402
+from support.procs import run_events
+from support.runs import config, run_in_process
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -9,7 +9,7 @@ import pytest
 from bamboo.sim.profile import main as profile_main
 from bamboo.sim.cli import main as simulate_main
 from bamboo.sim.costs import load_costs
-from conftest import REPO
+from support.procs import REPO
 
 
 @pytest.mark.procs

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bamboo.util import strict_json
 from bamboo.run.runlog import EventLog, RunDir
-from conftest import NotStrictJson, check_run_files_strict, strict_loads
+from support.strict import NotStrictJson, check_run_files_strict, strict_loads
 
 UNKNOWN = [float("nan"), float("inf"), -float("inf")]
 
