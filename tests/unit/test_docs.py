@@ -1,0 +1,367 @@
+"""The user's pages hold: every `bamboo`, `python -m bamboo` and `make` command shown in a
+code block of README.md and docs/*.md parses with the project's own argument parsers (or
+names a real Makefile target), every repository path they name exists, every relative link
+resolves, and the README's quick start really trains (the `procs` test).
+
+The parse checks start no process: they build each command's real parser
+(`bamboo.cli.COMMANDS` -> its module's `<command>_parser`, `build_parser` or `_parser`) and
+parse the command's arguments, as `bamboo` would before it imports torch."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+SHELL_LANGS = {"", "sh", "bash", "shell", "console"}
+"""Fenced blocks of these languages, and indented blocks, may hold commands."""
+
+NOT_COMMANDS: dict[str, str] = {
+    "bamboo train (coordinator)": "docs/architecture.md's process diagram, not a command",
+}
+"""Lines that start like a command and are not one: a substring of the line -> why."""
+
+NO_PARSER: dict[str, str] = {
+    "config": "bamboo config builds its parser inside main(); there is no parser to import",
+}
+"""Commands whose module has no importable parser (each must still be a real command)."""
+
+TARGETS_TO_COME: dict[str, str] = {
+    "test-smoke": "the smoke tier (one end-to-end run per capability), added beside these pages",
+}
+"""Make targets a page may name before the Makefile has them: target -> why."""
+
+PATH_ROOTS = ("traces", "examples", "bamboo", "docs", "benchmarks", "deploy", "tests")
+"""The repository folders whose paths the pages name and that must exist."""
+
+PATH_PATTERN = re.compile(r"(?<![\w./~$-])(?:" + "|".join(PATH_ROOTS) + r")/[\w./*-]*")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One shell command of a page: where it is and its words (the program first)."""
+
+    page: str
+    line: int
+    text: str
+    words: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}: {self.text}"
+
+
+# -- extracting the commands ------------------------------------------------------------------
+
+
+def code_blocks(text: str) -> Iterator[tuple[int, list[str]]]:
+    """(first line number, lines) of every shell code block: fenced with a shell language or
+    none, or indented by 4 spaces after a blank line (outside fences)."""
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^\s*```\s*(\w*)", lines[i])
+        if fence:
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j].strip().startswith("```")), len(lines))
+            if fence.group(1).lower() in SHELL_LANGS:
+                yield i + 2, lines[i + 1:end]
+            i = end + 1
+            continue
+        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+            start = i
+            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+                i += 1
+            yield start + 1, [line[4:] for line in lines[start:i]]
+            continue
+        i += 1
+
+
+def logical_lines(first: int, lines: list[str]) -> Iterator[tuple[int, str]]:
+    """The block's lines with backslash continuations joined, each with its line number."""
+    buffer, at = "", first
+    for number, line in enumerate(lines, start=first):
+        if not buffer:
+            at = number
+        stripped = line.rstrip()
+        if stripped.endswith("\\"):
+            buffer += stripped[:-1] + " "
+            continue
+        yield at, buffer + stripped
+        buffer = ""
+    if buffer:
+        yield at, buffer
+
+
+def split_commands(line: str) -> Iterator[list[str]]:
+    """The simple commands of a shell line: comments dropped, redirections (> FILE, 2>&1)
+    removed, split at ; && || |."""
+    line = re.sub(r"(^|\s)\d?>>?&\d+", " ", line.lstrip("$ "))
+    line = re.sub(r"(^|\s)\d?(>>?|<)\s*[^\s;&|]+", " ", line)
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    words: list[str] = []
+    for token in lexer:
+        if token in (";", "&&", "||", "|", "&"):
+            if words:
+                yield words
+            words = []
+        else:
+            words.append(token)
+    if words:
+        yield words
+
+
+def program(words: list[str]) -> list[str] | None:
+    """The command from its program on ("bamboo ...", "make ..."), without `sudo`, `timeout
+    N`, variable assignments and the `.venv/bin/` prefix; None when it is not one of ours."""
+    while words and (words[0] in ("sudo", "env", "exec") or re.fullmatch(r"\w+=.*", words[0])):
+        words = words[1:]
+    if words[:1] == ["timeout"]:
+        words = words[2:]
+    if not words:
+        return None
+    name = words[0].removeprefix("./").removeprefix(".venv/bin/")
+    if name == "bamboo":
+        return ["bamboo", *words[1:]]
+    if re.fullmatch(r"python3?", name) and words[1:3] == ["-m", "bamboo"]:
+        return ["bamboo", *words[3:]]
+    if name == "make":
+        return ["make", *words[1:]]
+    return None
+
+
+def page_commands(page: Path) -> list[Command]:
+    """Every `bamboo` and `make` command of a page's shell code blocks."""
+    found = []
+    rel = page.relative_to(REPO).as_posix()
+    for first, lines in code_blocks(page.read_text(encoding="utf-8")):
+        for number, line in logical_lines(first, lines):
+            if any(marker in line for marker in NOT_COMMANDS):
+                continue
+            if not re.match(r"^\s*(\$ )?(sudo |timeout \d+ |\w+=\S+ )*(\./)?"
+                            r"(\.venv/bin/)?(bamboo|python3? -m bamboo|make)\b", line):
+                continue
+            for words in split_commands(line):
+                command = program(words)
+                if command is not None:
+                    found.append(Command(rel, number, line.strip(), tuple(command)))
+    return found
+
+
+def inline_makes(page: Path) -> list[Command]:
+    """The `make TARGET` commands a page names in inline code (the README's test table)."""
+    rel = page.relative_to(REPO).as_posix()
+    text = page.read_text(encoding="utf-8")
+    return [Command(rel, text.count("\n", 0, m.start()) + 1, m.group(1), tuple(m.group(1).split()))
+            for m in re.finditer(r"(?<!`)`(make [\w -]+)`(?!`)", text)]
+
+
+def all_commands() -> list[Command]:
+    return [c for page in PAGES for c in [*page_commands(page), *inline_makes(page)]]
+
+
+def is_synopsis(command: Command) -> bool:
+    """A usage synopsis (`[--flag X]`, `FILE...`, `a|b`) describes a command; it is not one."""
+    return any(re.search(r"^\[|\]$|\.\.\.$|^[\w-]*\|[\w-]*$", w) for w in command.words)
+
+
+# -- parsing them with the real parsers -------------------------------------------------------
+
+
+def command_parser(name: str) -> argparse.ArgumentParser | None:
+    """The real parser of `bamboo NAME`: its module's `NAME_parser`, `build_parser` or
+    `_parser`; None when the module has none."""
+    from bamboo.cli import COMMANDS
+    assert name in COMMANDS, f"`bamboo {name}` is not a command (choose one of {sorted(COMMANDS)})"
+    module = importlib.import_module(COMMANDS[name])
+    for attr in (f"{name}_parser", "build_parser", "_parser"):
+        factory = getattr(module, attr, None)
+        if callable(factory):
+            return factory()
+    return None
+
+
+def parse(parser: argparse.ArgumentParser, args: list[str], known: bool = False) -> list[str]:
+    """Parse as the command does; a usage error fails with argparse's own line."""
+    try:
+        if known:
+            return parser.parse_known_args(args)[1]
+        parser.parse_args(args)
+        return []
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise AssertionError(f"does not parse (exit {e.code})") from None
+        return []
+
+
+def check_bamboo(words: list[str]) -> None:
+    """`bamboo NAME ARGS` parses with NAME's parser; soak's and lab's job flags with train's."""
+    name, args = words[0], words[1:]
+    if name in NO_PARSER:
+        command_parser(name)  # still a real command
+        return
+    parser = command_parser(name)
+    assert parser is not None, (f"`bamboo {name}` has no importable parser: give its module a "
+                                f"{name}_parser() or list it in NO_PARSER with a reason")
+    if name == "soak":
+        rest = parse(parser, args, known=True)
+        parse(command_parser("train"), rest)
+    elif name == "lab" and "--" in args:
+        parse(parser, args[:args.index("--")])
+        parse(command_parser("train"), args[args.index("--") + 1:])
+    else:
+        parse(parser, args)
+
+
+def make_targets() -> set[str]:
+    text = (REPO / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([\w.-]+)\s*:(?!=)", text, flags=re.M))
+
+
+def check(command: Command, targets: set[str]) -> None:
+    words = list(command.words)
+    if words[0] == "make":
+        for target in [w for w in words[1:] if not w.startswith("-") and "=" not in w]:
+            if target in TARGETS_TO_COME and target not in targets:
+                continue
+            assert target in targets, f"make has no target {target!r} (Makefile: {sorted(targets)})"
+        return
+    if len(words) < 2 or words[1] in ("-h", "--help"):
+        return
+    check_bamboo(words[1:])
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+def test_the_pages_show_commands_of_every_kind() -> None:
+    """The extractor finds the commands a user meets first (a broken extractor checks
+    nothing)."""
+    seen = {c.words[:2] for c in all_commands()}
+    for first in [("bamboo", "train"), ("bamboo", "coordinator"), ("bamboo", "agent"),
+                  ("bamboo", "simulate"), ("bamboo", "data"), ("make", "demo"),
+                  ("make", "setup"), ("make", "test-fast"), ("make", "test")]:
+        assert first in seen, f"no `{' '.join(first)}` command found in the pages"
+
+
+def test_every_command_parses() -> None:
+    targets = make_targets()
+    failures = []
+    for command in all_commands():
+        if is_synopsis(command):
+            continue
+        try:
+            check(command, targets)
+        except AssertionError as e:
+            failures.append(f"{command}\n    {e}")
+    assert not failures, "commands in the pages that would not run:\n" + "\n".join(failures)
+
+
+def test_a_broken_command_is_caught() -> None:
+    """The check is not vacuous: a wrong flag, a wrong value and an unknown command fail."""
+    for words in (["train", "--nodes", "4", "--stagez", "2"], ["train", "--steps", "ten"],
+                  ["simulate", "--policies"], ["agent", "--join"]):
+        with pytest.raises(AssertionError):
+            check_bamboo(words)
+    with pytest.raises(AssertionError):
+        check_bamboo(["nosuchcommand"])
+    with pytest.raises(AssertionError):
+        check(Command("x", 1, "make nosuchtarget", ("make", "nosuchtarget")), make_targets())
+    line = ".venv/bin/bamboo train --nodes 4 --stages 4 \\\n    --steps 2 > log.txt 2>&1  # note"
+    (command,) = [c for _, text in logical_lines(1, line.split("\n"))
+                  for c in [program(w) for w in split_commands(text)] if c]
+    assert command == ["bamboo", "train", "--nodes", "4", "--stages", "4", "--steps", "2"]
+
+
+def named_paths(text: str) -> Iterator[str]:
+    for match in PATH_PATTERN.finditer(text):
+        path = match.group(0).rstrip(".,:;")
+        if not path.endswith("/..."):
+            yield path
+
+
+def path_exists(path: str) -> bool:
+    return any(REPO.glob(path)) if "*" in path else (REPO / path).exists()
+
+
+def link_targets(page: Path) -> Iterator[str]:
+    """The relative targets of the page's markdown links, anchors dropped."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+        if not re.match(r"^(\w+:|#)", target):
+            yield target.split("#", 1)[0]
+
+
+def test_every_named_path_exists() -> None:
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for path in sorted(set(named_paths(text))):
+            if not path_exists(path):
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+        for target in sorted(set(link_targets(page))):
+            if not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(REPO)}: link ({target})")
+    assert not missing, "paths the pages name that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_missing_path_is_caught() -> None:
+    names = list(named_paths("see `traces/aws-p3-2xlarge.csv`, traces/nosuch.csv and "
+                             "bamboo/engine/engine.py, docs/*.md."))
+    assert names == ["traces/aws-p3-2xlarge.csv", "traces/nosuch.csv",
+                     "bamboo/engine/engine.py", "docs/*.md"]
+    assert [path_exists(n) for n in names] == [True, False, True, True]
+
+
+# -- the quick start, for real ----------------------------------------------------------------
+
+
+def quick_start_trains() -> list[list[str]]:
+    """The `bamboo train` commands of the README's "Quick start" section."""
+    page = REPO / "README.md"
+    lines = page.read_text(encoding="utf-8").split("\n")
+    start = lines.index("## Quick start") + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("## ")) + 1
+    return [list(c.words[2:]) for c in page_commands(page)
+            if start <= c.line <= end and c.words[:2] == ("bamboo", "train")]
+
+
+def shortened(args: list[str], out: Path) -> list[str]:
+    """The command in a short form: 2 steps, a kill moved into step 1, its own --out."""
+    short: list[str] = []
+    words = iter(args)
+    for word in words:
+        if word in ("--steps", "--out"):
+            next(words)
+        elif word == "--kill":
+            short += [word, re.sub(r"@\d+", "@1", next(words))]
+        else:
+            short.append(word)
+    return [*short, "--steps", "2", "--out", str(out), "--no-report"]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_the_quick_start_trains(tmp_path: Path) -> None:
+    trains = quick_start_trains()
+    assert trains, "the README's quick start shows no bamboo train command"
+    for number, args in enumerate(trains):
+        out = tmp_path / f"run{number}"
+        cmd = [sys.executable, "-m", "bamboo", "train", *shortened(args, out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+        assert proc.returncode == 0, \
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps_completed"] == 2
+        assert summary["preemptions"] == args.count("--kill")
