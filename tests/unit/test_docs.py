@@ -45,6 +45,13 @@ TARGETS_TO_COME: dict[str, str] = {
 PATH_ROOTS = ("traces", "examples", "bamboo", "docs", "benchmarks", "deploy", "tests")
 """The repository folders whose paths the pages name and that must exist."""
 
+NOT_MODULES: dict[str, str] = {
+    "bamboo.env": "deploy/systemd's environment file, not a module",
+}
+"""Dotted names the pages use that are not Python names of the package."""
+
+MODULE_PATTERN = re.compile(r"(?<![\w./-])bamboo(?:\.[A-Za-z_]\w*)+(?![\w/-])")
+
 PATH_PATTERN = re.compile(r"(?<![\w./~$-])(?:" + "|".join(PATH_ROOTS) + r")/[\w./*-]*")
 
 
@@ -322,6 +329,35 @@ def test_a_missing_path_is_caught() -> None:
     assert names == ["traces/aws-p3-2xlarge.csv", "traces/nosuch.csv",
                      "bamboo/engine/engine.py", "docs/*.md"]
     assert [path_exists(n) for n in names] == [True, False, True, True]
+
+
+def resolves(dotted: str) -> bool:
+    """`bamboo.a.b.name`: the longest importable module prefix has the rest as attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 1, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        try:
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_named_module_exists() -> None:
+    """Every `bamboo.x.y` the pages name is a module of the package (or a name in one)."""
+    missing = []
+    for page in PAGES:
+        for name in sorted(set(MODULE_PATTERN.findall(page.read_text(encoding="utf-8")))):
+            if name not in NOT_MODULES and not resolves(name):
+                missing.append(f"{page.relative_to(REPO)}: {name}")
+    assert not missing, "names the pages give that the package lacks:\n" + "\n".join(missing)
+    assert resolves("bamboo.chaos.bits.bits_must_match")
+    assert not resolves("bamboo.chaos.bits.no_such_rule") and not resolves("bamboo.nosuch")
 
 
 # -- the quick start, for real ----------------------------------------------------------------
