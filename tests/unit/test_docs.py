@@ -387,11 +387,26 @@ def shortened(args: list[str], out: Path) -> list[str]:
     return [*short, "--steps", "2", "--out", str(out), "--no-report"]
 
 
+def without_kills(args: list[str]) -> tuple[str, ...]:
+    words, kept = iter(args), []
+    for word in words:
+        if word == "--kill":
+            next(words)
+        elif word != "--out":
+            kept.append(word)
+        else:
+            next(words)
+    return tuple(kept)
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_the_quick_start_trains(tmp_path: Path) -> None:
+    """Each quick-start `bamboo train`, shortened, exits 0 with a summary; a run with a kill
+    ends with the bits of the same command without it, as the README says."""
     trains = quick_start_trains()
     assert trains, "the README's quick start shows no bamboo train command"
+    bits: dict[tuple[str, ...], set[str]] = {}
     for number, args in enumerate(trains):
         out = tmp_path / f"run{number}"
         cmd = [sys.executable, "-m", "bamboo", "train", *shortened(args, out)]
@@ -401,3 +416,7 @@ def test_the_quick_start_trains(tmp_path: Path) -> None:
         summary = json.loads((out / "summary.json").read_text())
         assert summary["steps_completed"] == 2
         assert summary["preemptions"] == args.count("--kill")
+        bits.setdefault(without_kills(args), set()).add(summary["param_sha256"])
+    for args, digests in bits.items():
+        assert len(digests) == 1, f"`bamboo train {' '.join(args)}` with and without its kill " \
+                                  f"ended with other parameters: {digests}"
