@@ -216,10 +216,9 @@ def parse(parser: argparse.ArgumentParser, args: list[str], known: bool = False)
 def check_bamboo(words: list[str]) -> None:
     """`bamboo NAME ARGS` parses with NAME's parser; soak's and lab's job flags with train's."""
     name, args = words[0], words[1:]
-    if name in NO_PARSER:
-        command_parser(name)  # still a real command
-        return
     parser = command_parser(name)
+    if parser is None and name in NO_PARSER:
+        return
     assert parser is not None, (f"`bamboo {name}` has no importable parser: give its module a "
                                 f"{name}_parser() or list it in NO_PARSER with a reason")
     if name == "soak":
