@@ -302,11 +302,25 @@ def path_exists(path: str) -> bool:
     return any(REPO.glob(path)) if "*" in path else (REPO / path).exists()
 
 
-def link_targets(page: Path) -> Iterator[str]:
-    """The relative targets of the page's markdown links, anchors dropped."""
+def link_targets(page: Path) -> Iterator[tuple[str, str]]:
+    """(file, anchor) of the page's relative markdown links ("" for none)."""
     for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
-        if not re.match(r"^(\w+:|#)", target):
-            yield target.split("#", 1)[0]
+        if not re.match(r"^\w+:", target):
+            file, _, anchor = target.partition("#")
+            yield file, anchor
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation dropped, spaces
+    to hyphens, -1, -2 ... for repeats); fenced code is not headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
 
 
 def test_every_named_path_exists() -> None:
@@ -316,9 +330,13 @@ def test_every_named_path_exists() -> None:
         for path in sorted(set(named_paths(text))):
             if not path_exists(path):
                 missing.append(f"{page.relative_to(REPO)}: {path}")
-        for target in sorted(set(link_targets(page))):
-            if not (page.parent / target).exists():
-                missing.append(f"{page.relative_to(REPO)}: link ({target})")
+        for file, anchor in sorted(set(link_targets(page))):
+            target = page.parent / file if file else page
+            if not target.exists():
+                missing.append(f"{page.relative_to(REPO)}: link ({file})")
+            elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target):
+                missing.append(f"{page.relative_to(REPO)}: link ({file}#{anchor}): "
+                               f"no such heading")
     assert not missing, "paths the pages name that do not exist:\n" + "\n".join(missing)
 
 
