@@ -1,7 +1,8 @@
 """The user's pages hold: every `bamboo`, `python -m bamboo` and `make` command shown in a
 code block of README.md and docs/*.md parses with the project's own argument parsers (or
-names a real Makefile target), every repository path they name exists, every relative link
-resolves, and the README's quick start really trains (the `procs` test).
+names a real Makefile target), every repository path and `bamboo.x.y` name they give exists,
+every relative link and its anchor resolve, and the README's quick start really trains, a
+killed run ending with the bits of the run without the kill (the `procs` test).
 
 The parse checks start no process: they build each command's real parser
 (`bamboo.cli.COMMANDS` -> its module's `<command>_parser`, `build_parser` or `_parser`) and
