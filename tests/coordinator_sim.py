@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
+from bamboo.run.writers import stages_written_by
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node, NodeState
 from bamboo.control.sources import LocalWorkers
@@ -372,9 +373,9 @@ class SimCluster:
         self.final_writes()
 
     def final_writes(self, lost_before_writing: int | None = None) -> None:
-        """After the last step each stage's first live holder writes its layers (as
-        `worker._first_holder_stages`); node `lost_before_writing` is killed first (after
-        the last commit, before its write)."""
+        """After the last step each stage's first live holder writes its layers (the
+        workers' own rule, `bamboo.run.writers`); node `lost_before_writing` is killed first
+        (after the last commit, before its write: no new roles follow the last step)."""
         if lost_before_writing is not None:
             self.kill(lost_before_writing)
         final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.training.steps)
@@ -383,19 +384,13 @@ class SimCluster:
             w = self._worker(r)
             if w.node.exited:
                 continue
-            mine = sorted(i for s in roles.stages_of(r) if self._first_holder(s) == r
+            mine = sorted(i for s in stages_written_by(roles, r, roles.stages_of(r))
                           for i in range(*plan.parts[s]))
             if mine:
                 write_layers(final, {i: {"param.w": torch.zeros(1)} for i in mine})
             self._send(w, LayerParams(rank=r, layers=mine))
             self._send(w, Done(rank=r))
         self.serve_final_requests()
-
-    def _first_holder(self, stage: int) -> int:
-        """The stage's first holder not dead in the role map (a node lost after the last
-        commit is not: no new roles follow the last step)."""
-        roles = self.ctx.roles
-        return next(r for r in roles.stage_members(stage) if r not in roles.dead)
 
     def serve_final_requests(self) -> None:
         """A live worker asked to write final layers from its copy (their first holder was

@@ -1,4 +1,4 @@
-"""`bamboo train`: a job on a local cluster of worker processes (and, through a `NodeSource`,
+"""`bamboo train`: a job on a local cluster of worker processes (and, through a `JobCommand`,
 the same sequence for `bamboo coordinator`, whose nodes are agents on other machines).
 
 Arguments are validated before torch is imported, so a user error costs a fraction of a
@@ -10,15 +10,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bamboo.util import strict_json
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, parse_kill
 from bamboo.config.options import add_flags
 
-__all__ = ["main", "run", "train_parser", "job_config", "NodeSource", "NodesStarted", "LocalWorkers"]
+if TYPE_CHECKING:
+    from bamboo.control.sources import NodeSource
+
+__all__ = ["main", "run", "train_parser", "job_config", "JobCommand", "TrainCommand"]
 
 
 SECTION_TITLES = {
@@ -206,37 +208,24 @@ def _load_resume(cfg: JobConfig) -> Any:
     return ckpt
 
 
-class NodeSource(Protocol):
-    """Where a job's nodes come from: local worker processes, or agents that join."""
+class JobCommand(Protocol):
+    """What `bamboo train` and `bamboo coordinator` do differently around the same run:
+    their parser, their own checks, and where the run's nodes come from."""
 
     prog: str
 
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
-        """The command's parser (the job's flags and the source's own)."""
+        """The command's parser (the job's flags and the command's own)."""
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        """ConfigError for a flag of this source that is wrong (cfg None: before the job)."""
+        """ConfigError for a flag of this command that is wrong (cfg None: before the job)."""
 
-    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
-        """What `run_local` needs of this source, or an exit code when it cannot start."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodesStarted:
-    """Where the nodes come from, once the source has started: None and None for local
-    workers; for agents the join listener and, with --etcd, the membership."""
-
-    agents: Any = None
-    membership: Any = None
-
-    def close(self) -> None:
-        if self.agents is not None:
-            self.agents.close()
-        if self.membership is not None:
-            self.membership.close()
+    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
+        """The run's nodes' source (`bamboo.control.sources`), or an exit code when it
+        cannot start."""
 
 
-class LocalWorkers:
+class TrainCommand:
     """`bamboo train`: the nodes are worker processes this command starts."""
 
     prog = "bamboo train"
@@ -250,22 +239,23 @@ class LocalWorkers:
             check_fits(cfg, cfg.node_cap)
             check_step_length(cfg)
 
-    def start(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodesStarted | int:
-        return NodesStarted()
+    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
+        from bamboo.control.sources import LocalWorkers
+        return LocalWorkers()
 
 
 def main(argv: list[str]) -> int:
-    return run(argv, LocalWorkers())
+    return run(argv, TrainCommand())
 
 
-def run(argv: list[str], source: NodeSource) -> int:
+def run(argv: list[str], command: JobCommand) -> int:
     """The command's whole sequence, each stage a guard that ends in one line and an exit
     code: parse, job file, checks without torch, resume, run directory, the nodes' source
     (agents and etcd), then the run and its report."""
-    prog = source.prog
-    args = source.parser().parse_args(argv)
+    prog = command.prog
+    args = command.parser().parse_args(argv)
     try:
-        source.check(args, None)
+        command.check(args, None)
         http = None
         if args.http is not None:
             from bamboo.fleet.remote import parse_address
@@ -273,8 +263,8 @@ def run(argv: list[str], source: NodeSource) -> int:
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        cfg = job_config(args, argv, source.parser(given_only=True))
-        source.check(args, cfg)
+        cfg = job_config(args, argv, command.parser(given_only=True))
+        command.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
         _check_trace(cfg)
         from bamboo.run.runlog import RunDir, default_run_dir
@@ -294,9 +284,15 @@ def run(argv: list[str], source: NodeSource) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    started = source.start(args, cfg, run)
-    if isinstance(started, int):
-        return started
+    source = command.source(args, cfg, run)
+    if isinstance(source, int):
+        return source
+    return _train(args, prog, cfg, run, source, crash=crash, resume=resume, http=http)
+
+
+def _train(args: argparse.Namespace, prog: str, cfg: JobConfig, run: Any, source: NodeSource,
+           *, crash: dict[int, list], resume: Any, http: tuple[str, int] | None) -> int:
+    """The run itself, once every check passed, then its report: the exit code."""
     import os
     # torch's C++ store logs a warning, and for a client that vanishes mid-handshake an
     # error ("Write setup to client failed ... EBADF"), for what is here a preemption the
@@ -304,7 +300,7 @@ def run(argv: list[str], source: NodeSource) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if args.debug else "FATAL")
     from bamboo.node import forkserver
     forkserver.start()  # imports torch in the background while this process does too
-    from bamboo.control import RunFailed, run_local
+    from bamboo.control import RunFailed, run_job
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDirError
     display = ProgressDisplay(cfg.training.steps, enabled=not args.quiet)
@@ -313,10 +309,10 @@ def run(argv: list[str], source: NodeSource) -> int:
         from bamboo.control.http import HttpServeError
         serve_error = HttpServeError
     try:
-        summary = run_local(cfg, run, display, crash, debug=args.debug, resume=resume,
-                            agents=started.agents, membership=started.membership, http=http)
+        summary = run_job(cfg, run, display, source, extra_faults=crash, debug=args.debug,
+                          resume=resume, http=http)
     except serve_error as e:  # --http's address is taken or not this machine's
-        started.close()
+        source.close(None)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunDirError as e:  # the run's own files could not be written (a full disk)

@@ -1,4 +1,4 @@
-"""The coordinator's core: every decision of a run, driven through three calls.
+"""The coordinator's core: every decision of a run, driven through four calls.
 
     core = CoordinatorCore(cfg, run_path, display, source)
     core.start(store, events, clock)        # the parts, the trace, the first nodes and plan
@@ -16,69 +16,57 @@ a dict store, a list of events, a fake clock and scripted workers. The parts:
     generations.Generations   plans, boundary flags, reconfiguration
     restore.RestorePoints     checkpoint or initial state when no live copy exists
     preemptions.Preemptions   --kill, notices, trace replay
-    checkpoints.CheckpointAssembly
+    checkpointing.CheckpointAssembly
     results.Results           step records, model, summary
     final_layers.FinalLayers  a final layer whose writer was lost: written from a copy
     display.RunView           layout panel, `role` events, notes on long waits
+    kills.Kills               --kill and --crash faults, and which kills fired
 
-Where nodes come from is a `NodeSource` (`sources.LocalWorkers`, `sources.Agents`). A
-worker's software error stops the run with that error (never failed over: a deterministic
-bug would only cascade through the shadows). Decisions end the run by raising `Stop`.
+The parts are given the parts they ask, never a callback: what one part's news asks of
+another comes back here as a return value (a committed round, a completed evaluation, an
+exit that changed roles or restarts every worker, the trace nodes to start, a plan from a
+restore point), and the core hands it on. Each field of the shared `RunContext` has one
+writer (the table in `state`).
+
+Where nodes come from is a `sources.NodeSource` (`LocalWorkers`, `Agents`). A worker's
+software error stops the run with that error (never failed over: a deterministic bug
+would only cascade through the shadows). Decisions end the run by raising `Stop`.
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from bamboo.run.checkpoint import Checkpoint, checkpoint_location
-from bamboo.node.backend_errors import describe
+from bamboo.config import JobConfig
 from bamboo.control.checkpointing import CheckpointAssembly
-from bamboo.control.interval import CheckpointInterval
 from bamboo.control.display import RunView
-from bamboo.control.failures import FailureHandler
+from bamboo.control.failures import ExitOutcome, FailureHandler
 from bamboo.control.final_layers import FinalLayers
-from bamboo.control.generations import Generations
+from bamboo.control.generations import FixedMode, Generations, Modes
+from bamboo.control.interval import CheckpointInterval
+from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.preemptions import Preemptions
 from bamboo.control.restore import RestorePoints
 from bamboo.control.results import Results
+from bamboo.control.sources import NodeSource
 from bamboo.control.state import Events, RunContext, Stop, Store
-from bamboo.control.steps import PendingStep, StepProtocol
-from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, GenerationEnd,
-                                     GenerationReady, LayerParams, Left, MicroBatchesDone,
-                                     Notice, Ready, RoundDone, StepReport, WorkerError,
-                                     WorkerMessage)
-from bamboo.config import JobConfig
-from bamboo.plan.faults import Fault
+from bamboo.control.steps import StepProtocol
 from bamboo.model import layer_param_counts
+from bamboo.node.backend_errors import describe
+from bamboo.plan.faults import Fault
+from bamboo.run.checkpoint import Checkpoint, checkpoint_location
+from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, GenerationEnd,
+                                  GenerationReady, LayerParams, Left, MicroBatchesDone,
+                                  Notice, Ready, RoundDone, StepReport, WorkerError,
+                                  WorkerMessage)
 
 __all__ = ["CoordinatorCore", "NodeSource"]
 
 _ROOT_CAUSE_GRACE_S = 2.0
 """A node that lost a peer waits this long for the peer's own exit to explain it."""
-
-
-class NodeSource(Protocol):
-    """Where a run's nodes come from (local worker processes, agents, scripted workers)."""
-
-    def initial(self, core: CoordinatorCore) -> None:
-        """Bring the run's first `--nodes` nodes (`core.spawn` or `core.nodes.admit`); Stop
-        when they do not come."""
-
-    def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
-        """One more node now (a trace's add, a checkpoint-restart's fresh worker)."""
-
-    def poll(self, core: CoordinatorCore) -> None:
-        """Once a tick: admit nodes that arrived on their own (agents that joined)."""
-
-    def none_coming(self, core: CoordinatorCore) -> bool:
-        """Whether no node is coming that a waiting reconfiguration could use."""
-
-    def awaited(self, core: CoordinatorCore) -> str:
-        """What a reconfiguration left without a live node waits for, said in the message
-        of the stop that ends that wait ("an agent to offer a worker (...)")."""
 
 
 class CoordinatorCore:
@@ -102,9 +90,10 @@ class CoordinatorCore:
         nodes (`source.initial`) and publish the first plan."""
         self.store, self.events, self.store_host = store, events, store_host
         self._build_parts(clock)
-        self._load_trace()
+        self.preemptions.load_trace()
         self.source.initial(self)
-        self.gens.enter(self.gens.first_plan())
+        self.gens.enter(self.gens.first_plan(self.modes))
+        self.view.layout_changed()
         cfg, plan = self.cfg, self.ctx.plan
         self.ctx.say(f"started {cfg.layout.nodes} workers: {plan.pipelines} pipeline(s) x "
                      f"{plan.stages} stage(s), model {cfg.model.name}, redundancy "
@@ -113,21 +102,51 @@ class CoordinatorCore:
                         if self.preemptions.replay else "")
                      + (f"; resumed from step {self.resume.step} ({self.resume.path})"
                         if self.resume is not None else ""))
-        self.last_news = self.steps.last_commit_t = clock()
+        self.last_news = clock()
+        self.steps.timing_from(self.last_news)
 
     def handle(self, n: Node, msg: WorkerMessage) -> None:
         """A message from node `n`, to the part that owns it (Stop for one it does not know)."""
         self.last_news = self.ctx.clock()
-        handler = self.handlers.get(type(msg))
-        if handler is None:
-            raise Stop(f"node {n.name} sent a message this coordinator does not know "
-                       f"({type(msg).__name__}): are the worker and the coordinator the same "
-                       f"version of bamboo?")
-        handler(n, msg)
+        match msg:
+            case MicroBatchesDone():
+                self.steps.on_micro_batches_done(msg)
+            case RoundDone():
+                self._on_round_done(msg)
+            case EvalDone():
+                self._on_eval_done(msg)
+            case StepReport():
+                self.steps.on_step_report(n.node, msg)
+                self._record_steps()
+            case LayerParams():
+                self.results.on_params(msg)
+            case Ready():
+                self._on_ready(n, msg)
+            case GenerationReady():
+                self._on_generation_ready(n, msg)
+            case GenerationEnd():
+                self._on_generation_end(n, msg)
+            case CheckpointPart():
+                self.checkpoints.on_part(msg)
+            case Notice():
+                if self.preemptions.on_notice(n, msg.source, self.gens.where(n)):
+                    self.gens.ask_checkpoint()
+            case Left():
+                self.nodes.set_state(n, NodeState.LEFT)
+                self.gens.not_ending(n.node)
+            case Done():
+                self.nodes.set_state(n, NodeState.DONE)
+            case WorkerError():
+                self._on_worker_error(n, msg)
+            case _:
+                raise Stop(f"node {n.name} sent a message this coordinator does not know "
+                           f"({type(msg).__name__}): are the worker and the coordinator the "
+                           f"same version of bamboo?")
 
     def node_exited(self, n: Node) -> None:
         """`n`'s process ended: a loss, a drain's end, or the run's end for that node."""
-        self.failures.on_exit(n)
+        out = self.failures.on_exit(n)
+        self._after_exit(out)
 
     def tick(self, now: float) -> None:
         """What time alone decides: leases, waits worth a note, nodes that joined, the
@@ -135,8 +154,8 @@ class CoordinatorCore:
         self.nodes.check_leases()
         self.view.note_waits()
         self.source.poll(self)
-        self.preemptions.tick(lambda trace_node: self.spawn(
-            first_gen=self.ctx.plan.gen + 1, trace_node=trace_node))
+        for trace_node in self.preemptions.tick():
+            self.spawn(first_gen=self.ctx.plan.gen + 1, trace_node=trace_node)
         self.try_plan()
         self._check_stalls(now)
 
@@ -202,35 +221,35 @@ class CoordinatorCore:
         n.trace_node = trace_node
         replay = self.preemptions.replay
         if trace_node is not None and owns_trace_node:
-            self.preemptions.trace_owner[trace_node] = n.node
+            self.preemptions.played_by(trace_node, n.node)
         role = self.gens.initial_role(n.node) if first_gen == 0 else (None, None)
         self.events.write("node_up", node=n.name, pid=n.process.pid, pipeline=role[0],
                           stage=role[1], trace_node=replay.name(trace_node)
                           if trace_node is not None and replay else None)
         return n
 
-    def worker_spec(self, node: int, slot: int, first_gen: int) -> Any:
-        """What node `node` starts with: the job, the store, its faults."""
-        from bamboo.node.worker import WorkerSpec
-        return WorkerSpec(node=node, slot=slot, first_gen=first_gen,
-                          store_host=self.store_host,  # type: ignore[arg-type]
-                          store_port=self.store.port, config=self.cfg,  # type: ignore[attr-defined]
-                          faults=self.preemptions.faults_for(node, first_gen))
-
     def try_plan(self) -> None:
-        """Publish the next generation's plan when a reconfiguration can have one."""
+        """Publish the next generation's plan when a reconfiguration can have one; a plan
+        from a restore point takes the step protocol and the checkpoints back to it."""
         none_coming = self.preemptions.trace_finished() and self.source.none_coming(self) \
             and not self.nodes.coming()
-        if self.gens.try_plan(trace_finished=none_coming) is not None:
-            self.steps.round_failed_at = None
+        committed = self.ctx.committed
+        plan = self.gens.try_plan(self.modes, trace_finished=none_coming)
+        if plan is None:
+            return
+        if plan.start_step < committed:  # restored: the steps after its start are redone
+            self.steps.rewind(plan.start_step)
+            self.checkpoints.forget_after(plan.start_step)
+        self.steps.new_generation()
+        self.view.layout_changed()
 
     # -- building ---------------------------------------------------------------------------
 
-    def _build_parts(self, clock: Callable[[], float]) -> None:
+    def _context(self, clock: Callable[[], float]) -> RunContext:
         cfg, resume = self.cfg, self.resume
         start = resume.step if resume is not None else 0
         counts = layer_param_counts(cfg.model_preset())
-        ctx = self.ctx = RunContext(
+        return RunContext(
             cfg=cfg, store=self.store, events=self.events, display=self.display,
             run_path=self.run_path, param_counts=counts,
             partition_costs=cfg.partition_costs(counts), clock=clock,
@@ -240,66 +259,59 @@ class CoordinatorCore:
             if resume else [],
             resume_step=resume.step if resume else None,
             resume_path=resume.path if resume else None)
-        slots = 2 * max(cfg.layout.nodes, cfg.node_cap) + 4
-        self.nodes = Supervisor(ctx, slots, self.worker_spec)
-        self.preemptions = Preemptions(ctx, self.nodes, where=lambda n: self.gens.where(n),
-                                       extra_faults=self.extra_faults)
-        self.steps = StepProtocol(ctx, member_node=lambda r: self.gens.member(r).node,
-                                  gone=self._gone_nodes, boundary=self._boundary,
-                                  on_commit=self._on_commit, on_record=self._on_record,
-                                  on_eval=self._on_eval,
-                                  check_replicas=cfg.redundancy.check_replicas)
+
+    def _build_parts(self, clock: Callable[[], float]) -> None:
+        """The parts, each given the parts it asks (never a callback): what one part does
+        that another must follow comes back to the core as a return value."""
+        cfg = self.cfg
+        ctx = self.ctx = self._context(clock)
+        self.kills = Kills(ctx, self.extra_faults)
+        self.nodes = Supervisor(ctx, 2 * max(cfg.layout.nodes, cfg.node_cap) + 4, self.kills,
+                                self.store_host)
+        self.preemptions = Preemptions(ctx, self.nodes, self.kills)
+        self.steps = StepProtocol(ctx, self.nodes, check_replicas=cfg.redundancy.check_replicas)
         self.steps.evaluated.update(step for step, _ in ctx.eval_losses)
         interval = CheckpointInterval(ctx)
         self.checkpoints = CheckpointAssembly(ctx, interval)
-        self.restore = RestorePoints(ctx, rewind=self._rewind, interval=interval)
+        self.restore = RestorePoints(ctx, interval)
+        self.gens = Generations(ctx, self.nodes, self.restore, self.kills, interval)
+        self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens, self.kills)
+        self.results = Results(ctx, self.display)
+        self.final_layers = FinalLayers(ctx, self.nodes, self.results)
+        self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.auto: Any = None
-        self.gens = Generations(ctx, self.nodes, self.restore, interval=interval,
-                                fired_kills=self.preemptions.fired_kills,
-                                layout_shown=lambda: self.view.layout_changed(),
-                                choose_redundancy=(lambda gen: self.auto.choose(gen))
-                                if cfg.redundancy.mode == "auto" else None)
-        self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens,
-                                       kill_fired=self.preemptions.kill_fired,
-                                       respawn=self._respawn,
-                                       layout_changed=lambda: self.view.layout_changed())
-        self.results = Results(ctx, self.display.step, self.display.evaluation)
-        self.final_layers = FinalLayers(ctx, self.nodes, self.results, self.gens.member)
+        self.modes: Modes = FixedMode(cfg.redundancy.mode)
         if cfg.redundancy.mode == "auto":
             from bamboo.control.redundancy_mode import AutoRedundancy
-            self.auto = AutoRedundancy(ctx, self.nodes, self.results, self.failures, self.gens)
-        self.view = RunView(ctx, self.nodes, self.gens, self.display)
-        self.handlers: dict[type, Callable[[Node, Any], None]] = {
-            MicroBatchesDone: lambda n, m: self.steps.on_micro_batches_done(m),
-            RoundDone: lambda n, m: self.steps.on_round_done(m),
-            EvalDone: lambda n, m: self.steps.on_eval_done(m),
-            StepReport: lambda n, m: self.steps.on_step_report(n.node, m),
-            LayerParams: lambda n, m: self.results.on_params(m),
-            Ready: self._on_ready,
-            GenerationReady: self._on_generation_ready,
-            GenerationEnd: lambda n, m: self.gens.on_end(n, m, self.failures.abandon),
-            CheckpointPart: lambda n, m: self.checkpoints.on_part(m),
-            Notice: self._on_notice,
-            Left: lambda n, m: self._on_left(n),
-            Done: lambda n, m: self.nodes.set_state(n, NodeState.DONE),
-            WorkerError: self._on_worker_error,
-        }
-
-    def _load_trace(self) -> None:
-        cfg = self.cfg.cluster
-        if cfg.trace is None:
-            return
-        from bamboo.traces.replay import TraceReplay
-        from bamboo.traces.trace import load_trace
-        trace = load_trace(cfg.trace)  # validated by the command line already
-        replay = TraceReplay(trace, initial=self.cfg.layout.nodes, time_scale=cfg.replay_time_scale)
-        self.preemptions.replay = replay
-        self.preemptions.trace_live.update(replay.initial_added)
-        self.events.write("trace", file=cfg.trace, rows=len(trace.times),
-                          preemptions=trace.preemptions, time_scale=cfg.replay_time_scale,
-                          window_s=round(replay.window_s(), 2))
+            self.auto = self.modes = AutoRedundancy(ctx, self.nodes, self.results,
+                                                    self.failures, self.gens)
 
     # -- messages ---------------------------------------------------------------------------
+
+    def _on_round_done(self, msg: RoundDone) -> None:
+        """A commit vote; when it completes the round: the boundary's flags, the commit,
+        the records it completes, and what the boundary starts."""
+        step = self.steps.on_round_done(msg)
+        if step is None:
+            return
+        flags = self.gens.boundary_flags(step, self.modes)
+        self.steps.commit(step, msg.epoch, flags)
+        self._record_steps()
+        if self.auto is not None:
+            self.auto.step_ran(step)
+        if BoundaryFlag.RECONFIGURE in flags:
+            self.gens.reconfigure_after(step)
+        else:
+            self.preemptions.step_begins(step + 1)
+
+    def _on_eval_done(self, msg: EvalDone) -> None:
+        done = self.steps.on_eval_done(msg)
+        if done is None:
+            return
+        step, loss = done
+        self.results.record_eval(step, loss)
+        if step >= self.cfg.training.steps:  # no step record follows: close the last pass
+            self.failures.close(step, [], 0.0, self.results.records)
 
     def _on_ready(self, n: Node, msg: Ready) -> None:
         n.own_processor = msg.own_processor
@@ -307,27 +319,24 @@ class CoordinatorCore:
             self.events.write("pinned", node=n.name, cpus=list(msg.cpus))
         if n.state is NodeState.STARTING:
             self.nodes.set_state(n, NodeState.READY)
-        self.nodes.beats[n.slot] = max(self.nodes.beats[n.slot], self.ctx.clock())
+        self.nodes.heard_from(n)
         if n.rank is None:
             self.events.write("standby", node=n.name)
 
     def _on_generation_ready(self, n: Node, msg: GenerationReady) -> None:
-        if self.gens.on_ready(n, msg):
-            if self.preemptions.trace_t0 is None:
-                self.preemptions.trace_t0 = self.ctx.clock()
-                self.steps.last_commit_t = self.preemptions.trace_t0
-            if self.gens.step_begins_pending is not None:
-                self.preemptions.step_begins(self.gens.step_begins_pending)
-                self.gens.step_begins_pending = None
+        if not self.gens.on_ready(n, msg):
+            return
+        if self.preemptions.generation_runs():  # the first: the trace and step clocks start
+            self.steps.timing_from(self.preemptions.trace_t0)
+        step = self.gens.take_step_begins()
+        if step is not None:
+            self.preemptions.step_begins(step)
 
-    def _on_notice(self, n: Node, msg: Notice) -> None:
-        if self.preemptions.on_notice(n, msg.source) and self.gens.interval.enabled:
-            self.gens.checkpoint_due = True
-
-    def _on_left(self, n: Node) -> None:
-        self.nodes.set_state(n, NodeState.LEFT)
-        if self.ctx.reconf is not None:
-            self.ctx.reconf.ending.discard(n.node)
+    def _on_generation_end(self, n: Node, msg: GenerationEnd) -> None:
+        failed = self.gens.transfer_failure(n, msg)
+        if failed is not None:  # a transfer failed: the generation cannot start
+            self.failures.abandon(failed)
+        self.gens.on_end(n, msg)
 
     def _on_worker_error(self, n: Node, msg: WorkerError) -> None:
         self.events.write("worker_error", node=n.name, step=msg.step, error=msg.error,
@@ -343,45 +352,33 @@ class CoordinatorCore:
             f"was reported lost (the backend's error is in events.jsonl: worker_error)")
         self.peer_lost_at = self.peer_lost_at or self.ctx.clock()
 
-    # -- glue between the parts -------------------------------------------------------------
+    # -- what one part's news asks of the others -------------------------------------------
 
-    def _respawn(self, old: Node) -> Node:
-        """Checkpoint-restart: a fresh worker in place of `old` (same trace node)."""
-        owner = self.preemptions.trace_owner
-        owned = old.trace_node is not None and owner.get(old.trace_node) == old.node
-        return self.spawn(first_gen=self.ctx.plan.gen + 1, trace_node=old.trace_node,
-                          owns_trace_node=owned)
+    def _after_exit(self, out: ExitOutcome) -> None:
+        """An exit changed roles in flight (the layout is news; step records may be
+        complete), or stopped every worker for a checkpoint-restart (fresh ones replace
+        them, each playing its old trace node)."""
+        if out.roles_changed:
+            self.view.layout_changed()
+            self._record_steps()
+        if out.restart is not None:
+            owner = self.preemptions.trace_owner
+            fresh = [self.spawn(first_gen=self.ctx.plan.gen + 1, trace_node=old.trace_node,
+                                owns_trace_node=old.trace_node is not None
+                                and owner.get(old.trace_node) == old.node).node
+                     for old in out.restart]
+            self.gens.restarting(fresh)
 
-    def _gone_nodes(self) -> set[int]:
-        return {n.node for n in self.nodes if n.is_gone or n.exited}
-
-    def _boundary(self, step: int) -> frozenset[BoundaryFlag]:
-        return self.gens.boundary_flags(step)
-
-    def _on_commit(self, step: int, flags: frozenset[BoundaryFlag]) -> None:
-        if self.auto is not None:
-            self.auto.step_ran(step)
-        if BoundaryFlag.RECONFIGURE in flags:
-            self.gens.begin(self.gens.next_reason, abandoned=False)
-            self.gens.step_begins_pending = step + 1  # once the next generation runs
-        else:
-            self.preemptions.step_begins(step + 1)
-
-    def _on_eval(self, step: int, loss: float) -> None:
-        self.results.record_eval(step, loss)
-        if step >= self.cfg.training.steps:  # no step record follows: close the last pass
-            self.failures.close(step, [], 0.0, self.results.records)
-
-    def _on_record(self, p: PendingStep, reports: list[StepReport]) -> None:
-        names = {id(r): self.nodes[node].name for node, r in p.reports.items()}
-        own = {id(r): self.nodes[node].own_processor for node, r in p.reports.items()}
-        record = self.results.record(p, reports, lambda r: names[id(r)],
-                                     own_processor=lambda r: own[id(r)])
-        self.failures.close(p.step, reports, record["wall_s"], self.results.records)
-
-    def _rewind(self, step: int) -> None:
-        self.steps.rewind(step)
-        self.checkpoints.forget_after(step)
+    def _record_steps(self) -> None:
+        """Each committed step whose reports are all in: its record, the losses it closes,
+        its replicas' check."""
+        for p, reports in self.steps.completed():
+            node_of = {id(r): self.nodes[node] for node, r in p.reports.items()}
+            nodes = [node_of[id(r)] for r in reports]
+            record = self.results.record(p, reports, [n.name for n in nodes],
+                                         [n.own_processor for n in nodes])
+            self.failures.close(p.step, reports, record["wall_s"], self.results.records)
+            self.steps.check_digests(reports, p.step)
 
     def _check_stalls(self, now: float) -> None:
         if self.peer_lost_at is not None and now - self.peer_lost_at > _ROOT_CAUSE_GRACE_S:

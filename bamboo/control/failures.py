@@ -21,30 +21,39 @@ from __future__ import annotations
 
 import signal
 import statistics
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from bamboo.control.generations import Generations
+from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.control.steps import StepProtocol
-from bamboo.wire.protocol import PHASES, StepReport, epoch_key
+from bamboo.wire.protocol import PHASES, StepReport
 from bamboo.plan.roles import (FailoverPlan, Takeover, Unrecoverable, plan_failover,
                                      plan_reroute, shadow_or_reroute)
 
-__all__ = ["FailureHandler", "ZERO_COUNTS"]
+__all__ = ["FailureHandler", "ExitOutcome", "ZERO_COUNTS"]
 
 ZERO_COUNTS = {"frc_reused": 0, "brc": 0, "resent_grads": 0}
 
 
+@dataclass(slots=True)
+class ExitOutcome:
+    """What a node's exit changed, for the caller to act on."""
+
+    roles_changed: bool = False
+    """An in-flight role change: the layout is news, and step records may be complete."""
+    restart: list[Node] | None = None
+    """Checkpoint-restart: the workers stopped (maybe none), each to be replaced by a fresh
+    one (`Generations.restarting` then waits for them)."""
+
+
 class FailureHandler:
     def __init__(self, ctx: RunContext, nodes: Supervisor, steps: StepProtocol,
-                 generations: Generations, *, kill_fired: Callable[[Node], None],
-                 respawn: Callable[[Node], Node], layout_changed: Callable[[], None]) -> None:
+                 generations: Generations, kills: Kills) -> None:
         self.ctx, self.nodes, self.steps, self.gens = ctx, nodes, steps, generations
-        self.kill_fired = kill_fired
-        """Marks the `--kill` specs a loss of this node carried out."""
-        self.respawn = respawn
-        self.layout_changed = layout_changed
+        self.kills = kills
+        """Told which `--kill` a loss carried out."""
         self.losses: list[Loss] = []
         self.standby_losses = 0
         self.written_order: list[Loss] = []
@@ -59,33 +68,32 @@ class FailureHandler:
 
     # -- a process ended --------------------------------------------------------------------
 
-    def on_exit(self, n: Node) -> None:
+    def on_exit(self, n: Node) -> ExitOutcome:
         """`n`'s process is gone (its pipe already drained); its handles are closed after."""
         try:
-            self._on_exit(n)
+            return self._on_exit(n)
         finally:
             self.nodes.release(n)
 
-    def _on_exit(self, n: Node) -> None:
+    def _on_exit(self, n: Node) -> ExitOutcome:
         self.nodes.exited(n)
-        if self.ctx.reconf is not None:
-            self.ctx.reconf.ending.discard(n.node)
+        self.gens.not_ending(n.node)
         code = n.process.exitcode
         if n.state is NodeState.RETIRED:
-            return
+            return ExitOutcome()
         if n.state is NodeState.LEFT:
             self._drained(n)
-            return
+            return ExitOutcome()
         if n.state is NodeState.DONE and code == 0:
-            return
+            return ExitOutcome()
         if n.machine is None and (death := self.nodes.fork_server_death(code)) is not None:
             raise Stop(f"{death} (worker {n.name} exited with code {code})")
         if code is not None and code < 0:
-            self.on_lost(n, self._signal_name(n, -code))
-            return
+            return self.on_lost(n, self._signal_name(n, -code))
         if n.state is not NodeState.DONE:
             raise Stop(f"worker {n.name} ({self.gens.where(n)}) exited with code {code} "
                        f"before finishing (see events.jsonl)")
+        return ExitOutcome()
 
     def _signal_name(self, n: Node, signum: int) -> str:
         name = signal.Signals(signum).name
@@ -106,7 +114,7 @@ class FailureHandler:
 
     # -- a loss -----------------------------------------------------------------------------
 
-    def on_lost(self, n: Node, signame: str) -> None:
+    def on_lost(self, n: Node, signame: str) -> ExitOutcome:
         """`n` was preempted. The cases, in the order tried: a standby; after the last step;
         while a generation forms; in flight (failover, peer restore, re-route); else abandon."""
         ctx = self.ctx
@@ -114,7 +122,7 @@ class FailureHandler:
         step = ctx.committed
         in_gen = n.rank is not None and ctx.plan.members[n.rank] == n.name
         if in_gen:
-            self.kill_fired(n)
+            self.kills.node_lost(n.rank)
         if not in_gen:
             self.standby_losses += 1
             self.written_order.append(Loss(node=n.name, rank=None, step=step, phase="standby",
@@ -123,7 +131,7 @@ class FailureHandler:
             ctx.events.write("node_lost", node=n.name, step=step, phase="standby",
                              handled_as=HandledAs.STANDBY, signal=signame, pause_s=0.0)
             ctx.say(f"standby node {n.name} lost ({signame})")
-            return
+            return ExitOutcome()
         active = n.rank < ctx.plan.active and n.rank in self.steps.live_active()
         progress = self.nodes.progress
         phase = PHASES[progress.phase_of(n.slot)] if progress.step_of(n.slot) == step \
@@ -139,26 +147,33 @@ class FailureHandler:
             loss.handled_as, loss.phase = HandledAs.FAILOVER, "after the last step"
             loss.counts = dict(ZERO_COUNTS)
             self._write(loss)
-            return
+            return ExitOutcome()
         if ctx.reconf is not None or not active or not self.gens.running():
             loss.phase = "reconfiguration"
-            self._abandon(f"node {n.name} lost while a generation formed", loss, why="")
+            out = self._abandon(f"node {n.name} lost while a generation formed", loss, why="")
             ctx.say(f"node {n.name} ({where}) lost in step {step} while a generation formed; "
                     f"the next generation covers it")
-            return
+            return out
         try:
             plan = self._failover_plan(n, step)
         except Unrecoverable as e:
             ctx.events.write("fault_detected", node=n.name, step=step, phase=phase,
                              signal=signame, handled_as="reconfiguration", error=str(e))
-            self._abandon(f"node {n.name} lost in step {step}: {e}", loss,
-                          why=f"node {n.name} ({where}) was lost in step {step} ({signame}); {e}")
+            out = self._abandon(f"node {n.name} lost in step {step}: {e}", loss,
+                                why=f"node {n.name} ({where}) was lost in step {step} "
+                                    f"({signame}); {e}")
             ctx.say(f"node {n.name} ({where}) lost in step {step} during {phase}; {e}: the next "
                     f"generation restores it")
-            return
+            return out
+        self._in_flight(n, loss, plan, phase, signame, where)
+        return ExitOutcome(roles_changed=True)
+
+    def _in_flight(self, n: Node, loss: Loss, plan: FailoverPlan, phase: str, signame: str,
+                   where: str) -> None:
+        """Cover the loss of `n` inside the step under way: publish `plan`'s roles."""
+        ctx, step = self.ctx, self.ctx.committed
         old_epoch, old_roles = ctx.roles.epoch, ctx.roles
-        ctx.roles = plan.roles
-        ctx.store.set(epoch_key(ctx.roles.epoch), ctx.roles.to_json())
+        self.gens.publish_roles(plan.roles)
         self.steps.moot(step, old_epoch)
         shadow = plan.takeovers[0].new_holder if plan.takeovers else None
         if plan.roles.rerouted:
@@ -175,8 +190,6 @@ class FailureHandler:
                          handled_as=plan.handled_as, shadow=loss.shadow, roles=ctx.roles.holders)
         ctx.say(f"node {n.name} ({where}) lost in step {step} during {phase}; "
                 f"{plan.handled_as.replace('_', ' ')} by {loss.shadow}")
-        self.layout_changed()
-        self.steps.emit()
         self.steps.release_waiting_votes()
 
     def _failover_plan(self, n: Node, step: int) -> FailoverPlan:
@@ -225,42 +238,36 @@ class FailureHandler:
             raise Unrecoverable("the surviving copy's holder is itself still receiving its state")
         return plan
 
-    def abandon(self, reason: str) -> Reconfiguration:
+    def abandon(self, reason: str, loss: Loss | None = None, why: str = "") -> Reconfiguration:
         """End the generation mid-step (a loss no in-flight copy covers, or a state transfer
         that failed): the new epoch marks it abandoned and the step's votes are answered."""
         ctx = self.ctx
         old_epoch = ctx.roles.epoch
         dead = {x.rank for x in self.nodes if x.state is NodeState.LOST and x.rank is not None}
-        r = self.gens.abandon(reason, dead)
+        r = self.gens.abandon(reason, dead, lost=loss, why=why)
         self.steps.moot(ctx.committed, old_epoch)
         return r
 
-    def _abandon(self, reason: str, loss: Loss, why: str) -> None:
-        ctx = self.ctx
-        r = self.abandon(reason)
-        r.lost.append(loss)
-        if why and not r.why:
-            r.why = why
-        if ctx.cfg.redundancy.recovery == "checkpoint-restart":
-            self.restart_all()
+    def _abandon(self, reason: str, loss: Loss, why: str) -> ExitOutcome:
+        self.abandon(reason, loss, why)
+        if self.ctx.cfg.redundancy.recovery == "checkpoint-restart":
+            return ExitOutcome(restart=self.stop_all_workers())
+        return ExitOutcome()
 
-    def restart_all(self) -> None:
-        """Checkpoint-restart recovery (the baseline, as torchrun does it): stop every worker,
-        start fresh ones in their place, and load the last checkpoint."""
-        r = self.ctx.reconf
-        if r.restarting is None:
-            r.restarting = set()
+    def stop_all_workers(self) -> list[Node]:
+        """Checkpoint-restart recovery (the baseline, as torchrun does it): stop every worker;
+        the caller starts fresh ones in their place, which load the last checkpoint."""
+        restarting = self.ctx.reconf.restarting or set()
+        stopped = []
         for n in self.nodes:
             if n.exited or n.state not in (NodeState.STARTING, NodeState.READY) or \
-                    n.kill_at is not None or not n.process.is_alive() or n.node in r.restarting:
+                    n.kill_at is not None or not n.process.is_alive() or n.node in restarting:
                 continue  # gone or going: counted when it ends, never restarted
             self.nodes.set_state(n, NodeState.RETIRED)
             n.kill_sent = True
             n.process.kill()
-            r.restarting.add(self.respawn(n).node)
-        r.ending.clear()
-        r.holdings.clear()
-        self.ctx.events.write("restart_all", step=self.ctx.committed, workers=len(r.restarting))
+            stopped.append(n)
+        return stopped
 
     # -- accounting -------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ __all__ = ["FinalLayers"]
 
 
 class FinalLayers:
-    def __init__(self, ctx: RunContext, nodes: Supervisor, results: Any, member: Any) -> None:
-        self.ctx, self.nodes, self.results, self.member = ctx, nodes, results, member
+    def __init__(self, ctx: RunContext, nodes: Supervisor, results: Any) -> None:
+        self.ctx, self.nodes, self.results = ctx, nodes, results
         self.asked: dict[int, int] = {}
         """Layer -> the node asked to write it from its copy."""
 
@@ -37,7 +37,7 @@ class FinalLayers:
                 for s, rank in enumerate(row):
                     if rank is None:
                         continue
-                    n = self.member(rank)
+                    n = self.nodes.by_name(plan.members[rank])
                     if n.state is not NodeState.DONE or n.exited:
                         continue
                     for layer in range(*plan.parts[s]):

@@ -10,14 +10,15 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from bamboo.node.backend_errors import peer_rank
-from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.interval import CheckpointInterval
+from bamboo.control.kills import Kills
+from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.restore import RestorePoints
-from bamboo.control.state import HandledAs, Reconfiguration, RunContext, Stop
+from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
                                      plan_key)
 from bamboo.plan.partition import partition
@@ -26,21 +27,36 @@ from bamboo.plan.placement import spread
 from bamboo.plan.planner import GenerationPlan, NoLiveCopy, choose_layout, plan_generation
 from bamboo.plan.roles import RoleMap
 
-__all__ = ["Generations"]
+__all__ = ["Generations", "Modes", "FixedMode"]
+
+
+class Modes(Protocol):
+    """The redundancy mode of each generation: `FixedMode`, or with `--redundancy auto`
+    the run's measured choice (`redundancy_mode.AutoRedundancy`)."""
+
+    def choose(self, gen: int) -> str:
+        """The mode of generation `gen`; with `gen` < 0, the mode a new one would get now."""
+
+
+class FixedMode:
+    """The job's `--redundancy`, the same for every generation."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def choose(self, gen: int) -> str:
+        return self.mode
 
 
 class Generations:
-    def __init__(self, ctx: RunContext, nodes: Supervisor, restore: RestorePoints, *,
-                 interval: CheckpointInterval,
-                 fired_kills: Callable[[], list[str]], layout_shown: Callable[[], None],
-                 choose_redundancy: Callable[[int], str] | None = None) -> None:
-        self.ctx, self.nodes, self.restore = ctx, nodes, restore
+    """The one writer of the run's plan, role map (`rc`, `plan`, `roles`) and of the
+    reconfiguration under way (`reconf`, and every field of it)."""
+
+    def __init__(self, ctx: RunContext, nodes: Supervisor, restore: RestorePoints,
+                 kills: Kills, interval: CheckpointInterval) -> None:
+        self.ctx, self.nodes, self.restore, self.kills = ctx, nodes, restore, kills
         self.interval = interval
         """Which boundaries write a checkpoint."""
-        self.fired_kills = fired_kills
-        self.layout_shown = layout_shown
-        self.choose_redundancy = choose_redundancy
-        """`--redundancy auto`: generation number -> the mode of that generation."""
         self.ready: set[int] = set()
         self.started = ctx.clock()
         self.reconfigurations = 0
@@ -98,7 +114,7 @@ class Generations:
 
     # -- entering a generation --------------------------------------------------------------
 
-    def first_plan(self) -> GenerationPlan:
+    def first_plan(self, modes: Modes) -> GenerationPlan:
         ctx = self.ctx
         d, p = ctx.cfg.data_parallel, ctx.cfg.layout.stages
         parts = partition(ctx.partition_costs, p)
@@ -106,19 +122,16 @@ class Generations:
         members = self.first_members = spread([f"n{i}" for i in range(d * p)],
                                               self.machine_of, p)
         return GenerationPlan(gen=0, epoch=0, members=members,
-                              redundancy=self._mode(0), pipelines=d, stages=p, parts=[[r.start, r.stop] for r in parts],
+                              redundancy=modes.choose(0), pipelines=d, stages=p, parts=[[r.start, r.stop] for r in parts],
                               start_step=ctx.committed,
                               checkpoint=str(ctx.resume_path) if resumed else None,
                               reason="resume" if resumed else "start")
 
-    def _mode(self, gen: int) -> str:
-        """The redundancy mode of generation `gen`."""
-        return self.choose_redundancy(gen) if self.choose_redundancy else self.ctx.cfg.redundancy.mode
-
     def enter(self, plan: GenerationPlan) -> None:
-        """Make `plan` the current generation and publish it."""
+        """Make `plan` the current generation and publish it (its layout is news for the
+        run's view: `display.RunView.layout_changed`)."""
         ctx = self.ctx
-        plan.fired_kills = self.fired_kills()
+        plan.fired_kills = self.kills.fired_kills()
         ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
         ctx.roles = plan.roles(ctx.rc)
@@ -130,7 +143,6 @@ class Generations:
         self.started = ctx.clock()
         ctx.store.set(epoch_key(plan.epoch), ctx.roles.to_json())
         ctx.store.set(plan_key(plan.gen), plan.to_json())
-        self.layout_shown()
 
     def on_ready(self, n: Node, msg: GenerationReady) -> bool:
         """True when this made the generation run."""
@@ -153,7 +165,7 @@ class Generations:
 
     # -- ending one -------------------------------------------------------------------------
 
-    def boundary_flags(self, step: int) -> frozenset[BoundaryFlag]:
+    def boundary_flags(self, step: int, modes: Modes) -> frozenset[BoundaryFlag]:
         """What the boundary after committed `step` does."""
         cfg, flags = self.ctx.cfg, set()
         nxt = step + 1
@@ -163,13 +175,13 @@ class Generations:
         if due or (self.checkpoint_due and self.interval.enabled):
             flags.add(BoundaryFlag.CHECKPOINT)
             self.checkpoint_due = False
-        reason = self.reconfiguration_reason()
+        reason = self.reconfiguration_reason(modes)
         if reason:
             self.next_reason = reason
             flags.add(BoundaryFlag.RECONFIGURE)
         return frozenset(flags)
 
-    def reconfiguration_reason(self) -> str | None:
+    def reconfiguration_reason(self, modes: Modes) -> str | None:
         """Why the generation should end at this boundary, if it should."""
         ctx = self.ctx
         live_active = set(ctx.roles.active_ranks())
@@ -183,7 +195,7 @@ class Generations:
         if d * p > len(active):
             return f"{len(standbys)} standby node(s) join: {d} x {p} layout"
         if standbys and len(active) < ctx.plan.pipelines * ctx.plan.stages:
-            mode = self.choose_redundancy(-1) if self.choose_redundancy else ctx.plan.redundancy
+            mode = modes.choose(-1)  # what the next generation would run
             kept = self.layout_with_holes(len(active) + len(standbys), len(standbys), mode)
             if kept is not None:
                 return (f"{len(standbys)} standby node(s) fill a hole of the {kept[0]} x "
@@ -192,8 +204,8 @@ class Generations:
         if exposed and p > 1 and d * p >= len(active):
             return (f"stage{'s' if len(exposed) > 1 else ''} {', '.join(map(str, exposed))} "
                     f"left with one copy: rebalance onto a {d} x {p} layout")
-        if self.choose_redundancy is not None:
-            mode = self.choose_redundancy(-1)  # what the next generation would run
+        if not isinstance(modes, FixedMode):
+            mode = modes.choose(-1)
             if mode != ctx.plan.redundancy:
                 return f"redundancy {ctx.plan.redundancy} -> {mode}"
         return None
@@ -250,9 +262,34 @@ class Generations:
         ctx.say(f"reconfiguring at step {ctx.committed}: {reason}")
         return ctx.reconf
 
-    def abandon(self, reason: str, dead: set[int]) -> Reconfiguration:
+    def reconfigure_after(self, step: int) -> None:
+        """Step `step` committed with the `reconf` flag: the generation ends at this boundary,
+        and step `step + 1` begins once the next one runs (`take_step_begins`)."""
+        self.begin(self.next_reason, abandoned=False)
+        self.step_begins_pending = step + 1
+
+    def take_step_begins(self) -> int | None:
+        """The step that waited for a generation to run, once (None: none waits)."""
+        step, self.step_begins_pending = self.step_begins_pending, None
+        return step
+
+    def ask_checkpoint(self) -> None:
+        """A notice or the user's stop: a checkpoint at the next boundary (when enabled)."""
+        if self.interval.enabled:
+            self.checkpoint_due = True
+
+    def publish_roles(self, roles: RoleMap) -> None:
+        """An in-flight role change (a failover, a peer restore, a re-route) of the current
+        generation: the new role map, which every survivor applies to the step under way."""
+        self.ctx.roles = roles
+        self.ctx.store.set(epoch_key(roles.epoch), roles.to_json())
+
+    def abandon(self, reason: str, dead: set[int], lost: Loss | None = None,
+                why: str = "") -> Reconfiguration:
         """End the generation mid-step: publish a role map marked `abandon` (every survivor
-        drops the step under way) and begin the reconfiguration. `dead`: ranks known lost."""
+        drops the step under way) and begin the reconfiguration. `dead`: ranks known lost;
+        `lost`: a loss the next generation accounts for; `why`: why no in-flight copy
+        covered it."""
         ctx = self.ctx
         new = RoleMap.from_json(ctx.roles.to_json())
         new.epoch += 1
@@ -261,15 +298,43 @@ class Generations:
         new.dead = sorted(set(new.dead) | dead)
         ctx.roles = new
         ctx.store.set(epoch_key(new.epoch), new.to_json())
-        return self.begin(reason, abandoned=True)
+        r = self.begin(reason, abandoned=True)
+        if lost is not None:
+            r.lost.append(lost)
+        if why and not r.why:
+            r.why = why
+        return r
 
-    def on_end(self, n: Node, msg: GenerationEnd, abandon: Callable[[str], object]) -> None:
+    def restarting(self, fresh: list[int]) -> None:
+        """Checkpoint-restart: the next generation waits for the `fresh` workers started in
+        place of every old one, and for nothing the old ones held."""
+        r = self.ctx.reconf
+        if r.restarting is None:
+            r.restarting = set()
+        r.restarting.update(fresh)
+        r.ending.clear()
+        r.holdings.clear()
+        self.ctx.events.write("restart_all", step=self.ctx.committed, workers=len(r.restarting))
+
+    def not_ending(self, node: int) -> None:
+        """Node `node` left or exited: the reconfiguration under way waits for it no more."""
+        if self.ctx.reconf is not None:
+            self.ctx.reconf.ending.discard(node)
+
+    def transfer_failure(self, n: Node, msg: GenerationEnd) -> str | None:
+        """A `GenerationEnd` of the current generation while it forms (no reconfiguration
+        under way) says a state transfer failed: the reason to abandon it, for the caller."""
+        ctx = self.ctx
+        if msg.gen != ctx.plan.gen or ctx.reconf is not None:
+            return None
+        ctx.events.write("transfer_failed", node=n.name, gen=msg.gen, error=msg.failed)
+        return self._transfer_failure(n, msg.failed or "")
+
+    def on_end(self, n: Node, msg: GenerationEnd) -> None:
+        """`n` ended the generation holding `msg.layers` (after `transfer_failure`)."""
         ctx = self.ctx
         if msg.gen != ctx.plan.gen:
             return
-        if ctx.reconf is None:  # a transfer failed: the generation cannot start
-            ctx.events.write("transfer_failed", node=n.name, gen=msg.gen, error=msg.failed)
-            abandon(self._transfer_failure(n, msg.failed or ""))
         if msg.step == ctx.committed:  # else held at another step: not usable
             ctx.reconf.holdings[n.node] = set(msg.layers)
         ctx.reconf.ending.discard(n.node)
@@ -296,7 +361,7 @@ class Generations:
 
     # -- the next one -----------------------------------------------------------------------
 
-    def try_plan(self, *, trace_finished: bool) -> GenerationPlan | None:
+    def try_plan(self, modes: Modes, *, trace_finished: bool) -> GenerationPlan | None:
         """Publish the next generation once every live member of the old one has ended it."""
         ctx, r = self.ctx, self.ctx.reconf
         if r is None or r.ending:
@@ -323,7 +388,7 @@ class Generations:
                       global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
                       max_pipelines=ctx.cfg.layout.pipelines, reason=r.reason,
                       machine_of=self.machine_of)
-        mode = self._mode(ctx.plan.gen + 1)
+        mode = modes.choose(ctx.plan.gen + 1)
         kwargs["redundancy"] = mode in ("eager", "lazy")
         kwargs["keep_layout"] = self.layout_with_holes(len(names), len(names) - len(staying),
                                                        mode)

@@ -13,14 +13,14 @@ import signal
 import time
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from bamboo.run.checkpoint import Checkpoint
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
-from bamboo.control.sources import Agents, LocalWorkers
+from bamboo.control.sources import LocalWorkers, NodeSource
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
 from bamboo.wire.protocol import SHUTDOWN_KEY, WorkerMessage
@@ -29,21 +29,17 @@ from bamboo.plan.faults import Fault
 from bamboo.run.progress import ProgressDisplay
 from bamboo.run.runlog import RunDir, RunDirError, write_atomic
 
-if TYPE_CHECKING:
-    from bamboo.fleet.membership import EtcdMembership
-
-__all__ = ["Coordinator", "run_local", "RunFailed"]
+__all__ = ["Coordinator", "run_job", "RunFailed"]
 
 _POLL_S = 0.1
 
 
 class Coordinator:
-    """One training run on local worker processes, or on agents."""
+    """One training run, its nodes from `source`: local worker processes, or agents."""
 
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-                 extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
-                 resume: Checkpoint | None = None,
-                 agents: Any = None, membership: EtcdMembership | None = None,
+                 source: NodeSource, *, extra_faults: dict[int, list[Fault]] | None = None,
+                 debug: bool = False, resume: Checkpoint | None = None,
                  http: tuple[str, int] | None = None) -> None:
         # The workers write checkpoints and the final layers under the run directory (unless
         # --checkpoint-dir says elsewhere): they get its absolute path with the job.
@@ -51,14 +47,9 @@ class Coordinator:
         self.cfg, self.rundir, self.display, self.debug = cfg, run, display, debug
         self.http = http
         """`--http`: (host, port) to serve /healthz and /metrics on (bamboo.control.http)."""
-        self.agents = agents
-        """An AgentListener when nodes are agents on other machines (`bamboo coordinator`)."""
         self.resume = resume
-        self.interrupted: int | None = None
-        """The first of the user's signals (SIGINT, SIGTERM), once one came."""
         self.user_stop = UserStop()
-        self.source = LocalWorkers() if agents is None else \
-            Agents(agents, membership, interrupted=lambda: self.interrupted)
+        self.source = source
         self.core = CoordinatorCore(cfg, run.path, display, self.source,
                                     extra_faults=extra_faults, resume=resume, debug=debug)
         self.health: Any = None
@@ -115,29 +106,27 @@ class Coordinator:
             self.health = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.interrupted = self.interrupted or signum
+        """The user's signal: only recorded (the first also tells the source)."""
+        if self.source.interrupted is None:
+            self.source.interrupted = signum
         self.user_stop.signal(signum)
 
     def _start_store(self) -> None:
-        """The store: on loopback and any free port for local workers; for agents on the
-        fixed --store-port (all interfaces), advertised as --advertise, or the bind address,
-        or (a wildcard bind) whatever address each agent joined on."""
+        """The store where the source says: for local workers on loopback and any free
+        port; for agents on the fixed --store-port (`sources.Agents.store_address`)."""
         timeout = timedelta(seconds=self.cfg.runtime.comm_timeout_s)
-        if self.agents is None:
-            self.store_host: str | None = "127.0.0.1"
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timeout)
-            return
-        bind_host, port = self.agents.address
-        self.store_host = self.agents.advertise or (
-            None if bind_host in ("0.0.0.0", "::", "") else bind_host)
+        bind_host, port, self.store_host = self.source.store_address()
         try:
-            self.store = dist.TCPStore(bind_host or "0.0.0.0", self.agents.store_port,
-                                       is_master=True, wait_for_workers=False, timeout=timeout)
+            self.store = dist.TCPStore(bind_host, port, is_master=True, wait_for_workers=False,
+                                       timeout=timeout)
         except (RuntimeError, OSError) as e:
-            raise Stop(f"cannot serve the store on port {self.agents.store_port} "
+            if not port:
+                raise
+            raise Stop(f"cannot serve the store on port {port} "
                        f"({str(e).splitlines()[0][:120]}): choose another --store-port",
                        exit_code=2) from None
+        if not port:
+            return
         self.events.write("store", port=self.store.port,
                           advertised=self.store_host or "the address each agent joined on")
 
@@ -186,7 +175,7 @@ class Coordinator:
         return summary
 
     def _failed(self, message: str, exit_code: int, write_summary: bool = True) -> RunFailed:
-        if self.interrupted is None:
+        if self.source.interrupted is None:
             self.final_status = "failed"
         summary = self.core.fail(message) if hasattr(self.core, "ctx") else {
             "status": "failed", "error": message, "steps_completed": 0, "losses": []}
@@ -223,13 +212,13 @@ class Coordinator:
             pass
 
 
-def run_local(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-              extra_faults: dict[int, list[Fault]] | None = None,
-              debug: bool = False, resume: Checkpoint | None = None, agents: Any = None,
-              membership: EtcdMembership | None = None,
-              http: tuple[str, int] | None = None) -> dict[str, Any]:
-    """Train `cfg` on a local cluster (or on agents, when `agents` listens for them);
-    the summary, or RunFailed (HttpServeError when `http`, --http's address, cannot be
-    served)."""
-    return Coordinator(cfg, run, display, extra_faults, debug, resume, agents, membership,
-                       http=http).run()
+def run_job(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
+            source: NodeSource | None = None, *,
+            extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
+            resume: Checkpoint | None = None,
+            http: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Run the job `cfg` to its end, its nodes from `source` (default: local worker
+    processes; `sources.Agents` for agents that join): the summary, or RunFailed
+    (HttpServeError when `http`, --http's address, cannot be served)."""
+    return Coordinator(cfg, run, display, source if source is not None else LocalWorkers(),
+                       extra_faults=extra_faults, debug=debug, resume=resume, http=http).run()

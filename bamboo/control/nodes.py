@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
+from bamboo.control.kills import Kills
 from bamboo.control.state import RunContext
 from bamboo.wire.protocol import Progress, Refused
 
@@ -186,10 +187,13 @@ class Node:
 class Supervisor:
     """The nodes of the run and their processes."""
 
-    def __init__(self, ctx: RunContext, slots: int, spec_for: Callable[[int, int, int], Any]) -> None:
+    def __init__(self, ctx: RunContext, slots: int, kills: Kills, store_host: str | None) -> None:
         self.ctx = ctx
-        self.spec_for = spec_for
-        """(node, slot, first generation) -> the WorkerSpec to start it with."""
+        self.kills = kills
+        """Which faults a new worker starts with."""
+        self.store_host = store_host
+        """The store's address the workers are given (None: whatever address each agent
+        joined on)."""
         now = ctx.clock()
         self.beats = RawArray("d", [now + START_GRACE_S] * slots)
         self.cells = RawArray("i", [0] * Progress.cells_for(slots))
@@ -235,12 +239,21 @@ class Supervisor:
               trace_node: int | None = None, machine: str | None = None) -> Node:
         """Take a node id and a slot, start its process with `start(spec, slot)`."""
         node, slot = self._take_slot()
-        process, conn = start(self.spec_for(node, slot, first_gen), slot)
+        process, conn = start(self._spec(node, slot, first_gen), slot)
         grace = START_GRACE_S if machine is not None else LOCAL_START_GRACE_S
         self.progress.reset(slot, self.ctx.clock() + grace)  # from now: the process exists
         n = Node(node, slot, process, conn, trace_node=trace_node, machine=machine)
         self.nodes[node] = n
         return n
+
+    def _spec(self, node: int, slot: int, first_gen: int) -> Any:
+        """What node `node` starts with: the job, the store, its faults."""
+        from bamboo.node.worker import WorkerSpec
+        ctx = self.ctx
+        return WorkerSpec(node=node, slot=slot, first_gen=first_gen,
+                          store_host=self.store_host,  # type: ignore[arg-type]
+                          store_port=ctx.store.port, config=ctx.cfg,  # type: ignore[attr-defined]
+                          faults=self.kills.faults_for(node, first_gen))
 
     def local_device_slots(self) -> set[int]:
         """Device slots held by this machine's local workers: every one whose process has
@@ -324,6 +337,10 @@ class Supervisor:
             n = self.nodes.get(int(name[1:])) if name[1:].isdigit() else None
             if n is not None and n.is_leased:
                 self.fence(n, "etcd lease expired", why="etcd lease expired")
+
+    def heard_from(self, n: Node) -> None:
+        """A message from `n` is also a heartbeat."""
+        self.beats[n.slot] = max(self.beats[n.slot], self.ctx.clock())
 
     def set_state(self, n: Node, state: NodeState) -> None:
         """The one place a node's state changes (see `NodeState` for what each means)."""

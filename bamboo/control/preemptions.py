@@ -2,7 +2,8 @@
 
 - `--kill D:S@K` is carried out inside the holder of (D, S) as step K begins (a fault
   in its spec); `--kill D:S@K+notice` is a notice sent from here as step K begins, with
-  SIGKILL `--notice-s` seconds later. Each fires once, even when step K is redone.
+  SIGKILL `--notice-s` seconds later. Each fires once, even when step K is redone (the
+  fired set is `kills.Kills`').
 - A notice (SIGTERM, a cloud's metadata, or one relayed by an agent) marks the node
   NOTICED: it drains at the next step boundary, and asks for a checkpoint there.
 - `--trace` replays a preemption trace as capacity: at every moment the local cluster runs
@@ -16,31 +17,18 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
 from typing import Any
 
+from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.state import RunContext
-from bamboo.plan.faults import Fault
 
 __all__ = ["Preemptions"]
 
 
-def kill_key(pipeline: int, stage: int, step: int) -> str:
-    """The text form of a `--kill` (also its entry in `fired_kills`)."""
-    return f"{pipeline}:{stage}@{step}"
-
-
 class Preemptions:
-    def __init__(self, ctx: RunContext, nodes: Supervisor, *, where: Callable[[Node], str],
-                 extra_faults: dict[int, list[Fault]] | None = None) -> None:
-        self.ctx, self.nodes, self.where = ctx, nodes, where
-        cfg = ctx.cfg
-        self.extra_faults = extra_faults or {}
-        self.kill_faults = tuple(Fault("kill", k.step, pipeline=k.pipeline, stage=k.stage)
-                                 for k in cfg.cluster.kills if not k.notice)
-        self.fired: set[str] = set()
-        """`--kill` specs carried out (each preempts once, even if its step is redone)."""
+    def __init__(self, ctx: RunContext, nodes: Supervisor, kills: Kills) -> None:
+        self.ctx, self.nodes, self.kills = ctx, nodes, kills
         self.replay: Any = None
         self.trace_t0: float | None = None
         self.trace_owner: dict[int, int] = {}
@@ -51,27 +39,34 @@ class Preemptions:
         """Trace nodes given a freed slot -> the trace second their worker starts."""
         self.waiting_said: set[int] = set()
 
+    def load_trace(self) -> None:
+        """`--trace`: the replay of the job's trace (validated by the command line already)."""
+        cfg = self.ctx.cfg.cluster
+        if cfg.trace is None:
+            return
+        from bamboo.traces.replay import TraceReplay
+        from bamboo.traces.trace import load_trace
+        trace = load_trace(cfg.trace)
+        replay = TraceReplay(trace, initial=self.ctx.cfg.layout.nodes,
+                             time_scale=cfg.replay_time_scale)
+        self.replay = replay
+        self.trace_live.update(replay.initial_added)
+        self.ctx.events.write("trace", file=cfg.trace, rows=len(trace.times),
+                              preemptions=trace.preemptions, time_scale=cfg.replay_time_scale,
+                              window_s=round(replay.window_s(), 2))
+
+    def played_by(self, trace_node: int, node: int) -> None:
+        """Node `node` now plays trace node `trace_node`."""
+        self.trace_owner[trace_node] = node
+
+    def generation_runs(self) -> bool:
+        """A generation runs: the trace's clock starts with the first one (True then)."""
+        if self.trace_t0 is not None:
+            return False
+        self.trace_t0 = self.ctx.clock()
+        return True
+
     # -- --kill -----------------------------------------------------------------------------
-
-    def faults_for(self, node: int, first_gen: int) -> tuple[Fault, ...]:
-        """The faults a worker starts with. One started later gets only the kills still
-        ahead (a step redone after a restore must not preempt its new holder again)."""
-        later = first_gen > 0
-        return tuple(f for f in self.kill_faults
-                     if kill_key(f.pipeline, f.stage, f.step) not in self.fired
-                     and (not later or f.step >= self.ctx.committed)) + \
-            tuple(self.extra_faults.get(node, []))
-
-    def fired_kills(self) -> list[str]:
-        return sorted(self.fired)
-
-    def kill_fired(self, n: Node) -> None:
-        """`n` was lost: the `--kill` aimed at its stage in this step is carried out."""
-        ctx, roles = self.ctx, self.ctx.roles
-        for k in ctx.cfg.cluster.kills:
-            if k.step == ctx.committed and k.pipeline < roles.pipelines and \
-                    k.stage < roles.stages and roles.holders[k.pipeline][k.stage] == n.rank:
-                self.fired.add(kill_key(k.pipeline, k.stage, k.step))
 
     def step_begins(self, step: int) -> None:
         """`--kill D:S@K+notice`: notice the holder of (D, S) as step K begins; a `--kill`
@@ -86,22 +81,21 @@ class Preemptions:
                 ctx.say(f"warning: --kill {k} names no node in step {step}: the layout is "
                         f"now {roles.pipelines} x {roles.stages}")
                 continue
-            if k.notice and str(k) not in self.fired:
-                self.fired.add(str(k))
+            if k.notice and self.kills.fire(str(k)):
                 holder = self.nodes.by_name(ctx.plan.members[roles.holders[k.pipeline][k.stage]])
                 self.preempt(holder, f"--kill {k}")
 
     # -- notices ----------------------------------------------------------------------------
 
-    def on_notice(self, n: Node, source: str) -> bool:
+    def on_notice(self, n: Node, source: str, where: str) -> bool:
         """True when this is news: a node that finished, left, was fenced or retired, or was
-        noticed before, keeps its state (a late notice changes nothing)."""
+        noticed before, keeps its state (a late notice changes nothing). `where`: its role."""
         if n.exited or n.state not in (NodeState.STARTING, NodeState.READY):
             return False
         self.nodes.set_state(n, NodeState.NOTICED)
         self.ctx.events.write("notice", node=n.name, source=source, step=self.ctx.committed,
-                              role=self.where(n))
-        self.ctx.say(f"node {n.name} ({self.where(n)}) got a preemption notice ({source}); it "
+                              role=where)
+        self.ctx.say(f"node {n.name} ({where}) got a preemption notice ({source}); it "
                      f"drains at the next step boundary")
         return True
 
@@ -124,8 +118,9 @@ class Preemptions:
         except ProcessLookupError:
             pass
 
-    def tick(self, spawn: Callable[[int], Node]) -> None:
-        """Due kills of noticed nodes, and the trace's due events."""
+    def tick(self) -> list[int]:
+        """Due kills of noticed nodes, and the trace's due events: the trace nodes whose
+        worker starts now (the caller starts them and says who plays each: `played_by`)."""
         now = self.ctx.clock()
         for n in self.nodes:
             if n.kill_at is not None and now >= n.kill_at:
@@ -133,7 +128,7 @@ class Preemptions:
                 if not n.exited:
                     n.process.kill()
         if self.replay is None or self.trace_t0 is None:
-            return
+            return []
         trace_s = (now - self.trace_t0) * self.replay.time_scale
         added = set()
         for ev in self.replay.due(now - self.trace_t0):
@@ -149,17 +144,19 @@ class Preemptions:
         for trace_node, node in list(self.trace_owner.items()):
             if self.nodes[node].exited:  # lost another way: the trace node is live still
                 del self.trace_owner[trace_node]
-        self._fill(trace_s, added, spawn)
+        return self._fill(trace_s, added)
 
-    def _fill(self, trace_s: float, added: set[int], spawn: Callable[[int], Node]) -> None:
+    def _fill(self, trace_s: float, added: set[int]) -> list[int]:
         """Free slots to live trace nodes without a worker, the longest alive first: one
-        the trace adds now starts at once, one that waited after `--boot-s`."""
+        the trace adds now starts at once, one that waited after `--boot-s`. The trace
+        nodes to start now."""
         cap, boot_s = self.ctx.cfg.node_cap, self.ctx.cfg.cluster.boot_s
         alive = sum(1 for n in self.nodes if n.is_alive and n.state in
                     (NodeState.STARTING, NodeState.READY, NodeState.DONE))
         free = cap - alive - len(self.booting)
         waiting = sorted((t, tn) for tn, t in self.trace_live.items()
                          if tn not in self.trace_owner and tn not in self.booting)
+        start: list[int] = []
         for _, trace_node in waiting:
             if free <= 0:
                 if trace_node not in self.waiting_said:
@@ -169,7 +166,7 @@ class Preemptions:
                 continue
             free -= 1
             if trace_node in added or boot_s <= 0:
-                self.trace_owner[trace_node] = spawn(trace_node).node
+                start.append(trace_node)
             else:
                 self.booting[trace_node] = trace_s + boot_s
                 self.ctx.events.write("trace_booting", trace_node=self.replay.name(trace_node),
@@ -177,7 +174,8 @@ class Preemptions:
         for trace_node, due in list(self.booting.items()):
             if trace_s >= due:
                 del self.booting[trace_node]
-                self.trace_owner[trace_node] = spawn(trace_node).node
+                start.append(trace_node)
+        return start
 
     def trace_finished(self) -> bool:
         """No node will ever be added again: the trace has no add to come, and no live

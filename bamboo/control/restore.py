@@ -4,11 +4,12 @@ In order: the newest whole checkpoint of this run (a corrupt or truncated one is
 with a warning), else the run's initial state: the checkpoint it resumed from, or the
 seeded initialisation at step 0. The initial state always exists, so a run never stops
 for want of state while it has nodes to train on. Either way the steps after the restore
-point are redone and counted (`redone_steps`).
+point are redone and counted (`redone_steps`): the plan starts at the restore point, and
+whoever enters it rewinds the step protocol (`StepProtocol.rewind`, the one writer of the
+committed step) to its `start_step`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,9 @@ __all__ = ["RestorePoints"]
 
 
 class RestorePoints:
-    def __init__(self, ctx: RunContext, rewind: Callable[[int], None],
-                 interval: CheckpointInterval) -> None:
+    def __init__(self, ctx: RunContext, interval: CheckpointInterval) -> None:
         self.ctx = ctx
         self.interval = interval
-        self.rewind = rewind
-        """Drop what the coordinator keeps about steps at or after the given one."""
         self.redone_steps = 0
         self.last_checkpoint: Path | str | None = ctx.resume_path
 
@@ -71,7 +69,4 @@ class RestorePoints:
         redone = ctx.committed - step
         self.redone_steps += redone
         ctx.events.write("checkpoint_restore", checkpoint=path, step=step, redone_steps=redone)
-        ctx.committed = step
-        del ctx.losses[step:]
-        self.rewind(step)
         self.interval.restored(step, from_checkpoint=path is not None)

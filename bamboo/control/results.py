@@ -17,7 +17,6 @@ import hashlib
 import io
 import math
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,10 +47,10 @@ def _node_order(name: str) -> tuple[int, str]:
 
 
 class Results:
-    def __init__(self, ctx: RunContext, display_step: Any, display_eval: Any) -> None:
+    def __init__(self, ctx: RunContext, display: Any) -> None:
         self.ctx = ctx
-        self.display_step = display_step
-        self.display_eval = display_eval
+        self.display = display
+        """The progress shown to the user (`step`, `evaluation`)."""
         self.records: list[dict] = []
         """Per committed step, what later decisions read: step, wall_s, the largest
         node's frc_s and the least time eager and lazy would have added to it
@@ -69,27 +68,29 @@ class Results:
         self.largest_rss = 0
         """The largest resident memory among the reports of the last recorded step."""
 
-    def record(self, p: PendingStep, reports: list[StepReport], node_name: Any,
-               own_processor: Callable[[StepReport], bool] | None = None) -> dict:
+    def record(self, p: PendingStep, reports: list[StepReport], names: list[str],
+               own_processor: list[bool]) -> dict:
+        """Step `p`'s record from its `reports`; `names` and `own_processor`: of the node
+        of each report, in the same order."""
         record = {"step": p.step, "loss": p.loss, "wall_s": p.wall_s,
                   "grad_norm": reports[0].grad_norm if reports else None,
                   "lr": reports[0].lr if reports else None,
                   "attempts": max((r.attempts for r in reports), default=1),
-                  "nodes": [self._node_timers(r, node_name(r)) for r in reports]}
-        work = [NodeWork(tuple(r.stages), r.compute_s, r.wait_s, r.optim_s,
-                         bool(own_processor(r)) if own_processor else False) for r in reports]
+                  "nodes": [self._node_timers(r, name) for r, name in zip(reports, names)]}
+        work = [NodeWork(tuple(r.stages), r.compute_s, r.wait_s, r.optim_s, own)
+                for r, own in zip(reports, own_processor)]
         self.records.append({"step": p.step, "wall_s": p.wall_s,
                              "frc_s": max((r.frc_s for r in reports), default=0.0),
                              "floor_s": redundant_work_floor(work, self._stages())})
-        for r in reports:
-            self._note_memory(str(node_name(r)), r)
+        for r, name in zip(reports, names):
+            self._note_memory(name, r)
         self.ctx.events.write("step_done", **record)
-        for r in reports:
-            self.real_memory.note(str(node_name(r)), r)
+        for r, name in zip(reports, names):
+            self.real_memory.note(name, r)
         self.largest_rss = max((r.rss_bytes for r in reports), default=0)
         cfg = self.ctx.cfg
         samples = cfg.global_micro_batches * cfg.layout.micro_batch_size
-        self.display_step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
+        self.display.step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
                           [1000 * r.step_s for r in reports], self.largest_rss)
         return record
 
@@ -107,7 +108,7 @@ class Results:
         self.ctx.eval_losses.sort()
         self.ctx.events.write("eval", step=step, loss=loss,
                               batches=self.ctx.cfg.evaluation.batches)
-        self.display_eval(step, loss)
+        self.display.evaluation(step, loss)
 
     def _note_memory(self, name: str, r: StepReport) -> None:
         """Keep node `name`'s running peaks of device and host bytes."""

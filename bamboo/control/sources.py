@@ -1,12 +1,13 @@
-"""Where a run's nodes come from (`core.NodeSource`): worker processes this machine starts,
-or agents on other machines that join over the network."""
+"""Where a run's nodes come from (`NodeSource`): worker processes this machine starts
+(`LocalWorkers`, `bamboo train`), or agents on other machines that join over the network
+(`Agents`, `bamboo coordinator`). The command line picks one and hands it to
+`loop.run_job`; the core asks it for nodes, the process loop for the store's address."""
 from __future__ import annotations
 
 import queue
 import signal
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bamboo.control.nodes import Node
 from bamboo.control.state import Stop
@@ -15,11 +16,47 @@ if TYPE_CHECKING:
     from bamboo.control.core import CoordinatorCore
     from bamboo.fleet.membership import EtcdMembership
 
-__all__ = ["LocalWorkers", "Agents"]
+__all__ = ["NodeSource", "LocalWorkers", "Agents"]
+
+
+class NodeSource(Protocol):
+    """Where a run's nodes come from (local worker processes, agents, scripted workers)."""
+
+    interrupted: int | None
+    """The first of the user's signals, once one came (set by the process loop)."""
+
+    def store_address(self) -> tuple[str, int, str | None]:
+        """Where the run's store listens (host, port; 0: any free one) and the address the
+        workers are given (None: whatever address each agent joined on)."""
+
+    def initial(self, core: CoordinatorCore) -> None:
+        """Bring the run's first `--nodes` nodes (`core.spawn` or `core.nodes.admit`); Stop
+        when they do not come."""
+
+    def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
+        """One more node now (a trace's add, a checkpoint-restart's fresh worker)."""
+
+    def poll(self, core: CoordinatorCore) -> None:
+        """Once a tick: admit nodes that arrived on their own (agents that joined)."""
+
+    def none_coming(self, core: CoordinatorCore) -> bool:
+        """Whether no node is coming that a waiting reconfiguration could use."""
+
+    def awaited(self, core: CoordinatorCore) -> str:
+        """What a reconfiguration left without a live node waits for, said in the message
+        of the stop that ends that wait ("an agent to offer a worker (...)")."""
+
+    def close(self, final_status: str | None) -> None:
+        """The run ended ("completed", "failed"; None: interrupted, or it never started)."""
 
 
 class LocalWorkers:
     """Worker processes from this machine's fork server (`bamboo train`)."""
+
+    interrupted: int | None = None
+
+    def store_address(self) -> tuple[str, int, str | None]:
+        return "127.0.0.1", 0, "127.0.0.1"
 
     def initial(self, core: CoordinatorCore) -> None:
         replay = core.preemptions.replay
@@ -48,11 +85,21 @@ class LocalWorkers:
 class Agents:
     """Workers of agents that join (`bamboo coordinator`), and with --etcd their leases."""
 
-    def __init__(self, listener: Any, membership: EtcdMembership | None,
-                 interrupted: Callable[[], int | None]) -> None:
-        self.listener, self.membership, self.interrupted = listener, membership, interrupted
+    def __init__(self, listener: Any, membership: EtcdMembership | None = None) -> None:
+        self.listener, self.membership = listener, membership
+        """The join listener (`fleet.remote.AgentListener`) and, with --etcd, the leases."""
+        self.interrupted: int | None = None
         self.remote: list[Any] = []
         """RemoteAgents: the machines whose workers are nodes."""
+
+    def store_address(self) -> tuple[str, int, str | None]:
+        """The fixed --store-port on the listener's address (all interfaces for a wildcard
+        bind), advertised as --advertise, or the bind address, or (a wildcard bind) as
+        whatever address each agent joined on."""
+        bind, _ = self.listener.address
+        wildcard = bind in ("0.0.0.0", "::", "")
+        return (bind or "0.0.0.0", self.listener.store_port,
+                self.listener.advertise or (None if wildcard else bind))
 
     def initial(self, core: CoordinatorCore) -> None:
         """The first `--nodes` workers the joining agents offer (progress every 2 s); short
@@ -67,7 +114,7 @@ class Agents:
                      f"{host}:{port} --token-file <the job's token file> [--workers K]")
         start = last = time.monotonic()
         while len(nodes) < count:
-            signum = self.interrupted()
+            signum = self.interrupted
             if signum is not None:
                 raise Stop(f"interrupted by {signal.Signals(signum).name} while waiting for "
                            f"agents", exit_code=128 + signum)

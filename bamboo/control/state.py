@@ -2,9 +2,28 @@
 
 `RunContext` holds the services (config, store, events, display, clock) and the state
 every part reads: the current plan and role map, the committed step and its losses, the
-nodes, the reconfiguration under way. Each part (supervision, step protocol, failures,
-generations, preemptions, checkpoints, results) owns the fields it writes; tests build a
-context around a dict store and a fake clock and drive the parts without processes.
+nodes, the reconfiguration under way. Tests build the parts through the core
+(`core.CoordinatorCore.start`) around a dict store and a fake clock.
+
+One writer per field. Every field of the shared state has exactly one part that writes
+it; the others only read it. A part that needs another's field changed calls that part's
+method, or returns what happened to the core, which hands it on: the parts are built
+without callbacks (`CoordinatorCore._build_parts`). `tests/unit/control/test_writers.py`
+fails when a second module writes a field.
+
+| field | its one writer | readers |
+| --- | --- | --- |
+| `cfg`, `store`, `events`, `display`, `run_path`, `param_counts`, `partition_costs`, `clock`, `t0`, `resume_step`, `resume_path` | `core` (`CoordinatorCore._context`, once, before any part exists) | every part |
+| `rc` | `generations.Generations.enter` | `core`, `failures`, `health` |
+| `plan` | `generations.Generations.enter` | `core`, `display`, `failures`, `final_layers`, `health`, `preemptions`, `redundancy_mode`, `results`, `sources`, `steps` |
+| `roles` | `generations.Generations` (`enter`, `publish_roles` for a failover/peer restore/re-route that `failures` planned, `abandon`) | `core`, `display`, `failures`, `final_layers`, `health`, `kills`, `preemptions`, `steps` |
+| `reconf` and each field of it (`ending`, `holdings`, `abandoned`, `lost`, `why`, `restarting`) | `generations.Generations` (`begin`, `abandon`, `restarting`, `not_ending`, `on_end`, `try_plan`) | `core`, `display`, `failures`, `health`, `sources`, `steps` |
+| `committed`, `losses` | `steps.StepProtocol` (`_commit`; `rewind` when the core enters a plan from a restore point) | `checkpointing`, `core`, `failures`, `generations`, `health`, `kills`, `preemptions`, `redundancy_mode`, `restore`, `results`, `user_stop` |
+| `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |
+| `eval_losses` | `results.Results.record_eval` | `checkpointing`, `core` |
+
+A node's fields follow the same rule: its `state` changes only through
+`nodes.Supervisor.set_state`, its `rank` only in `Generations.enter`.
 """
 from __future__ import annotations
 
@@ -154,7 +173,6 @@ class RunContext:
     plan: GenerationPlan | None = None
     roles: RoleMap | None = None
     reconf: Reconfiguration | None = None
-    written: set[str] = field(default_factory=set)
     resume_step: int | None = None
     resume_path: Path | None = None
     layouts: list[dict[str, Any]] = field(default_factory=list)
@@ -163,25 +181,3 @@ class RunContext:
 
     def say(self, text: str) -> None:
         self.display.message(text)
-
-    def note_layout(self, step: int) -> None:
-        """Step `step` commits under the current roles: D x P, and whether a slot of it is
-        served by its stage's peers (a re-route sums that stage's gradients in another order)."""
-        roles = self.roles
-        now = {"pipelines": roles.pipelines, "stages": roles.stages,
-               "rerouted": bool(roles.reroutes)}
-        last = self.layouts[-1] if self.layouts else None
-        if last is None or any(last[k] != v for k, v in now.items()):
-            self.layouts.append({"from_step": step, **now})
-
-    def set_once(self, key: str, value: str) -> None:
-        """Write a decision key; a decision, once written, never changes."""
-        if key not in self.written:
-            self.written.add(key)
-            self.store.set(key, value)
-
-    def forget(self, key: str) -> None:
-        """Delete a decision key no node can still wait for (the store stays bounded)."""
-        if key in self.written:
-            self.written.discard(key)
-            self.store.delete_key(key)

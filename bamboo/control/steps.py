@@ -19,9 +19,10 @@ steps up to k-2 are deleted (`FORGET_AFTER`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from bamboo.control.nodes import Supervisor
 from bamboo.control.state import RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
                                      RoundDone, StepReport, Verdict, decide_key, eval_key, go_key)
@@ -45,21 +46,10 @@ class PendingStep:
 class StepProtocol:
     """Votes, commits and step records of the current generation."""
 
-    def __init__(self, ctx: RunContext, *, member_node: Callable[[int], int],
-                 gone: Callable[[], set[int]], boundary: Callable[[int], frozenset[BoundaryFlag]],
-                 on_commit: Callable[[int, frozenset[BoundaryFlag]], None],
-                 on_record: Callable[[PendingStep, list[StepReport]], None],
-                 on_eval: Callable[[int, float], None] = lambda step, loss: None,
-                 check_replicas: bool = False) -> None:
-        self.ctx = ctx
-        self.member_node = member_node
-        """Rank in the current generation -> node id."""
-        self.gone = gone
-        """Node ids whose reports will never come."""
-        self.boundary = boundary
-        self.on_commit = on_commit
-        self.on_record = on_record
-        self.on_eval = on_eval
+    def __init__(self, ctx: RunContext, nodes: Supervisor, *, check_replicas: bool = False) -> None:
+        self.ctx, self.nodes = ctx, nodes
+        self.written: set[str] = set()
+        """Decision keys in the store (each written once, deleted once no node can wait)."""
         self.eval_votes: dict[tuple[int, int], dict[int, EvalDone]] = {}
         self.evaluated: set[int] = set()
         """Steps whose held-out loss is recorded (a generation that starts again at an
@@ -72,6 +62,14 @@ class StepProtocol:
         """Step -> the decision keys written for it (deleted once no node can wait for them)."""
         self.round_failed_at: float | None = None
         self.last_commit_t = ctx.clock()
+
+    def _member_node(self, rank: int) -> int:
+        """Rank in the current generation -> node id."""
+        return self.nodes.by_name(self.ctx.plan.members[rank]).node
+
+    def _gone(self) -> set[int]:
+        """Node ids whose reports will never come."""
+        return {n.node for n in self.nodes if n.is_gone or n.exited}
 
     def live_active(self) -> set[int]:
         return set(self.ctx.roles.active_ranks())
@@ -95,11 +93,13 @@ class StepProtocol:
             if epoch == self.ctx.roles.epoch and done >= self.live_active():
                 self._decide(go_key(step, epoch), Go.GO.value, step)
 
-    def on_eval_done(self, msg: EvalDone) -> None:
+    def on_eval_done(self, msg: EvalDone) -> tuple[int, float] | None:
+        """(steps done, held-out loss) when this vote completes an evaluation not recorded
+        yet: the caller records it."""
         key = eval_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
             self._decide(key, Go.ABORT.value, msg.step)
-            return
+            return None
         votes = self.eval_votes.setdefault((msg.step, msg.epoch), {})
         votes[msg.rank] = msg
         if set(votes) >= self.live_active():
@@ -109,7 +109,8 @@ class StepProtocol:
                 self.evaluated.add(msg.step)
                 losses = dict(sorted((i, (loss, w)) for v in votes.values()
                                      for i, loss, w in v.losses))
-                self.on_eval(msg.step, math.fsum(loss * w for loss, w in losses.values()))
+                return msg.step, math.fsum(loss * w for loss, w in losses.values())
+        return None
 
     def eval_pending(self, step: int) -> bool:
         """An evaluation after `step` steps is due and not recorded yet."""
@@ -121,21 +122,26 @@ class StepProtocol:
         self._decide(decide_key(step, epoch), Decision.REDO.value, step)
         self.round_failed_at = None
 
-    def on_round_done(self, msg: RoundDone) -> None:
+    def on_round_done(self, msg: RoundDone) -> int | None:
+        """The step whose commit round this vote completed, every vote a success and its
+        loss finite: the caller commits it (`commit`, with the boundary's flags)."""
         key = decide_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
             self._decide(key, Decision.REDO.value, msg.step)
-            return
+            return None
         reports = self.rounds.setdefault((msg.step, msg.epoch), {})
         reports[msg.rank] = msg
         if not msg.ok and self.round_failed_at is None:
             self.round_failed_at = self.ctx.clock()
         if set(reports) >= self.live_active() and all(r.ok for r in reports.values()):
             self._check_finite(msg.step, reports)
-            flags = self.boundary(msg.step)
-            self._decide(key, Verdict(Decision.COMMIT, flags).encode(), msg.step)
-            self._commit(msg.step, reports)
-            self.on_commit(msg.step, flags)
+            return msg.step
+        return None
+
+    def commit(self, step: int, epoch: int, flags: frozenset[BoundaryFlag]) -> None:
+        """Write step `step`'s COMMIT (with the boundary's `flags`) and commit it."""
+        self._decide(decide_key(step, epoch), Verdict(Decision.COMMIT, flags).encode(), step)
+        self._commit(step, self.rounds[(step, epoch)])
 
     @staticmethod
     def _step_loss(reports: dict[int, RoundDone]) -> float:
@@ -161,15 +167,24 @@ class StepProtocol:
         self.round_failed_at = None
         loss = self._step_loss(reports)
         now = ctx.clock()
-        expected = {self.member_node(r) for r in self.live_active()}
+        expected = {self._member_node(r) for r in self.live_active()}
         self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
         self.last_commit_t = now
         ctx.committed = step + 1
-        ctx.note_layout(step)
+        self._note_layout(step)
         del ctx.losses[step:]
         ctx.losses.append(loss)
         self._forget(step - FORGET_AFTER)
-        self.emit()
+
+    def _note_layout(self, step: int) -> None:
+        """Step `step` commits under the current roles: D x P, and whether a slot of it is
+        served by its stage's peers (a re-route sums that stage's gradients in another order)."""
+        ctx, roles = self.ctx, self.ctx.roles
+        now = {"pipelines": roles.pipelines, "stages": roles.stages,
+               "rerouted": bool(roles.reroutes)}
+        last = ctx.layouts[-1] if ctx.layouts else None
+        if last is None or any(last[k] != v for k, v in now.items()):
+            ctx.layouts.append({"from_step": step, **now})
 
     def _forget(self, upto: int) -> None:
         """Drop the votes of steps <= `upto` and delete their decision keys from the store:
@@ -179,37 +194,51 @@ class StepProtocol:
                 del votes[(step, epoch)]
         for step in [s for s in self.decided if s <= upto]:
             for key in self.decided.pop(step):
-                self.ctx.forget(key)
+                if key in self.written:  # no node can still wait for it: the store stays bounded
+                    self.written.discard(key)
+                    self.ctx.store.delete_key(key)
 
     def _decide(self, key: str, value: str, step: int) -> None:
-        """Write a decision key of `step` (once), remembered for `_forget`."""
-        self.ctx.set_once(key, value)
+        """Write a decision key of `step` (a decision, once written, never changes),
+        remembered for `_forget`."""
+        if key not in self.written:
+            self.written.add(key)
+            self.ctx.store.set(key, value)
         self.decided.setdefault(step, set()).add(key)
 
     def on_step_report(self, node: int, msg: StepReport) -> None:
         pending = self.pending.get(msg.step)
         if pending is not None:
             pending.reports[node] = msg
-            self.emit()
 
-    def emit(self) -> None:
-        """Record every committed step whose reports are all in, in order."""
-        gone = self.gone()
+    def completed(self) -> Iterator[tuple[PendingStep, list[StepReport]]]:
+        """Every committed step whose reports are all in (or will never come), in order:
+        the caller records each, then checks its replicas (`check_digests`)."""
+        gone = self._gone()
         while self.pending:
             first = min(self.pending)
             p = self.pending[first]
             if not (p.expected - gone) <= set(p.reports):
                 return
             del self.pending[first]
-            reports = sorted(p.reports.values(), key=lambda r: r.rank)
-            self.on_record(p, reports)
-            self._check_digests(reports, p.step)
+            yield p, sorted(p.reports.values(), key=lambda r: r.rank)
 
     def rewind(self, step: int) -> None:
-        """A restore goes back to `step`: records of later steps will never complete."""
+        """A restore goes back to `step`: the steps after it are redone, and records of
+        later steps will never complete."""
+        self.ctx.committed = step
+        del self.ctx.losses[step:]
         self.pending = {k: v for k, v in self.pending.items() if k < step}
 
-    def _check_digests(self, reports: list[StepReport], step: int) -> None:
+    def new_generation(self) -> None:
+        """A new plan is out: a failed round of the old generation explains nothing now."""
+        self.round_failed_at = None
+
+    def timing_from(self, t: float) -> None:
+        """The first generation runs: the first step's wall time counts from `t`."""
+        self.last_commit_t = t
+
+    def check_digests(self, reports: list[StepReport], step: int) -> None:
         if not self.check_replicas:
             return
         roles = self.ctx.roles

@@ -50,7 +50,7 @@ class UserStop:
             self.started_at = now
             self.published_before = core.checkpoints.last_step if started else -1
             if can_save:
-                core.gens.checkpoint_due = True
+                core.gens.ask_checkpoint()
                 core.ctx.say(f"stopping on {name}: writing a resume point at the end of the step "
                              f"in progress, then stopping (a second {name} stops at once)")
         last = core.checkpoints.last_step if started else -1

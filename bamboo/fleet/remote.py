@@ -24,15 +24,18 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bamboo.wire.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
                                      FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
                                      Progress)
 from bamboo.wire.frames import Channel, Refusal, register, serve_handshake
 
-__all__ = ["JoinError", "parse_address", "write_join_token", "AgentListener", "RemoteAgent",
-           "RemoteProcess", "register_wire_types"]
+if TYPE_CHECKING:
+    from bamboo.config.join import JoinConfig
+
+__all__ = ["JoinError", "parse_address", "write_join_token", "open_join", "AgentListener",
+           "RemoteAgent", "RemoteProcess", "register_wire_types"]
 
 HANDSHAKE_S = 10.0
 """A joining client must finish the handshake within this many seconds."""
@@ -65,6 +68,48 @@ def write_join_token(path: Path, token: str | None = None) -> str:
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return token
+
+
+def open_join(join: JoinConfig, run_path: Path,
+              lease_s: float) -> tuple[AgentListener, Any, str | None]:
+    """`bamboo coordinator`'s way in for agents: the join listener on --bind with the job's
+    token (--token-file, or a fresh one written to `run_path`/join-token once the listener
+    is up) and, with --etcd, the membership. (listener, membership or None, the line that
+    tells the user the generated token, or None); JoinError (one line) when it cannot."""
+    token_file = Path(join.token_file) if join.token_file else run_path / "join-token"
+    generated = not token_file.exists()
+    if generated:
+        token = secrets.token_hex(16)
+    else:
+        token = token_file.read_text().strip()
+        if len(token) < 16:
+            raise JoinError(f"--token-file {token_file} holds a token of {len(token)} "
+                            f"characters: use at least 16 (openssl rand -hex 32)")
+    run_path.mkdir(parents=True, exist_ok=True)
+    try:
+        listener = AgentListener(join.address(), token, advertise=join.advertise,
+                                 store_port=join.store_port, join_timeout_s=join.join_timeout_s)
+    except OSError as e:
+        raise JoinError(f"cannot listen on {join.bind} ({e.strerror or e}): choose another "
+                        f"--bind") from None
+    if generated:  # only now: whoever waits for the file may connect at once
+        write_join_token(token_file, token)
+    membership = None
+    if join.etcd:
+        from bamboo.fleet.membership import EtcdMembership, MembershipError
+        try:
+            membership = EtcdMembership.host(join.etcd, token, job=run_path.resolve().name,
+                                             ttl_s=min(3.0, lease_s))
+        except MembershipError as e:
+            listener.close()
+            if generated:  # leave nothing behind for a job that never started
+                token_file.unlink(missing_ok=True)
+                if not any(run_path.iterdir()):
+                    run_path.rmdir()
+            raise JoinError(str(e)) from None
+    announce = None if join.token_file else \
+        f"join token: {token} (also in {token_file}, mode 0600)"
+    return listener, membership, announce
 
 
 def register_wire_types() -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write waits for it
 
+from bamboo.run.writers import stages_written_by
 from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
 from bamboo.node import forkserver
@@ -390,9 +391,7 @@ class _Node:
 def _first_holder_stages(engine: NodeEngine) -> list[StageState]:
     """The stages whose first live holder (lowest pipeline) this node is: the ones it writes
     to storage (a checkpoint, the final model); every stage has exactly one."""
-    roles, dead = engine.roles, set(engine.roles.dead)
-    return [st for stage, st in sorted(engine.stages.items())
-            if next(r for r in roles.stage_members(stage) if r not in dead) == engine.rank]
+    return [engine.stages[s] for s in stages_written_by(engine.roles, engine.rank, engine.stages)]
 
 
 def _writer(node: _Node) -> ThreadPoolExecutor:

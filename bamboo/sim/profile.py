@@ -77,7 +77,7 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
 def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
                  steps: int) -> dict[str, float]:
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
-    from bamboo.control import run_local
+    from bamboo.control import run_job
     from bamboo.config import JobConfig, parse_kill
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDir
@@ -87,7 +87,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
         cfg = JobConfig.of(model=model, stages=stages, micro_batch_size=micro_batch_size,
                         steps=steps, kills=kills, **kw).validate()  # type: ignore[arg-type]
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
-        return run_local(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
+        return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
 
     victim = min(2, stages - 1)
     clean, clean_dir = run(nodes=stages, micro_batches=micro_batches)

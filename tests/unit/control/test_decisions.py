@@ -305,7 +305,7 @@ def test_nothing_of_old_steps_stays_in_the_store_or_the_votes(tmp_path: Path) ->
     p = sim.core.steps
     for votes in (p.micro_batches_done, p.rounds, p.eval_votes):
         assert all(step > steps - 1 - FORGET_AFTER for step, _ in votes), votes
-    assert all(k in sim.core.ctx.written or k.startswith(("gen/", "epoch/"))
+    assert all(k in sim.core.steps.written or k.startswith(("gen/", "epoch/"))
                for k in sim.store.data)
 
 

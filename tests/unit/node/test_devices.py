@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+from bamboo.control.kills import Kills
 from bamboo.control.nodes import Supervisor, free_device_slot
 from bamboo.node.devices import choose_device_index, configure_tf32
 from bamboo.node.devices import worker_device as _device
-from bamboo.node.worker import WorkerSpec
 from bamboo.config import JobConfig
 from bamboo.model import build_layers, preset
 from bamboo.engine.optim import _steps_on_param_device, adamw_options, make_optimizer
@@ -154,12 +154,9 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Supervisor:
     from bamboo.node import forkserver
     monkeypatch.setattr(forkserver, "context", lambda: _FakeContext)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"))
-
-    def spec_for(node: int, slot: int, first_gen: int) -> WorkerSpec:
-        return WorkerSpec(node=node, slot=slot, first_gen=first_gen, store_host="127.0.0.1",
-                          store_port=1, config=ctx.cfg)
-    return Supervisor(ctx, 64, spec_for)  # type: ignore[arg-type]
+    ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"),
+                          store=SimpleNamespace(port=1), committed=0)
+    return Supervisor(ctx, 64, Kills(ctx), "127.0.0.1")  # type: ignore[arg-type]
 
 
 @pytest.fixture

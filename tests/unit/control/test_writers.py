@@ -1,0 +1,152 @@
+"""One writer per field of the coordinator's shared state (`bamboo.control.state`'s table).
+
+An AST scan of `bamboo/control` (and of the decision tests' simulator, which must drive the
+core through its API only) finds every write of a `RunContext` field: an assignment, an
+augmented assignment or a `del` through `ctx.<field>` (or an alias of it, `r =
+ctx.reconf`), and a mutating call on it (`ctx.losses.append`, `ctx.reconf.ending.discard`).
+Each field must be written by its one owner module. The parts are built without
+callbacks: `CoordinatorCore._build_parts` passes no lambda and no bound method.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+CONTROL = ROOT / "bamboo" / "control"
+SIMULATOR = ROOT / "tests" / "coordinator_sim.py"
+
+OWNER = {
+    **dict.fromkeys(("cfg", "store", "events", "display", "run_path", "param_counts",
+                     "partition_costs", "clock", "t0", "resume_step", "resume_path"), "core"),
+    **dict.fromkeys(("rc", "plan", "roles", "reconf"), "generations"),
+    **dict.fromkeys(("committed", "losses", "layouts"), "steps"),
+    "eval_losses": "results",
+}
+"""Field of `RunContext` -> the one module of bamboo/control that writes it."""
+
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse", "add",
+            "discard", "update", "setdefault", "difference_update", "intersection_update",
+            "symmetric_difference_update", "popitem"}
+
+
+def _is_ctx(node: ast.expr) -> bool:
+    """`ctx`, `self.ctx`, `core.ctx`, ...: the run's context."""
+    return (isinstance(node, ast.Name) and node.id == "ctx") or \
+        (isinstance(node, ast.Attribute) and node.attr == "ctx")
+
+
+def _field_of(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """The context field `node` reaches into (`ctx.reconf.ending` -> reconf), if any."""
+    while True:
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Subscript):
+            node = node.value
+            continue
+        if not isinstance(node, ast.Attribute):
+            return None
+        if _is_ctx(node.value) and node.attr in OWNER:
+            return node.attr
+        node = node.value
+
+
+def _aliases(fn: ast.AST) -> dict[str, str]:
+    """Names bound to a context field in `fn` (`r = self.ctx.reconf`, `ctx, r = ..., ...`)."""
+    out: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts))
+            for t, v in pairs:
+                field = _field_of(v, {})
+                if isinstance(t, ast.Name) and field is not None and isinstance(v, ast.Attribute):
+                    out[t.id] = field
+    return out
+
+
+def writes(source: str) -> list[tuple[str, int]]:
+    """(field, line) of every write of a context field in `source`."""
+    found: list[tuple[str, int]] = []
+    tree = ast.parse(source)
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for fn in scopes:
+        aliases = _aliases(fn)
+        for node in ast.walk(fn):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets
+                           for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in MUTATORS:
+                targets = [node.func.value]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    continue  # rebinding a local name writes nothing shared
+                field = _field_of(t, aliases)
+                if field is not None:
+                    found.append((field, node.lineno))
+    return found
+
+
+def writers() -> dict[str, dict[str, list[int]]]:
+    """Field -> module -> the lines that write it."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for path in sorted(CONTROL.glob("*.py")) + [SIMULATOR]:
+        for field, line in writes(path.read_text()):
+            out.setdefault(field, {}).setdefault(path.stem, []).append(line)
+    return out
+
+
+def test_each_shared_field_has_one_writer() -> None:
+    found = writers()
+    wrong = {field: mods for field, mods in found.items() if set(mods) != {OWNER[field]}}
+    assert not wrong, f"fields written outside their owner (bamboo/control/state.py): {wrong}"
+    # the scan sees the owners' writes (it is not blind)
+    for field in ("roles", "reconf", "committed", "losses", "layouts", "eval_losses", "plan"):
+        assert OWNER[field] in found.get(field, {}), field
+
+
+def test_the_scan_catches_a_stray_write() -> None:
+    """A second writer in any of the forms the scan knows is found."""
+    stray = '''
+def on_lost(self, n):
+    ctx = self.ctx
+    ctx.roles = n
+    self.ctx.committed += 1
+    del ctx.losses[3:]
+    r = self.ctx.reconf
+    r.why = "x"
+    ctx.reconf.ending.discard(n)
+    core.ctx.eval_losses.append(1)
+    roles = ctx.roles  # a read
+    local = 1
+'''
+    assert sorted(f for f, _ in writes(stray)) == sorted(
+        ["roles", "committed", "losses", "reconf", "reconf", "eval_losses"])
+
+
+def test_the_parts_are_built_without_callbacks() -> None:
+    """`_build_parts` hands the parts objects, never a lambda or a bound method."""
+    tree = ast.parse((CONTROL / "core.py").read_text())
+    core = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CoordinatorCore")
+    methods = {n.name for n in core.body if isinstance(n, ast.FunctionDef)}
+    build = next(n for n in core.body if isinstance(n, ast.FunctionDef) and n.name == "_build_parts")
+    passed = [a for call in ast.walk(build) if isinstance(call, ast.Call)
+              for a in list(call.args) + [k.value for k in call.keywords]]
+    assert not [a for a in ast.walk(build) if isinstance(a, ast.Lambda)]
+    for a in passed:
+        chain = a
+        while isinstance(chain, ast.Attribute):
+            chain = chain.value
+        if isinstance(a, ast.Attribute) and isinstance(chain, ast.Name) and chain.id == "self":
+            assert a.attr not in methods, f"{ast.unparse(a)} passed as a callback"
+            assert isinstance(a.value, ast.Name), f"{ast.unparse(a)}: a part's member passed"
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)], "a lambda in core.py"
