@@ -50,7 +50,7 @@ print(before, peak_kb(), status_kb("RssAnon"), status_kb("RssFile"))
 """
 _PREPARE = _PEAK + """
 import sys, time
-from bamboo.data.tokens import main
+from bamboo.cli.data import main
 t0 = time.perf_counter()
 assert main(sys.argv[1:]) == 0
 print(time.perf_counter() - t0, peak_kb())

@@ -1,4 +1,5 @@
-"""`bamboo soak`: the chaos test as a command, on the user's own job.
+"""The chaos test on the user's own job: `soak`, the library behind `bamboo soak` (whose
+flags `bamboo.cli.soak` reads).
 
     bamboo soak [--config FILE] [train flags...] --trials N
                 [--faults kill,stop,notice,coordinator,burst] [--seed S] [--out DIR] [--json]
@@ -25,7 +26,6 @@ contract's object on stdout. Exit code 0 when every trial was equal or a clear s
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.util import strict_json
-from bamboo.cli.parsing import UsageParser
 from bamboo.chaos.bits import differs, explain
 from bamboo.run.runlog import read_events
 
-__all__ = ["main", "FAULT_KINDS", "Trial", "rerun_command"]
+__all__ = ["soak", "FAULT_KINDS", "Trial", "rerun_command"]
 
 FAULT_KINDS = ("kill", "stop", "notice", "coordinator", "burst")
 
@@ -55,24 +54,6 @@ class Trial:
     outcome: str = "wrong"
     why: str = ""
     wall_s: float = 0.0
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = UsageParser(prog="bamboo soak", description="Run your job failure-free, then N times "
-                    "with random faults sent from outside, and compare every trial with it. "
-                    "Every other flag is `bamboo train`'s.")
-    p.add_argument("--trials", type=int, default=10, help="faulty runs (default 10)")
-    p.add_argument("--faults", default="kill,stop,notice,burst",
-                   help=f"fault kinds to draw from, comma-separated: {', '.join(FAULT_KINDS)} "
-                   f"(default kill,stop,notice,burst)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the faults (not the job)")
-    p.add_argument("--out", help="where the runs go (default runs/soak-<time>)")
-    p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S",
-                   help="a trial still running after this is a hang (default 300)")
-    p.add_argument("--trial", type=int, metavar="I",
-                   help="run trial I of this --seed alone (as a table line suggests)")
-    p.add_argument("--json", action="store_true", help="print the result object on stdout")
-    return p
 
 
 def rerun_command(train: list[str], trial: Trial, kinds: list[str], seed: int) -> str:
@@ -210,69 +191,41 @@ def _outcome(trial: Trial, base: dict, code: int | None, stdout: str, stderr: st
         trial.why = explain(base, summary)
 
 
-def soak(args: argparse.Namespace, train: list[str]) -> dict[str, Any]:
-    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
-    out = Path(args.out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=False)
-    say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr))
+def soak(train: list[str], kinds: list[str], trials: int = 10, seed: int = 0,
+         out: str | None = None, trial_timeout: float = 300.0, only_trial: int | None = None,
+         quiet: bool = False) -> dict[str, Any]:
+    """Run the job `train` (`bamboo train`'s flags) failure-free, then `trials` times (or only
+    trial `only_trial`) with faults of `kinds` drawn from `seed`; the contract's result object
+    (`trials`, the four outcome counts, `out` and `cases`). Progress on stderr unless `quiet`."""
+    out_dir = Path(out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=False)
+    say = (lambda text: None) if quiet else (lambda text: print(text, file=sys.stderr))
     say(f"soak: the failure-free run ({' '.join(train)})")
     base_run = _Run([sys.executable, "-m", "bamboo", "train", *train, "--out",
-                     str(out / "failure-free"), "--json", "--quiet", "--no-report"],
-                    out / "failure-free")
-    code, stdout, stderr = base_run.wait(time.monotonic() + args.trial_timeout)
+                     str(out_dir / "failure-free"), "--json", "--quiet", "--no-report"],
+                    out_dir / "failure-free")
+    code, stdout, stderr = base_run.wait(time.monotonic() + trial_timeout)
     if code != 0:
         raise SystemExit(f"bamboo soak: error: the failure-free run did not complete: "
                          f"{(stderr.strip().splitlines() or ['no message'])[-1]}")
     base = json.loads(stdout)
     steps = base["steps_completed"]
-    trials = []
-    for i in range(args.trials) if args.trial is None else [args.trial]:
-        rng = random.Random(args.seed * 100_003 + i)
+    done = []
+    for i in range(trials) if only_trial is None else [only_trial]:
+        rng = random.Random(seed * 100_003 + i)
         kind = rng.choice(kinds)
         trial = Trial(index=i)
         start = time.monotonic()
-        code, stdout, stderr = _run_trial(trial, kind, rng, train, out / f"trial-{i:03d}",
-                                          steps, args.trial_timeout)
+        code, stdout, stderr = _run_trial(trial, kind, rng, train, out_dir / f"trial-{i:03d}",
+                                          steps, trial_timeout)
         trial.wall_s = round(time.monotonic() - start, 1)
         if not trial.faults:
             trial.faults.append({"kind": kind, "note": "the run ended before the fault"})
-        trial.command = rerun_command(train, trial, kinds, args.seed)
+        trial.command = rerun_command(train, trial, kinds, seed)
         _outcome(trial, base, code, stdout, stderr)
         say(f"  trial {i}: {kind:<11} {trial.outcome:<10} {trial.wall_s:6.1f} s  {trial.why}")
-        trials.append(trial)
-    counts = {k: sum(t.outcome == k for t in trials) for k in ("equal", "clear_stop", "hang",
-                                                              "wrong")}
-    return {"trials": len(trials), **counts, "out": str(out),
-            "cases": [asdict(t) for t in trials]}
-
-
-def _table(result: dict[str, Any]) -> str:
-    rows = [f"trials {result['trials']}: equal {result['equal']}, clear stop "
-            f"{result['clear_stop']}, hang {result['hang']}, wrong {result['wrong']}"]
-    for case in result["cases"]:
-        rows.append(f"  trial {case['index']} {case['outcome']}: {case['why']}"
-                    + (f"\n    {case['command']}" if case["outcome"] != "equal" else ""))
-    return "\n".join(rows)
-
-
-def main(argv: list[str]) -> int:
-    p = _parser()
-    args, train = p.parse_known_args(argv)
-    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in FAULT_KINDS]
-    if bad or not kinds:
-        p.error(f"--faults {args.faults!r}: choose from {', '.join(FAULT_KINDS)}")
-    if args.trial is not None and args.trial < 0:
-        p.error(f"--trial must be 0 or more (got {args.trial}): a trial's index as the table "
-                f"shows it")
-    if args.trials < 1:
-        p.error(f"--trials must be a positive integer (got {args.trials})")
-    if args.out is not None and Path(args.out).exists():
-        p.error(f"--out {args.out} exists: choose a new directory for the soak's runs")
-    if any(a in ("--out", "--resume", "--json") for a in train):
-        p.error("--out, --resume and --json are the soak's own: leave them out of the job")
-    result = soak(args, train)
-    print(_table(result), file=sys.stderr)
-    if args.json:
-        print(strict_json.dumps(result, indent=2))
-    return 0 if result["hang"] == 0 and result["wrong"] == 0 else 1
+        done.append(trial)
+    counts = {k: sum(t.outcome == k for t in done) for k in ("equal", "clear_stop", "hang",
+                                                            "wrong")}
+    return {"trials": len(done), **counts, "out": str(out_dir),
+            "cases": [asdict(t) for t in done]}

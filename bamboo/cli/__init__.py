@@ -1,6 +1,5 @@
 """The `bamboo` command: one module per command in this package, each a thin layer over
-the library (`train`, `coordinator`, `agent`, `config` here; the others are the library
-modules' own `main`).
+the library that reads the command's flags and calls it (`bamboo.cli.<command>.main`).
 
     bamboo train --nodes 4 --stages 4 --steps 50          # a local 4-stage pipeline
     bamboo train --nodes 8 --stages 4 --json              # 2 pipelines, summary on stdout
@@ -21,10 +20,10 @@ from bamboo.cli.parsing import EXIT_USAGE
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS: dict[str, str] = {
-    "train": "bamboo.cli.train", "simulate": "bamboo.sim.cli", "report": "bamboo.run.report",
-    "config": "bamboo.cli.config", "profile": "bamboo.sim.profile",
-    "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.chaos.lab.cli",
-    "data": "bamboo.data.tokens", "export": "bamboo.run.export", "soak": "bamboo.chaos.soak",
+    "train": "bamboo.cli.train", "simulate": "bamboo.cli.simulate", "report": "bamboo.cli.report",
+    "config": "bamboo.cli.config", "profile": "bamboo.cli.profile",
+    "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.cli.lab",
+    "data": "bamboo.cli.data", "export": "bamboo.cli.export", "soak": "bamboo.cli.soak",
 }
 """Command -> the module whose `main(argv) -> int` runs it."""
 

@@ -1,4 +1,5 @@
-"""Tokenized datasets: `bamboo data prepare` and the on-disk format `--data DIR` reads.
+"""Tokenized datasets: `prepare` (behind `bamboo data prepare`, `bamboo.cli.data`) and the
+on-disk format `--data DIR` reads.
 
     bamboo data prepare notes/*.txt --out data/notes                    # byte tokens
     bamboo data prepare corpus.txt --out data/c --tokenizer bpe:8192    # train a byte-level BPE
@@ -12,7 +13,6 @@ can be prepared. Importable without torch.
 """
 from __future__ import annotations
 
-import argparse
 import codecs
 import importlib.util
 import json
@@ -30,10 +30,9 @@ from typing import Any
 import numpy as np
 
 from bamboo.util import strict_json
-from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 
 __all__ = ["FORMAT", "VERSION", "HEADER", "SPLITS", "VAL_FRACTION", "TokenHeader", "read_header",
-           "largest_token_id", "open_split", "write_header", "text_split", "prepare", "main"]
+           "largest_token_id", "open_split", "write_header", "text_split", "prepare"]
 
 FORMAT = "bamboo-tokens"
 VERSION = 1
@@ -426,46 +425,3 @@ def _write_splits(tmp: Path, sources: list[_Source], tok: _Tokenizer) -> TokenHe
     return TokenHeader(vocab_size=tok.vocab, dtype=dtype, tokens=counts, eot_id=tok.eot_id,
                        tokenizer={"kind": tok.kind, "spec": tok.spec, "files": files},
                        sources=per_source, max_token_id=largest if largest >= 0 else None)
-
-
-# -- the command -----------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = UsageParser(prog="bamboo data", description="Prepare tokenized datasets for "
-                    "`bamboo train --data DIR`.")
-    sub = p.add_subparsers(dest="action", metavar="prepare", parser_class=UsageParser)
-    prep = sub.add_parser("prepare", help="tokenize text files into a prepared directory",
-                          description="Tokenize UTF-8 text files into DIR: train.bin and val.bin "
-                          "(the last --val-fraction of every file), header.json and the "
-                          "tokenizer's files (docs/data.md).")
-    prep.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files")
-    prep.add_argument("--out", required=True, metavar="DIR",
-                      help="the directory to write (must not exist, or be empty)")
-    prep.add_argument("--tokenizer", default="bytes", metavar="SPEC",
-                      help="bytes (default: the 256 byte values) | bpe:VOCAB (train a byte-level "
-                      "BPE of VOCAB tokens on the files) | hf:DIR (a local Hugging Face "
-                      "tokenizer directory with tokenizer.json)")
-    prep.add_argument("--val-fraction", type=float, default=VAL_FRACTION, metavar="F",
-                      help=f"share of every file held out for evaluation (default {VAL_FRACTION})")
-    prep.add_argument("--quiet", action="store_true", help="no summary line on stderr")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    """`bamboo data prepare ...`; a user error is one line and exit status 2."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.action is None:
-        parser.error("nothing to do; use `bamboo data prepare FILE... --out DIR`")
-    prog = "bamboo data prepare"
-    say = (lambda s: None) if args.quiet else (lambda s: print(f"{prog}: {s}", file=sys.stderr))
-    try:
-        header = prepare(args.files, args.out, args.tokenizer, args.val_fraction, say)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    t = header.tokens
-    say(f"wrote {args.out}: {t['train']} train and {t['val']} val tokens "
-        f"({header.tokenizer['kind']}, vocab {header.vocab_size}, {header.dtype})")
-    return 0

@@ -1,4 +1,5 @@
-"""`bamboo export RUN_DIR --hf DIR`: a finished run's model as a Hugging Face directory.
+"""A finished run's model as a Hugging Face directory: `export`, behind `bamboo export RUN_DIR
+--hf DIR` (`bamboo.cli.export`).
 
     bamboo export runs/a --hf exported/a
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('exported/a')"
@@ -28,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.util import strict_json
-from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 
-__all__ = ["main", "export", "read_run", "EXPORTABLE"]
+__all__ = ["export", "read_run", "EXPORTABLE"]
 
 EXPORTABLE = ("the gpt2 and llama presets, hf:gpt2, hf:llama and hf:DIR with model_type gpt2 "
               "or llama")
@@ -40,32 +40,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _EMBEDDING = {"gpt2": ("embed.tokens.weight", "wte.weight"),
               "llama": ("embed.embed_tokens.weight", "embed_tokens.weight")}
 """Layer 0's token embedding, in bamboo's own model and in the hf: model."""
-
-
-def _parser() -> UsageParser:
-    p = UsageParser(prog="bamboo export", description="Write a finished run's model as a "
-                    "Hugging Face directory (config.json + model.safetensors) that "
-                    "transformers.AutoModelForCausalLM.from_pretrained loads.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run directory of bamboo train "
-                   "(it holds model.pt and summary.json)")
-    p.add_argument("--hf", required=True, metavar="DIR",
-                   help="the directory to write (new or empty)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`bamboo export`: 0 on success, 2 with one line on stderr for a user error."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        line = export(Path(args.run_dir), Path(args.hf))
-    except ValueError as e:
-        if args.debug:
-            raise
-        print(f"bamboo export: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"bamboo export: {line}", file=sys.stderr)
-    return 0
 
 
 def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:

@@ -1,6 +1,6 @@
 """A run's report: `report.txt` and PNG plots, rebuilt from summary.json and events.jsonl.
 
-    bamboo report runs/demo-20250101-120000      # rewrites report.txt and the plots
+    write_report("runs/demo-20250101-120000")   # what `bamboo report RUN_DIR` runs (bamboo.cli.report)
 
 Writes, into the run directory:
 
@@ -19,19 +19,16 @@ events alone). Plots use matplotlib's Agg canvas directly, so no display is need
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.run.runlog import EventLogError, read_events
 
-__all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report", "main",
+__all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report",
            "PLOT_SIZE_PX"]
 
 PLOT_SIZE_PX = (800, 450)
@@ -384,43 +381,3 @@ def write_report(run_dir: str | Path, prices: Prices | None = None) -> list[Path
         return [text_path, *write_plots(run, failures, prices, path)]
     except PermissionError as e:
         raise ReportError(f"cannot write the report into '{path}': {e.strerror}") from None
-
-
-# -- the command --------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    d = Prices()
-    p = UsageParser(prog="bamboo report", description="Rewrite a run's report.txt and PNG "
-                    "plots from its summary.json and events.jsonl.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by bamboo train --out")
-    p.add_argument("--spot-price", type=float, default=d.spot,
-                   help=f"$ per node-hour on spot (default {d.spot})")
-    p.add_argument("--on-demand-price", type=float, default=d.on_demand,
-                   help=f"$ per node-hour on demand (default {d.on_demand})")
-    p.add_argument("--quiet", action="store_true", help="do not print the report on stdout")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`bamboo report RUN_DIR`: 0 on success, 2 (one line on stderr) for a bad run directory."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if not (args.spot_price >= 0 and args.on_demand_price >= 0):
-            raise ReportError("--spot-price and --on-demand-price must be >= 0 $ per node-hour")
-        paths = write_report(args.run_dir, Prices(spot=args.spot_price,
-                                                  on_demand=args.on_demand_price))
-    except ReportError as e:
-        if args.debug:
-            raise
-        print(f"bamboo report: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if not args.quiet:
-        sys.stdout.write(paths[0].read_text(encoding="utf-8"))
-    print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""`bamboo profile`: measure a model's step costs on this machine for `bamboo simulate --costs`.
+"""Measure a model's step costs on this machine for `bamboo simulate --costs` (the library of
+`bamboo profile`, whose flags live in `bamboo.cli.profile`).
 
     bamboo profile --model gpt2-tiny --stages 4 --out costs.json
     bamboo simulate --trace ../shared/traces/aws-p3-2xlarge.csv --costs costs.json
@@ -25,12 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from bamboo.cli.parsing import EXIT_USAGE, UsageParser  # one-line usage errors
 from bamboo.run.runlog import read_events
+from bamboo.sim.costs import StepCosts
 
-__all__ = ["main", "stage_times"]
+__all__ = ["profile_costs", "profile_layers", "stage_times"]
 
 
 def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
@@ -122,72 +122,36 @@ def _restore_pause(summary: dict, run_dir: Path) -> float:
     return done["t"] - fault["t"] if done else extra
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = UsageParser(prog="bamboo profile", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="gpt2-tiny")
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (G)")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=8, help="steps of each engine run")
-    parser.add_argument("--out", default="costs.json")
-    parser.add_argument("--data", help="with --layers-only: a prepared token directory whose "
-                        "vocabulary the model takes (as bamboo train --data)")
-    parser.add_argument("--layers-only", action="store_true",
-                        help="only time each layer alone and write a layer-costs file for "
-                        "`bamboo train --layer-costs` (no engine runs)")
-    args = parser.parse_args(argv)
-
-    from bamboo.config import ConfigError, JobConfig
-    try:
-        job = JobConfig.of(model=args.model, nodes=args.stages, stages=args.stages,
-                        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                        steps=args.steps, data=args.data).validate()
-        if args.data is not None and not args.layers_only:
-            raise ConfigError("--data goes with --layers-only (the step costs use synthetic data)")
-        if args.repeats < 1 or args.steps < 4:
-            raise ConfigError("--repeats must be >= 1 and --steps >= 4")
-        if Path(args.out).exists():
-            raise ConfigError(f"--out {args.out} exists: choose another file or remove it")
-    except ConfigError as e:
-        print(f"bamboo profile: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-    if args.layers_only:
-        return _layers_only(args, job)
+def profile_costs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
+                  repeats: int, steps: int) -> StepCosts:
+    """The costs file's figures for `model` cut into `stages`, measured here (progress lines
+    on stderr): the stage times, the timeline model's eager RC overhead on them, and the
+    pauses and commit times of three real local runs."""
     from bamboo.plan.timeline import Costs, compare
-    from bamboo.sim.costs import StepCosts, save_costs
 
-    print(f"profiling {args.model}: {args.stages} stages, micro-batches of "
-          f"{args.micro_batch_size}", file=sys.stderr)
-    forward, backward = stage_times(args.model, args.stages, args.micro_batch_size, args.repeats)
-    overhead = compare(args.stages, args.micro_batches,
+    print(f"profiling {model}: {stages} stages, micro-batches of {micro_batch_size}",
+          file=sys.stderr)
+    forward, backward = stage_times(model, stages, micro_batch_size, repeats)
+    overhead = compare(stages, micro_batches,
                        Costs(forward=tuple(forward), backward=tuple(backward))).overhead("eager")
     print("running the engine: failure-free, one failover, one peer restore", file=sys.stderr)
-    engine = _engine_runs(args.model, args.stages, args.micro_batches, args.micro_batch_size,
-                          args.steps)
-    costs = StepCosts(model=args.model, stages=args.stages, micro_batches=args.micro_batches,
-                      samples_per_step=args.micro_batches * args.micro_batch_size,
-                      forward_s=forward, backward_s=backward, rc_overhead=max(0.0, overhead),
-                      failover_pause_s=engine["failover_pause_s"],
-                      reconfiguration_s=engine["reconfiguration_s"],
-                      allreduce_s=engine["allreduce_s"], optimizer_s=engine["optimizer_s"])
-    save_costs(costs, args.out)
-    print(f"forward ms per stage {[round(1000 * f, 2) for f in forward]}, backward ms "
-          f"{[round(1000 * b, 2) for b in backward]}; eager RC overhead {100 * overhead:.1f}% "
-          f"(timeline model, one processor per node); failover pause "
-          f"{engine['failover_pause_s']:.3f} s; peer restore {engine['reconfiguration_s']:.3f} s; "
-          f"wrote {args.out}", file=sys.stderr)
-    return 0
+    engine = _engine_runs(model, stages, micro_batches, micro_batch_size, steps)
+    return StepCosts(model=model, stages=stages, micro_batches=micro_batches,
+                     samples_per_step=micro_batches * micro_batch_size,
+                     forward_s=forward, backward_s=backward, rc_overhead=max(0.0, overhead),
+                     failover_pause_s=engine["failover_pause_s"],
+                     reconfiguration_s=engine["reconfiguration_s"],
+                     allreduce_s=engine["allreduce_s"], optimizer_s=engine["optimizer_s"])
 
 
-def _layers_only(args: Any, job: Any) -> int:
+def profile_layers(model: str, vocab: int, micro_batch_size: int, repeats: int,
+                   data: str | None, out: str) -> None:
+    """Time each layer of `model` alone and write the layer-costs file `out` for
+    `bamboo train --layer-costs` (no engine runs)."""
     from bamboo.engine.layer_costs import measure_layer_costs, save_layer_costs
-    p = job.model_preset()
-    print(f"timing each layer of {args.model} (vocabulary {p.vocab}) alone: micro-batches of "
-          f"{args.micro_batch_size}, median of {args.repeats}", file=sys.stderr)
-    costs = measure_layer_costs(args.model, args.micro_batch_size, args.repeats, data=args.data)
-    save_layer_costs(costs, args.out)
-    print(f"ms per layer {[round(1000 * t, 2) for t in costs.layer_s]}; wrote {args.out} "
-          f"(bamboo train --model {args.model} --layer-costs {args.out})", file=sys.stderr)
-    return 0
+    print(f"timing each layer of {model} (vocabulary {vocab}) alone: micro-batches of "
+          f"{micro_batch_size}, median of {repeats}", file=sys.stderr)
+    costs = measure_layer_costs(model, micro_batch_size, repeats, data=data)
+    save_layer_costs(costs, out)
+    print(f"ms per layer {[round(1000 * t, 2) for t in costs.layer_s]}; wrote {out} "
+          f"(bamboo train --model {model} --layer-costs {out})", file=sys.stderr)

@@ -295,7 +295,7 @@ def test_lab_command_usage_errors_are_one_line(argv, message, capsys):
 
 
 def test_lab_command_faults_and_job_flags():
-    from bamboo.chaos.lab.cli import Fault, _faults, _job_flags
+    from bamboo.cli.lab import Fault, _faults, _job_flags
     hosts = ["coord", "a1", "a2"]
     assert _faults(["a1@10+5", "a2@1"], ["a1@20"], hosts) == [
         Fault(1.0, "cut", "a2"), Fault(10.0, "cut", "a1"), Fault(15.0, "reconnect", "a1"),

@@ -58,8 +58,8 @@ def test_train_names_the_flag_that_was_meant(given: str, meant: str, capsys) -> 
 
 def test_the_parsers_are_the_shared_class() -> None:
     from bamboo.cli.train import train_parser
-    from bamboo.run.report import _parser as report_parser
-    from bamboo.sim.cli import build_parser
+    from bamboo.cli.report import report_parser
+    from bamboo.cli.simulate import build_parser
     for parser in (train_parser(), report_parser(), build_parser()):
         assert type(parser) is UsageParser
 
@@ -77,10 +77,20 @@ def test_no_other_module_subclasses_argument_parser() -> None:
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_commands_do_not_import_the_cli() -> None:
-    """`bamboo profile` took its parser from bamboo.cli, which imports it back: a circle."""
-    code = ("import sys, bamboo.sim.profile, bamboo.run.report, bamboo.sim.cli; "
-            "print(sorted(m for m in sys.modules if m in ('bamboo.cli', 'torch')))")
+    """`bamboo profile` took its parser from bamboo.cli, which imports it back: a circle. The
+    library behind each command imports nothing of bamboo.cli, and neither it nor the
+    command's module imports torch before the command runs."""
+    code = ("import sys, bamboo.sim.profile, bamboo.run.report, bamboo.run.export, "
+            "bamboo.data.tokens, bamboo.chaos.soak, bamboo.chaos.lab.session; "
+            "print(sorted(m for m in sys.modules if m.startswith('bamboo.cli') or m == 'torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+    code = ("import sys, bamboo.cli.profile, bamboo.cli.report, bamboo.cli.simulate, "
+            "bamboo.cli.export, bamboo.cli.data, bamboo.cli.soak, bamboo.cli.lab; "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.run.report import PLOT_SIZE_PX, Prices, ReportError, load_run, main, report_text, write_report
+from bamboo.cli.report import main
+from bamboo.run.report import PLOT_SIZE_PX, Prices, ReportError, load_run, report_text, write_report
 from support.procs import REPO
 
 PLOTS = ("loss.png", "throughput.png", "nodes.png", "cost.png", "pauses.png", "memory.png")
@@ -243,7 +244,7 @@ def test_bad_run_directory_is_one_line_and_exit_2(tmp_path: Path, case: str,
 @pytest.mark.procs
 def test_command_line_exit_code_and_debug(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    cmd = [sys.executable, "-m", "bamboo.run.report", str(missing)]
+    cmd = [sys.executable, "-m", "bamboo.cli.report", str(missing)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr == (f"bamboo report: error: run directory '{missing}' does not exist: "

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.sim.profile import main as profile_main
-from bamboo.sim.cli import main as simulate_main
+from bamboo.cli.profile import main as profile_main
+from bamboo.cli.simulate import main as simulate_main
 from bamboo.sim.costs import load_costs
 from support.procs import REPO
 

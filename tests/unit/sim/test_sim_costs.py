@@ -67,7 +67,7 @@ def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     """One set of model names: a `bamboo train` model runs with its profiled costs, and
     without them the line says how to get them; --help lists every model and policy."""
     from bamboo.model.presets import PRESETS as TRAIN_MODELS
-    from bamboo.sim.cli import build_parser, main
+    from bamboo.cli.simulate import build_parser, main
     from bamboo.sim.policies import POLICIES
     from bamboo.sim.cost_presets import PRESETS
     f = tmp_path / "c.json"

@@ -1,4 +1,5 @@
-"""``bamboo simulate``: project throughput, cost and value of policies on a preemption trace.
+"""``bamboo simulate``: project throughput, cost and value of policies on a preemption trace
+(the simulator is `bamboo.sim`; this module reads the flags and prints the result).
 
 Examples::
 
@@ -16,8 +17,8 @@ import argparse
 import os
 import sys
 
-from bamboo.util import strict_json
 from bamboo.cli.parsing import UsageParser as _Parser  # one-line usage errors, exit 2
+from bamboo.util import strict_json
 
 __all__ = ["main", "build_parser"]
 
@@ -30,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bamboo simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="trace file (Bamboo CSV, count rows or JSON rows), "
                    "or synthetic:p=PROB[,alloc=A] / synthetic:mtbf=DURATION")
-    from .policies import POLICIES
-    from .cost_presets import PRESETS
+    from bamboo.sim.policies import POLICIES
+    from bamboo.sim.cost_presets import PRESETS
     p.add_argument("--model", default="gpt2",
                    help=f"a model with published step times: {', '.join(m.name for m in PRESETS.values())} "
                         f"(default gpt2); or any bamboo train model (gpt2-tiny, llama-tiny, ...) with "
@@ -112,8 +113,8 @@ def _model(name: str, costs_file: str | None):
     or a `bamboo train` model measured by `bamboo profile` (its --costs file is then required:
     the step times are what a simulation needs). Both sets of names are accepted."""
     from bamboo.model.presets import PRESETS as TRAIN_MODELS
-    from .costs import load_costs
-    from .cost_presets import PRESETS, get_preset, preset_from_costs
+    from bamboo.sim.costs import load_costs
+    from bamboo.sim.cost_presets import PRESETS, get_preset, preset_from_costs
     try:
         base = get_preset(name)
     except KeyError:
@@ -130,9 +131,9 @@ def _model(name: str, costs_file: str | None):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .core import SimConfig
-    from .policies import POLICIES
-    from .runner import resolve_trace, run_policies, summarize
+    from bamboo.sim.core import SimConfig
+    from bamboo.sim.policies import POLICIES
+    from bamboo.sim.runner import resolve_trace, run_policies, summarize
 
     _check(args)
     preset = _model(args.model, args.costs)
@@ -166,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
                            jobs=args.jobs, record_first=bool(args.plot))
     summary = summarize(source, preset, results, runs=args.runs, seed=args.seed)
     if args.plot:
-        from .plots import write_plots
+        from bamboo.sim.plots import write_plots
 
         try:
             write_plots({n: rs[0] for n, rs in results.items()}, args.plot, f"{preset.name} on {source.label}")
@@ -181,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``bamboo simulate``; returns the exit status."""
-    from .costs import CostsError
+    from bamboo.sim.costs import CostsError
     from bamboo.traces.trace import TraceError
 
     argv = list(sys.argv[1:] if argv is None else argv)
