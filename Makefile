@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test test-fast bench clean
+.PHONY: setup system-deps demo test test-fast test-smoke bench clean
 
 setup: $(STAMP) system-deps
 
@@ -35,9 +35,15 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=15
 
-# Unit, property and decision tests: no worker processes, a few minutes (after each change).
+# Unit, property and decision tests (tests/unit): no worker processes, under 2 minutes
+# (after each change).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q --fast
+
+# One end-to-end run per capability (kill, drain, join, checkpoint restore, re-route, agents,
+# etcd, the demo's job): tests/conftest.py's SMOKE, under 5 minutes.
+test-smoke: setup
+	$(BIN)/python -m pytest -q -m smoke --durations=10 tests/integration
 
 bench: setup
 	$(BIN)/python benchmarks/engine_vs_torch.py

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from support.cli import RunStarted
 from support.procs import Result, run_bamboo
 from support.servers import etcd_server
 from support.strict import check_run_files_strict
@@ -44,11 +45,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="only the tests that start no process (make test-fast)")
 
 
+SMOKE = {
+    # capability: its one end-to-end test (`make test-smoke`, marked `smoke` at collection)
+    "a kill": "integration/test_failover.py::test_failover_ends_equal_to_failure_free"
+              "[kill stage 2]",
+    "a drain on a preemption notice": "integration/test_reconfig.py::test_drain_to_a_standby",
+    "a join": "integration/test_reconfig.py::test_standbys_joining_grow_the_layout",
+    "a restore from a checkpoint":
+        "integration/test_reconfig.py::test_adjacent_kills_with_one_pipeline_restore_the_checkpoint",
+    "a re-route": "integration/test_reroute.py::test_reroute_ends_equal_to_failure_free"
+                  "[D=2, stage 0]",
+    "a coordinator and its agents": "integration/test_remote.py::"
+        "test_agents_join_with_the_token_and_train_to_the_failure_free_result",
+    "etcd": "integration/test_remote.py::test_with_etcd_a_frozen_machine_is_fenced_by_its_lease",
+    "the demo's job and trace": "integration/test_reconfig.py::"
+        "test_the_demo_job_survives_its_trace_and_writes_the_report",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     procs = pytest.mark.procs
+    tests = Path(__file__).parent
+    smoke = {f"{tests / nodeid.split('::')[0]}::{nodeid.split('::', 1)[1]}"
+             for nodeid in SMOKE.values()}
     for item in items:
         if "bamboo" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow"):
             item.add_marker(procs)
+        if f"{item.path}::{item.name}" in smoke:
+            item.add_marker(pytest.mark.smoke)
+            smoke.discard(f"{item.path}::{item.name}")
+    collected = {str(item.path) for item in items}
+    lost = [n for n in smoke if n.split("::")[0] in collected or not Path(n.split("::")[0]).exists()]
+    if config.getoption("markexpr") == "smoke" and lost:
+        raise pytest.UsageError(f"smoke tests not found (renamed?): {sorted(lost)}")
     if not config.getoption("--fast"):
         return
     kept = [i for i in items if i.get_closest_marker("procs") is None]
@@ -73,6 +102,17 @@ def _no_process_in_the_fast_tier(request: pytest.FixtureRequest,
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     monkeypatch.setattr(os, "fork", refuse)
+
+
+@pytest.fixture
+def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `bamboo train` would start its fork server (and so its workers), RunStarted is
+    raised instead: a test of what is checked before a run starts."""
+    from bamboo.node import forkserver
+
+    def start() -> None:
+        raise RunStarted
+    monkeypatch.setattr(forkserver, "start", start)
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient"]
+__all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient",
+           "steps_on_param_device"]
 
 
 def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
@@ -45,7 +46,7 @@ def adamw_options(device_types: set[str]) -> dict[str, bool]:
     return {"foreach": False}
 
 
-def _steps_on_param_device(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def steps_on_param_device(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The fused kernel reads each parameter's step count on the parameter's device; state
     loaded from elsewhere (a checkpoint, a peer's state vector) carries a CPU step tensor."""
     for p, state in optimizer.state.items():
@@ -67,7 +68,7 @@ def make_optimizer(module: nn.Module, *, lr: float, weight_decay: float,
     options = adamw_options(types)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **options)
     if options.get("fused"):
-        optimizer.register_step_pre_hook(_steps_on_param_device)
+        optimizer.register_step_pre_hook(steps_on_param_device)
     return optimizer
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 __all__ = [
     "Instruction", "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "RedundantForward", "one_f_one_b", "gpipe", "zb_h1", "SCHEDULES", "BACKWARDS",
-    "simulate", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
+    "simulate", "matching_send", "ScheduleError", "global_order", "node_schedule", "COMPUTE_KINDS",
     "merge_pipelines", "served_work", "defers_weight",
 ]
 
@@ -199,7 +199,9 @@ class ScheduleError(RuntimeError):
     """A set of schedules that deadlocks or leaves work undone."""
 
 
-def _matching_send(instr: Instruction) -> tuple[type, int, int] | None:
+def matching_send(instr: Instruction) -> tuple[type, int, int] | None:
+    """The send a receive waits for, as `simulate`'s `sent` holds it: (kind, sending stage,
+    micro-batch); None for an instruction that waits for no message."""
     if isinstance(instr, RecvActivation):
         return (SendActivation, instr.stage - 1, instr.mb)
     if isinstance(instr, RecvGrad):
@@ -230,7 +232,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], *,
         for node, schedule in enumerate(schedules):
             while positions[node] < len(schedule):
                 instr = schedule[positions[node]]
-                need = _matching_send(instr)
+                need = matching_send(instr)
                 if need is not None and need not in sent:
                     break
                 slot = (instr.stage, instr.mb)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import BAMBOO, REPO, mounted_tmpfs, run_bamboo, run_events
 from support.processes import start_training, wait_for_steps, wait_gone
+from support.procs import BAMBOO, REPO, mounted_tmpfs, run_bamboo, run_events
 from support.runs import assert_close, reference
 
 

@@ -17,8 +17,8 @@ import pytest
 from support.agents import (agent as start_agent, assert_failure_free, coordinator as
                             start_coordinator, kill_machine, signal_machine, start, stop,
                             wait_for, wait_step)
-from support.procs import BAMBOO, REPO, free_port, run_events
 from support.processes import session_processes
+from support.procs import BAMBOO, REPO, free_port, run_events
 from support.servers import MetadataServer
 
 pytestmark = pytest.mark.procs  # every test here starts processes

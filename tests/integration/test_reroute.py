@@ -119,7 +119,7 @@ def test_rerouted_lists_finish_together_in_one_order_per_pair(
         moved = False
         for r, lst in lists.items():
             while pos[r] < len(lst):
-                need = S._matching_send(lst[pos[r]])
+                need = S.matching_send(lst[pos[r]])
                 if need is not None and need not in sent:
                     break
                 i = lst[pos[r]]

@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from support.procs import BAMBOO, REPO, run_events
 from support.processes import session_processes
+from support.procs import BAMBOO, REPO, run_events
 from support.runs import assert_close, config, reference
 
 

@@ -1,4 +1,5 @@
-"""Tokenized datasets: `bamboo data prepare`, the memory-mapped reader and `--data DIR`."""
+"""Tokenized datasets: `bamboo data prepare`, the memory-mapped reader and `--data DIR`.
+Its tests that start processes: tests/integration/test_tokendata_runs.py."""
 from __future__ import annotations
 
 import json
@@ -14,27 +15,9 @@ from bamboo.config import ConfigError, JobConfig
 from bamboo.data.datasets import TextFile, TokenFile, make_task
 from bamboo.model.presets import preset, with_vocab
 from bamboo.data.tokens import EOT, SPLITS, open_split, read_header
-from support.procs import REPO
-from support.runs import assert_close
+from support.tokens import docs_text, prepare
 
 TEXT = "Grüße aus Bamboo — preemptible instances, pipelines and shadows.\n"
-
-
-def docs_text(tmp_path: Path, names: tuple[str, ...] = ("architecture", "cluster", "models"),
-              size: int = 4000) -> list[Path]:
-    """A few KB of the repository's own documentation, one file per doc."""
-    files = []
-    for name in names:
-        f = tmp_path / f"{name}.txt"
-        f.write_text((REPO / "docs" / f"{name}.md").read_text(encoding="utf-8")[:size],
-                     encoding="utf-8")
-        files.append(f)
-    return files
-
-
-def prepare(capsys, *args: str) -> tuple[int, str]:
-    code = cli.main(["data", "prepare", *args, "--quiet"])
-    return code, capsys.readouterr().err
 
 
 def split_parts(path: Path, fraction: float = 0.05) -> tuple[str, str]:
@@ -308,26 +291,6 @@ def test_pretrained_hf_weights_keep_their_vocabulary(tmp_path: Path, capsys) -> 
     assert cli.main(["train", "--model", name, "--stages", "2", "--data", str(big)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "a vocabulary the model cannot take" in lines[0], lines
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_training_on_bpe_tokens_is_the_same_in_two_layouts(bamboo, tmp_path: Path,
-                                                            capsys) -> None:
-    files = docs_text(tmp_path, size=8000)
-    out = tmp_path / "bpe"
-    assert prepare(capsys, *map(str, files), "--out", str(out), "--tokenizer", "bpe:300")[0] == 0
-    args = ["--data", str(out), "--steps", "3", "--micro-batch-size", "4", "--json", "--quiet"]
-    one = bamboo([*args, "--nodes", "2", "--stages", "2", "--micro-batches", "4"], "one")
-    two = bamboo([*args, "--nodes", "4", "--stages", "2", "--micro-batches", "2"], "two")
-    assert one.code == 0 and two.code == 0, one.stderr + two.stderr
-    assert two.summary["config"]["pipelines"] == 2
-    assert_close(two.summary["losses"], one.summary["losses"], rel=1e-6)
-    assert one.summary["losses"][0] == pytest.approx(np.log(300), rel=0.1)  # not ln(256)
-    params = torch.load(one.out / "model.pt", weights_only=True)
-    ends = {name: tuple(t.shape) for name, t in params.items()
-            if name.endswith(("embed.tokens.weight", "head.out.weight"))}
-    assert sorted(ends.values()) == [(300, 64), (300, 64)], ends  # embedding and head
 
 
 def test_with_vocab_drops_special_ids_outside_the_vocabulary() -> None:

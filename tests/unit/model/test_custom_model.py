@@ -1,65 +1,20 @@
 """Your own model (bamboo.model.api): loaded by import path, checked before anything starts,
-and trained through the real command line like bamboo's own presets, failover included."""
+and trained through the real command line like bamboo's own presets, failover included.
+
+Its tests that start processes: tests/integration/test_custom_model_runs.py."""
 from __future__ import annotations
 
-import os
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from bamboo.config import JobConfig
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
 from bamboo.model.api import PipelineModel, TensorSpec
 from bamboo.model.presets import custom_preset, preset, with_vocab
+from support.models import EXAMPLE, HEADER, TINY, write_module
 from support.procs import REPO
-from support.runs import assert_close
 
-from support.reference import train_reference
-
-EXAMPLE = "examples.custom_model:build"
-
-HEADER = """\
-import torch
-from torch import nn
-from bamboo.model.api import PipelineModel, TensorSpec
-"""
-
-TINY = HEADER + """
-CONTEXT, D = 16, 8
-
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, D)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tokens(idx)
-
-
-class Mix(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln, self.fc = nn.LayerNorm(D), nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.ln(x)))
-
-
-def build(vocab_size: int = 256) -> PipelineModel:
-    return PipelineModel(
-        layers=[lambda: nn.Sequential(Embed(vocab_size), Mix()), Mix, Mix,
-                lambda: nn.Sequential(Mix(), nn.Linear(D, vocab_size))],
-        boundary=TensorSpec((CONTEXT, D)), context=CONTEXT, vocab_size=vocab_size)
-"""
-
-
-def write_module(directory: Path, name: str, source: str) -> Path:
-    path = directory / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    return path
 
 
 def tiny_model(context: str = "16", boundary: str = "TensorSpec((CONTEXT, D))",
@@ -219,54 +174,6 @@ def test_the_api_checks_its_fields_itself() -> None:
 
 
 # -- through the real command line, with real worker processes -----------------------------
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_module_on_pythonpath_trains_like_the_single_process_loop(
-        bamboo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers import the module too: it lies outside the working directory, on PYTHONPATH."""
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    write_module(modules, "bamboo_tiny_model", TINY)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(modules), os.environ.get("PYTHONPATH")])))
-    monkeypatch.syspath_prepend(str(modules))
-    name = "bamboo_tiny_model:build"
-    result = bamboo(["--model", name, "--nodes", "2", "--stages", "2", "--steps", "3",
-                     "--micro-batches", "2", "--micro-batch-size", "4", "--json", "--quiet"])
-    assert result.code == 0, result.stderr
-    losses, params = train_reference(JobConfig.of(model=name, steps=3, micro_batches=2,
-                                               micro_batch_size=4).validate())
-    assert result.summary["config"]["model"] == name
-    assert_close(result.summary["losses"], losses, rel=1e-5)
-    saved = torch.load(result.out / "model.pt", weights_only=True)
-    assert saved.keys() == params.keys()
-    for key, tensor in params.items():
-        torch.testing.assert_close(saved[key], tensor, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_the_example_trains_the_same_in_every_layout_and_through_a_kill(bamboo) -> None:
-    """One node, four stages, and four stages with the node of stage 1 killed in step 1:
-    the same losses (the killed run's stage is finished by its shadow, in flight)."""
-    common = ["--model", EXAMPLE, "--steps", "3", "--micro-batches", "2",
-              "--micro-batch-size", "2", "--json", "--quiet"]
-    one = bamboo([*common, "--nodes", "1", "--stages", "1"], "one")
-    four = bamboo([*common, "--nodes", "4", "--stages", "4"], "four")
-    killed = bamboo([*common, "--nodes", "4", "--stages", "4", "--kill", "0:1@1"], "killed")
-    for run in (one, four, killed):
-        assert run.code == 0, run.stderr
-    assert one.summary["steps_completed"] == 3
-    assert_close(four.summary["losses"], one.summary["losses"], rel=1e-5)
-    assert_close(four.summary["param_l2"], one.summary["param_l2"], rel=1e-5)
-    k = killed.summary
-    assert (k["failovers"], k["checkpoint_restores"], k["redone_steps"]) == (1, 0, 0)
-    assert_close(k["losses"], four.summary["losses"], rel=1e-4)
-    assert_close(k["param_l2"], four.summary["param_l2"], rel=1e-4)
-    [lost] = [e for e in killed.events() if e["event"] == "node_lost"]
-    assert (lost["node"], lost["step"], lost["handled_as"]) == ("n1", 1, "failover")
-
 
 
 def test_a_job_file_names_a_model_by_import_path(tmp_path: Path) -> None:

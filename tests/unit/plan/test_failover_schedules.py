@@ -28,7 +28,7 @@ def random_prefix(lists: list[list[S.Instruction]], steps: int, rng: random.Rand
         runnable = []
         for n, lst in enumerate(lists):
             if positions[n] < len(lst):
-                need = S._matching_send(lst[positions[n]])
+                need = S.matching_send(lst[positions[n]])
                 if need is None or need in sent:
                     runnable.append(n)
         if not runnable:
@@ -68,7 +68,7 @@ def test_failover_lists_finish_without_deadlock(P: int, M: int, victim: int, cut
             continue
         for instr in done[n]:
             if isinstance(instr, (S.RecvActivation, S.RecvGrad)):
-                sent.add(S._matching_send(instr))
+                sent.add(S.matching_send(instr))
     done_forward = {f for f in done_forward if f[0] != victim}
     done_input = {f for f in done_input if f[0] != victim}
 

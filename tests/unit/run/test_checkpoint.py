@@ -1,7 +1,8 @@
 """Durable checkpoints written by the holders (format 2: one DCP folder per layer, the
 manifest written last by the coordinator): round trip, subsets, fallback past partial and
-broken ones, pruning, full disks, safe loading, URLs; and real runs that write, restore and
-resume from them without a tensor passing through the coordinator."""
+broken ones, pruning, full disks, safe loading, URLs.
+
+Its tests that start processes: tests/integration/test_checkpoint_runs.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,48 +12,18 @@ import json
 import logging
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from bamboo.run import checkpoint as ck
-from bamboo.run.checkpoint_storage import HOST, LocalStore
+from bamboo.run.checkpoint_storage import LocalStore
 from bamboo.run.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
                                load_latest, load_layer_tensors, load_layers, publish, step_dir,
                                write_layers)
-from support.procs import mounted_tmpfs, run_bamboo
-
-LAYER_META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0}
-"""What the coordinator writes: one entry per layer of the model (gpt2-tiny has 8)."""
-
-
-def states(seed: int, layers=range(8), size: int = 13) -> dict[int, torch.Tensor]:
-    torch.manual_seed(seed)
-    return {i: torch.randn(size) for i in layers}
-
-
-def save(root, step: int, vectors: dict[int, torch.Tensor], meta=None, *, keep: int = 2,
-         layers=None):
-    """What a run does: the holders write their layers, the coordinator publishes."""
-    write_layers(step_dir(root, step), {i: {"state": v} for i, v in vectors.items()})
-    return publish(root, step, sorted(vectors) if layers is None else layers,
-                   LAYER_META if meta is None else meta, keep=keep)
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def two_checkpoints(root) -> tuple[dict, dict]:
-    old, new = states(1), states(2)
-    save(root, 10, old, LAYER_META | {"losses": [3.5]})
-    save(root, 20, new, LAYER_META | {"losses": [3.5, 3.1]})
-    return old, new
+from support.checkpoints import (LAYER_META, assert_same, damage_checkpoint, save, states,
+                                  two_checkpoints)
 
 
 def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
@@ -105,40 +76,11 @@ def test_pruning_spares_a_later_step_still_being_written(tmp_path):
                                                          "step-00000008"]
 
 
-def _damage(newest: Path, damage: str) -> str:
-    layer = newest / "layer-0003"
-    data = layer / "__0_0.distcp"
-    if damage == "layer_missing":
-        import shutil
-        shutil.rmtree(layer)
-        return "layer-0003 is missing"
-    if damage == "truncated":
-        data.write_bytes(data.read_bytes()[:100])
-        return "layer-0003/__0_0.distcp is truncated (100 of"
-    if damage == "no_metadata":
-        (layer / ".metadata").unlink()
-        return "layer-0003/.metadata is missing"
-    if damage == "no_sidecar":
-        (layer / "layer.json").unlink()
-        return "layer-0003/layer.json is missing"
-    if damage == "no_manifest":
-        (newest / "manifest.json").unlink()
-        return "manifest.json is missing"
-    if damage == "bad_manifest":
-        (newest / "manifest.json").write_text('{"step": 20, "lay')
-        return "manifest.json is unreadable"
-    if damage == "old_format":
-        (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
-                                                          "files": {}, "meta": {}}))
-        return "manifest.json is of format 1; this version of bamboo reads format 3"
-    raise AssertionError(damage)
-
-
 @pytest.mark.parametrize("damage", ["layer_missing", "truncated", "no_metadata", "no_sidecar",
                                     "no_manifest", "bad_manifest", "old_format"])
 def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, damage, caplog):
     old, _ = two_checkpoints(tmp_path)
-    expected = _damage(tmp_path / "step-00000020", damage)
+    expected = damage_checkpoint(tmp_path / "step-00000020", damage)
     assert has_whole_checkpoint(tmp_path)
     with caplog.at_level(logging.WARNING, logger="bamboo.run.checkpoint"):
         got = load_latest(tmp_path)
@@ -286,18 +228,6 @@ def test_a_gap_is_caught_without_knowing_the_model(tmp_path):
         load_latest(tmp_path)
 
 
-@pytest.mark.procs
-def test_finding_whole_checkpoints_needs_no_torch(tmp_path):
-    two_checkpoints(tmp_path)
-    _damage(tmp_path / "step-00000020", "truncated")
-    code = ("import sys; from bamboo import checkpoint as c; "
-            f"assert c.has_whole_checkpoint({str(tmp_path)!r}); "
-            f"assert c.load_latest({str(tmp_path)!r}).step == 10; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-
-
 def test_a_file_url_root_works_like_a_folder(tmp_path):
     root = f"file://{tmp_path}/ckpt"
     old, new = states(1), states(2)
@@ -317,61 +247,6 @@ def test_a_file_url_root_works_like_a_folder(tmp_path):
 # -- interrupted writes leave nothing behind ------------------------------------------------
 
 
-def _leftovers(folder: Path, pid: int, host: str | None = None) -> list[str]:
-    """What a write killed mid-way by process `pid` leaves: a partial layer folder, a half
-    replaced same-layer folder and a half written manifest."""
-    tag = f"{pid}-{host}" if host else str(pid)
-    partial = folder / f".tmp-layer-0001-{tag}"
-    partial.mkdir(parents=True)
-    (partial / "__0_0.distcp").write_bytes(b"half a file")
-    (folder / f".old-layer-0002-{tag}").mkdir()
-    (folder / f".manifest.json.tmp-{tag}").write_text("{")
-    return sorted([partial.name, f".old-layer-0002-{tag}", f".manifest.json.tmp-{tag}"])
-
-
-@pytest.mark.procs
-def test_the_next_write_removes_what_interrupted_writes_of_this_machine_left(tmp_path):
-    folder = step_dir(tmp_path, 20)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(timeout=30)
-    _leftovers(folder, dead.pid)
-    _leftovers(folder, dead.pid, HOST)  # this machine's, named with its host
-    _leftovers(folder, os.getpid(), HOST)  # this process's own, from a write it never finished
-    elsewhere = _leftovers(folder, dead.pid, "another-machine")  # its processes can't be seen
-    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
-        try:
-            in_progress = _leftovers(folder, alive.pid)  # a write still running here
-            write_layers(folder, {0: {"state": torch.ones(3)}})
-            assert sorted(p.name for p in folder.iterdir()) == \
-                sorted(["layer-0000", *in_progress, *elsewhere])
-        finally:
-            alive.kill()
-    write_layers(folder, {0: {"state": torch.ones(3)}})
-    assert sorted(p.name for p in folder.iterdir()) == sorted(["layer-0000", *elsewhere])
-
-
-@pytest.mark.procs
-def test_a_real_full_disk_is_one_error_naming_the_layer_and_leaves_no_temporaries(tmp_path):
-    """A 256 kB tmpfs, a layer of 400 kB."""
-    with mounted_tmpfs(tmp_path / "disk", "size=256k") as disk:
-        root = disk / "checkpoints"
-        old = states(1, size=100)
-        save(root, 10, old)
-        with pytest.raises(CheckpointError) as info:
-            write_layers(step_dir(root, 20), {0: {"state": torch.ones(100_000)}})
-        assert str(info.value) == (f"could not write layer 0 to {root}/step-00000020: No space "
-                                   f"left on device")
-        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010",
-                                                         "step-00000020"]
-        assert list((root / "step-00000020").iterdir()) == []
-        got = load_latest(root)
-        assert got.step == 10 and "step-00000020: manifest.json is missing" in got.warning
-        assert_same(load_layers(got.path, range(8)), old)
-        save(root, 30, states(3, size=100))  # the space was given back
-        assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-00000010",
-                                                         "step-00000030"]
-
-
 # -- the protocol carries no tensor -------------------------------------------------------
 
 
@@ -388,70 +263,6 @@ def test_checkpoint_and_final_reports_are_plain_json() -> None:
 
 
 # -- real runs ------------------------------------------------------------------------------
-
-
-def _recorded(monkeypatch) -> list:
-    """Every CheckpointPart and LayerParams the in-process coordinator receives."""
-    from bamboo.control.checkpointing import CheckpointAssembly
-    from bamboo.control.results import Results
-    seen: list = []
-    for cls, name in ((CheckpointAssembly, "on_part"), (Results, "on_params")):
-        real = getattr(cls, name)
-
-        def spy(self, msg, real=real):
-            seen.append(msg)
-            return real(self, msg)
-        monkeypatch.setattr(cls, name, spy)
-    return seen
-
-
-@pytest.mark.procs
-@pytest.mark.timeout(240)
-def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch):
-    """No live copy of stage 2 survives: the run restores from the checkpoint its holders
-    wrote under a file:// URL; the parts and final reports are plain JSON."""
-    from support.procs import run_events
-    from support.runs import run_in_process
-    from support.runs import assert_equal_and_accounted, config
-    seen = _recorded(monkeypatch)
-    url = f"file://{tmp_path}/shared/ckpt"
-    cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"],
-                 checkpoint_dir=url)
-    summary = run_in_process(cfg, tmp_path / "run")
-    assert_equal_and_accounted(summary, cfg, lost=2)
-    assert summary["checkpoint_restores"] >= 1 and summary["redone_steps"] == 1
-    restore = [e for e in run_events(tmp_path / "run") if e["event"] == "checkpoint_restore"]
-    assert restore[0]["step"] == 4 and restore[0]["checkpoint"] == f"{url}/step-00000004"
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    shared = tmp_path / "shared" / "ckpt"
-    assert sorted(p.name for p in shared.iterdir()) == [  # the final state is a resume point
-        "LATEST", "final-00000007", "step-00000006", "step-00000007"]
-    kinds = {type(m).__name__ for m in seen}
-    assert kinds == {"CheckpointPart", "LayerParams"}
-    for msg in seen:
-        data = dataclasses.asdict(msg)
-        assert json.loads(json.dumps(data)) == data
-    finals = sorted(i for m in seen if type(m).__name__ == "LayerParams" for i in m.layers)
-    assert finals == list(range(8))  # each layer's final copy written once
-
-
-@pytest.mark.procs
-@pytest.mark.timeout(180)
-def test_keep_checkpoints_one_leaves_one_and_model_pt_matches_the_final_layers(tmp_path):
-    out = tmp_path / "run"
-    result = run_bamboo(["train", "--nodes", "2", "--stages", "2", "--steps", "5",
-                         "--checkpoint-every", "1", "--keep-checkpoints", "1", "--json",
-                         "--quiet", "--no-report"], out)
-    assert result.code == 0, result.stderr
-    root = out / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "final-00000005",
-                                                     "step-00000005"]  # the final state
-    assert not [p for p in root.rglob(".*tmp*")]
-    model = torch.load(out / "model.pt", weights_only=True)
-    from_storage = {f"layers.{i}.{n.removeprefix('param.')}": t for i in range(8)
-                    for n, t in load_layer_tensors(root / "final-00000005", i)}
-    assert list(model) == list(from_storage)
-    assert_same(model, from_storage)
 
 
 # -- the final model: written by the holders, read back by the coordinator --------------------

@@ -1,8 +1,7 @@
-"""Trace parsing (three formats, malformed rows, out-of-order rows) and synthetic generation."""
+"""Trace parsing (three formats, malformed rows, out-of-order rows) and synthetic generation.
+Its tests that start processes: tests/integration/test_sim_traces_runs.py."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,21 +73,6 @@ def test_out_of_order_rows_are_sorted_stably(tmp_path):
     assert tr.times == [0.0, 1.0, 1.0, 5.0]
     assert [tr.node_names[n] for n in tr.nodes] == ["a", "b", "a", "c"]
     assert tr.kinds == [ADD, ADD, REMOVE, ADD]
-
-
-@pytest.mark.procs
-def test_cli_warns_once_about_unsorted_rows_and_errors_on_bad_line(tmp_path):
-    good = tmp_path / "t.csv"
-    good.write_text("0,add,a\n" + "".join(f"0,add,n{i}\n" for i in range(12)) + "9000000,remove,a\n60000,add,z\n")
-    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", str(good), "--json"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    warn = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(warn) == 1 and "1 row(s) out of time order" in warn[0]
-    bad = tmp_path / "b.csv"
-    bad.write_text("0,add,a\nnot a row\n")
-    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", str(bad)], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and f"{bad}:2:" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_synthetic_is_deterministic_and_plausible():

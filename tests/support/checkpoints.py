@@ -1,0 +1,72 @@
+"""Checkpoints made by hand for the tests: seeded layer states written and published as a
+run does, compared bit for bit, and broken in each way a reader must refuse."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from bamboo.run.checkpoint import publish, step_dir, write_layers
+
+LAYER_META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0}
+"""What the coordinator writes: one entry per layer of the model (gpt2-tiny has 8)."""
+
+
+def states(seed: int, layers=range(8), size: int = 13) -> dict[int, torch.Tensor]:
+    """A seeded state vector per layer."""
+    torch.manual_seed(seed)
+    return {i: torch.randn(size) for i in layers}
+
+
+def save(root, step: int, vectors: dict[int, torch.Tensor], meta=None, *, keep: int = 2,
+         layers=None):
+    """What a run does: the holders write their layers, the coordinator publishes."""
+    write_layers(step_dir(root, step), {i: {"state": v} for i, v in vectors.items()})
+    return publish(root, step, sorted(vectors) if layers is None else layers,
+                   LAYER_META if meta is None else meta, keep=keep)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """The same tensors, bit for bit and of the same dtype, under the same keys."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def two_checkpoints(root) -> tuple[dict, dict]:
+    """Checkpoints of steps 10 and 20 in `root`: their states (old, new)."""
+    old, new = states(1), states(2)
+    save(root, 10, old, LAYER_META | {"losses": [3.5]})
+    save(root, 20, new, LAYER_META | {"losses": [3.5, 3.1]})
+    return old, new
+
+
+def damage_checkpoint(newest: Path, how: str) -> str:
+    """Break the checkpoint `newest` as `how` names; the text its refusal must hold."""
+    layer = newest / "layer-0003"
+    data = layer / "__0_0.distcp"
+    if how == "layer_missing":
+        import shutil
+        shutil.rmtree(layer)
+        return "layer-0003 is missing"
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[:100])
+        return "layer-0003/__0_0.distcp is truncated (100 of"
+    if how == "no_metadata":
+        (layer / ".metadata").unlink()
+        return "layer-0003/.metadata is missing"
+    if how == "no_sidecar":
+        (layer / "layer.json").unlink()
+        return "layer-0003/layer.json is missing"
+    if how == "no_manifest":
+        (newest / "manifest.json").unlink()
+        return "manifest.json is missing"
+    if how == "bad_manifest":
+        (newest / "manifest.json").write_text('{"step": 20, "lay')
+        return "manifest.json is unreadable"
+    if how == "old_format":
+        (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
+                                                          "files": {}, "meta": {}}))
+        return "manifest.json is of format 1; this version of bamboo reads format 3"
+    raise AssertionError(how)
