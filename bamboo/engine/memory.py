@@ -22,7 +22,7 @@ apart, by `bamboo.node.procmem`.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +152,18 @@ class StepMemory:
         """Drop every share (the step starts again); the peaks stay."""
         self.held.clear()
         self.device = self.host = 0
+
+    def node_peak(self, held: Sequence[Any], primaries: Sequence[Any]) -> tuple[int, int]:
+        """(device, host) bytes the node peaked at in the step: every `held` stage's state
+        (`StageState.memory()`: parameters, gradient sum, optimizer state, the replica's on
+        the host when offloaded), one of the `primaries`' transient .grad (a backward's,
+        until it is added to the sum), and this step's peak of saved activations, kept
+        outputs and FRC."""
+        states = [st.memory() for st in held]
+        grads = max((sum(p.numel() * p.element_size() for p in st.params) for st in primaries),
+                    default=0)
+        return (sum(d for d, _ in states) + grads + self.peak_device,
+                sum(h for _, h in states) + self.peak_host)
 
 
 def state_dict_bytes(state: dict[Any, dict[str, Any]], keys: tuple[str, ...]) -> int:

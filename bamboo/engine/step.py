@@ -11,6 +11,7 @@ import torch
 from bamboo.data.datasets import Batch
 from bamboo.engine.comm import Key
 from bamboo.engine.memory import StepMemory
+from bamboo.plan import schedule as S
 from bamboo.plan.votes import StepReport
 from bamboo.plan.roles import Takeover
 
@@ -68,8 +69,28 @@ class StepState:
     losses: dict[int, float] = field(default_factory=dict)
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
-    seen_forward: bool = False
     restarted: bool = False
     """A re-route restarted the step since the transport last settled: nothing of it was
     sent or received under the new roles, so there is nothing to settle."""
     report: StepReport | None = None
+
+    def backward_begun(self, stage: int, mb: int) -> bool:
+        """Whether this node has run the backward (1F1B) or input gradient (ZB-H1) of
+        (`stage`, `mb`) in this step."""
+        return S.Backward(stage, mb) in self.done or S.BackwardInput(stage, mb) in self.done
+
+    def restart(self) -> None:
+        """A stage was re-routed: drop everything of the step under way (its buffers, its
+        transfer log) so it runs again, whole, under the new roles (the caller resets the
+        stages' gradient sums). Peer restores still to carry out are kept: a peer restore
+        moves a stage's state, not the step's."""
+        self.done.clear()
+        for buffers in (self.inputs, self.outputs, self.saved_out, self.out_grads, self.in_grads,
+                        self.tapes, self.frc_tapes, self.weight_work, self.frc, self.losses):
+            buffers.clear()
+        self.frc_pending.clear()
+        self.adopted.clear()
+        self.transfers = TransferLog()
+        self.memory.release_all()
+        self.restarted = True
+        self.report.restarts += 1

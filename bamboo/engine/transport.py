@@ -10,24 +10,24 @@
   lost peers. The successor of a lost stage sends its gradients of this step again to the
   new holder and takes every activation again from it.
 
-The engine calls, in this order: `prepare()` before a step's instructions; on new roles
-`roles_arriving()`, `roles_applied(new)` then `takeover(step, t)` for each takeover the node
-does not adopt itself; and `settle(step)` once every role map is applied.
+The engine calls, in this order: `prepare(roles)` before a step's instructions; on new
+roles `roles_arriving()`, `roles_applied(new)` then `takeover(step, t, stages)` for each
+takeover the node does not adopt itself; and `settle(step, roles)` once every role map is
+applied. A transport knows the node by its `NodeContext`, never the engine.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Collection
+from typing import Protocol
 
 import torch
 
 from bamboo.plan import schedule as S
 from bamboo.engine.comm import ACTIVATION, GRADIENT, MANIFEST, P2P, form_interruptibly
+from bamboo.engine.context import NodeContext
 from bamboo.engine.step import StepState
 from bamboo.plan.roles import RoleMap, Takeover
-
-if TYPE_CHECKING:
-    from bamboo.engine.engine import NodeEngine
 
 __all__ = ["Transport", "StrictTransport", "TaggedTransport", "make_transport"]
 
@@ -35,28 +35,29 @@ __all__ = ["Transport", "StrictTransport", "TaggedTransport", "make_transport"]
 class Transport(Protocol):
     p2p: P2P
 
-    def prepare(self) -> None: ...
+    def prepare(self, roles: RoleMap) -> None: ...
 
     def roles_arriving(self) -> None: ...
 
     def roles_applied(self, new: RoleMap) -> None: ...
 
-    def takeover(self, s: StepState, t: Takeover) -> None: ...
+    def takeover(self, s: StepState, t: Takeover, stages: Collection[int]) -> None: ...
 
-    def settle(self, s: StepState) -> None: ...
+    def settle(self, s: StepState, roles: RoleMap) -> None: ...
 
 
-def make_transport(engine: NodeEngine, comm: str, group: object) -> Transport:
+def make_transport(ctx: NodeContext, comm: str, group: object) -> Transport:
+    """The transport of `--comm` (strict | tagged) over the generation's `group`."""
     cls = StrictTransport if comm == "strict" else TaggedTransport
-    return cls(engine, group)
+    return cls(ctx, group)
 
 
 class TaggedTransport:
-    def __init__(self, engine: NodeEngine, group: object) -> None:
-        self.e = engine
-        self.p2p = P2P(group, strict=False, device=engine.device, former=engine.former, name="g")
+    def __init__(self, ctx: NodeContext, group: object) -> None:
+        self.ctx = ctx
+        self.p2p = P2P(group, strict=False, device=ctx.device, former=ctx.former, name="g")
 
-    def prepare(self) -> None:
+    def prepare(self, roles: RoleMap) -> None:
         pass
 
     def roles_arriving(self) -> None:
@@ -69,35 +70,35 @@ class TaggedTransport:
             # this group would match the same key of the new one, so it gets a new group.
             self.p2p.abandon()
 
-    def takeover(self, s: StepState, t: Takeover) -> None:
-        """As the lost stage's successor: send this step's gradients again, take every
-        activation again (the new holder sends all of them)."""
-        e = self.e
-        if t.pipeline != e.pipeline or (t.stage + 1) % e.P not in e.stages or t.stage == e.P - 1:
+    def takeover(self, s: StepState, t: Takeover, stages: Collection[int]) -> None:
+        """As the lost stage's successor (holding `stages`): send this step's gradients
+        again, take every activation again (the new holder sends all of them)."""
+        e = self.ctx
+        if t.pipeline != e.pipeline or (t.stage + 1) % e.P not in stages or t.stage == e.P - 1:
             return
         log, successor = s.transfers, t.stage + 1
         for (st, mb), grad in sorted(log.sent_grads.items()):
             if st == successor:
                 self.p2p.send(grad, t.new_holder, (GRADIENT, st, mb))
                 s.report.resent_grads += 1
-        spec = e.specs[e.parts[successor].start - 1]
+        spec = e.boundary_spec(successor, input_side=True)
         for st, mb in sorted(log.received_acts):
             if st == successor:
                 buf = torch.empty(spec.shape, dtype=spec.dtype, device=e.device)
                 work = self.p2p.post_recv(buf, t.new_holder, (ACTIVATION, t.stage, mb))
                 log.dup_recvs.append((work, t.new_holder))
 
-    def settle(self, s: StepState) -> None:
+    def settle(self, s: StepState, roles: RoleMap) -> None:
         """After a re-route: the survivors' new group (tags as before)."""
         if not self.p2p.abandoned:
             return
-        e = self.e
+        e = self.ctx
         start = time.perf_counter()
-        members = e.roles.active_ranks()
+        members = roles.active_ranks()
         assert e.former is not None, "a re-route needs a group former"
-        group = form_interruptibly(e.former, f"e{e.roles.epoch}", members, e.interrupted)
+        group = form_interruptibly(e.former, f"e{roles.epoch}", members, e.interrupted(roles))
         self.p2p = P2P(group, strict=False, ranks=members, device=e.device, former=e.former,
-                       name=f"e{e.roles.epoch}")
+                       name=f"e{roles.epoch}")
         e.link.on_epoch = self.p2p.wake.set
         s.restarted = False
         s.report.rebuild_s += time.perf_counter() - start
@@ -105,19 +106,20 @@ class TaggedTransport:
 
 
 class StrictTransport:
-    def __init__(self, engine: NodeEngine, group: object) -> None:
-        self.e = engine
-        self.p2p = P2P(group, strict=True, device=engine.device, former=engine.former, name="g")
+    def __init__(self, ctx: NodeContext, group: object) -> None:
+        self.ctx = ctx
+        self.p2p = P2P(group, strict=True, device=ctx.device, former=ctx.former, name="g")
 
-    def prepare(self) -> None:
+    def prepare(self, roles: RoleMap) -> None:
         """The generation's group carries activations and control messages; gradients get a
         group of their own among the active nodes, formed before the first step."""
         if self.p2p.gradient_group is not None:
             return
-        e = self.e
+        e = self.ctx
         assert e.former is not None, "strict communication needs a group former"
-        members = e.roles.active_ranks()
-        self.p2p.gradient_group = form_interruptibly(e.former, "g.grad", members, e.interrupted)
+        members = roles.active_ranks()
+        self.p2p.gradient_group = form_interruptibly(e.former, "g.grad", members,
+                                                     e.interrupted(roles))
         self.p2p.gradient_ranks = members
 
     def roles_arriving(self) -> None:
@@ -126,37 +128,38 @@ class StrictTransport:
     def roles_applied(self, new: RoleMap) -> None:
         pass
 
-    def takeover(self, s: StepState, t: Takeover) -> None:
+    def takeover(self, s: StepState, t: Takeover, stages: Collection[int]) -> None:
         pass  # what the successor must receive again is settled on the new group
 
-    def settle(self, s: StepState) -> None:
+    def settle(self, s: StepState, roles: RoleMap) -> None:
         """Form the survivors' group for the current roles and settle the step's transfers
         on it; Interrupted when newer roles come first (a member was lost meanwhile: the
         next catch-up forms that epoch's group)."""
         if not self.p2p.abandoned:
             return
-        e = self.e
+        e = self.ctx
         start = time.perf_counter()
-        members = e.roles.active_ranks()
-        name = f"e{e.roles.epoch}"
+        members = roles.active_ranks()
+        name = f"e{roles.epoch}"
+        interrupted = e.interrupted(roles)
         assert e.former is not None, "strict communication needs a group former"
-        group = form_interruptibly(e.former, name, members, e.interrupted)
-        gradients = form_interruptibly(e.former, f"{name}.grad", members, e.interrupted)
+        group = form_interruptibly(e.former, name, members, interrupted)
+        gradients = form_interruptibly(e.former, f"{name}.grad", members, interrupted)
         self.p2p = P2P(group, strict=True, gradient_group=gradients, ranks=members,
                        device=e.device, former=e.former, name=name)
         e.link.on_epoch = self.p2p.wake.set
         if not s.restarted:  # a re-route started the step again: nothing is in flight
-            self._settle_transfers(s)
+            self._settle_transfers(s, roles)
         s.restarted = False
         s.report.rebuild_s += time.perf_counter() - start
         s.report.rebuilds += 1
 
-    def _boundaries(self) -> list[tuple[int, int, bool]]:
+    def _boundaries(self, roles: RoleMap) -> list[tuple[int, int, bool]]:
         """(t, peer, upstream) for each stage boundary t|t+1 of this node's pipeline that this
         node shares with another: upstream when this node holds t (it sends activations and
         receives gradients there). In boundary order, which both sides share."""
-        e = self.e
-        row = e.roles.holders[e.pipeline]
+        e = self.ctx
+        row = roles.holders[e.pipeline]
         out = []
         for t in range(e.P - 1):
             a, b = row[t], row[t + 1]
@@ -164,15 +167,15 @@ class StrictTransport:
                 out.append((t, b if a == e.rank else a, a == e.rank))
         return out
 
-    def _settle_transfers(self, s: StepState) -> None:
+    def _settle_transfers(self, s: StepState, roles: RoleMap) -> None:
         """After a rebuild, what was in flight on the dropped group is gone. At each shared
         boundary the two nodes swap manifests (one batch: which activations and gradients of
         this step each has sent and has received there), then the sender sends again, in
         micro-batch order, what it sent and the receiver lacks; what the receiver already has
         (from the lost node, say) is not sent again. The schedule then goes on."""
-        e, log, M = self.e, s.transfers, self.e.M
+        e, log, M = self.ctx, s.transfers, self.ctx.M
         mbs = e.global_mbs
-        boundaries = self._boundaries()
+        boundaries = self._boundaries(roles)
         mine, theirs = [], []
         for t, peer, upstream in boundaries:
             acts = [(ACTIVATION, t, mb) for mb in mbs]
@@ -187,14 +190,14 @@ class StrictTransport:
                          (MANIFEST, t, 0)))
             theirs.append((torch.zeros(2 * M, dtype=torch.int32, device=e.device), peer,
                            (MANIFEST, t, 0)))
-        self._exchange(mine, theirs)
+        self._exchange(mine, theirs, roles)
         log.peer_has = set()
         sends, recvs, sinks = [], [], []
         for (t, peer, upstream), (flags, _, _) in zip(boundaries, theirs):
             flags = flags.tolist()
             out_kind, out_stage, in_kind, in_stage = (ACTIVATION, t, GRADIENT, t + 1) if upstream \
                 else (GRADIENT, t + 1, ACTIVATION, t)
-            spec = e.specs[e.parts[t].stop - 1]
+            spec = e.boundary_spec(t, input_side=False)
             for i, mb in enumerate(mbs):
                 key = (out_kind, out_stage, mb)
                 if flags[i if upstream else M + i] == 0 and key in log.sent:
@@ -208,7 +211,7 @@ class StrictTransport:
                     buf = torch.empty(spec.shape, dtype=spec.dtype, device=e.device)
                     recvs.append((buf, peer, (in_kind, in_stage, mb)))
                     sinks.append(instr)
-        self._exchange(sends, recvs)
+        self._exchange(sends, recvs, roles)
         for instr, (buf, _, _) in zip(sinks, recvs):
             if isinstance(instr, S.RecvGrad):
                 s.out_grads[(instr.stage, instr.mb)] = buf
@@ -217,6 +220,7 @@ class StrictTransport:
                 log.received_acts.add((instr.stage, instr.mb))
             s.done.add(instr)
 
-    def _exchange(self, sends: list, recvs: list) -> None:
+    def _exchange(self, sends: list, recvs: list, roles: RoleMap) -> None:
+        interrupted = self.ctx.interrupted(roles)
         for work, peer in self.p2p.exchange(sends, recvs):
-            self.p2p.wait_interruptible(work, peer, self.e.interrupted)
+            self.p2p.wait_interruptible(work, peer, interrupted)

@@ -53,7 +53,7 @@ from bamboo.plan.faults import Fault, FaultPlan
 from bamboo.model import layer_param_counts
 from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
                                   form_interruptibly)
-from bamboo.engine.engine import GenerationEnded, NodeEngine, TrainingHyper
+from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
 from bamboo.plan.layout import Layout
 from bamboo.engine.stage import StageState
 from bamboo.plan.planner import GenerationPlan
@@ -129,9 +129,7 @@ class _Node:
         self.task = make_task(self.preset, seed=cfg.training.seed,
                               global_micro_batches=cfg.global_micro_batches,
                               micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
-        self.hyper = TrainingHyper(lr=cfg.training.lr, warmup_steps=cfg.training.warmup_steps,
-                                   total_steps=cfg.training.steps, weight_decay=cfg.training.weight_decay,
-                                   grad_clip=cfg.training.grad_clip)
+        self.options = EngineOptions.from_config(cfg)
         self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
         self.holdings: dict[int, torch.Tensor] = {}
         """Layer -> state vector at the last generation's end (what this node can give)."""
@@ -196,19 +194,12 @@ class _Node:
         layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
                         stages=plan.stages,
                         global_micro_batches=cfg.global_micro_batches)
-        engine = NodeEngine(preset=self.preset, parts=plan.layer_ranges(), layout=layout,
-                            rank=rank, roles=plan.roles(plan.redundancy in ("eager", "lazy")), task=self.task,
-                            hyper=self.hyper, seed=cfg.training.seed, device=self.device, link=self.link,
-                            redundancy=plan.redundancy, group=group,
-                            former=self._former(plan, rank), slot=self.spec.slot,
-                            faults=self.faults,
-                            progress=self._mark,
-                            check_replicas=cfg.redundancy.check_replicas,
-                            frc_offload=cfg.redundancy.frc_offload,
-                            frc_at=cfg.redundancy.frc_at, schedule=cfg.layout.schedule,
-                            comm=cfg.runtime.comm,
-                            precision=cfg.model.precision, exact=cfg.training.exact,
-                            activation_checkpointing=cfg.model.activation_checkpointing)
+        engine = NodeEngine(model=self.preset, options=self.options, rank=rank, layout=layout,
+                            parts=plan.layer_ranges(),
+                            roles=plan.roles(plan.redundancy in ("eager", "lazy")),
+                            redundancy=plan.redundancy, task=self.task, device=self.device,
+                            link=self.link, group=group, former=self._former(plan, rank),
+                            hook=self.faults, progress=self._mark)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except _TransferFailed as e:
@@ -216,25 +207,7 @@ class _Node:
         self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
                          replica=engine.replica.stage if engine.replica is not None else None,
                          **loaded)
-        done_step = plan.start_step
-        finished = False
-        for step in range(plan.start_step, cfg.training.steps + 1):
-            try:
-                if cfg.evaluates_at(step):  # the parameters after `step` steps
-                    engine.evaluate(step, cfg.evaluation.batches)
-                if step == cfg.training.steps:
-                    finished = True
-                    break
-                report = engine.run_step(step)
-            except GenerationEnded:
-                break
-            done_step = step + 1
-            self._sample_memory(report)
-            self.link.send(report)
-            if BoundaryFlag.CHECKPOINT in engine.flags:
-                self._send_checkpoint_part(engine, step + 1)
-            if BoundaryFlag.RECONFIGURE in engine.flags:
-                break
+        done_step, finished = self._steps(engine, plan.start_step)
         if finished:
             # The first live holder of each stage writes its final layers to storage (after
             # any checkpoint write still going); the coordinator reads them back.
@@ -248,6 +221,30 @@ class _Node:
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
+
+    def _steps(self, engine: NodeEngine, start: int) -> tuple[int, bool]:
+        """The generation's steps from `start`, each after its held-out pass when one is
+        due, until the run's last step, a reconfiguration or an abandoned generation:
+        (the first step not done, whether the run's steps are all done)."""
+        cfg = self.cfg
+        done_step = start
+        for step in range(start, cfg.training.steps + 1):
+            try:
+                if cfg.evaluates_at(step):  # the parameters after `step` steps
+                    engine.evaluate(step, cfg.evaluation.batches)
+                if step == cfg.training.steps:
+                    return done_step, True
+                report = engine.run_step(step)
+            except GenerationEnded:
+                break
+            done_step = step + 1
+            self._sample_memory(report)
+            self.link.send(report)
+            if BoundaryFlag.CHECKPOINT in engine.flags:
+                self._send_checkpoint_part(engine, step + 1)
+            if BoundaryFlag.RECONFIGURE in engine.flags:
+                break
+        return done_step, False
 
     def _serve_final_requests(self, engine: NodeEngine) -> None:
         """Until the run shuts down: when the coordinator asks (a layer's first holder was

@@ -1,8 +1,10 @@
 """The fault injector that tests, the demo and soaks all use.
 
-A fault fires inside a worker at a precise point of the schedule: after the
-worker has executed instruction `after` of step `step` (by default after its first
-forward of that step). `kill` sends the process SIGKILL, a real signal with no
+A fault fires inside a worker at a precise point of its program
+(`bamboo.plan.program`): after the worker has executed instruction `after` of step
+`step` (by default after its first forward of that step; `EVAL_FAULT_INDEX`: after each
+of its val micro-batches in the held-out pass after `step` steps). A `FaultPlan` is the
+engine's instruction hook. `kill` sends the process SIGKILL, a real signal with no
 cleanup, as a preempted instance would see; `raise` raises an ordinary Python
 exception, a software error.
 """
@@ -13,7 +15,14 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Fault", "InjectedError", "FaultPlan"]
+from bamboo.plan.program import EvalMicroBatch
+from bamboo.plan.schedule import Forward
+
+__all__ = ["Fault", "InjectedError", "FaultPlan", "EVAL_FAULT_INDEX"]
+
+EVAL_FAULT_INDEX = -1
+"""A fault's instruction index that means: in the held-out pass after `step` steps, after
+each of this node's val micro-batches."""
 
 
 class InjectedError(RuntimeError):
@@ -27,7 +36,8 @@ class Fault:
     kind: str
     step: int
     after: int | None = None
-    """Instruction index within the step; None: after the first forward."""
+    """Instruction index within the step's program; None: after the first forward;
+    `EVAL_FAULT_INDEX`: after each val micro-batch of the held-out pass."""
     pipeline: int | None = None
     stage: int | None = None
     """When set, the fault fires only on the node holding this stage of this pipeline
@@ -35,13 +45,16 @@ class Fault:
 
 
 class FaultPlan:
-    """The faults aimed at one worker, checked after every instruction."""
+    """The faults aimed at one worker: the engine's instruction hook
+    (`bamboo.plan.program.InstructionHook`), checked after every instruction."""
 
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = list(faults)
         self.steps = {f.step for f in self.faults}
         self.holds: Callable[[int, int], bool] = lambda pipeline, stage: False
         self._aimed: dict[tuple[int, Fault], bool] = {}
+        self._seen_forward = False
+        """Whether the step under way ran a forward yet (the default point is the first)."""
 
     def forget(self, fired: list[str]) -> None:
         """A new generation: drop the kills already carried out (`D:S@K` strings, a redone
@@ -51,9 +64,12 @@ class FaultPlan:
         self.steps = {f.step for f in self.faults}
         self._aimed.clear()
 
-    def aim(self, step: int) -> None:
-        """Decide, as `step` begins, which of its stage-aimed faults are this node's (a role
-        change later in the step, a re-route say, does not re-aim them)."""
+    def begin(self, step: int, holds: Callable[[int, int], bool]) -> None:
+        """`step` begins (or the held-out pass before it), `holds(pipeline, stage)` saying
+        what this node holds: decide which of the step's stage-aimed faults are this node's
+        (once: a role change later in the step, a re-route say, does not re-aim them)."""
+        self.holds = holds
+        self._seen_forward = False
         for f in self.faults:
             if f.step == step:
                 self._aimed_here(step, f)
@@ -62,17 +78,24 @@ class FaultPlan:
         if f.pipeline is None or f.stage is None:
             return True
         key = (step, f)
-        if key not in self._aimed:  # decided once, at the step's first check
+        if key not in self._aimed:  # decided once, as the step begins
             self._aimed[key] = self.holds(f.pipeline, f.stage)
         return self._aimed[key]
 
-    def check(self, step: int, index: int, is_forward: bool, seen_forward: bool) -> None:
+    def on_instruction(self, step: int, index: int, instruction: object) -> None:
+        """Fire every fault due after `instruction`, number `index` of `step`'s program."""
+        is_forward = isinstance(instruction, Forward)
+        first_forward = is_forward and not self._seen_forward
+        self._seen_forward |= is_forward
         if step not in self.steps:
             return
         for f in self.faults:
             if f.step != step or not self._aimed_here(step, f):
                 continue
-            due = (index == f.after) if f.after is not None else (is_forward and not seen_forward)
+            if isinstance(instruction, EvalMicroBatch):
+                due = f.after == EVAL_FAULT_INDEX
+            else:
+                due = index == f.after if f.after is not None else first_forward
             if due:
                 self._fire(f)
 

@@ -20,6 +20,7 @@ from bamboo.chaos.bits import bits_must_match, differs
 from bamboo.config import JobConfig, parse_kill
 from bamboo.plan import schedule as S
 from bamboo.plan.layout import micro_batch_blocks
+from bamboo.plan.program import node_instructions
 from bamboo.plan.roles import RoleMap, Unrecoverable, plan_reroute
 from support.procs import run_events
 from support.runs import assert_close
@@ -68,20 +69,10 @@ def test_a_stage_lost_in_every_pipeline_is_unrecoverable() -> None:
 # -- merged lists ---------------------------------------------------------------------------
 
 def lists_for(roles: RoleMap, P: int, blocks: list[list[int]], schedule: str) -> dict:
-    """Every live node's list, as `NodeEngine._schedule` builds it."""
-    orders: dict[int, dict] = {}
-
-    def order_of(m: int) -> dict:
-        return orders.setdefault(m, S.global_order(P, m, schedule))
-
-    out = {}
-    for rank in roles.active_ranks():
-        d = roles.pipeline_of(rank)
-        own = S.node_schedule(roles.stages_of(rank), P, len(blocks[d]),
-                              order=order_of(len(blocks[d])))
-        served = S.served_work(roles.served_by(rank), rank, blocks, order_of)
-        out[rank] = S.merge_pipelines([(d, own), *served], blocks, order_of)
-    return out
+    """Every live node's list: what the engine runs (`program.node_instructions`)."""
+    assert roles.stages == P
+    return {rank: node_instructions(roles, rank, roles.stages_of(rank), blocks, schedule)
+            for rank in roles.active_ranks()}
 
 
 @given(P=st.integers(2, 4), D=st.integers(2, 4), extra=st.integers(0, 3),

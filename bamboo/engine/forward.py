@@ -1,0 +1,114 @@
+"""How a stage's forward runs on this node: the precision's autocast, activation
+checkpointing, the accounting of what autograd saves (offloaded for eager FRC under
+`--frc-offload`), ZB-H1's tapes, and the CUDA stream eager FRC runs on.
+
+The engine's `Forward` and `RedundantForward` instructions call `StageForward.run`; the
+held-out pass and ZB-H1's weight gradients use its `autocast`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bamboo.engine.memory import SavedTensors
+from bamboo.engine.options import EngineOptions
+from bamboo.engine.split_backward import Tape
+from bamboo.engine.stage import StageState
+from bamboo.engine.step import StepState
+
+__all__ = ["StageForward"]
+
+
+class StageForward:
+    """The forwards of one node: `P` stages, boundary `specs` by layer, each stage's layers
+    `parts`, the `loss` of the last stage weighted by `weight` (1 / global micro-batches)."""
+
+    def __init__(self, *, options: EngineOptions, device: torch.device, P: int,
+                 parts: Sequence[range], specs: Sequence[Any],
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 weight: float) -> None:
+        self.options, self.device, self.P, self.parts, self.specs = options, device, P, parts, specs
+        self.loss, self.weight = loss, weight
+        self._side_stream: Any = None
+        """CUDA: the stream eager FRC runs on (`frc_stream`)."""
+
+    def autocast(self) -> Any:
+        """The context forwards run under: bf16 autocast for --precision bf16 (parameters,
+        gradients and optimizer state stay fp32), nothing for fp32."""
+        if self.options.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _layers(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`module` on `x`; with --activation-checkpointing each layer is a checkpoint
+        (only its input is saved; its activations are recomputed in the backward)."""
+        if not self.options.activation_checkpointing:
+            return module(x)
+        for layer in module:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
+
+    def run(self, st: StageState, mb: int, x: torch.Tensor, s: StepState,
+            targets: Callable[[], torch.Tensor],
+            frc: bool = False) -> tuple[torch.Tensor, float | None]:
+        """Forward of `stage` on `x`; the last stage returns its weighted loss and value
+        (against `targets()`).
+
+        Runs under the precision's autocast; a stage's output leaves in its boundary
+        spec's dtype (what the successor's receive buffers are), the loss is taken in fp32.
+        Counts the bytes autograd keeps for the backward (parameters and the input leaf
+        excluded: they are held anyway), the activation memory of this forward, into the
+        report and the step's meter (held until the backward releases it); eager FRC's go
+        to host memory under --frc-offload. Under zb-h1 the forward's tape (what the weight
+        gradient needs) goes to `s.tapes` (an FRC forward's to `s.frc_tapes`).
+        """
+        stage = st.stage
+        saved = SavedTensors(offload=frc and self.options.frc_offload)
+        # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
+        # failover adopts it, its backward runs whole in the input half.
+        taped = st.taping is not None and not (frc and self.options.frc_offload)
+        tape = Tape() if taped else None
+        taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
+        with saved.hooks(), taping:
+            with self.autocast():
+                out = self._layers(st.module, x)
+            if stage != self.P - 1:
+                out = out.to(self.specs[self.parts[stage].stop - 1].dtype)
+                loss = None
+            else:
+                loss = self.loss(out.float(), targets().to(self.device))
+        if tape is not None:
+            if frc:
+                s.frc_tapes[mb] = tape
+            else:
+                s.tapes[(stage, mb)] = tape
+        if frc:
+            s.report.frc_saved_bytes += saved.device_bytes + saved.host_bytes
+        else:
+            s.report.saved_bytes += saved.device_bytes
+        s.memory.hold(("frc" if frc else "fwd", stage, mb), saved.device_bytes, saved.host_bytes)
+        if loss is None:
+            return out, None
+        return loss * self.weight, float(loss.detach())
+
+    def frc_stream(self) -> Any:
+        """On CUDA, eager FRC runs on a stream of its own, after the work that produced its
+        input, so it overlaps the pipeline's waits instead of queueing behind them (not yet
+        run: no GPU here). Its results are used only by a failover, which waits for it."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        stream = self._side_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+    def frc_results_complete(self) -> None:
+        """Before a failover adopts eager FRC results: on CUDA, wait for their stream."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)

@@ -1,0 +1,53 @@
+"""The engine's options: what the job's configuration says about how a node trains, in one
+frozen section built in one place (`EngineOptions.from_config`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bamboo.config import JobConfig
+
+__all__ = ["EngineOptions"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineOptions:
+    """Every job-wide setting the engine reads; the same on every node of a run."""
+
+    lr: float
+    """Peak learning rate (`optim.learning_rate`)."""
+    warmup_steps: int
+    total_steps: int
+    """The run's length: the learning rate's schedule ends there."""
+    weight_decay: float
+    grad_clip: float
+    """The global gradient norm is clipped to this."""
+    seed: int
+    """Every stage's initial parameters are a function of it."""
+    schedule: str = "1f1b"
+    """1f1b | zb-h1 (`bamboo.plan.schedule.SCHEDULES`)."""
+    comm: str = "strict"
+    """strict | tagged: the transport (`bamboo.engine.transport`)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast forwards; parameters and optimizer state stay fp32)."""
+    exact: bool = False
+    """Gradient sums in float64, data-parallel sums in pipeline order: bits independent of
+    the layout."""
+    activation_checkpointing: bool = False
+    check_replicas: bool = False
+    """Report every replica's and primary's digest after every step."""
+    frc_offload: bool = False
+    """Eager FRC keeps what it saves, and the replica its AdamW moments, in host memory."""
+    frc_at: str = "waits"
+    """waits | slot: where eager FRC runs."""
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> EngineOptions:
+        """The engine's options of the job `cfg`."""
+        t = cfg.training
+        return cls(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                   weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
+                   schedule=cfg.layout.schedule, comm=cfg.runtime.comm,
+                   precision=cfg.model.precision, exact=t.exact,
+                   activation_checkpointing=cfg.model.activation_checkpointing,
+                   check_replicas=cfg.redundancy.check_replicas,
+                   frc_offload=cfg.redundancy.frc_offload, frc_at=cfg.redundancy.frc_at)
