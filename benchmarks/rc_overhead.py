@@ -42,8 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bamboo.plan.measured import costs_from_events
-from bamboo.plan.timeline import Costs, compare, render
+from bamboo.run.measured import costs_from_events
+from bamboo.plan.timeline import Costs, compare
+from bamboo.plan.timeline_text import render
 
 MODES = ("off", "lazy", "eager", "eager-slot")
 FLAGS = {"off": ["--redundancy", "off"], "lazy": ["--redundancy", "lazy"],

@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bamboo.data.tokens import TokenHeader, dtype_for, write_header  # noqa: E402
+from bamboo.config.token_dir import TokenHeader, dtype_for, write_header  # noqa: E402
 
 
 _PEAK = """

@@ -47,7 +47,7 @@ class CoordinatorCommand:
             if cfg.cluster.trace is not None or cfg.redundancy.recovery != "redundancy":
                 raise ConfigError("--trace and --recovery checkpoint-restart need local "
                                   "workers: use bamboo train")
-            from bamboo.plan.fits import check_step_length
+            from bamboo.model.fits import check_step_length
             check_step_length(cfg, nodes_here=False)
             return
         names = {f.key for f in join_options()}

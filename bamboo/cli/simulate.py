@@ -112,7 +112,7 @@ def _model(name: str, costs_file: str | None):
     """The simulated model called `name`: one of the simulator's own (published step times),
     or a `bamboo train` model measured by `bamboo profile` (its --costs file is then required:
     the step times are what a simulation needs). Both sets of names are accepted."""
-    from bamboo.model.presets import PRESETS as TRAIN_MODELS
+    from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.sim.costs import load_costs
     from bamboo.sim.cost_presets import PRESETS, get_preset, preset_from_costs
     try:

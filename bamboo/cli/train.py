@@ -235,7 +235,7 @@ class TrainCommand:
 
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         if cfg is not None:  # the local workers share this machine's memory
-            from bamboo.plan.fits import check_fits, check_step_length
+            from bamboo.model.fits import check_fits, check_step_length
             check_fits(cfg, cfg.node_cap)
             check_step_length(cfg)
 

@@ -1,9 +1,15 @@
-"""A job's configuration, importable without torch: every option declared once.
+"""A job's configuration, importable without torch: every option declared once, and the plain
+data it is checked against (model presets, the --data and --layer-costs file formats).
+It imports nothing of bamboo but `bamboo.util`, save a user's own model that its presets
+build to size it (.importlinter).
 
     bamboo.config.options    the declaration (`option()`) and what is derived from it
     bamboo.config.sections   the sections of a job, each option with its check
     bamboo.config.job        JobConfig: the sections together, `of`, `validate`
     bamboo.config.data       the checks that read --data and --layer-costs
+    bamboo.config.presets    what a --model name is, in numbers (the model presets)
+    bamboo.config.token_dir  the format of a prepared token directory (--data DIR)
+    bamboo.config.layer_costs  the format of a --layer-costs file
     bamboo.config.jobfile    YAML/TOML job files and `bamboo config --example`
     bamboo.config.join       `bamboo coordinator`'s side: where agents join, etcd
 """

@@ -57,7 +57,7 @@ def _check_text(path: Path, sample: int = 1 << 20) -> None:
 
 
 def _check_token_dir(job: JobConfig) -> None:
-    from bamboo.data.tokens import largest_token_id, open_split, read_header
+    from bamboo.config.token_dir import largest_token_id, open_split, read_header
     data = job.data.path
     try:
         header = read_header(data)
@@ -87,7 +87,7 @@ def check_layer_costs(job: JobConfig, layers: int) -> None:
     path, model = job.layout.layer_costs, job.model.name
     if path is None:
         return
-    from bamboo.engine.layer_costs import load_layer_costs
+    from bamboo.config.layer_costs import load_layer_costs
     try:
         costs = load_layer_costs(path)
     except ValueError as e:

@@ -22,7 +22,7 @@ from bamboo.config.sections import (CheckpointSection, ClusterSection, DataSecti
                                     EvaluationSection, KillSpec, LayoutSection, LoggingSection,
                                     ModelSection, RedundancySection, RuntimeSection,
                                     TrainingSection)
-from bamboo.model.presets import ModelPreset, preset, with_vocab
+from bamboo.config.presets import ModelPreset, preset, with_vocab
 
 __all__ = ["JobConfig", "SECTIONS", "all_options", "options_by_key"]
 
@@ -114,14 +114,14 @@ class JobConfig:
         data = self.data.path
         if data is None or p.family == "cnn" or not Path(data).is_dir():
             return p
-        from bamboo.data.tokens import read_header
+        from bamboo.config.token_dir import read_header
         return with_vocab(p, read_header(data).vocab_size)
 
     def partition_costs(self, param_counts: list[int]) -> list[float]:
         """What stages are cut by: --layer-costs' seconds, else parameter counts."""
         if self.layout.layer_costs is None:
             return [float(c) for c in param_counts]
-        from bamboo.engine.layer_costs import load_layer_costs
+        from bamboo.config.layer_costs import load_layer_costs
         return load_layer_costs(self.layout.layer_costs).layer_s
 
     # -- checking --------------------------------------------------------------------------

@@ -10,13 +10,22 @@ from typing import Any
 
 from bamboo.config.options import ConfigError, check_section, option, option_fields
 
-__all__ = ["JoinConfig", "JOIN_PORT", "JOIN_TIMEOUT_S", "join_options"]
+__all__ = ["JoinConfig", "JOIN_PORT", "JOIN_TIMEOUT_S", "join_options", "parse_address"]
 
 JOIN_PORT = 29400
 """The coordinator's default join port; its store listens on the next port, /metrics is
 commonly the one after (docs/deploy.md lists them)."""
 JOIN_TIMEOUT_S = 600.0
 """How long a coordinator waits for its first --nodes agents."""
+
+
+def parse_address(text: str, flag: str) -> tuple[str, int]:
+    """`ADDRESS:PORT` (`--bind`, `--join`, `--http`) as (host, port); ValueError naming `flag`
+    otherwise. An IPv6 address may be bracketed: `[::1]:29400`."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{flag} '{text}' is not ADDRESS:PORT (e.g. 127.0.0.1:29400)")
+    return host.strip("[]"), int(port)
 
 
 def _port(value: Any) -> str | None:
@@ -55,7 +64,6 @@ class JoinConfig:
 
     def address(self) -> tuple[str, int]:
         """--bind as (host, port), checked (ConfigError, one line)."""
-        from bamboo.fleet.remote import parse_address
         try:
             return parse_address(self.bind, "--bind")
         except ValueError as e:

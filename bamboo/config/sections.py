@@ -84,7 +84,7 @@ def _absolute_or_url(value: str) -> str | None:
 
 
 def _model_help() -> str:
-    from bamboo.model.presets import PRESETS
+    from bamboo.config.presets import PRESETS
     return (f"A preset ({', '.join(PRESETS)}); or a Hugging Face model: hf:gpt2, hf:llama, "
             f"hf:bert, hf:gpt2:n_layer=4,n_embd=128, hf:DIR; or your own model: "
             f"MODULE:FUNCTION or FILE.py:FUNCTION (docs/models.md).")

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bamboo.model.presets import CAUSAL_FAMILIES, ModelPreset
-from bamboo.data.tokens import SPLITS, open_split, read_header, text_split
+from bamboo.config.presets import CAUSAL_FAMILIES, ModelPreset
+from bamboo.config.token_dir import SPLITS, open_split, read_header
+from bamboo.data.tokens import text_split
 
 __all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "TokenFile", "SyntheticImages",
            "Task",

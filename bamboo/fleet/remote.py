@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bamboo.config.join import parse_address
 from bamboo.wire.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
                                      FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
                                      Progress)
@@ -47,13 +48,6 @@ _IO_S = 10.0
 
 class JoinError(RuntimeError):
     """An agent could not join; str() is the one line for the user."""
-
-
-def parse_address(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"{flag} '{text}' is not ADDRESS:PORT (e.g. 127.0.0.1:29400)")
-    return host.strip("[]"), int(port)
 
 
 def write_join_token(path: Path, token: str | None = None) -> str:

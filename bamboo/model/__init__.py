@@ -21,7 +21,7 @@ from bamboo.model.cnn import _block_widths, cnn_layer
 from bamboo.model.gpt2 import gpt2_layer
 from bamboo.model.hf import hf_layer, load_transformers
 from bamboo.model.llama import llama_layer
-from bamboo.model.presets import PRESETS, ModelPreset, preset
+from bamboo.config.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
     "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",

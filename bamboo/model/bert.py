@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bamboo.model.layer import PipelineLayer
-from bamboo.model.presets import ModelPreset
+from bamboo.config.presets import ModelPreset
 
 __all__ = ["BertBlock", "bert_layer"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.presets import ModelPreset
+from bamboo.config.presets import ModelPreset
 
 __all__ = ["ResidualBlock", "cnn_layer"]
 

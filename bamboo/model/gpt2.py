@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bamboo.model.layer import PipelineLayer
-from bamboo.model.presets import ModelPreset
+from bamboo.config.presets import ModelPreset
 
 __all__ = ["CausalSelfAttention", "GPTBlock", "gpt2_layer"]
 

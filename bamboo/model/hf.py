@@ -21,7 +21,7 @@ couple the first and last stage every step). Every Llama layer holds its own rot
 module and computes the (cos, sin) position embeddings itself, so nothing but the hidden
 state crosses a pipeline boundary. See docs/models.md.
 
-Names are parsed, sized and checked in `bamboo.model.presets` without torch or
+Names are parsed, sized and checked in `bamboo.config.presets` without torch or
 transformers; transformers (an optional dependency) is imported here, once an hf:
 model's layers are built.
 """
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bamboo.model.presets import INSTALL_HF, ModelPreset
+from bamboo.config.presets import INSTALL_HF, ModelPreset
 
 __all__ = ["hf_layer", "hf_config", "load_transformers", "load_layer",
            "layer_state_from", "hf_state_key", "Checkpoint"]

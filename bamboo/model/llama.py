@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bamboo.model.layer import PipelineLayer
-from bamboo.model.presets import ModelPreset
+from bamboo.config.presets import ModelPreset
 
 __all__ = ["RMSNorm", "rotary_cos_sin", "LlamaAttention", "LlamaBlock", "llama_layer",
            "ffn_dim"]

@@ -78,7 +78,7 @@ def _expected_layers(meta: dict) -> int | None:
     of the model it names, when that model is known here."""
     if not isinstance(meta, dict) or meta.get("unit") != "layer" or "model" not in meta:
         return None
-    from bamboo.model.presets import preset
+    from bamboo.config.presets import preset
     try:
         return preset(str(meta["model"])).layers
     except (ValueError, OSError, KeyError, TypeError):  # a model this version cannot read

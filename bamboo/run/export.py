@@ -45,7 +45,7 @@ _EMBEDDING = {"gpt2": ("embed.tokens.weight", "wte.weight"),
 def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """The run's preset (sized to model.pt's vocabulary), its job config and every layer's
     parameters (name -> tensor); ValueError with one line for what is not a usable run."""
-    from bamboo.model.presets import preset, with_vocab
+    from bamboo.config.presets import preset, with_vocab
     if not run_dir.is_dir():
         raise ValueError(f"run directory '{run_dir}' does not exist; give a directory "
                          f"bamboo train wrote (--out)")
@@ -119,7 +119,7 @@ def _hf_model(p: Any, layers: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]
 
     from bamboo.model.hf import hf_state_key
     from bamboo.model.llama import ffn_dim
-    from bamboo.model.presets import drop_special_tokens
+    from bamboo.config.presets import drop_special_tokens
     vocab = layers[0][_EMBEDDING[p.family][1 if p.hf_config else 0]].shape[0]
     no_tokens = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if p.hf_config:

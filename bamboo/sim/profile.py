@@ -148,7 +148,8 @@ def profile_layers(model: str, vocab: int, micro_batch_size: int, repeats: int,
                    data: str | None, out: str) -> None:
     """Time each layer of `model` alone and write the layer-costs file `out` for
     `bamboo train --layer-costs` (no engine runs)."""
-    from bamboo.engine.layer_costs import measure_layer_costs, save_layer_costs
+    from bamboo.config.layer_costs import save_layer_costs
+    from bamboo.engine.layer_costs import measure_layer_costs
     print(f"timing each layer of {model} (vocabulary {vocab}) alone: micro-batches of "
           f"{micro_batch_size}, median of {repeats}", file=sys.stderr)
     costs = measure_layer_costs(model, micro_batch_size, repeats, data=data)

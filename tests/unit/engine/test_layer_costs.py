@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bamboo.cli import main
-from bamboo.engine.layer_costs import (SCHEMA, LayerCosts, load_layer_costs,
-                                         measure_layer_costs, save_layer_costs)
+from bamboo.config.layer_costs import SCHEMA, LayerCosts, load_layer_costs, save_layer_costs
+from bamboo.engine.layer_costs import measure_layer_costs
 
 from support.procs import run_events
 from support.runs import assert_equals_failure_free, config, run_in_process

@@ -11,7 +11,7 @@ import torch
 
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
 from bamboo.model.api import PipelineModel, TensorSpec
-from bamboo.model.presets import custom_preset, preset, with_vocab
+from bamboo.config.presets import custom_preset, preset, with_vocab
 from support.models import EXAMPLE, HEADER, TINY, write_module
 from support.procs import REPO
 

@@ -20,7 +20,7 @@ from bamboo.data.datasets import make_task
 from bamboo.model import (boundary_shapes, build_layer, build_layers, layer_param_counts,
                            loss_fn, preset)
 from bamboo.model.hf import Checkpoint, hf_config, hf_state_key, load_layer
-from bamboo.model.presets import HF_SIZES
+from bamboo.config.presets import HF_SIZES
 from support.hf_models import BERT, GPT2, HF_MODELS, LLAMA
 
 

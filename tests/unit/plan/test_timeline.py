@@ -6,9 +6,11 @@ import json
 import pytest
 
 from bamboo.plan import schedule as S
-from bamboo.plan.measured import costs_from_events
-from bamboo.plan.timeline import (Costs, compare, main, render, reroute_assignment,
-                                        rerouted_step, simulate_step)
+from bamboo.run.measured import costs_from_events
+from bamboo.cli.timeline import main
+from bamboo.plan.reroute_timeline import reroute_assignment, rerouted_step
+from bamboo.plan.timeline import Costs, compare, simulate_step
+from bamboo.plan.timeline_text import render
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (4, 4), (4, 8), (3, 2), (6, 12)])

@@ -1,11 +1,13 @@
-"""Model presets as plain data, importable without torch.
+"""Model presets as plain data, importable without torch: what a `--model` name is, in numbers.
 
 The command line validates a layout (stages <= layers) before it pays for importing
-torch, so the facts it needs about each preset live here, apart from the modules.
+torch, so the facts it needs about each preset live here, in the configuration's layer,
+apart from the modules (`bamboo.model` builds them from these facts).
 That includes `hf:` names (transformers' GPT-2, Llama and BERT, see docs/models.md): they are
 parsed and sized here without importing torch or transformers. Your own model, named
 `MODULE:FUNCTION` (bamboo.model.api), is the exception: its module, and torch, are
-imported when such a name is used.
+imported when such a name is used (`custom_preset`: the one import of this package that
+reaches up, allowed by name in `.importlinter`).
 """
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     if p.family == "custom":
         return custom_preset(p.name, need)
     raise ValueError(f"model {p.name}: family '{p.family}' cannot follow the data's "
-                     f"vocabulary; add it to bamboo.model.presets.with_vocab")
+                     f"vocabulary; add it to bamboo.config.presets.with_vocab")
 
 
 @functools.cache

@@ -1,0 +1,55 @@
+"""The dependency contract between bamboo's packages (`.importlinter` at the repository root):
+the layers from `cli` down to `util`, and torch kept out of `plan`, `traces` and `config`.
+
+Runs import-linter in this process (its Python API, as `lint-imports` does), so it is part of
+the fast tier; a broken contract fails naming every import that breaks it, e.g.
+
+    bamboo.config is not allowed to import bamboo.model:
+    - bamboo.config.job -> bamboo.model.presets (l.25)
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("importlinter")
+
+from importlinter import configuration  # noqa: E402
+from importlinter.application import use_cases  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / ".importlinter"
+
+
+def _report():
+    configuration.configure()
+    use_cases._register_built_in_contract_types()
+    options = use_cases.read_user_options(str(CONFIG))
+    return use_cases.create_report(options, cache_dir=None)
+
+
+def test_the_contract_names_every_package_once() -> None:
+    """Every package of bamboo sits in exactly one layer, so a new package must be placed."""
+    text = CONFIG.read_text(encoding="utf-8")
+    layers = text.split("layers =", 1)[1].split("\n\n", 1)[0].split("ignore_imports", 1)[0]
+    named = [name.strip() for line in layers.splitlines() for name in line.split("|")
+             if name.strip() and not name.strip().startswith("#")]
+    packages = sorted(p.name for p in (REPO / "bamboo").iterdir()
+                      if (p / "__init__.py").is_file())
+    assert sorted(named) == packages
+
+
+def test_every_contract_is_kept() -> None:
+    report = _report()
+    broken = []
+    for contract, check in report.get_contracts_and_checks():
+        if not check.kept:
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                contract.render_broken_contract(check)
+            broken.append(f"{contract.name}:\n{text.getvalue().strip()}")
+    assert [c.name for c, _ in report.get_contracts_and_checks()], "no contract was checked"
+    assert not broken, "\n\n".join(broken)
