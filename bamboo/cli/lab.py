@@ -21,7 +21,7 @@ from bamboo.chaos.lab.session import Fault
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import JOIN_PORT
 
-__all__ = ["main", "lab_parser", "Fault"]
+__all__ = ["main", "lab_parser", "Fault", "fault_schedule", "job_flags"]
 
 PROG = "bamboo lab"
 
@@ -81,7 +81,9 @@ def _seconds(text: str, flag: str, spec: str) -> float:
     return value
 
 
-def _faults(cuts: list[str], kills: list[str], hosts: list[str]) -> list[Fault]:
+def fault_schedule(cuts: list[str], kills: list[str], hosts: list[str]) -> list[Fault]:
+    """The faults of `--cut` and `--kill-host` in time order (a cut with +D also reconnects);
+    _UsageError names a malformed spec or an unknown host."""
     out: list[Fault] = []
     for flag, specs in (("--cut", cuts), ("--kill-host", kills)):
         for spec in specs:
@@ -118,7 +120,9 @@ def _check_host(host: str, hosts: list[str], flag: str) -> None:
         raise _UsageError(f"{flag}: no host '{host}': the hosts are {', '.join(hosts)}")
 
 
-def _job_flags(job: list[str], nodes: int) -> list[str]:
+def job_flags(job: list[str], nodes: int) -> list[str]:
+    """The job's flags after --, with --nodes added from the hosts unless given; _UsageError
+    for a flag the lab sets itself."""
     for flag in job:
         name = flag.split("=", 1)[0]
         if name in _OWN_FLAGS:
@@ -140,7 +144,7 @@ def _checked(args: argparse.Namespace, job: list[str]) -> tuple[
     if not 1 <= args.port <= 65534:
         raise _UsageError(f"--port {args.port}: need 1 to 65534")
     hosts = ["coord", *(f"a{i}" for i in range(1, args.hosts))]
-    faults = _faults(args.cut, args.kill_host, hosts)
+    faults = fault_schedule(args.cut, args.kill_host, hosts)
     caps = _pairs(args.cap, "--cap", hosts)
     delays = _pairs(args.delay, "--delay", hosts)
     from bamboo.chaos.lab.hosts import parse_rate, unsupported_reason
@@ -151,7 +155,7 @@ def _checked(args: argparse.Namespace, job: list[str]) -> tuple[
             raise _UsageError(f"--cap {host}:{rate}: {e}") from None
     for host, ms in delays:
         _seconds(ms, "--delay", f"{host}:{ms}")
-    job = _job_flags(job, (args.hosts - 1) * args.workers)
+    job = job_flags(job, (args.hosts - 1) * args.workers)
     reason = unsupported_reason()
     if reason is not None:
         raise _UsageError(reason)

@@ -13,7 +13,7 @@ import pytest
 
 from support.processes import start_training, wait_for_steps, wait_gone
 from support.procs import BAMBOO, REPO, mounted_tmpfs, run_bamboo, run_events
-from support.runs import assert_close, reference
+from support.runs import assert_close, config, reference
 
 
 def worker_pids(result) -> list[int]:
@@ -50,11 +50,12 @@ def test_lost_node_without_redundancy_restarts_from_the_initial_state(bamboo) ->
     and ends equal to the failure-free run."""
     args = ["--steps", "6", "--quiet", "--json", "--redundancy", "off", "--checkpoint-every", "0"]
     result = bamboo([*args, "--kill", "0:1@2"], "killed")
-    clean = bamboo(args, "clean")
-    assert result.code == 0 and clean.code == 0, result.stderr + clean.stderr
+    assert result.code == 0, result.stderr
     s = result.summary
     assert (s["checkpoint_restores"], s["redone_steps"], s["failovers"]) == (1, 2, 0)
-    assert_close(s["losses"], clean.summary["losses"], rel=1e-4)
+    cfg = config(steps=6, redundancy="off", checkpoint_every=0)  # what every clean run ends with
+    losses, _ = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
+    assert_close(s["losses"], losses, rel=1e-4)
     lost = [e for e in result.events() if e["event"] == "node_lost"]
     assert [(e["node"], e["step"], e["handled_as"]) for e in lost] == [
         ("n1", 2, "checkpoint_restore")]

@@ -1,11 +1,11 @@
 """Every bamboo command parses its flags with the one parser of bamboo.cli.parsing: a usage
 error is the same single line and exit status everywhere, and no command imports another's
-module to get it."""
+module to get it.
+
+Its tests that start processes: tests/integration/test_argparsing_runs.py."""
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 
 import pytest
 
@@ -72,25 +72,3 @@ def test_no_other_module_subclasses_argument_parser() -> None:
                     "ArgumentParser" in ast.unparse(base) for base in node.bases):
                 found.append(f"{path.relative_to(REPO)} {node.name}")
     assert found == ["bamboo/cli/parsing.py UsageParser"]
-
-
-@pytest.mark.procs
-@pytest.mark.timeout(60)
-def test_the_commands_do_not_import_the_cli() -> None:
-    """`bamboo profile` took its parser from bamboo.cli, which imports it back: a circle. The
-    library behind each command imports nothing of bamboo.cli, and neither it nor the
-    command's module imports torch before the command runs."""
-    code = ("import sys, bamboo.sim.profile, bamboo.run.report, bamboo.run.export, "
-            "bamboo.data.tokens, bamboo.chaos.soak, bamboo.chaos.lab.session; "
-            "print(sorted(m for m in sys.modules if m.startswith('bamboo.cli') or m == 'torch'))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
-    code = ("import sys, bamboo.cli.profile, bamboo.cli.report, bamboo.cli.simulate, "
-            "bamboo.cli.export, bamboo.cli.data, bamboo.cli.soak, bamboo.cli.lab; "
-            "print('torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"

@@ -1,19 +1,13 @@
-"""The costs file: schema validation, step-time model, and use by the simulator."""
+"""The costs file: schema validation, step-time model, and use by the simulator.
+Its tests that start processes: tests/integration/test_sim_costs_runs.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from bamboo.sim.costs import CostsError, StepCosts, load_costs, save_costs
 from bamboo.sim.cost_presets import get_preset, preset_from_costs
-
-GOOD = {
-    "schema": "bamboo.costs/1", "model": "gpt2-tiny", "stages": 4, "micro_batches": 8, "samples_per_step": 64,
-    "forward_s": [0.01, 0.01, 0.01, 0.01], "backward_s": [0.02, 0.02, 0.02, 0.03], "rc_overhead": 0.2,
-    "failover_pause_s": 0.4, "reconfiguration_s": 2.5,
-}
+from support.costs import GOOD
 
 
 def test_round_trip_and_step_time(tmp_path):
@@ -47,26 +41,10 @@ def test_invalid_costs_name_the_field(tmp_path, mutate, needle):
     assert needle in str(exc.value) and str(f) in str(exc.value)
 
 
-@pytest.mark.procs
-def test_simulate_with_costs_file(tmp_path):
-    f = tmp_path / "c.json"
-    f.write_text(json.dumps(GOOD))
-    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", "synthetic:p=0.1,nodes=12,hours=2",
-                        "--costs", str(f), "--json"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    assert d["model"] == "gpt2-tiny" and d["policies"]["bamboo"]["steps"] > 0
-    bad = tmp_path / "bad.json"
-    bad.write_text("{nope")
-    r = subprocess.run([sys.executable, "-m", "bamboo.sim", "--trace", "synthetic:p=0.1", "--costs", str(bad)],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and f"{bad}:1:" in r.stderr
-
-
 def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     """One set of model names: a `bamboo train` model runs with its profiled costs, and
     without them the line says how to get them; --help lists every model and policy."""
-    from bamboo.config.presets import PRESETS as TRAIN_MODELS
+    from bamboo.model.presets import PRESETS as TRAIN_MODELS
     from bamboo.cli.simulate import build_parser, main
     from bamboo.sim.policies import POLICIES
     from bamboo.sim.cost_presets import PRESETS
