@@ -44,7 +44,7 @@ def test_invalid_costs_name_the_field(tmp_path, mutate, needle):
 def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     """One set of model names: a `bamboo train` model runs with its profiled costs, and
     without them the line says how to get them; --help lists every model and policy."""
-    from bamboo.model.presets import PRESETS as TRAIN_MODELS
+    from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.cli.simulate import build_parser, main
     from bamboo.sim.policies import POLICIES
     from bamboo.sim.cost_presets import PRESETS
