@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import re
 import shlex
@@ -145,6 +146,8 @@ def program(words: list[str]) -> list[str] | None:
         return ["bamboo", *words[1:]]
     if re.fullmatch(r"python3?", name) and words[1:3] == ["-m", "bamboo"]:
         return ["bamboo", *words[3:]]
+    if re.fullmatch(r"python3?", name) and words[1:2] == ["-m"] and words[2].startswith("bamboo."):
+        return ["python -m", *words[2:]]
     if name == "make":
         return ["make", *words[1:]]
     return None
@@ -245,9 +248,26 @@ def check(command: Command, targets: set[str]) -> None:
                 continue
             assert target in targets, f"make has no target {target!r} (Makefile: {sorted(targets)})"
         return
+    if words[0] == "python -m":
+        assert runnable(words[1]), f"`python -m {words[1]}` is not a runnable module"
+        return
     if len(words) < 2 or words[1] in ("-h", "--help"):
         return
     check_bamboo(words[1:])
+
+
+def runnable(module: str) -> bool:
+    """`python -m MODULE` runs something: a module with a `__main__` guard, or a package
+    with a `__main__` module."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    if spec.submodule_search_locations is not None:
+        return importlib.util.find_spec(f"{module}.__main__") is not None
+    return "__main__" in Path(spec.origin).read_text(encoding="utf-8")
 
 
 # -- the tests --------------------------------------------------------------------------------
@@ -284,6 +304,9 @@ def test_a_broken_command_is_caught() -> None:
             check_bamboo(words)
     with pytest.raises(AssertionError):
         check_bamboo(["nosuchcommand"])
+    assert runnable("bamboo.sim") and not runnable("bamboo.chaos.bits")
+    with pytest.raises(AssertionError):
+        check(Command("x", 1, "python -m bamboo.nosuch", ("python -m", "bamboo.nosuch")), set())
     with pytest.raises(AssertionError):
         check(Command("x", 1, "make nosuchtarget", ("make", "nosuchtarget")), make_targets())
     line = ".venv/bin/bamboo train --nodes 4 --stages 4 \\\n    --steps 2 > log.txt 2>&1  # note"
