@@ -159,7 +159,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
     `keep_layout` (D, P): keep this layout although `nodes` cannot fill it (fewer nodes
     than slots, at least one of each stage): the slots left empty are `holes`, served by
     their stage's holders in the other pipelines.
-    Its sections are the four steps of the module docstring, in order.
+    Its steps are the four of the module docstring, in order.
     """
     layers = len(param_counts)
     if keep_layout is not None:
@@ -170,10 +170,38 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
                              max_pipelines=max_pipelines)
     parts = partition(list(partition_costs or param_counts), p)
     rc = redundancy and p > 1
-
-    # Every (slot, node) pair scored by the state the node already holds for the slot; the
-    # best pairs are taken first (greedy matching), so nodes stay where their state is.
     slots = [(dd, s) for dd in range(d) for s in range(p)]
+    taken = _assign(slots, nodes, holdings, parts, rc, param_counts, p)
+    holes = [list(slots[k]) for k in range(len(slots)) if k not in taken]
+    if holes and {s for k, (_, s) in enumerate(slots) if k in taken} != set(range(p)):
+        raise ValueError(f"{len(nodes)} nodes cannot hold every stage of a {d} x {p} layout")
+    active = [taken[k] for k in range(len(slots)) if k in taken]
+    roles = GenerationPlan(gen=gen, epoch=epoch, members=active, pipelines=d, stages=p,
+                           parts=[], start_step=start_step, holes=holes).roles(rc)
+
+    def needs(rank: int) -> list[int]:
+        """Layers rank `rank` needs: its stage, and its replica's when it keeps one."""
+        replica = roles.replica_of(rank)
+        own = [i for s in roles.stages_of(rank) for i in parts[s]]
+        return own + (list(parts[replica]) if replica is not None else [])
+
+    if machine_of is not None and not holes:  # a replica off its primary's machine
+        active = spread(active, machine_of, p, cost=lambda n, k: -sum(
+            param_counts[i] for i in _needs(parts, k % p, rc) if i in holdings.get(n, ())))
+    members, transfers = active, []
+    if checkpoint is None:
+        members, transfers = _transfers(active, leaving, holdings, needs, param_counts)
+    return GenerationPlan(gen=gen, epoch=epoch, members=members, pipelines=d, stages=p,
+                          parts=[[r.start, r.stop] for r in parts], start_step=start_step,
+                          transfers=transfers, checkpoint=checkpoint, leavers=list(leaving),
+                          reason=reason, holes=holes)
+
+
+def _assign(slots: list[tuple[int, int]], nodes: Sequence[str], holdings: dict[str, set[int]],
+            parts: list[range], rc: bool, param_counts: Sequence[int], p: int) -> dict[int, str]:
+    """Slot index -> its node. Every (slot, node) pair is scored by the state the node already
+    holds for the slot; the best pairs are taken first (greedy matching), so nodes stay where
+    their state is; the nodes left fill the free slots (`_fill_order`)."""
     order = {n: i for i, n in enumerate(nodes)}
     pairs = sorted(((sum(param_counts[i] for i in _needs(parts, s, rc)
                          if i in holdings.get(n, ())), -order[n], -k, n)
@@ -196,54 +224,38 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
         [k for k in range(len(slots)) if k not in taken]
     for k in fill[:len(free)]:
         taken[k] = free.pop(0)
-    holes = [list(slots[k]) for k in range(len(slots)) if k not in taken]
-    if holes and {s for k, (_, s) in enumerate(slots) if k in taken} != set(range(p)):
-        raise ValueError(f"{len(nodes)} nodes cannot hold every stage of a {d} x {p} layout")
-    kept = [k for k in range(len(slots)) if k in taken]
-    active = [taken[k] for k in kept]
-    roles = GenerationPlan(gen=gen, epoch=epoch, members=active, pipelines=d, stages=p,
-                           parts=[], start_step=start_step, holes=holes).roles(rc)
+    return taken
 
-    def needs(rank: int) -> list[int]:
-        """Layers rank `rank` needs: its stage, and its replica's when it keeps one."""
-        replica = roles.replica_of(rank)
-        own = [i for s in roles.stages_of(rank) for i in parts[s]]
-        return own + (list(parts[replica]) if replica is not None else [])
 
-    if machine_of is not None and not holes:  # a replica off its primary's machine
-        active = spread(active, machine_of, p, cost=lambda n, k: -sum(
-            param_counts[i] for i in _needs(parts, k % p, rc) if i in holdings.get(n, ())))
+def _transfers(active: list[str], leaving: Sequence[str], holdings: dict[str, set[int]],
+               needs: Callable[[int], list[int]], param_counts: Sequence[int]
+               ) -> tuple[list[str], list[list[int]]]:
+    """(members, transfers [layer, from rank, to rank]): every layer a rank needs and does not
+    hold, from a live holder (a leaving node first: it has nothing else to do, then the least
+    loaded); the leaving nodes that send are members after the active ones. NoLiveCopy when
+    no live node holds a layer."""
     sources = [n for n in leaving if n not in active]
-    transfers: list[list[int]] = []
-    if checkpoint is None:
-        missing = sorted(set(range(layers)) - set().union(*(holdings.get(n, set())
-                                                           for n in active + sources)))
-        if missing:
-            raise NoLiveCopy(f"no live node holds layer{'s' if len(missing) > 1 else ''} "
-                             f"{', '.join(map(str, missing))}", missing)
-        candidates = active + sources
-        order = {n: i for i, n in enumerate(candidates)}
-        load = {n: 0 for n in candidates}
-        moves: list[tuple[int, str, str]] = []
-        for r, node in enumerate(active):
-            for layer in needs(r):
-                if layer in holdings.get(node, ()):
-                    continue
-                # Prefer a node that is leaving (it has nothing else to do), then the least loaded.
-                src = min((n for n in candidates if layer in holdings.get(n, ())),
-                          key=lambda n: (n not in leaving, load[n], order[n]))
-                load[src] += param_counts[layer]
-                moves.append((layer, src, node))
-        used = {src for _, src, _ in moves}
-        members = active + [n for n in sources if n in used]
-        rank = {n: i for i, n in enumerate(members)}
-        transfers = [[layer, rank[src], rank[dst]] for layer, src, dst in moves]
-    else:
-        members = active
-    return GenerationPlan(gen=gen, epoch=epoch, members=members, pipelines=d, stages=p,
-                          parts=[[r.start, r.stop] for r in parts], start_step=start_step,
-                          transfers=transfers, checkpoint=checkpoint, leavers=list(leaving),
-                          reason=reason, holes=holes)
+    missing = sorted(set(range(len(param_counts))) - set().union(
+        *(holdings.get(n, set()) for n in active + sources)))
+    if missing:
+        raise NoLiveCopy(f"no live node holds layer{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(map(str, missing))}", missing)
+    candidates = active + sources
+    order = {n: i for i, n in enumerate(candidates)}
+    load = {n: 0 for n in candidates}
+    moves: list[tuple[int, str, str]] = []
+    for r, node in enumerate(active):
+        for layer in needs(r):
+            if layer in holdings.get(node, ()):
+                continue
+            src = min((n for n in candidates if layer in holdings.get(n, ())),
+                      key=lambda n: (n not in leaving, load[n], order[n]))
+            load[src] += param_counts[layer]
+            moves.append((layer, src, node))
+    used = {src for _, src, _ in moves}
+    members = active + [n for n in sources if n in used]
+    rank = {n: i for i, n in enumerate(members)}
+    return members, [[layer, rank[src], rank[dst]] for layer, src, dst in moves]
 
 
 def _fill_order(slots: Sequence[tuple[int, int]], taken: dict[int, str], p: int) -> list[int]:

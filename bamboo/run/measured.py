@@ -13,8 +13,7 @@ __all__ = ["costs_from_events"]
 
 def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float = 2.0,
                       latency: float = 0.0) -> tuple[int, int, Costs, dict]:
-    """(P, M, costs, notes) from a run's events.jsonl. (One pass over the events with one
-    median per measured figure; splitting it would only pass the same lists around.)
+    """(P, M, costs, notes) from a run's events.jsonl.
 
     Per stage, the median over clean steps (after `skip` warm-up steps; steps with a
     lost node or a redone round are left out) of the node timers, divided by the
@@ -34,6 +33,22 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
              and e["step"] not in failed and e.get("attempts", 1) == 1]
     if not steps:
         raise ValueError(f"{path}: no clean step after the first {skip}")
+    med = _stage_medians(steps, P, path)
+    fwd, bwd = _forward_backward(med, P, M, mode, backward_ratio)
+    optim, replica_optim = _optimizer_shares(med, P, mode)
+    costs = Costs(forward=tuple(fwd), backward=tuple(bwd), frc=None, latency=latency,
+                  commit=statistics.median(med[s]["reduce_s"] for s in range(P)),
+                  optim=tuple(optim),
+                  replica_optim=tuple(replica_optim) if mode != "off" else None)
+    notes = {"mode": mode, "steps_used": len(steps), "nodes": start.get("nodes"),
+             "forward_split": "from FRC timers" if mode == "eager" else
+             f"backward = {backward_ratio} x forward",
+             "measured_step_s": statistics.median(e["wall_s"] for e in steps)}
+    return P, M, costs, notes
+
+
+def _stage_medians(steps: list[dict], P: int, path: str | Path) -> dict[int, dict[str, float]]:
+    """Stage -> the median of each timer of its single-stage nodes over `steps`."""
     per_stage: dict[int, dict[str, list[float]]] = {s: {} for s in range(P)}
     for e in steps:
         for node in e["nodes"]:
@@ -46,6 +61,12 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in per_stage.items()}
     if any(not med[s] for s in range(P)):
         raise ValueError(f"{path}: some stage has no single-stage node report")
+    return med
+
+
+def _forward_backward(med: dict[int, dict[str, float]], P: int, M: int, mode: str,
+                      backward_ratio: float) -> tuple[list[float], list[float]]:
+    """Each stage's forward and backward seconds of one micro-batch."""
     fwd, bwd = [], []
     for s in range(P):
         c = med[s]["compute_s"] / M
@@ -54,6 +75,12 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
             f = c / (1.0 + backward_ratio)
         fwd.append(f)
         bwd.append(c - f)
+    return fwd, bwd
+
+
+def _optimizer_shares(med: dict[int, dict[str, float]], P: int,
+                      mode: str) -> tuple[list[float], list[float]]:
+    """Each stage's optimizer seconds, and those of its replica on the predecessor."""
     optim, replica_optim = [], [0.0] * P
     for s in range(P):
         o = med[s]["optim_s"]
@@ -66,12 +93,4 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
             replica_optim[(s + 1) % P] = o * share
             o *= 1.0 - share
         optim.append(o)
-    costs = Costs(forward=tuple(fwd), backward=tuple(bwd), frc=None, latency=latency,
-                  commit=statistics.median(med[s]["reduce_s"] for s in range(P)),
-                  optim=tuple(optim),
-                  replica_optim=tuple(replica_optim) if mode != "off" else None)
-    notes = {"mode": mode, "steps_used": len(steps), "nodes": start.get("nodes"),
-             "forward_split": "from FRC timers" if mode == "eager" else
-             f"backward = {backward_ratio} x forward",
-             "measured_step_s": statistics.median(e["wall_s"] for e in steps)}
-    return P, M, costs, notes
+    return optim, replica_optim
