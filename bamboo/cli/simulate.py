@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True, help="trace file (Bamboo CSV, count rows or JSON rows), "
                    "or synthetic:p=PROB[,alloc=A] / synthetic:mtbf=DURATION")
     from bamboo.sim.policies import POLICIES
-    from bamboo.sim.cost_presets import PRESETS
+    from bamboo.sim.cost_presets import SIM_MODELS
     p.add_argument("--model", default="gpt2",
-                   help=f"a model with published step times: {', '.join(m.name for m in PRESETS.values())} "
+                   help=f"a model with published step times: {', '.join(m.name for m in SIM_MODELS.values())} "
                         f"(default gpt2); or any bamboo train model (gpt2-tiny, llama-tiny, ...) with "
                         f"--costs from bamboo profile --model NAME")
     p.add_argument("--policies", default="bamboo,checkpoint,on-demand",
@@ -114,12 +114,12 @@ def _model(name: str, costs_file: str | None):
     the step times are what a simulation needs). Both sets of names are accepted."""
     from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.sim.costs import load_costs
-    from bamboo.sim.cost_presets import PRESETS, get_preset, preset_from_costs
+    from bamboo.sim.cost_presets import SIM_MODELS, get_preset, preset_from_costs
     try:
         base = get_preset(name)
     except KeyError:
         if name not in TRAIN_MODELS and ":" not in name:
-            known = ", ".join(m.name for m in PRESETS.values())
+            known = ", ".join(m.name for m in SIM_MODELS.values())
             raise _UserError(f"--model {name!r} is not a model: use one of {known} (published step "
                              f"times) or a bamboo train model ({', '.join(sorted(TRAIN_MODELS))}) "
                              f"with --costs") from None

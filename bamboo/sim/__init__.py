@@ -2,7 +2,7 @@
 
 from .core import RunResult, SimConfig
 from .costs import StepCosts, load_costs
-from .cost_presets import PRESETS, ModelPreset, get_preset
+from .cost_presets import SIM_MODELS, SimModel, get_preset
 from bamboo.traces.trace import Trace, TraceError, generate_synthetic, load_trace
 
 __all__ = [
@@ -10,8 +10,8 @@ __all__ = [
     "SimConfig",
     "StepCosts",
     "load_costs",
-    "PRESETS",
-    "ModelPreset",
+    "SIM_MODELS",
+    "SimModel",
     "get_preset",
     "Trace",
     "TraceError",

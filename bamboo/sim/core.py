@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from random import Random
 
-from .cost_presets import ModelPreset
+from .cost_presets import SimModel
 from bamboo.traces.trace import ADD, READY, Trace
 
 __all__ = [
@@ -109,7 +109,7 @@ class Policy:
 
     name = "policy"
 
-    def __init__(self, preset: ModelPreset, config: SimConfig, seed: int = 0) -> None:
+    def __init__(self, preset: SimModel, config: SimConfig, seed: int = 0) -> None:
         self.preset = preset
         self.cfg = config
         self.rng = Random(seed)

@@ -1,4 +1,5 @@
-"""Model presets: per-layout step times and recovery costs the policies are driven by.
+"""The simulator's models (`SimModel`, `SIM_MODELS`): per-layout step times and recovery costs the
+policies are driven by (a `bamboo train` model preset is another thing: `bamboo.config.presets`).
 
 GPT-2 and BERT step times are the Bamboo authors' measured seconds per step on
 p3.2xlarge (12 stages; see ../shared/traces/README.md). ResNet, VGG, GNMT and
@@ -14,11 +15,11 @@ from dataclasses import dataclass, replace
 
 from .costs import StepCosts
 
-__all__ = ["ModelPreset", "PRESETS", "get_preset", "preset_from_costs"]
+__all__ = ["SimModel", "SIM_MODELS", "get_preset", "preset_from_costs"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class ModelPreset:
+class SimModel:
     """What the simulator needs to know about one model."""
 
     name: str
@@ -68,22 +69,22 @@ class ModelPreset:
 
 _AUTHORS_SIM = "step times from the Bamboo authors' public simulator source (illustrative, not re-measured)"
 
-PRESETS: dict[str, ModelPreset] = {
-    "gpt2": ModelPreset(
+SIM_MODELS: dict[str, SimModel] = {
+    "gpt2": SimModel(
         name="gpt2", stages=12, samples_per_step=32,
         step_s={4: 1.008, 3: 1.046, 2: 1.085, 1: 1.200},
         rebalance_s=20.0, restart_s=30.0, ckpt_save_s=11.5, ckpt_restart_s=71.5,
         on_demand_nodes=32, on_demand_step_s=3.37,
         source="Bamboo authors' measured step times (traces README)", measured=True,
     ),
-    "bert": ModelPreset(
+    "bert": SimModel(
         name="bert", stages=12, samples_per_step=264,
         step_s={4: 1.450, 3: 1.805, 2: 2.390, 1: 4.310},
         rebalance_s=20.0, restart_s=30.0, ckpt_save_s=15.8, ckpt_restart_s=60.2,
         on_demand_nodes=20, on_demand_step_s=2.51,
         source="Bamboo authors' measured step times (traces README)", measured=True,
     ),
-    "llama1b": ModelPreset(
+    "llama1b": SimModel(
         name="llama-1b", stages=8, samples_per_step=16,
         step_s={4: 1.512, 3: 1.569, 2: 1.628, 1: 1.800},
         rebalance_s=20.0, restart_s=30.0, ckpt_save_s=11.5, ckpt_restart_s=71.5,
@@ -92,25 +93,25 @@ PRESETS: dict[str, ModelPreset] = {
                "parameters with the untied head, on 8 stages; 16 x 2048 tokens per step, as "
                "GPT-2's 32 x 1024)",
     ),
-    "resnet": ModelPreset(
+    "resnet": SimModel(
         name="resnet", stages=8, samples_per_step=384,
         step_s={4: 1.6, 3: 2.4, 2: 3.2, 1: 6.1},
         rebalance_s=10.0, restart_s=30.0, ckpt_save_s=10.0, ckpt_restart_s=60.0,
         on_demand_nodes=20, on_demand_step_s=1.3, source=_AUTHORS_SIM,
     ),
-    "vgg": ModelPreset(
+    "vgg": SimModel(
         name="vgg", stages=6, samples_per_step=384,
         step_s={4: 2.75, 3: 3.44, 2: 4.9, 1: 9.3},
         rebalance_s=5.0, restart_s=30.0, ckpt_save_s=10.0, ckpt_restart_s=60.0,
         on_demand_nodes=16, on_demand_step_s=2.2, source=_AUTHORS_SIM,
     ),
-    "gnmt": ModelPreset(
+    "gnmt": SimModel(
         name="gnmt", stages=6, samples_per_step=288,
         step_s={4: 0.95, 3: 1.185, 2: 1.66, 1: 3.1},
         rebalance_s=10.0, restart_s=30.0, ckpt_save_s=10.0, ckpt_restart_s=60.0,
         on_demand_nodes=16, on_demand_step_s=0.9, source=_AUTHORS_SIM,
     ),
-    "alexnet": ModelPreset(
+    "alexnet": SimModel(
         name="alexnet", stages=6, samples_per_step=384,
         step_s={4: 1.55, 3: 2.0, 2: 3.1, 1: 6.18},
         rebalance_s=5.0, restart_s=30.0, ckpt_save_s=10.0, ckpt_restart_s=60.0,
@@ -119,15 +120,15 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def get_preset(name: str) -> ModelPreset:
+def get_preset(name: str) -> SimModel:
     """Look a preset up by name (case-insensitive, '-' ignored)."""
     key = name.lower().replace("-", "")
-    if key not in PRESETS:
-        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[key]
+    if key not in SIM_MODELS:
+        raise KeyError(f"unknown model {name!r}; choose one of {', '.join(SIM_MODELS)}")
+    return SIM_MODELS[key]
 
 
-def preset_from_costs(costs: StepCosts, base: ModelPreset) -> ModelPreset:
+def preset_from_costs(costs: StepCosts, base: SimModel) -> SimModel:
     """A preset whose step times and recovery costs come from a profiled costs file."""
     step_s = {d: costs.step_time(d) * (1.0 + costs.rc_overhead) for d in range(1, costs.max_pipelines + 1)}
     return replace(

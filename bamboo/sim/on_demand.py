@@ -4,7 +4,7 @@ result is closed form; and the size of that cluster (``--on-demand ref|matched|N
 from __future__ import annotations
 
 from .core import Policy, RunResult, SimConfig
-from .cost_presets import ModelPreset
+from .cost_presets import SimModel
 from bamboo.traces.trace import Trace
 
 __all__ = ["OnDemandPolicy", "on_demand_layout"]
@@ -23,7 +23,7 @@ def _mean_live(trace: Trace) -> float:
     return area / trace.duration if trace.duration > 0 else float(live)
 
 
-def on_demand_layout(preset: ModelPreset, config: SimConfig, trace: Trace) -> tuple[int, float]:
+def on_demand_layout(preset: SimModel, config: SimConfig, trace: Trace) -> tuple[int, float]:
     """(nodes, seconds per step) of the on-demand cluster the config asks for."""
     what = config.on_demand
     if what == "ref":

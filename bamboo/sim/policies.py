@@ -27,7 +27,7 @@ from __future__ import annotations
 from bamboo.plan import redundancy_choice as auto
 from bamboo.sim.checkpoint_policy import CheckpointPolicy
 from bamboo.sim.core import CKPT, IDLE, REBALANCE, RESTART, RUN, Policy, RunResult, SimConfig
-from bamboo.sim.cost_presets import ModelPreset
+from bamboo.sim.cost_presets import SimModel
 from bamboo.sim.on_demand import OnDemandPolicy, on_demand_layout
 from bamboo.sim.restarting import (RDV, RUNNING, STOPPED, T_DECIDE, T_FALLBACK, T_RDV_DONE,
                                    T_RESUME, RestartingPolicy)
@@ -367,7 +367,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, preset: ModelPreset, config: SimConfig, seed: int = 0) -> Policy:
+def make_policy(name: str, preset: SimModel, config: SimConfig, seed: int = 0) -> Policy:
     """Build a policy by name."""
     try:
         cls = POLICIES[name]

@@ -15,7 +15,7 @@ from typing import Callable
 
 from .core import CATEGORIES, RunResult, SimConfig
 from .policies import make_policy
-from .cost_presets import ModelPreset
+from .cost_presets import SimModel
 from bamboo.traces.trace import Trace, generate_synthetic, load_trace, parse_synthetic_spec
 
 __all__ = ["TraceSource", "resolve_trace", "run_policies", "summarize", "run_seed"]
@@ -61,7 +61,7 @@ def _one_run(run: int) -> list[RunResult]:
 def run_policies(
     source: TraceSource,
     policies: list[str],
-    preset: ModelPreset,
+    preset: SimModel,
     config: SimConfig,
     *,
     runs: int = 1,
@@ -110,7 +110,7 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 
 def summarize(
-    source: TraceSource, preset: ModelPreset, results: dict[str, list[RunResult]], *, runs: int, seed: int
+    source: TraceSource, preset: SimModel, results: dict[str, list[RunResult]], *, runs: int, seed: int
 ) -> dict:
     """The contract's JSON (plus extra keys): means over runs, spread when runs > 1."""
     hours = statistics.fmean(r.duration_s for r in next(iter(results.values()))) / 3600.0

@@ -24,7 +24,7 @@ from bamboo.plan.redundancy_choice import (
 )
 from bamboo.sim.core import SimConfig
 from bamboo.sim.policies import AdaptivePolicy, make_policy
-from bamboo.sim.cost_presets import ModelPreset, get_preset
+from bamboo.sim.cost_presets import SimModel, get_preset
 
 HOUR = 3600.0
 secs = st.floats(0.0, 600.0, allow_nan=False)
@@ -240,7 +240,7 @@ def test_rate_estimator_validates():
 
 # -- the simulator decides with the same function
 
-TINY = ModelPreset(name="tiny", stages=4, samples_per_step=8, step_s={1: 2.0, 2: 1.0},
+TINY = SimModel(name="tiny", stages=4, samples_per_step=8, step_s={1: 2.0, 2: 1.0},
                    rebalance_s=20.0, restart_s=30.0, ckpt_save_s=5.0, ckpt_restart_s=60.0)
 SIM_RATES = [1e-8, PRIOR_RATE, 0.5 / HOUR, 3.0 / HOUR, 30.0 / HOUR]
 

@@ -47,14 +47,14 @@ def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.cli.simulate import build_parser, main
     from bamboo.sim.policies import POLICIES
-    from bamboo.sim.cost_presets import PRESETS
+    from bamboo.sim.cost_presets import SIM_MODELS
     f = tmp_path / "c.json"
     f.write_text(json.dumps(GOOD))
     assert main(["--trace", "synthetic:p=0.1,nodes=12,hours=2", "--model", "gpt2-tiny",
                  "--costs", str(f), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "gpt2-tiny"
     for name in TRAIN_MODELS:
-        if name.replace("-", "") in PRESETS:  # a name both sides share (llama-1b) runs as is
+        if name.replace("-", "") in SIM_MODELS:  # a name both sides share (llama-1b) runs as is
             continue
         assert main(["--trace", "synthetic:p=0.1", "--model", name]) == 2
         err = capsys.readouterr().err
@@ -64,5 +64,5 @@ def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     assert main(["--trace", "synthetic:p=0.1", "--model", "nonsense"]) == 2
     assert "is not a model: use one of gpt2, bert, llama-1b" in capsys.readouterr().err
     helptext = " ".join(build_parser().format_help().split())
-    for name in [m.name for m in PRESETS.values()] + list(POLICIES):
+    for name in [m.name for m in SIM_MODELS.values()] + list(POLICIES):
         assert name in helptext, name

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from bamboo.sim.core import SimConfig
 from bamboo.sim.policies import make_policy
-from bamboo.sim.cost_presets import ModelPreset, get_preset
+from bamboo.sim.cost_presets import SimModel, get_preset
 from bamboo.traces.trace import ADD, REMOVE, Trace, load_trace
 
 TRACES = Path(__file__).resolve().parents[3] / "traces"
 P3 = TRACES / "aws-p3-2xlarge.csv"
 
 # A tiny 4-stage model: 2 pipelines of 4 need 8 nodes.
-TINY = ModelPreset(name="tiny", stages=4, samples_per_step=8, step_s={1: 2.0, 2: 1.0},
+TINY = SimModel(name="tiny", stages=4, samples_per_step=8, step_s={1: 2.0, 2: 1.0},
                    rebalance_s=20.0, restart_s=30.0, ckpt_save_s=5.0, ckpt_restart_s=60.0)
 CFG = SimConfig(alloc_delay_s=0.0, fallback_every_s=0.0)
 

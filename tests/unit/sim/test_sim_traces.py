@@ -113,10 +113,10 @@ def test_events_merge_ready_after_its_add_and_before_rows_at_the_same_time():
 def test_ready_of_a_node_removed_and_re_added_uses_the_new_add():
     from bamboo.sim.core import SimConfig
     from bamboo.sim.policies import make_policy
-    from bamboo.sim.cost_presets import ModelPreset
+    from bamboo.sim.cost_presets import SimModel
     from bamboo.traces.trace import ADD, REMOVE, Trace
 
-    tiny = ModelPreset(name="tiny", stages=2, samples_per_step=2, step_s={1: 1.0},
+    tiny = SimModel(name="tiny", stages=2, samples_per_step=2, step_s={1: 1.0},
                        rebalance_s=5.0, restart_s=5.0, ckpt_save_s=1.0, ckpt_restart_s=5.0)
     # node 1 is lost at 10 s and re-added at 30 s: it must be ready at 75 s, not at the first add's 45 s.
     tr = Trace(name="r", times=[0.0, 0.0, 10.0, 30.0], kinds=[ADD, ADD, REMOVE, ADD], nodes=[0, 1, 1, 1],
