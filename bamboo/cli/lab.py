@@ -17,11 +17,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bamboo.chaos.lab.session import Fault
+from bamboo.chaos.lab.session import HostFault
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import JOIN_PORT
 
-__all__ = ["main", "lab_parser", "Fault", "fault_schedule", "job_flags"]
+__all__ = ["main", "lab_parser", "HostFault", "fault_schedule", "job_flags"]
 
 PROG = "bamboo lab"
 
@@ -81,10 +81,10 @@ def _seconds(text: str, flag: str, spec: str) -> float:
     return value
 
 
-def fault_schedule(cuts: list[str], kills: list[str], hosts: list[str]) -> list[Fault]:
+def fault_schedule(cuts: list[str], kills: list[str], hosts: list[str]) -> list[HostFault]:
     """The faults of `--cut` and `--kill-host` in time order (a cut with +D also reconnects);
     _UsageError names a malformed spec or an unknown host."""
-    out: list[Fault] = []
+    out: list[HostFault] = []
     for flag, specs in (("--cut", cuts), ("--kill-host", kills)):
         for spec in specs:
             host, sep, when = spec.partition("@")
@@ -95,11 +95,11 @@ def fault_schedule(cuts: list[str], kills: list[str], hosts: list[str]) -> list[
             if flag == "--cut":
                 start, plus, length = when.partition("+")
                 at = _seconds(start, flag, spec)
-                out.append(Fault(at, "cut", host))
+                out.append(HostFault(at, "cut", host))
                 if plus:
-                    out.append(Fault(at + _seconds(length, flag, spec), "reconnect", host))
+                    out.append(HostFault(at + _seconds(length, flag, spec), "reconnect", host))
             else:
-                out.append(Fault(_seconds(when, flag, spec), "kill", host))
+                out.append(HostFault(_seconds(when, flag, spec), "kill", host))
     return sorted(out, key=lambda f: f.at_s)
 
 
@@ -135,7 +135,7 @@ def job_flags(job: list[str], nodes: int) -> list[str]:
 
 
 def _checked(args: argparse.Namespace, job: list[str]) -> tuple[
-        list[str], list[Fault], list[tuple[str, str]], list[tuple[str, str]]]:
+        list[str], list[HostFault], list[tuple[str, str]], list[tuple[str, str]]]:
     """The job's flags, the faults, caps and delays, once every flag checks out."""
     if not 2 <= args.hosts <= 250:
         raise _UsageError(f"--hosts {args.hosts}: need 2 to 250 (a coordinator and agents)")

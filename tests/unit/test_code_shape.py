@@ -20,7 +20,8 @@ must still be long (the list only shrinks), and no other may join it."""
 
 
 def _shape():
-    spec = importlib.util.spec_from_file_location("code_shape", REPO / "benchmarks" / "code_shape.py")
+    path = REPO / "benchmarks" / "code_shape.py"
+    spec = importlib.util.spec_from_file_location("code_shape", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("code_shape", module)
     spec.loader.exec_module(module)

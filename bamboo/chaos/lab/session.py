@@ -24,7 +24,7 @@ from typing import IO
 
 from bamboo.chaos.lab.hosts import Host, Lab, LabError, NetemUnavailable
 
-__all__ = ["Fault", "LabSession", "run_lab", "token_file", "EXIT_BAD_SETUP"]
+__all__ = ["HostFault", "LabSession", "run_lab", "token_file", "EXIT_BAD_SETUP"]
 
 LISTEN_TIMEOUT_S = 180.0
 """Seconds to wait for the coordinator to listen before the agents are started anyway."""
@@ -37,7 +37,11 @@ EXIT_BAD_SETUP = 2
 
 
 @dataclass(frozen=True)
-class Fault:
+class HostFault:
+    """What the lab does to a host `at_s` seconds after the coordinator starts: cut its link,
+    reconnect it, or kill every process in it (a job's own fault plan is another thing:
+    `bamboo.plan.faults.Fault`)."""
+
     at_s: float
     action: str  # "cut", "reconnect", "kill"
     host: str
@@ -57,7 +61,7 @@ class LabSession:
     job: list[str]
     out: Path
     token: Path
-    faults: list[Fault] = field(default_factory=list)
+    faults: list[HostFault] = field(default_factory=list)
     caps: list[tuple[str, str]] = field(default_factory=list)
     delays: list[tuple[str, str]] = field(default_factory=list)
 

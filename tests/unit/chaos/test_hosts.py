@@ -44,10 +44,10 @@ def test_lab_command_usage_errors_are_one_line(argv, message, capsys):
 
 
 def test_lab_command_faults_and_job_flags():
-    from bamboo.cli.lab import Fault, fault_schedule, job_flags
+    from bamboo.cli.lab import HostFault, fault_schedule, job_flags
     hosts = ["coord", "a1", "a2"]
     assert fault_schedule(["a1@10+5", "a2@1"], ["a1@20"], hosts) == [
-        Fault(1.0, "cut", "a2"), Fault(10.0, "cut", "a1"), Fault(15.0, "reconnect", "a1"),
-        Fault(20.0, "kill", "a1")]
+        HostFault(1.0, "cut", "a2"), HostFault(10.0, "cut", "a1"),
+        HostFault(15.0, "reconnect", "a1"), HostFault(20.0, "kill", "a1")]
     assert job_flags(["--steps", "6"], 4) == ["--steps", "6", "--nodes", "4"]
     assert job_flags(["--nodes=2"], 4) == ["--nodes=2"]
