@@ -200,7 +200,7 @@ class SimCluster:
 
     def _beat(self, w: SimWorker) -> None:
         """A message is also a heartbeat (a real worker beats every half second)."""
-        self.core.nodes.beats[w.node.slot] = self.clock()
+        self.core.nodes.heard_from(w.node)
 
     def _guard(self, fn: Any, *args: Any) -> None:
         if self.stopped is not None:

@@ -218,7 +218,7 @@ class CoordinatorCore:
               owns_trace_node: bool = True) -> Node:
         """One more node from the source, announced with its role (a `node_up` event)."""
         n = self.source.start_node(self, first_gen)
-        n.trace_node = trace_node
+        self.nodes.plays(n, trace_node)
         replay = self.preemptions.replay
         if trace_node is not None and owns_trace_node:
             self.preemptions.played_by(trace_node, n.node)
@@ -270,7 +270,6 @@ class CoordinatorCore:
                                 self.store_host)
         self.preemptions = Preemptions(ctx, self.nodes, self.kills)
         self.steps = StepProtocol(ctx, self.nodes, check_replicas=cfg.redundancy.check_replicas)
-        self.steps.evaluated.update(step for step, _ in ctx.eval_losses)
         interval = CheckpointInterval(ctx)
         self.checkpoints = CheckpointAssembly(ctx, interval)
         self.restore = RestorePoints(ctx, interval)
@@ -314,12 +313,9 @@ class CoordinatorCore:
             self.failures.close(step, [], 0.0, self.results.records)
 
     def _on_ready(self, n: Node, msg: Ready) -> None:
-        n.own_processor = msg.own_processor
         if msg.cpus:
             self.events.write("pinned", node=n.name, cpus=list(msg.cpus))
-        if n.state is NodeState.STARTING:
-            self.nodes.set_state(n, NodeState.READY)
-        self.nodes.heard_from(n)
+        self.nodes.ready(n, msg.own_processor)
         if n.rank is None:
             self.events.write("standby", node=n.name)
 

@@ -263,9 +263,7 @@ class FailureHandler:
             if n.exited or n.state not in (NodeState.STARTING, NodeState.READY) or \
                     n.kill_at is not None or not n.process.is_alive() or n.node in restarting:
                 continue  # gone or going: counted when it ends, never restarted
-            self.nodes.set_state(n, NodeState.RETIRED)
-            n.kill_sent = True
-            n.process.kill()
+            self.nodes.retire(n)
             stopped.append(n)
         return stopped
 

@@ -353,6 +353,39 @@ class Supervisor:
         self.ctx.say(f"node {n.name} {what}; fenced with SIGKILL")
         n.process.kill()
 
+    def kill(self, n: Node, *, at: float | None = None) -> None:
+        """SIGKILL `n` now, or (a notice given) once the clock reaches `at` (`kill_due`)."""
+        n.kill_sent = True
+        if at is None:
+            n.process.kill()
+        else:
+            n.kill_at = at
+
+    def kill_due(self, now: float) -> None:
+        """The SIGKILL of every node whose notice ran out."""
+        for n in self:
+            if n.kill_at is not None and now >= n.kill_at:
+                n.kill_at = None
+                if not n.exited:
+                    n.process.kill()
+
+    def retire(self, n: Node) -> None:
+        """Stop `n` for good (checkpoint-restart replaces every worker): its exit is no loss."""
+        self.set_state(n, NodeState.RETIRED)
+        self.kill(n)
+
+    def ready(self, n: Node, own_processor: bool) -> None:
+        """`n` said it is up (`Ready`): a member or a standby from now on."""
+        n.own_processor = own_processor
+        if n.state is NodeState.STARTING:
+            self.set_state(n, NodeState.READY)
+        self.heard_from(n)
+
+    @staticmethod
+    def plays(n: Node, trace_node: int | None) -> None:
+        """`n` plays trace node `trace_node` (`--trace`; None: no trace node)."""
+        n.trace_node = trace_node
+
     @staticmethod
     def fork_server_death(code: int | None = None) -> str | None:
         """Why the local workers died, when it is that their fork server (the parent of

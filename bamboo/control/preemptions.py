@@ -105,11 +105,10 @@ class Preemptions:
             return
         notice = self.ctx.cfg.cluster.notice_s
         self.ctx.events.write("preempt", node=n.name, why=why, notice_s=notice)
-        n.kill_sent = True
         if notice is None:
-            n.process.kill()
+            self.nodes.kill(n)
             return
-        n.kill_at = self.ctx.clock() + notice
+        self.nodes.kill(n, at=self.ctx.clock() + notice)
         if hasattr(n.process, "terminate_notice"):  # an agent on another machine
             n.process.terminate_notice()
             return
@@ -122,11 +121,7 @@ class Preemptions:
         """Due kills of noticed nodes, and the trace's due events: the trace nodes whose
         worker starts now (the caller starts them and says who plays each: `played_by`)."""
         now = self.ctx.clock()
-        for n in self.nodes:
-            if n.kill_at is not None and now >= n.kill_at:
-                n.kill_at = None
-                if not n.exited:
-                    n.process.kill()
+        self.nodes.kill_due(now)
         if self.replay is None or self.trace_t0 is None:
             return []
         trace_s = (now - self.trace_t0) * self.replay.time_scale

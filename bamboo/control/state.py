@@ -9,7 +9,7 @@ One writer per field. Every field of the shared state has exactly one part that 
 it; the others only read it. A part that needs another's field changed calls that part's
 method, or returns what happened to the core, which hands it on: the parts are built
 without callbacks (`CoordinatorCore._build_parts`). `tests/unit/control/test_writers.py`
-fails when a second module writes a field.
+fails when a second module writes a field (of the context, or of a node).
 
 | field | its one writer | readers |
 | --- | --- | --- |
@@ -22,8 +22,9 @@ fails when a second module writes a field.
 | `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |
 | `eval_losses` | `results.Results.record_eval` | `checkpointing`, `core` |
 
-A node's fields follow the same rule: its `state` changes only through
-`nodes.Supervisor.set_state`, its `rank` only in `Generations.enter`.
+A node's fields (`nodes.Node`) follow the same rule: the supervisor writes them (`state`
+through `Supervisor.set_state`; a kill through `kill`, `kill_due`, `fence`, `retire`; `ready`,
+`plays`, `exited`, `release`), and `Generations.enter` its `rank` in the current generation.
 """
 from __future__ import annotations
 

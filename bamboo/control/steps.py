@@ -51,9 +51,9 @@ class StepProtocol:
         self.written: set[str] = set()
         """Decision keys in the store (each written once, deleted once no node can wait)."""
         self.eval_votes: dict[tuple[int, int], dict[int, EvalDone]] = {}
-        self.evaluated: set[int] = set()
-        """Steps whose held-out loss is recorded (a generation that starts again at an
-        evaluation point evaluates again: the first result stands)."""
+        self.evaluated: set[int] = {step for step, _ in ctx.eval_losses}
+        """Steps whose held-out loss is recorded, a resumed run's included (a generation
+        that starts again at an evaluation point evaluates again: the first result stands)."""
         self.check_replicas = check_replicas
         self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
         self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}

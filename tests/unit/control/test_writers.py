@@ -150,3 +150,68 @@ def test_the_parts_are_built_without_callbacks() -> None:
             assert a.attr not in methods, f"{ast.unparse(a)} passed as a callback"
             assert isinstance(a.value, ast.Name), f"{ast.unparse(a)}: a part's member passed"
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)], "a lambda in core.py"
+
+
+NODE_OWNER = {**dict.fromkeys(("state", "kill_sent", "kill_at", "exited", "process",
+                               "trace_node", "own_processor", "device_slot"), "nodes"),
+              "rank": "generations"}
+"""Field of a `nodes.Node` -> the one module that writes it (its `Supervisor`, or for the
+rank in the current generation `Generations.enter`)."""
+
+
+def node_writes(source: str) -> list[tuple[str, int]]:
+    """(field, line) of every assignment to a node's field through another object than
+    `self` (`n.kill_sent = True`, `self.nodes.by_name(name).rank = r`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in NODE_OWNER and not (
+                    isinstance(t.value, ast.Name) and t.value.id == "self"):
+                found.append((t.attr, node.lineno))
+    return found
+
+
+def test_each_node_field_has_one_writer() -> None:
+    """A node's state, kill, trace node, readiness: written by the supervisor only (its
+    rank by the generations part); the other parts call the supervisor's methods."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for path in sorted(CONTROL.glob("*.py")):
+        for field, line in node_writes(path.read_text()):
+            found.setdefault(field, {}).setdefault(path.stem, []).append(line)
+    wrong = {f: mods for f, mods in found.items() if set(mods) != {NODE_OWNER[f]}}
+    assert not wrong, f"node fields written outside their owner: {wrong}"
+    assert {"state", "kill_sent", "rank"} <= set(found)
+    assert node_writes("def f(n):\n    n.kill_sent = True\n") == [("kill_sent", 2)]
+
+
+def test_the_core_writes_no_parts_field() -> None:
+    """The core hands news on through the parts' methods: it never assigns to (or mutates)
+    a part's attribute (`self.gens.checkpoint_due = True`, `self.nodes.beats[i] = t`)."""
+    tree = ast.parse((CONTROL / "core.py").read_text())
+    build = next(n for n in ast.walk(tree)
+                 if isinstance(n, ast.FunctionDef) and n.name == "_build_parts")
+    parts = {t.attr for n in ast.walk(build) if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+             and t.value.id == "self"}
+    assert {"nodes", "steps", "gens", "failures", "preemptions"} <= parts
+
+    def into_part(t: ast.expr) -> bool:
+        while isinstance(t, (ast.Attribute, ast.Subscript)):
+            inner = t.value
+            if isinstance(t, ast.Attribute) and isinstance(inner, ast.Attribute) and \
+                    isinstance(inner.value, ast.Name) and inner.value.id == "self" and \
+                    inner.attr in parts:
+                return True
+            t = inner
+        return False
+
+    bad = []
+    for n in ast.walk(tree):
+        targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else \
+            [n.target] if isinstance(n, ast.AugAssign) else \
+            [n.func.value] if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+            and n.func.attr in MUTATORS else []
+        bad += [f"{n.lineno}: {ast.unparse(t)}" for t in targets if into_part(t)]
+    assert not bad, bad
