@@ -347,7 +347,7 @@ class SimCluster:
                         dict(stages=[])
                     self._send(w, StepReport(rank=r, step=step, **timed))
                 if "ckpt" in verdict:
-                    self._checkpoint(step + 1)
+                    self._checkpoint(step + 1, roles, ranks)
                 return
             self.settle()
             if self.stopped is not None or self.ctx.committed != step:
@@ -357,12 +357,17 @@ class SimCluster:
     def _worker(self, rank: int) -> SimWorker:
         return self.workers[self.core.gens.member(rank).node]
 
-    def _checkpoint(self, step: int) -> None:
-        """Rank 0 plays every holder: it writes every layer, then reports them durable."""
-        layers = range(len(self.ctx.param_counts))
-        write_layers(step_dir(checkpoint_location(self.ctx.cfg), step),
-                     {i: {"state": torch.zeros(1)} for i in layers})
-        self._send(self._worker(0), CheckpointPart(rank=0, step=step, layers=list(layers)))
+    def _checkpoint(self, step: int, roles: RoleMap, ranks: list[int]) -> None:
+        """Each stage's first live holder writes its layers (the workers' own rule,
+        `bamboo.run.writers`), then reports them durable."""
+        plan = self._plan(self.ctx.plan.gen)
+        for r in ranks:
+            mine = sorted(i for s in stages_written_by(roles, r, roles.stages_of(r))
+                          for i in range(*plan.parts[s]))
+            if mine:
+                write_layers(step_dir(checkpoint_location(self.ctx.cfg), step),
+                             {i: {"state": torch.zeros(1)} for i in mine})
+                self._send(self._worker(r), CheckpointPart(rank=r, step=step, layers=mine))
 
     def finish(self) -> None:
         while self.stopped is None and self.ctx.committed < self.cfg.training.steps:
