@@ -295,8 +295,6 @@ def run_agent(opts: AgentOptions) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from bamboo.node import forkserver
     forkserver.start()  # torch imports in the background while the agent joins
-    host, port = opts.address
-    say = opts.say
     noticed: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: noticed.append("SIGTERM"))
     watcher = None
@@ -305,52 +303,60 @@ def run_agent(opts: AgentOptions) -> int:
         from bamboo.fleet.notices import NoticeWatcher, make_source
         watcher = NoticeWatcher([make_source(s, opts.metadata_url) for s in sources],
                                 lambda n: noticed.append(n.source)).start()
+    try:
+        return _serve(opts, noticed)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+
+
+def _serve(opts: AgentOptions, noticed: list[str]) -> int:
+    """Join and rejoin until the run is over, a notice drains this machine, or the
+    coordinator stays away for `rejoin_s`; the exit code."""
+    host, port = opts.address
+    say = opts.say
     away_since = time.monotonic()
     backoff = 0.5
     joined_once = False
     last_error = ""
-    try:
-        while True:
-            try:
-                channel = _connect(opts)
-            except Refusal as e:
-                if "token" in str(e):
-                    raise JoinError(f"the coordinator at {host}:{port} refused the join token: "
-                                    f"use the token it printed (its run directory's join-token "
-                                    f"file)") from None
-                raise JoinError(f"the coordinator at {host}:{port} refused this agent: {e}") from None
-            except (OSError, EOFError, WireError) as e:
-                last_error = getattr(e, "strerror", None) or str(e) or type(e).__name__
-                channel = None
-            if channel is not None:
-                say(f"{'rejoined' if joined_once else 'joined'} {host}:{port} with "
-                    f"{opts.workers} worker slot(s)")
-                joined_once = True
-                session = _Session(opts, channel, noticed)
-                outcome = session.run()
-                channel.close()
-                if outcome in ("finished", "done"):
-                    return 0
-                if outcome == "drained" or noticed:  # going away: nothing to rejoin for
-                    say("stopped after a preemption notice")
-                    return EXIT_DRAINED
-                say("lost the coordinator; its workers are stopped" if outcome == "lost"
-                    else "no room in the job yet")
-                away_since, backoff = time.monotonic(), 0.5
-                last_error = "it went away" if outcome == "lost" else "the job was full"
-            if noticed and not joined_once:
+    while True:
+        try:
+            channel = _connect(opts)
+        except Refusal as e:
+            if "token" in str(e):
+                raise JoinError(f"the coordinator at {host}:{port} refused the join token: "
+                                f"use the token it printed (its run directory's join-token "
+                                f"file)") from None
+            raise JoinError(f"the coordinator at {host}:{port} refused this agent: {e}") from None
+        except (OSError, EOFError, WireError) as e:
+            last_error = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            channel = None
+        if channel is not None:
+            say(f"{'rejoined' if joined_once else 'joined'} {host}:{port} with "
+                f"{opts.workers} worker slot(s)")
+            joined_once = True
+            session = _Session(opts, channel, noticed)
+            outcome = session.run()
+            channel.close()
+            if outcome in ("finished", "done"):
+                return 0
+            if outcome == "drained" or noticed:  # going away: nothing to rejoin for
+                say("stopped after a preemption notice")
                 return EXIT_DRAINED
-            away = time.monotonic() - away_since
-            if away >= opts.rejoin_s:
-                if not joined_once:
-                    raise JoinError(f"cannot reach the coordinator at {host}:{port} "
-                                    f"({last_error}): is `bamboo coordinator` running there?"
-                                    + (f" (tried for {opts.rejoin_s:g} s)" if opts.rejoin_s else ""))
-                say(f"the coordinator at {host}:{port} has been away for {away:.0f} s "
-                    f"(--rejoin-s {opts.rejoin_s:g}): giving up")
-                return 1
-            time.sleep(min(backoff, max(0.0, opts.rejoin_s - away)))
-            backoff = min(backoff * 2, 5.0)
-    finally:
-        if watcher is not None:
-            watcher.stop()
+            say("lost the coordinator; its workers are stopped" if outcome == "lost"
+                else "no room in the job yet")
+            away_since, backoff = time.monotonic(), 0.5
+            last_error = "it went away" if outcome == "lost" else "the job was full"
+        if noticed and not joined_once:
+            return EXIT_DRAINED
+        away = time.monotonic() - away_since
+        if away >= opts.rejoin_s:
+            if not joined_once:
+                raise JoinError(f"cannot reach the coordinator at {host}:{port} "
+                                f"({last_error}): is `bamboo coordinator` running there?"
+                                + (f" (tried for {opts.rejoin_s:g} s)" if opts.rejoin_s else ""))
+            say(f"the coordinator at {host}:{port} has been away for {away:.0f} s "
+                f"(--rejoin-s {opts.rejoin_s:g}): giving up")
+            return 1
+        time.sleep(min(backoff, max(0.0, opts.rejoin_s - away)))
+        backoff = min(backoff * 2, 5.0)

@@ -414,9 +414,10 @@ def parse_synthetic_spec(spec: str, *, nodes: int = 48, hours: float = 12.0) -> 
 
 
 def generate_synthetic(spec: SyntheticSpec, seed: int) -> Trace:
-    """Generate one trace; the same spec and seed always give the same trace. (One loop
-    over the horizon with one random stream: split, the order of draws would be easy to
-    change by accident, and with it every trace.)"""
+    """Generate one trace; the same spec and seed always give the same trace.
+
+    Long because it is one loop over the horizon with one random stream: split, the order
+    of draws would be easy to change by accident, and with it every trace."""
     rng = random.Random(seed)
     rand = rng.random
     horizon = spec.hours * 3600.0
