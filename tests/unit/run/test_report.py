@@ -4,19 +4,17 @@ The run directories are written by hand, following the contract's summary.json a
 events.jsonl (node_up, step_done with per-stage timers, node_lost handled as failover,
 drain and peer_restore, a replacement node_up, run_done / run_failed), so no training
 runs here.
-"""
+
+Its tests that start processes: tests/integration/test_report_runs.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bamboo.cli.report import main
 from bamboo.run.report import PLOT_SIZE_PX, Prices, ReportError, load_run, report_text, write_report
-from support.procs import REPO
 
 PLOTS = ("loss.png", "throughput.png", "nodes.png", "cost.png", "pauses.png", "memory.png")
 CONFIG = {"nodes": 5, "stages": 2, "pipelines": 2, "micro_batches": 2, "micro_batch_size": 4,
@@ -239,16 +237,3 @@ def test_bad_run_directory_is_one_line_and_exit_2(tmp_path: Path, case: str,
     out = capsys.readouterr()
     assert out.err.startswith("bamboo report: error: ") and out.err.count("\n") == 1
     assert "Traceback" not in out.err and out.out == ""
-
-
-@pytest.mark.procs
-def test_command_line_exit_code_and_debug(tmp_path: Path) -> None:
-    missing = tmp_path / "nope"
-    cmd = [sys.executable, "-m", "bamboo.cli.report", str(missing)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 2
-    assert proc.stderr == (f"bamboo report: error: run directory '{missing}' does not exist: "
-                           f"give a directory written by bamboo train --out\n")
-    with pytest.raises(ReportError):
-        main([str(missing), "--debug"])
-    assert main(["--spot-price", "-1", str(missing)]) == 2

@@ -1,32 +1,10 @@
-"""`bamboo profile` writes a costs file that `bamboo simulate --costs` reads."""
+"""`bamboo profile` writes a costs file that `bamboo simulate --costs` reads.
+Its tests that start processes: tests/integration/test_profile_runs.py."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pytest
-
 from bamboo.cli.profile import main as profile_main
-from bamboo.cli.simulate import main as simulate_main
-from bamboo.sim.costs import load_costs
-from support.procs import REPO
-
-
-@pytest.mark.procs
-@pytest.mark.timeout(300)
-def test_profile_then_simulate(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "costs.json"
-    assert profile_main(["--stages", "3", "--micro-batches", "2", "--micro-batch-size", "4",
-                         "--steps", "4", "--repeats", "1", "--out", str(out)]) == 0
-    costs = load_costs(out)
-    assert costs.stages == 3 and len(costs.forward_s) == 3 and all(f > 0 for f in costs.forward_s)
-    assert all(b > 0 for b in costs.backward_s) and costs.rc_overhead >= 0
-    assert costs.reconfiguration_s > 0  # a real peer restore was timed
-    capsys.readouterr()
-    trace = REPO / "traces" / "aws-p3-2xlarge.csv"
-    assert simulate_main(["--trace", str(trace), "--costs", str(out), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["policies"]["bamboo"]["throughput"] > 0
 
 
 def test_profile_refuses_to_overwrite(tmp_path: Path, capsys) -> None:
