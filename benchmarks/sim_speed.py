@@ -4,8 +4,7 @@ Run from the repository root (or anywhere):
 
     .venv/bin/python benchmarks/sim_speed.py [--trace FILE] [--runs 10000] [--jobs 2] [--p 0.10]
 
-The default trace is shared/traces/aws-p3-2xlarge.csv next to the repository checkout
-(../shared/traces/ seen from the repository root). It prints: the whole trace with
+The default trace is traces/aws-p3-2xlarge.csv in the repository. It prints: the whole trace with
 every policy (best of 5), events per second of each cluster policy, and the wall time
 of ``--runs`` synthetic runs (trace generation included, ``--jobs`` processes) of each
 policy alone and of all four together. Exit status 1 when a target of the issue is missed
@@ -29,7 +28,7 @@ from bamboo.sim.cost_presets import get_preset  # noqa: E402
 from bamboo.sim.runner import resolve_trace, run_policies  # noqa: E402
 from bamboo.traces.trace import TraceError, generate_synthetic, load_trace, parse_synthetic_spec  # noqa: E402
 
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "traces"
 ALL = ["bamboo", "checkpoint", "on-demand", "adaptive"]
 
 

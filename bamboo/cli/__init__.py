@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -24,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "config": "bamboo.cli.config", "profile": "bamboo.cli.profile",
     "coordinator": "bamboo.cli.coordinator", "agent": "bamboo.cli.agent", "lab": "bamboo.cli.lab",
     "data": "bamboo.cli.data", "export": "bamboo.cli.export", "soak": "bamboo.cli.soak",
+    "timeline": "bamboo.cli.timeline",
 }
 """Command -> the module whose `main(argv) -> int` runs it."""
 
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: bamboo {train,coordinator,agent,lab,data,soak,simulate,report,config,"
-              "profile,export} ...\n\n"
+              "profile,timeline,export} ...\n\n"
               "  train        train a model on a local cluster of worker processes\n"
               "  coordinator  run a job whose nodes are agents on other machines\n"
               "  agent        run one machine's workers for a coordinator (--join)\n"
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               "  simulate     project throughput and cost of a spot trace\n"
               "  report       write the text summary and plots of a run directory\n"
               "  profile      measure a model's step costs here for `simulate --costs`\n"
+              "  timeline     model one step's timeline with and without redundancy\n"
               "  export       write a finished run's model as a Hugging Face directory\n"
               "  config       print an example job file (--example)", file=sys.stderr)
         return 0 if argv else EXIT_USAGE
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bamboo: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `bamboo ... | head`: the reader left; say nothing, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:  # the one place an unexpected error becomes a single line
         if debug:
             raise

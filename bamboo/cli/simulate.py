@@ -3,7 +3,7 @@
 
 Examples::
 
-    bamboo simulate --trace ../shared/traces/aws-p3-2xlarge.csv --model gpt2 --json
+    bamboo simulate --trace traces/aws-p3-2xlarge.csv --model gpt2 --json
     bamboo simulate --trace synthetic:p=0.10 --nodes 48 --hours 12 --runs 1000 --seed 1
     python -m bamboo.sim --trace synthetic:mtbf=1h --policies bamboo,adaptive --plot out/
 

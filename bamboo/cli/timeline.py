@@ -1,10 +1,10 @@
-"""`python -m bamboo.plan.timeline`: the per-instruction timeline model of one step, with and
+"""`bamboo timeline`: the per-instruction timeline model of one step, with and
 without redundancy, on costs given in milliseconds or read from a run's events.jsonl
 (`bamboo.plan.timeline` is the model, `bamboo.run.measured` reads a run's costs).
 
-    python -m bamboo.plan.timeline --stages 4 --micro-batches 4 --forward 10 --backward 20
-    python -m bamboo.plan.timeline --events RUN/events.jsonl [--cores 2] [--frc-policy waits]
-    python -m bamboo.plan.timeline --pipelines 2 --lost 0:1       # a re-routed slot
+    bamboo timeline --stages 4 --micro-batches 4 --forward 10 --backward 20
+    bamboo timeline --events RUN/events.jsonl [--cores 2] [--frc-policy waits]
+    bamboo timeline --pipelines 2 --lost 0:1       # a re-routed slot
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ __all__ = ["main", "timeline_parser"]
 def timeline_parser() -> argparse.ArgumentParser:
     """The flags of the timeline model's command."""
     ap = argparse.ArgumentParser(
-        prog="python -m bamboo.plan.timeline",
+        prog="bamboo timeline",
         description="Per-instruction timeline model of a 1F1B or ZB-H1 step with off/lazy/eager RC. "
                     "Costs from a run's events.jsonl or given in milliseconds.")
     ap.add_argument("--events", help="events.jsonl of a run (eager runs give the forward/"

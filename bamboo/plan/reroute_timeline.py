@@ -1,7 +1,7 @@
 """The timeline model of one step of D pipelines while some slots' micro-batches are served by
 their data-parallel peers (`--redundancy reroute`), and the rule that assigns them.
 
-Torch-free; `python -m bamboo.plan.timeline --pipelines D --lost d:s` prints it.
+Torch-free; `bamboo timeline --pipelines D --lost d:s` prints it.
 """
 from __future__ import annotations
 

@@ -24,11 +24,10 @@ overhead = step_eager / step_off - 1.
 
 Costs come from explicit numbers or from a run's events.jsonl (`bamboo.run.measured`). The
 model of a step with re-routed slots is `reroute_timeline`, its text `timeline_text`.
-Torch-free; `python -m bamboo.plan.timeline --help` (the command is `bamboo.cli.timeline`).
+Torch-free; `bamboo timeline --help` (the command is `bamboo.cli.timeline`).
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -378,7 +377,3 @@ def compare(stages: int, micro_batches: int, costs: Costs, *, cores: int | None 
                                                   frc_policy=frc_policy, schedule=schedule)
                                  for m in modes}, policy=frc_policy, schedule=schedule)
 
-
-if __name__ == "__main__":  # `python -m bamboo.plan.timeline`: the command, bamboo.cli.timeline
-    from bamboo.cli.timeline import main
-    sys.exit(main())

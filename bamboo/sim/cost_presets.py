@@ -2,7 +2,7 @@
 policies are driven by (a `bamboo train` model preset is another thing: `bamboo.config.presets`).
 
 GPT-2 and BERT step times are the Bamboo authors' measured seconds per step on
-p3.2xlarge (12 stages; see ../shared/traces/README.md). ResNet, VGG, GNMT and
+p3.2xlarge (12 stages; see traces/README.md). ResNet, VGG, GNMT and
 AlexNet step times are the figures found in the authors' public simulator source;
 they were not re-measured and are illustrative. Every recovery cost below is an
 assumption stated in docs/simulator.md; ``--costs FILE`` replaces them with figures

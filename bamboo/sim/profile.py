@@ -2,7 +2,7 @@
 `bamboo profile`, whose flags live in `bamboo.cli.profile`).
 
     bamboo profile --model gpt2-tiny --stages 4 --out costs.json
-    bamboo simulate --trace ../shared/traces/aws-p3-2xlarge.csv --costs costs.json
+    bamboo simulate --trace traces/aws-p3-2xlarge.csv --costs costs.json
 
 What is measured, and how:
 
