@@ -19,252 +19,17 @@ events alone). Plots use matplotlib's Agg canvas directly, so no display is need
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bamboo.run.runlog import EventLogError, read_events
+from bamboo.run.report_cost import cost, cost_lines
+from bamboo.run.report_data import (COUNTERS, PLOT_SIZE_PX, Failure, Prices, ReportError, Run,
+                                    end_time, eval_losses, failures_of, is_num, load_run,
+                                    losses_of, pauses_of, samples_per_step, write_atomic)
 
 __all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report",
            "PLOT_SIZE_PX"]
 
-PLOT_SIZE_PX = (800, 450)
-"""Width and height of every PNG, in pixels."""
-_DPI = 100
-
-HANDLED_COLOURS: dict[str, str] = {
-    "failover": "tab:orange",
-    "peer_restore": "tab:purple",
-    "drain": "tab:green",
-    "checkpoint_restore": "tab:red",
-    "standby": "tab:gray",
-    "stopped": "black",
-    "reroute": "tab:cyan",
-}
-_OTHER_COLOUR = "tab:brown"
-_COUNTERS = (("failovers", "failover"), ("drains", "drain"), ("peer_restores", "peer restore"),
-             ("checkpoint_restores", "checkpoint restore"), ("standby_losses", "standby"),
-             ("reroutes", "reroute"))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write through a temporary file and a rename (as bamboo.run.runlog does, whose import
-    chain pulls in torch: this module stays torch-free so the command starts fast)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-class ReportError(ValueError):
-    """A run directory that cannot be reported on; str() is the one line to show."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Prices:
-    """$ per node-hour; defaults are AWS p3.2xlarge (1 V100) figures, as in the simulator."""
-
-    spot: float = 0.91
-    on_demand: float = 3.06
-
-
-@dataclass(kw_only=True, slots=True)
-class Failure:
-    """One node_lost event."""
-
-    t: float
-    node: str
-    step: int | None
-    handled_as: str
-    pause_s: float
-    """Every second it cost: its step's extra time and its share of the reconfiguration
-    that restored its layout (`loss_cost` events), as summary.json's `pause_s`."""
-    phase: str | None = None
-    shadow: str | None = None
-    reconfiguration_s: float = 0.0
-    """Of `pause_s`, its share of a reconfiguration's cost (a standby joining, layers moved)."""
-    reconfigured_at: tuple[int, ...] = ()
-    """The first steps of the generations that charged it a share."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Run:
-    """What a run directory says, checked: the summary (possibly empty) and the events."""
-
-    path: Path
-    summary: dict[str, Any]
-    events: list[dict[str, Any]]
-    warnings: list[str] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
-
-    @property
-    def config(self) -> dict[str, Any]:
-        cfg = self.summary.get("config")
-        if isinstance(cfg, dict):
-            return cfg
-        start = self.of("run_start")
-        return start[0].get("config") or {} if start else {}
-
-    @property
-    def status(self) -> str:
-        if not self.summary:
-            return "incomplete (no summary.json: the run was stopped before it finished)"
-        status = str(self.summary.get("status", "completed"))
-        error = self.summary.get("error")
-        return f"{status}: {error}" if error else status
-
-
-# -- reading ------------------------------------------------------------------------------
-
-
-def load_run(run_dir: str | Path) -> Run:
-    """Read and check a run directory; ReportError with one line if it is not one."""
-    path = Path(run_dir)
-    if not path.exists():
-        raise ReportError(f"run directory '{path}' does not exist: give a directory written "
-                          f"by bamboo train --out")
-    if not path.is_dir():
-        raise ReportError(f"'{path}' is not a directory: give a run directory")
-    summary_path, events_path = path / "summary.json", path / "events.jsonl"
-    if not summary_path.exists() and not events_path.exists():
-        raise ReportError(f"'{path}' holds no run (no summary.json or events.jsonl): give a "
-                          f"directory written by bamboo train --out")
-    warnings: list[str] = []
-    events = _read_events(events_path, warnings) if events_path.exists() else []
-    summary = _read_summary(summary_path) if summary_path.exists() else {}
-    if not events_path.exists():
-        warnings.append("no events.jsonl: plots over time are empty")
-    return Run(path=path, summary=summary, events=events, warnings=warnings)
-
-
-def _read_summary(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReportError(f"{path} cannot be read: {e}") from None
-    if not isinstance(data, dict):
-        raise ReportError(f"{path} must hold a JSON object, not {type(data).__name__}")
-    for key in ("losses", "pause_s"):
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(_is_num(v) for v in value):
-            raise ReportError(f"{path}: '{key}' must be a list of numbers")
-    for key in ("steps_completed", "samples", "preemptions", "reconfigurations", "redone_steps",
-                *(c for c, _ in _COUNTERS), "wall_s", "throughput"):
-        if key in data and data[key] is not None and not _is_num(data[key]):
-            raise ReportError(f"{path}: '{key}' must be a number, got {data[key]!r}")
-    return data
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _read_events(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
-    def cut_short(number: int) -> None:
-        warnings.append(f"events.jsonl line {number} is cut short (the run was stopped "
-                        f"while writing it) and was ignored")
-
-    try:
-        events = read_events(path, check=_check_event, on_cut_short=cut_short)
-    except EventLogError as e:
-        raise ReportError(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReportError(f"{path} cannot be read: {e}") from None
-    events.sort(key=lambda e: e["t"])  # stable: same-time events keep their order
-    return events
-
-
-def _check_event(event: dict[str, Any]) -> None:
-    """ValueError unless `event` has what the report reads."""
-    if not _is_num(event.get("t")):
-        raise ValueError("no numeric 't' (seconds since the run began)")
-    if not isinstance(event.get("event"), str):
-        raise ValueError("no 'event' name")
-    kind = event["event"]
-    if kind == "step_done" and not (isinstance(event.get("step"), int) and _is_num(event.get("loss"))):
-        raise ValueError("step_done needs an integer 'step' and a numeric 'loss'")
-    if kind in ("node_up", "node_lost") and not isinstance(event.get("node"), str):
-        raise ValueError(f"{kind} needs a 'node' name")
-
-
-# -- figures ------------------------------------------------------------------------------
-
-
-def _failures(run: Run) -> list[Failure]:
-    """One Failure per node_lost event. Its pause: summary.json's `pause_s` entry when that
-    list has one per event (the final figures), else the event's, with what later
-    `loss_cost` events added (a reconfiguration that loss caused)."""
-    lost = run.of("node_lost")
-    listed = run.summary.get("pause_s")
-    aligned = isinstance(listed, list) and len(listed) == len(lost)
-    later: dict[str, list[dict[str, Any]]] = {}
-    for e in run.of("loss_cost"):
-        later.setdefault(str(e.get("node")), []).append(e)
-    out = []
-    for i, e in enumerate(lost):
-        pause = e.get("pause_s")
-        pause = float(pause) if _is_num(pause) else 0.0
-        added = [c for c in later.get(e["node"], []) if _is_num(c.get("added_s"))]
-        reconf = sum(float(c["added_s"]) for c in added)
-        pause = float(listed[i]) if aligned else pause + reconf
-        at = tuple(c["at_step"] for c in added if isinstance(c.get("at_step"), int))
-        step = e.get("step")
-        out.append(Failure(t=float(e["t"]), node=e["node"], step=step if isinstance(step, int) else None,
-                           handled_as=str(e.get("handled_as", "unknown")), pause_s=pause,
-                           phase=e.get("phase"), shadow=e.get("shadow"),
-                           reconfiguration_s=reconf,
-                           reconfigured_at=at))
-    return out
-
-
-def _pauses(run: Run, failures: list[Failure]) -> list[float]:
-    """Per failure (one per node_lost event, in their order), every second it cost."""
-    listed = run.summary.get("pause_s")
-    if not failures and isinstance(listed, list):  # a summary without its events
-        return [float(p) for p in listed]
-    return [f.pause_s for f in failures]
-
-
-def eval_losses(run: Run) -> list[tuple[int, float]]:
-    """(steps done, held-out loss) of every evaluation: summary.json's, else the events'."""
-    rows = run.summary.get("eval_losses")
-    if not isinstance(rows, list):
-        rows = [[e.get("step"), e.get("loss")] for e in run.of("eval")]
-    return [(int(k), float(x)) for k, x in (r for r in rows if isinstance(r, list) and len(r) == 2)
-            if isinstance(k, int) and _is_num(x)]
-
-
-def _losses(run: Run) -> list[float]:
-    if isinstance(run.summary.get("losses"), list):
-        return [float(x) for x in run.summary["losses"]]
-    by_step = {e["step"]: float(e["loss"]) for e in run.of("step_done")}  # a redone step: last
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _samples_per_step(run: Run) -> float:
-    cfg = run.config
-    try:
-        pipelines = cfg.get("pipelines") or cfg["nodes"] // cfg["stages"]
-        return float(pipelines * cfg["micro_batches"] * cfg["micro_batch_size"])
-    except (KeyError, TypeError, ZeroDivisionError):
-        steps, samples = run.summary.get("steps_completed"), run.summary.get("samples")
-        return float(samples) / steps if steps and samples else 0.0
-
-
-def _end_time(run: Run) -> float:
-    ends = run.of("run_done") + run.of("run_failed")
-    if ends:
-        return float(ends[-1]["t"])
-    return float(run.events[-1]["t"]) if run.events else 0.0
 
 
 # -- the text -----------------------------------------------------------------------------
@@ -273,12 +38,12 @@ def _end_time(run: Run) -> float:
 def report_text(run: Run, prices: Prices | None = None) -> str:
     """The text of report.txt."""
     prices = prices or Prices()
-    s, failures = run.summary, _failures(run)
-    losses, pauses = _losses(run), _pauses(run, failures)
+    s, failures = run.summary, failures_of(run)
+    losses, pauses = losses_of(run), pauses_of(run, failures)
     steps = int(s.get("steps_completed", len(losses)))
-    samples = s.get("samples", steps * _samples_per_step(run))
-    wall = float(s["wall_s"]) if _is_num(s.get("wall_s")) else _end_time(run)
-    throughput = float(s["throughput"]) if _is_num(s.get("throughput")) else (
+    samples = s.get("samples", steps * samples_per_step(run))
+    wall = float(s["wall_s"]) if is_num(s.get("wall_s")) else end_time(run)
+    throughput = float(s["throughput"]) if is_num(s.get("throughput")) else (
         samples / wall if wall > 0 else 0.0)
     out = [f"Bamboo run report: {run.path}", f"status: {run.status}"]
     cfg = run.config
@@ -300,13 +65,12 @@ def report_text(run: Run, prices: Prices | None = None) -> str:
                    f"{b} steps ({len(evals)} evaluations)")
     median = s.get("median_step_s")
     out.append(f"throughput: {throughput:.2f} samples/s; wall time {wall:.2f} s"
-               + (f"; median step {median:.3f} s" if _is_num(median) else ""))
+               + (f"; median step {median:.3f} s" if is_num(median) else ""))
     out += _memory_lines(s)
     out += _failure_lines(run, failures, pauses)
     out += _mode_lines(run)
     out.append(f"reconfigurations: {int(s.get('reconfigurations', 0))}; "
                f"redone steps: {int(s.get('redone_steps', 0))}")
-    from bamboo.run.report_cost import cost, cost_lines
     out += cost_lines(cost(run, failures, prices), prices)
     out += [f"warning: {w}" for w in run.warnings]
     return "\n".join(out) + "\n"
@@ -320,7 +84,7 @@ def _memory_lines(s: dict[str, Any]) -> list[str]:
     growth = s.get("rss_growth_per_step_bytes") or [None] * len(names)
     cells = []
     for name, peak, g in zip(names, peaks, growth):
-        rate = f", {g / 2**20:+.2f} MiB/step" if _is_num(g) else ""
+        rate = f", {g / 2**20:+.2f} MiB/step" if is_num(g) else ""
         cells.append(f"{name} {peak / 2**20:.0f} MiB{rate}")
     return ["resident memory (peak, growth over the second half): " + "; ".join(cells)]
 
@@ -330,11 +94,11 @@ def _mode_lines(run: Run) -> list[str]:
     out = []
     for e in run.of("redundancy_mode"):
         expected = e.get("expected") if isinstance(e.get("expected"), dict) else {}
-        figures = ", ".join(f"{m} {v:.1f}" for m, v in expected.items() if _is_num(v))
+        figures = ", ".join(f"{m} {v:.1f}" for m, v in expected.items() if is_num(v))
         rate = e.get("rate_per_node_hour")
         out.append(f"  t={float(e.get('t', 0)):.2f} s  generation {e.get('gen')} from step "
                    f"{e.get('step')}: {e.get('mode')}"
-                   + (f" at {rate:.3f} preemptions/node-hour" if _is_num(rate) else "")
+                   + (f" at {rate:.3f} preemptions/node-hour" if is_num(rate) else "")
                    + (f" (expected samples/s: {figures})" if figures else ""))
     return ["redundancy over time:"] + out if out else []
 
@@ -343,7 +107,7 @@ def _failure_lines(run: Run, failures: list[Failure], pauses: list[float]) -> li
     s = run.summary
     count = int(s.get("preemptions", len(failures)))
     if "preemptions" in s:
-        kinds = ", ".join(f"{label} {int(s.get(key, 0))}" for key, label in _COUNTERS)
+        kinds = ", ".join(f"{label} {int(s.get(key, 0))}" for key, label in COUNTERS)
     else:
         by: dict[str, int] = {}
         for f in failures:
@@ -372,12 +136,13 @@ def write_report(run_dir: str | Path, prices: Prices | None = None) -> list[Path
     """Write report.txt and the five PNGs into `run_dir`; their paths, report.txt first."""
     prices = prices or Prices()
     run = load_run(run_dir)
-    failures = _failures(run)
+    failures = failures_of(run)
     path = run.path
     try:
         text_path = path / "report.txt"
-        _write_atomic(text_path, report_text(run, prices).encode("utf-8"))
+        write_atomic(text_path, report_text(run, prices).encode("utf-8"))
         from bamboo.run.report_plots import write_plots
         return [text_path, *write_plots(run, failures, prices, path)]
     except PermissionError as e:
         raise ReportError(f"cannot write the report into '{path}': {e.strerror}") from None
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bamboo.run.report import Failure, Prices, Run, _end_time, _is_num, _pauses
+from bamboo.run.report_data import Failure, Prices, Run, end_time, is_num, pauses_of
 
 __all__ = ["Cost", "cost", "cost_lines", "live_nodes"]
 
@@ -28,7 +28,7 @@ def live_nodes(run: Run) -> list[tuple[float, int]]:
         else:
             continue
         series.append((float(e["t"]), len(live)))
-    series.append((max(_end_time(run), series[-1][0]), 0))
+    series.append((max(end_time(run), series[-1][0]), 0))
     return series
 
 
@@ -77,7 +77,7 @@ def _charged_by_step(run: Run) -> list[tuple[float, float]]:
             continue
         value = e.get("pause_s") if kind == "node_lost" else \
             e.get("added_s") if kind == "loss_cost" else None
-        if _is_num(value):
+        if is_num(value):
             charged += float(value)
             if points:
                 points[-1][1] = charged
@@ -90,14 +90,14 @@ def cost(run: Run, failures: list[Failure], prices: Prices) -> Cost:
     its first node started, less the pauses its failures cost (each taken off at the step
     it was measured on: on-demand never pays for spot's losses or reconfigurations)."""
     series, start, n = live_nodes(run), _start_time(run), _failure_free_nodes(run)
-    pauses = _pauses(run, failures)
+    pauses = pauses_of(run, failures)
     steps, spot, od = [0], [0.0], [0.0]
     for i, (t, charged) in enumerate(_charged_by_step(run), start=1):
         steps.append(i)
         spot.append(_node_seconds(series, t) * prices.spot / 3600)
         on_demand_s = max(0.0, t - start - charged)
         od.append(max(od[-1], n * on_demand_s * prices.on_demand / 3600))  # never falls
-    end = _end_time(run)
+    end = end_time(run)
     total_od_s = max(0.0, end - start - sum(pauses))
     return Cost(steps=steps, spot=spot, on_demand=od, node_seconds=_node_seconds(series, end),
                  on_demand_nodes=n, on_demand_s=total_od_s)

@@ -6,9 +6,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-from bamboo.run.report import (_DPI, _OTHER_COLOUR, HANDLED_COLOURS, PLOT_SIZE_PX, Failure, Prices,
-                           Run, _is_num, _losses, _pauses, eval_losses,
-                           _samples_per_step, _write_atomic)
+from bamboo.run.report_data import (DPI, OTHER_COLOUR, HANDLED_COLOURS, PLOT_SIZE_PX, Failure, Prices,
+                           Run, is_num, losses_of, pauses_of, eval_losses,
+                           samples_per_step, write_atomic)
 from bamboo.run.report_cost import cost, live_nodes
 
 __all__ = ["write_plots"]
@@ -26,7 +26,7 @@ def write_plots(run: Run, failures: list[Failure], prices: Prices, path: Path) -
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    fig = Figure(figsize=(PLOT_SIZE_PX[0] / DPI, PLOT_SIZE_PX[1] / DPI), dpi=DPI)
     ax = fig.add_subplot()
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -45,12 +45,12 @@ def _png(fig: Any, path: Path, bottom: float = 0.12) -> Path:
     fig.subplots_adjust(left=0.09, right=0.97, top=0.92, bottom=bottom)  # tight_layout: slow
     buffer = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buffer)
-    _write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue())
     return path
 
 
 def _colour(handled_as: str) -> str:
-    return HANDLED_COLOURS.get(handled_as, _OTHER_COLOUR)
+    return HANDLED_COLOURS.get(handled_as, OTHER_COLOUR)
 
 
 def _mark_failures(ax: Any, failures: list[Failure], x_of: Any) -> None:
@@ -66,7 +66,7 @@ def _mark_failures(ax: Any, failures: list[Failure], x_of: Any) -> None:
 
 def _plot_loss(run: Run, failures: list[Failure], path: Path) -> Path:
     fig, ax = _figure("Training loss per step", "step", "loss")
-    losses = _losses(run)
+    losses = losses_of(run)
     if losses:
         ax.plot(range(len(losses)), losses, marker="o" if len(losses) < 40 else None,
                 markersize=3, color="tab:blue", label="loss")
@@ -84,9 +84,9 @@ def _plot_loss(run: Run, failures: list[Failure], path: Path) -> Path:
 
 def _plot_throughput(run: Run, failures: list[Failure], path: Path) -> Path:
     fig, ax = _figure("Throughput of each step", "time since start (s)", "samples/s")
-    per_step = _samples_per_step(run)
+    per_step = samples_per_step(run)
     points = [(float(e["t"]), per_step / float(e["wall_s"])) for e in run.of("step_done")
-              if _is_num(e.get("wall_s")) and e["wall_s"] > 0]
+              if is_num(e.get("wall_s")) and e["wall_s"] > 0]
     if points:
         ax.plot(*zip(*points), marker=".", color="tab:blue", label="samples/s")
         ax.set_ylim(bottom=0)
@@ -117,7 +117,7 @@ def memory_series(run: Run) -> dict[str, list[tuple[float, int]]]:
     series: dict[str, list[tuple[float, int]]] = {}
     for e in run.of("step_done"):
         for n in e.get("nodes") or []:
-            if isinstance(n, dict) and _is_num(n.get("rss_bytes")) and n["rss_bytes"] > 0:
+            if isinstance(n, dict) and is_num(n.get("rss_bytes")) and n["rss_bytes"] > 0:
                 series.setdefault(str(n.get("node")), []).append((float(e["t"]),
                                                                   int(n["rss_bytes"])))
     return series
@@ -154,7 +154,7 @@ def _plot_cost(run: Run, failures: list[Failure], prices: Prices, path: Path) ->
 
 def _plot_pauses(run: Run, failures: list[Failure], path: Path) -> Path:
     fig, ax = _figure("Time lost per failure", "failure", "pause (s)")
-    pauses = _pauses(run, failures)
+    pauses = pauses_of(run, failures)
     if pauses:
         # one bar per lost node, labelled by node and step (a summary without its events:
         # numbered)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig
-from bamboo.run.report import _failures, _pauses, load_run, report_text
+from bamboo.run.report import load_run, report_text
+from bamboo.run.report_data import failures_of, pauses_of
 from bamboo.run.report_cost import cost
 from bamboo.run.report import Prices
 from coordinator_sim import SimCluster
@@ -103,9 +104,9 @@ def _run_dir(path: Path, with_summary: bool) -> Path:
 @pytest.mark.parametrize("with_summary", [True, False], ids=["summary", "events only"])
 def test_the_report_charges_the_join_to_the_loss(tmp_path: Path, with_summary: bool) -> None:
     run = load_run(_run_dir(tmp_path / "run", with_summary))
-    failures = _failures(run)
+    failures = failures_of(run)
     assert [f.node for f in failures] == ["n1", "n5"]
-    assert _pauses(run, failures) == [5.0, 0.0]
+    assert pauses_of(run, failures) == [5.0, 0.0]
     text = report_text(run)
     assert "n1 lost in step 2 (forward): failover, shadow n0, pause 5.00 s (5.00 s of it the " \
            "reconfiguration before step 3)" in text, text
