@@ -24,7 +24,7 @@ pytestmark = pytest.mark.procs  # every test here starts processes
 def test_finding_whole_checkpoints_needs_no_torch(tmp_path):
     two_checkpoints(tmp_path)
     damage_checkpoint(tmp_path / "step-00000020", "truncated")
-    code = ("import sys; from bamboo import checkpoint as c; "
+    code = ("import sys; from bamboo.run import checkpoint as c; "
             f"assert c.has_whole_checkpoint({str(tmp_path)!r}); "
             f"assert c.load_latest({str(tmp_path)!r}).step == 10; "
             "assert 'torch' not in sys.modules, 'torch imported'")

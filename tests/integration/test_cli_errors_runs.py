@@ -70,7 +70,7 @@ def test_unknown_command() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("bamboo: error: unknown command 'trian'; choose one of: "
                                    "train, simulate, report, config, profile, coordinator, agent, "
-                                   "lab, data, export, soak")
+                                   "lab, data, export, soak, timeline")
 
 
 def test_config_file_errors_name_the_field_and_flags_override_the_file(tmp_path: Path) -> None:
