@@ -17,14 +17,15 @@ from bamboo.plan import schedule as S
 from bamboo.plan.reroute_timeline import rerouted_step
 from bamboo.plan.timeline import Costs, compare, simulate_step
 from bamboo.plan.timeline_text import render, summary
+from bamboo.cli.parsing import UsageParser
 from bamboo.util import strict_json
 
 __all__ = ["main", "timeline_parser"]
 
 
-def timeline_parser() -> argparse.ArgumentParser:
+def timeline_parser() -> UsageParser:
     """The flags of the timeline model's command."""
-    ap = argparse.ArgumentParser(
+    ap = UsageParser(
         prog="bamboo timeline",
         description="Per-instruction timeline model of a 1F1B or ZB-H1 step with off/lazy/eager RC. "
                     "Costs from a run's events.jsonl or given in milliseconds.")
