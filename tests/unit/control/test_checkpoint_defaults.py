@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from support.procs import mounted_tmpfs, run_bamboo, run_events
 from support.runs import assert_close
 from coordinator_sim import SimCluster
 
-from test_decisions import kill_stages, run  # noqa: E402
+from support.decisions import kill_stages, run
 
 META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0, "losses": [5.0, 4.0]}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from bamboo.wire.protocol import MicroBatchesDone, RoundDone, decide_key, go_key
 from bamboo.config import JobConfig
 from coordinator_sim import SimCluster
+from support.decisions import kill_stage, kill_stages, node_of, run
 
 HANDLED = {"failover", "peer_restore", "checkpoint_restore", "drain"}
 
@@ -25,27 +26,6 @@ HANDLED = {"failover", "peer_restore", "checkpoint_restore", "drain"}
 def cfg(**kw) -> JobConfig:
     base = dict(nodes=4, stages=4, steps=6, micro_batches=4)
     return JobConfig.of(**(base | kw)).validate()
-
-
-def run(tmp_path: Path, config: JobConfig, script: dict[int, Callable[[SimCluster], None]],
-        *, before_round: dict[int, Callable[[SimCluster], None]] | None = None,
-        **sim_kw: Any) -> SimCluster:
-    """Run to the end; `script[k]` acts as step k begins, `before_round[k]` between the
-    votes of step k; `sim_kw` goes to `SimCluster`."""
-    sim = SimCluster(config, tmp_path / "run", **sim_kw)
-    done: set[int] = set()
-    for _ in range(200):
-        if sim.stopped is not None or sim.ctx.committed >= config.training.steps:
-            break
-        k = sim.ctx.committed
-        if k in script and k not in done:
-            done.add(k)
-            script[k](sim)
-        act = (before_round or {}).pop(k, None)
-        sim.step(before_round=(lambda act=act: act(sim)) if act else None)
-        sim.check_invariants()
-    sim.finish()
-    return sim
 
 
 def accounted(sim: SimCluster, killed: set[str]) -> None:
@@ -56,22 +36,6 @@ def accounted(sim: SimCluster, killed: set[str]) -> None:
     assert set(counts) >= killed, (counts, killed)
     for e in lost:
         assert e["handled_as"] in HANDLED | {"standby", "stopped"}, e
-
-
-def node_of(sim: SimCluster, pipeline: int, stage: int) -> int:
-    return sim.core.gens.member(sim.ctx.roles.holders[pipeline][stage]).node
-
-
-def kill_stage(pipeline: int, stage: int) -> Callable[[SimCluster], None]:
-    return lambda sim: sim.kill(node_of(sim, pipeline, stage))
-
-
-def kill_stages(*targets: tuple[int, int]) -> Callable[[SimCluster], None]:
-    def act(sim: SimCluster) -> None:
-        nodes = [node_of(sim, d, s) for d, s in targets]
-        for n in nodes:
-            sim.kill(n)
-    return act
 
 
 # -- the table of named cases ----------------------------------------------------------------
