@@ -230,7 +230,7 @@ class NodeEngine:
             wait = False
             try:
                 losses = eval_pass(self.ctx, self._held(), self.p2p, batches, task=self.task,
-                                   loss=self.loss, autocast=self.forwards.autocast,
+                                   loss=self.loss, forward=self.forwards.held_out,
                                    after_batch=lambda i: self.hook.on_instruction(
                                        step, i, EvalMicroBatch(i)))
                 if self.link.eval_done(step, self.roles.epoch, losses) is Go.GO:

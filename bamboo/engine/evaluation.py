@@ -1,16 +1,17 @@
-"""The held-out pass between steps: forward only, nothing saved, nothing updated. The engine
-closes it with a vote of its own (`NodeEngine.evaluate`); a loss during it means new roles
-and the pass again under them."""
+"""The held-out pass between steps: forward only, nothing saved, nothing updated, the layers
+in eval mode (no dropout) and any draw they still make seeded by (seed, val micro-batch,
+layer) (`StageForward.held_out`). The engine closes it with a vote of its own
+(`NodeEngine.evaluate`); a loss during it means new roles and the pass again under them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 
 from bamboo.data.datasets import Task
 from bamboo.engine.comm import EVAL, P2P
 from bamboo.engine.context import Held, NodeContext
+from bamboo.engine.stage import StageState
 from bamboo.plan.faults import EVAL_FAULT_INDEX
 
 __all__ = ["eval_pass", "EVAL_FAULT_INDEX"]
@@ -21,12 +22,13 @@ Losses = list[tuple[int, float, float]]
 
 def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Task,
               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              autocast: Callable[[], AbstractContextManager],
+              forward: Callable[[StageState, torch.Tensor, int], torch.Tensor],
               after_batch: Callable[[int], None]) -> Losses:
     """One pass over val micro-batches 0..batches-1 (pipeline d takes those with index % D
     == d) through the stages `held` gives this node, over `p2p`: the last stage's holder
-    returns (index, loss, weight) for its pipeline's share. `after_batch(index)` after each
-    val micro-batch this node ran."""
+    returns (index, loss, weight) for its pipeline's share. `forward(stage, x, index)` runs
+    a stage on val micro-batch `index`. `after_batch(index)` after each val micro-batch this
+    node ran."""
     # Each node walks its val micro-batches in order and, within one, its stages in
     # order: between any two nodes the messages of a direction come in one order on
     # both sides (what strict communication needs), whatever stages each holds. The
@@ -52,8 +54,7 @@ def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Tas
                 spec = ctx.boundary_spec(stage, input_side=True)
                 x = p2p.recv_interruptible(spec.shape, spec.dtype, device, source,
                                            (EVAL, stage - 1, seq), interrupted)
-            with torch.no_grad(), autocast():
-                out = held.stages[stage].module(x)
+            out = forward(held.stages[stage], x, index)
             if stage == ctx.P - 1:
                 batch = batch or task.eval_batch(index)
                 value = loss(out.float(), batch.targets.to(device))

@@ -1,9 +1,15 @@
-"""How a stage's forward runs on this node: the precision's autocast, activation
-checkpointing, the accounting of what autograd saves (offloaded for eager FRC under
-`--frc-offload`), ZB-H1's tapes, and the CUDA stream eager FRC runs on.
+"""How a stage's forward runs on this node: its layers' seeded randomness, the
+precision's autocast, activation checkpointing, the accounting of what autograd saves
+(offloaded for eager FRC under `--frc-offload`), ZB-H1's tapes, and the CUDA stream eager
+FRC runs on.
 
-The engine's `Forward` and `RedundantForward` instructions call `StageForward.run`; the
-held-out pass and ZB-H1's weight gradients use its `autocast`.
+The engine's `Forward` and `RedundantForward` instructions call `StageForward.run`: a
+node's own forward, eager FRC, a shadow's redo after a failover, a re-routed
+micro-batch and a restarted step all run here, and every layer draws its random numbers
+from generators seeded by (seed, step, global micro-batch id, layer index)
+(`bamboo.model.run_layers`), so each of them draws the masks a failure-free run and the
+single-process reference draw. The held-out pass (`evaluation`) runs `held_out`; ZB-H1's
+weight gradients use `autocast`.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bamboo.model import forward_seed, run_layers
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
@@ -44,14 +51,28 @@ class StageForward:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _layers(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`module` on `x`; with --activation-checkpointing each layer is a checkpoint
-        (only its input is saved; its activations are recomputed in the backward)."""
-        if not self.options.activation_checkpointing:
-            return module(x)
-        for layer in module:
-            x = checkpoint(layer, x, use_reentrant=False)
-        return x
+    def _layers(self, st: StageState, x: torch.Tensor, step: int, mb: int) -> torch.Tensor:
+        """`st`'s layers on `x`, each drawing from the generators seeded by (seed, `step`,
+        `mb`, its layer index); with --activation-checkpointing each layer is a checkpoint
+        (only its input is saved; its activations are recomputed in the backward, where
+        the checkpoint restores the seeded generator state it ran under: the same masks)."""
+        seed = self.options.seed
+        call = _checkpointed if self.options.activation_checkpointing else None
+        return run_layers(st.module, st.layer_indices, x, device=self.device, call=call,
+                          seed_of=lambda layer: forward_seed(seed, step, mb, layer))
+
+    def held_out(self, st: StageState, x: torch.Tensor, index: int) -> torch.Tensor:
+        """`st`'s layers on val micro-batch `index` (the held-out pass): no gradients, under
+        the precision's autocast, the layers in eval mode (no dropout; back in train mode
+        after), any draw still made seeded by (seed, "eval", `index`, layer index)."""
+        seed, module = self.options.seed, st.module
+        module.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                return run_layers(module, st.layer_indices, x, device=self.device,
+                                  seed_of=lambda layer: forward_seed(seed, "eval", index, layer))
+        finally:
+            module.train()
 
     def run(self, st: StageState, mb: int, x: torch.Tensor, s: StepState,
             targets: Callable[[], torch.Tensor],
@@ -76,7 +97,7 @@ class StageForward:
         taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
         with saved.hooks(), taping:
             with self.autocast():
-                out = self._layers(st.module, x)
+                out = self._layers(st, x, s.step, mb)
             if stage != self.P - 1:
                 out = out.to(self.specs[self.parts[stage].stop - 1].dtype)
                 loss = None
@@ -112,3 +133,8 @@ class StageForward:
         """Before a failover adopts eager FRC results: on CUDA, wait for their stream."""
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+
+
+def _checkpointed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer` on `x` as an activation checkpoint (the RNG state is kept for the recompute)."""
+    return checkpoint(layer, x, use_reentrant=False, preserve_rng_state=True)

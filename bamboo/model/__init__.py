@@ -2,13 +2,16 @@
 
 Every layer is built from its own RNG stream, keyed by (seed, layer index), so a
 node that builds only its stage's layers gets exactly the parameters a single
-process building the whole model would get.
+process building the whole model would get. Every layer's forward draws its random
+numbers (dropout masks, stochastic depth, noise) from torch's generators set to the
+state of (seed, step, global micro-batch id, layer index) (`run_layers`), so whichever
+node runs it, as often as a failover makes it run, it draws what a single process draws.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +28,8 @@ from bamboo.config.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
     "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",
-    "boundary_shapes", "loss_fn", "BoundarySpec", "derive_seed",
+    "boundary_shapes", "loss_fn", "BoundarySpec", "derive_seed", "forward_seed",
+    "seeded_randomness", "run_layers",
 ]
 
 
@@ -49,6 +53,65 @@ def derive_seed(*parts: object) -> int:
     """A 63-bit seed that is a pure function of `parts` (stable across processes)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def forward_seed(seed: int, step: int | str, mb: int, layer: int) -> int:
+    """The seed of the random draws of layer `layer`'s forward on global micro-batch `mb`
+    of `step` (a step number, or "eval" for the held-out pass, whose `mb` is the val
+    micro-batch's index)."""
+    return derive_seed("forward", seed, step, mb, layer)
+
+
+def _generators(device: torch.device) -> list[torch.Generator] | None:
+    """The global generators a forward on `device` draws from: the CPU's, and the CUDA
+    device's where it runs on one; None for another accelerator (all are seeded then)."""
+    if device.type == "cpu":
+        return [torch.default_generator]
+    if device.type == "cuda":
+        torch.cuda.init()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return [torch.default_generator, torch.cuda.default_generators[index]]
+    return None
+
+
+@contextlib.contextmanager
+def seeded_randomness(device: torch.device | str) -> Iterator[Callable[[int], None]]:
+    """For one forward: yields `reseed(seed)`, which sets torch's global generators (the
+    CPU's and `device`'s) to the state `torch.manual_seed(seed)` gives them; on exit they
+    are back where they were, so nothing outside the forward sees a draw or a seed.
+
+    Seeding a generator itself costs about a microsecond; `torch.manual_seed`, which
+    visits every device type, about a hundred (docs/results.md, "Seeded randomness")."""
+    device = torch.device(device)
+    generators = _generators(device)
+    forked = [device] if device.type == "cuda" else []
+
+    def reseed(seed: int) -> None:
+        if generators is None:
+            torch.manual_seed(seed)
+            return
+        for generator in generators:
+            generator.manual_seed(seed)
+
+    with torch.random.fork_rng(devices=forked, device_type="cuda" if device.type == "cpu"
+                               else device.type):
+        yield reseed
+
+
+def run_layers(layers: Sequence[nn.Module], indices: Sequence[int], x: torch.Tensor, *,
+               seed_of: Callable[[int], int], device: torch.device | str,
+               call: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """`x` through `layers` (the model's layers `indices`), each forward drawing from the
+    generators seeded by `seed_of(its index)` (see `forward_seed`); `call(layer, x)` runs
+    one (default: `layer(x)`; torch's activation checkpointing keeps the seeded state for
+    its recompute). Every path that runs a forward goes through here, and so does the
+    single-process reference: the same masks wherever a layer runs."""
+    with seeded_randomness(device) as reseed:
+        for index, layer in zip(indices, layers, strict=True):
+            reseed(seed_of(index))
+            x = layer(x) if call is None else call(layer, x)
+    return x
 
 
 def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:

@@ -1,7 +1,10 @@
 """A plain, single-process training loop: the ground truth pipelined runs must match.
 
 Whole model in one nn.Sequential, micro-batches in global order, gradients summed
-in float64, global-norm clipping, AdamW: no pipeline, no communication.
+in float64, global-norm clipping, AdamW: no pipeline, no communication. Every layer's
+forward draws from the generators seeded by (seed, step, micro-batch, layer) as the
+pipeline's do (`bamboo.model.run_layers`), so dropout masks are the same; the held-out
+loss runs the model in eval mode, as the pipeline's held-out pass does.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from torch import nn
 
 from bamboo.config import JobConfig
 from bamboo.data.datasets import make_task
-from bamboo.model import build_layers, loss_fn
+from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
 from bamboo.engine.optim import clip_coefficient, learning_rate, make_optimizer
 
 
@@ -32,12 +35,14 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
     losses = []
     for step in range(cfg.training.steps):
         if evals is not None and cfg.evaluates_at(step):
-            evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches)])
+            evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches,
+                                         seed=cfg.training.seed)])
         acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
         step_loss = 0.0
         for g in range(G):
             batch = task.batch(step, g)
-            loss = criterion(model(batch.inputs), batch.targets)
+            out = forward(model, batch.inputs, cfg.training.seed, step, g)
+            loss = criterion(out, batch.targets)
             step_loss += float(loss.detach()) / G
             (loss * (1.0 / G)).backward()
             for a, q in zip(acc, params):
@@ -55,13 +60,28 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
     if evals is not None and cfg.evaluates_at(cfg.training.steps):
-        evals.append([cfg.training.steps, evaluate(model, task, criterion, cfg.evaluation.batches)])
+        evals.append([cfg.training.steps, evaluate(model, task, criterion, cfg.evaluation.batches,
+                                                   seed=cfg.training.seed)])
     named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
     return losses, named
 
 
-def evaluate(model: nn.Module, task, criterion, batches: int) -> float:
-    """The mean loss over val micro-batches 0..batches-1, summed in index order."""
-    with torch.no_grad():
-        return math.fsum(float(criterion(model(b.inputs), b.targets)) / batches
-                         for b in map(task.eval_batch, range(batches)))
+def forward(model: nn.Sequential, x: torch.Tensor, seed: int, step: int | str,
+            mb: int) -> torch.Tensor:
+    """The whole model on micro-batch `mb` of `step`, layer by layer, each layer's draws
+    seeded as the pipeline seeds them."""
+    return run_layers(model, range(len(model)), x, device="cpu",
+                      seed_of=lambda layer: forward_seed(seed, step, mb, layer))
+
+
+def evaluate(model: nn.Sequential, task, criterion, batches: int, seed: int = 0) -> float:
+    """The mean loss over val micro-batches 0..batches-1, summed in index order, the model
+    in eval mode (and back in train mode after)."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return math.fsum(
+                float(criterion(forward(model, b.inputs, seed, "eval", index), b.targets))
+                / batches for index, b in enumerate(map(task.eval_batch, range(batches))))
+    finally:
+        model.train()
