@@ -7,7 +7,6 @@ second and prints one line: what is wrong and how to fix it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,6 +17,7 @@ from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, p
 from bamboo.config.options import add_flags
 
 if TYPE_CHECKING:
+    from bamboo.api.start import Start
     from bamboo.control.sources import NodeSource
 
 __all__ = ["main", "run", "train_parser", "job_config", "JobCommand", "TrainCommand"]
@@ -63,10 +63,9 @@ def job_config(args: argparse.Namespace, argv: list[str],
     """The job the flags (and a --config file, which flags override) describe; `given` is
     the command's parser that leaves out what the user did not type."""
     keys = options_by_key()
-    if args.config is None:
-        values = {k: v for k, v in vars(args).items() if k in keys}
-        values["kills"] = [parse_kill(k) for k in values["kills"]]
-        return JobConfig.of(**values).validate()
+    if args.config is None:  # the same path as bamboo.Job's options
+        from bamboo.api.job import config_of
+        return config_of({k: v for k, v in vars(args).items() if k in keys}, where=None)
     from bamboo.config.jobfile import load_job_config
     overrides = {k: v for k, v in vars(given.parse_args(argv)).items() if k in keys}
     if "kills" in overrides:
@@ -101,111 +100,6 @@ def write_run_report(path: Path, quiet: bool) -> None:
         return
     if not quiet:
         print(f"report: {written[0]} and {len(written) - 1} plots", file=sys.stderr)
-
-
-def _check_trace(cfg: JobConfig) -> None:
-    """Parse the trace now, so a malformed row is a one-line error before anything starts."""
-    if cfg.cluster.trace is None:
-        return
-    from bamboo.traces.trace import TraceError, load_trace
-    try:
-        trace = load_trace(cfg.cluster.trace)
-    except TraceError as e:
-        raise ConfigError(f"--trace: {e}") from None
-    if trace.unsorted_rows:
-        print(f"bamboo train: warning: {cfg.cluster.trace}: {trace.unsorted_rows} row(s) out of time "
-              f"order were sorted", file=sys.stderr)
-    added = len({n for n, k in zip(trace.nodes, trace.kinds) if k == 1})
-    if added < cfg.layout.nodes:
-        raise ConfigError(f"--trace {cfg.cluster.trace} adds {added} distinct node(s) but --nodes is "
-                          f"{cfg.layout.nodes}: the replay's initial workers are the trace's first "
-                          f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
-
-
-def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, bool]:
-    """`--resume auto`: the --out run continues from its newest whole checkpoint when it has
-    one, else starts there afresh (a restart before the first checkpoint starts over). None
-    when that run already finished (a restarted job has nothing left to do)."""
-    out = Path(cfg.logging.out)
-    summary = out / "summary.json"
-    if summary.is_file():
-        try:
-            done = json.loads(summary.read_text())
-        except (OSError, ValueError):
-            done = {}
-        _check_same_job(cfg, done.get("config") or {}, f"--resume auto: the run in {out}")
-        if done.get("status") == "completed" and \
-                done.get("steps_completed", -1) >= cfg.training.steps:
-            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; "
-                  f"nothing to do (pass more --steps, or another --out for a new run)",
-                  file=sys.stderr)
-            return None, False
-    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
-    from bamboo.run.runlog import checkpoint_root
-    root = cfg.checkpoints.dir or checkpoint_root(out)
-    if list_checkpoints(root):
-        try:
-            load_latest(root, quiet=True)
-            return cfg.replace(resume=str(out)), False
-        except CheckpointError as e:  # every one unusable: say so, then start over
-            print(f"{prog}: warning: --resume auto: {e}; starting from step 0", file=sys.stderr)
-    return cfg.replace(resume=None), out.exists()
-
-
-def _check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None:
-    """ConfigError when `made_with` (a checkpoint's meta, or a run's summary config) names a
-    model, seed or batch other than this job's: continuing it would train another run."""
-    if "global_micro_batches" not in made_with and "pipelines" in made_with \
-            and "micro_batches" in made_with:
-        made_with = made_with | {"global_micro_batches":
-                                 made_with["pipelines"] * made_with["micro_batches"]}
-    for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
-                       ("global_micro_batches", cfg.global_micro_batches),
-                       ("micro_batch_size", cfg.layout.micro_batch_size)):
-        if key in made_with and made_with[key] != value:
-            raise ConfigError(f"{what} was made with {key} {made_with[key]!r}, this job has "
-                              f"{value!r}: use the same settings (or another --out for a new "
-                              f"run)")
-
-
-def _load_resume(cfg: JobConfig) -> Any:
-    """The checkpoint `--resume` continues from, checked against this job."""
-    if cfg.checkpoints.resume is None:
-        if cfg.checkpoints.dir is not None:
-            from bamboo.run.checkpoint import has_whole_checkpoint
-            if has_whole_checkpoint(cfg.checkpoints.dir):  # a restore would take another run's
-                raise ConfigError(f"--checkpoint-dir {cfg.checkpoints.dir} holds the checkpoints "
-                                  f"of an earlier run: continue it with --resume, or choose an "
-                                  f"empty --checkpoint-dir")
-        return None
-    # No checkpoint at all is a user error found without importing torch (nor is torch
-    # needed to find the newest whole one: its tensors stay where they are).
-    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
-    from bamboo.run.runlog import checkpoint_root
-    # A run that wrote to --checkpoint-dir is resumed from there.
-    root = cfg.checkpoints.dir or checkpoint_root(cfg.checkpoints.resume)
-    if not list_checkpoints(root):
-        raise ConfigError(f"--resume {cfg.checkpoints.resume}: no checkpoint in {root}: pass the --out "
-                          f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
-    try:
-        ckpt = load_latest(root, quiet=True)
-    except CheckpointError as e:
-        raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
-    meta = ckpt.meta
-    _check_same_job(cfg, meta, f"--resume {cfg.checkpoints.resume}: its checkpoint")
-    if ckpt.warning:
-        print(f"bamboo train: warning: {ckpt.warning}", file=sys.stderr)
-    if ckpt.step >= cfg.training.steps:
-        raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint is at step {ckpt.step}, "
-                          f"--steps is {cfg.training.steps}: ask for more steps")
-    planned = meta.get("steps")
-    if isinstance(planned, int) and planned != cfg.training.steps:
-        # The learning rate's cosine decay ends at --steps (bamboo.engine.optim).
-        how = "stretched" if cfg.training.steps > planned else "shortened"
-        print(f"bamboo train: note: resuming a run planned for {planned} steps with --steps "
-              f"{cfg.training.steps}: the learning-rate schedule is {how} to "
-              f"{cfg.training.steps} steps (pass --steps {planned} to keep it)", file=sys.stderr)
-    return ckpt
 
 
 class JobCommand(Protocol):
@@ -266,51 +160,35 @@ def run(argv: list[str], command: JobCommand) -> int:
         cfg = job_config(args, argv, command.parser(given_only=True))
         command.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
-        _check_trace(cfg)
-        from bamboo.run.runlog import RunDir, default_run_dir
-        auto_fresh = False
-        if cfg.checkpoints.resume == "auto":
-            cfg, auto_fresh = _resolve_auto_resume(cfg, prog)
-            if cfg is None:
-                return 0
-        run = RunDir(cfg.logging.out or cfg.checkpoints.resume or default_run_dir())
-        resume_dir = cfg.checkpoints.resume
-        same_dir = resume_dir is not None and run.path.resolve() == Path(resume_dir).resolve()
-        run.restarting = auto_fresh
-        if not same_dir and not auto_fresh:
-            run.check_usable()
-        resume = _load_resume(cfg)
-        run.check_writable("--resume" if same_dir else "--out")
+        from bamboo.api.start import prepare
+        start = prepare(cfg, prog)
+        if start is None:
+            return 0
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    source = command.source(args, cfg, run)
+    source = command.source(args, start.cfg, start.run)
     if isinstance(source, int):
         return source
-    return _train(args, prog, cfg, run, source, crash=crash, resume=resume, http=http)
+    return _train(args, prog, start, source, crash=crash, http=http)
 
 
-def _train(args: argparse.Namespace, prog: str, cfg: JobConfig, run: Any, source: NodeSource,
-           *, crash: dict[int, list], resume: Any, http: tuple[str, int] | None) -> int:
+def _train(args: argparse.Namespace, prog: str, start: Start, source: NodeSource, *,
+           crash: dict[int, list], http: tuple[str, int] | None) -> int:
     """The run itself, once every check passed, then its report: the exit code."""
-    import os
-    # torch's C++ store logs a warning, and for a client that vanishes mid-handshake an
-    # error ("Write setup to client failed ... EBADF"), for what is here a preemption the
-    # coordinator handles and reports itself; --debug shows its errors.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if args.debug else "FATAL")
-    from bamboo.node import forkserver
-    forkserver.start()  # imports torch in the background while this process does too
-    from bamboo.control import RunFailed, run_job
+    from bamboo.api.start import execute, warm_up
+    warm_up(args.debug)  # torch loads in the fork server while this process loads it too
+    from bamboo.control import RunFailed
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDirError
-    display = ProgressDisplay(cfg.training.steps, enabled=not args.quiet)
+    run = start.run
+    display = ProgressDisplay(start.cfg.training.steps, enabled=not args.quiet)
     serve_error: Any = ()  # catches nothing unless --http (prometheus_client loads only then)
     if http is not None:
         from bamboo.control.http import HttpServeError
         serve_error = HttpServeError
     try:
-        summary = run_job(cfg, run, display, source, extra_faults=crash, debug=args.debug,
-                          resume=resume, http=http)
+        summary = execute(start, source, display, crash=crash, debug=args.debug, http=http)
     except serve_error as e:  # --http's address is taken or not this machine's
         source.close(None)
         print(f"{prog}: error: {e}", file=sys.stderr)

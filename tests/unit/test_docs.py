@@ -375,7 +375,7 @@ def test_a_missing_path_is_caught() -> None:
 def resolves(dotted: str) -> bool:
     """`bamboo.a.b.name`: the longest importable module prefix has the rest as attributes."""
     parts = dotted.split(".")
-    for i in range(len(parts), 1, -1):
+    for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ModuleNotFoundError:

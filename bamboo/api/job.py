@@ -1,0 +1,154 @@
+"""`bamboo.Job`: a training job built in Python, checked like the command line's.
+
+    job = bamboo.Job(model=build, nodes=4, stages=2, steps=12, kill=["0:1@5"])
+
+The options are the job's flat keys as `bamboo train` has them (the flag without `--`,
+`-` written `_`: `micro_batches`, `checkpoint_every`, `kill`), each checked by the same
+declaration as the flag (`bamboo.config.sections`) and the same `JobConfig.validate()`,
+so a bad job is one line (`JobError`) before any worker starts.
+
+`model` is a preset's name, a `MODULE:FUNCTION` string, or the function itself (which
+every process then imports by its derived path, `bamboo.api.paths`).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+from bamboo.api.paths import LOADED_BY_PATH, import_path
+from bamboo.config import (ConfigError, JobConfig, KillSpec, all_options, options_by_key,
+                           parse_kill)
+from bamboo.config.jobfile import coerce
+from bamboo.config.sections import SCHEDULE_NAMES
+
+__all__ = ["Job", "JobError", "config_of", "option_names", "guard_worker_import"]
+
+
+class JobError(ConfigError):
+    """A job that cannot run as given; str() is the one line to show (a ValueError)."""
+
+
+def option_names() -> dict[str, str]:
+    """Every name an option may be given by -> its flat key: the key (`kills`), the flag's
+    name (`kill`, `lease`), and `pipeline_schedule` for `--schedule` (whose name the
+    learning-rate `schedule` takes)."""
+    names: dict[str, str] = {}
+    for f in all_options():
+        names[f.key] = f.key
+        names.setdefault(f.flag.removeprefix("--").replace("-", "_"), f.key)
+    names["pipeline_schedule"] = "schedule"
+    return names
+
+
+def config_of(values: dict[str, Any], *, where: str | None = "Job") -> JobConfig:
+    """The validated JobConfig of options given by name (`option_names`); each value
+    checked against its option's declared type as a job file's is. `where` prefixes every
+    error (None: the error as the command line says it)."""
+    prefix = f"{where}: " if where else ""
+    try:
+        return JobConfig.of(**_flat(values, prefix, where is not None)).validate()
+    except JobError:
+        raise
+    except ConfigError as e:
+        raise JobError(f"{prefix}{e}", *e.options) from None
+
+
+def _flat(values: dict[str, Any], prefix: str, by_name: bool) -> dict[str, Any]:
+    """{flat key: value of its declared type} of options given by name."""
+    names, by_key = option_names(), options_by_key()
+    flat: dict[str, Any] = {}
+    for raw, value in values.items():
+        name = raw.replace("-", "_")
+        if name not in names:
+            near = difflib.get_close_matches(name, list(names), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise JobError(f"{prefix}unknown option '{raw}': {hint}options are bamboo train's "
+                           f"flags with _ for - (nodes, stages, micro_batches, steps, kill, ...)")
+        f = by_key[names[name]]
+        if isinstance(value, (str, KillSpec)) and _is_list(f.type):
+            value = [value]
+        if isinstance(value, tuple):
+            value = list(value)
+        if f.key == "kills" and isinstance(value, list):  # its own one-line error
+            value = [parse_kill(k) if isinstance(k, str) else k for k in value]
+        if _is_str(f.type) and hasattr(value, "__fspath__"):
+            value = str(value)
+        flat[f.key] = coerce(value, f.type, name if by_name else f.flag)
+    return flat
+
+
+def _is_list(tp: Any) -> bool:
+    import typing
+    return typing.get_origin(tp) is list
+
+
+def _is_str(tp: Any) -> bool:
+    import types
+    import typing
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return str in args
+
+
+def guard_worker_import(what: str) -> None:
+    """JobError when `what` is called from a script's top level while a worker (or the
+    coordinator) imports that script to build its model: the script must start its run
+    under `if __name__ == "__main__":`, as multiprocessing's spawn asks too."""
+    frame = inspect.currentframe()
+    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    module = caller.f_globals.get("__name__", "") if caller is not None else ""
+    del frame, caller
+    if isinstance(module, str) and module.startswith(LOADED_BY_PATH):
+        raise JobError(f"{what} ran while bamboo imported your script to build its model: put "
+                       f"the script's bamboo calls under `if __name__ == \"__main__\":`")
+
+
+def _unsupported(name: str, value: Any) -> None:
+    if value is not None:
+        raise JobError(f"Job: {name}= is not supported yet (got {type(value).__name__}): leave it "
+                       f"None; the model's own loss and bamboo's data are used", name)
+
+
+class Job:
+    """One training job: the model, and the options `bamboo train` takes as flags."""
+
+    def __init__(self, model: Any = None, dataset: Any = None, loss: Any = None,
+                 optimizer: Any = None, schedule: Any = None, eval_dataset: Any = None,
+                 **options: Any) -> None:
+        guard_worker_import("bamboo.Job")
+        if isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
+            options.setdefault("pipeline_schedule", schedule)  # `--schedule 1f1b|zb-h1`
+            schedule = None
+        for name, value in (("dataset", dataset), ("loss", loss), ("eval_dataset", eval_dataset),
+                            ("optimizer", optimizer), ("schedule", schedule)):
+            _unsupported(name, value)
+        values = dict(options)
+        if model is not None:
+            values["model"] = model_name(model)
+        self.model = model
+        self.optimizer, self.schedule = optimizer, schedule
+        self.config: JobConfig = config_of(values)
+        """The validated job, as `bamboo train` would have built it from the same flags."""
+
+    def options(self) -> dict[str, Any]:
+        """Every option of the job by its flat key (summary.json's names)."""
+        return self.config.to_dict()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"bamboo.Job(model={c.model.name!r}, nodes={c.layout.nodes}, "
+                f"stages={c.layout.stages}, steps={c.training.steps}, seed={c.training.seed})")
+
+
+def model_name(model: Any) -> str:
+    """The `--model` value of `model`: a name as it is, a function by its import path."""
+    if isinstance(model, str):
+        return model
+    if inspect.isfunction(model) or inspect.isclass(model) or inspect.isbuiltin(model):
+        try:
+            return import_path(model, "model")
+        except ConfigError as e:
+            raise JobError(f"Job: {e}", "model") from None
+    raise JobError(f"Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', or a "
+                   f"function that returns a PipelineModel (got {type(model).__name__}): give "
+                   f"the function that builds it, defined at module level", "model")

@@ -1,0 +1,182 @@
+"""From a validated job to a running one: the checks before any worker starts, and the run.
+
+One sequence for `bamboo train`, `bamboo coordinator` and `bamboo.train`: the trace parsed,
+`--resume auto` resolved, the run directory checked (a finished run is never overwritten),
+the checkpoint to continue loaded and checked against the job (`prepare`), then the run in
+this process (`execute`). Each check raises ConfigError with one line; `prog` names the
+caller in warnings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bamboo.config import ConfigError, JobConfig
+from bamboo.run.runlog import RunDir, default_run_dir
+
+if TYPE_CHECKING:
+    from bamboo.control.sources import NodeSource
+    from bamboo.run.progress import ProgressDisplay
+
+__all__ = ["Start", "prepare", "execute", "warm_up", "check_trace", "check_same_job"]
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A job ready to run: its config (resume resolved), run directory and checkpoint."""
+
+    cfg: JobConfig
+    run: RunDir
+    resume: Any
+    """The checkpoint to continue from (`bamboo.run.checkpoint.Checkpoint`), or None."""
+
+
+def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start | None:
+    """The checks of a job before it runs; None when `--resume auto` finds its run already
+    complete (nothing to do). `run_dir`: the RunDir class to make the directory with."""
+    check_trace(cfg, prog)
+    auto_fresh = False
+    if cfg.checkpoints.resume == "auto":
+        resolved, auto_fresh = _resolve_auto_resume(cfg, prog)
+        if resolved is None:
+            return None
+        cfg = resolved
+    run = run_dir(cfg.logging.out or cfg.checkpoints.resume or default_run_dir())
+    resume_dir = cfg.checkpoints.resume
+    same_dir = resume_dir is not None and run.path.resolve() == Path(resume_dir).resolve()
+    run.restarting = auto_fresh
+    if not same_dir and not auto_fresh:
+        run.check_usable()
+    resume = _load_resume(cfg, prog)
+    run.check_writable("--resume" if same_dir else "--out")
+    return Start(cfg, run, resume)
+
+
+def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,
+            crash: dict[int, list] | None = None, debug: bool = False,
+            http: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Run the prepared job in this process (the coordinator) to its end: the summary, or
+    RunFailed (`bamboo.control.run_job`)."""
+    warm_up(debug)
+    from bamboo.control import run_job
+    return run_job(start.cfg, start.run, display, source, extra_faults=crash or {},
+                   debug=debug, resume=start.resume, http=http)
+
+
+def warm_up(debug: bool = False) -> None:
+    """Start the fork server now: it imports torch in the background while this process
+    imports it too (idempotent)."""
+    # torch's C++ store logs a warning, and for a client that vanishes mid-handshake an
+    # error ("Write setup to client failed ... EBADF"), for what is here a preemption the
+    # coordinator handles and reports itself; debug shows its errors.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if debug else "FATAL")
+    from bamboo.node import forkserver
+    forkserver.start()
+
+
+def check_trace(cfg: JobConfig, prog: str) -> None:
+    """Parse the trace now, so a malformed row is a one-line error before anything starts."""
+    if cfg.cluster.trace is None:
+        return
+    from bamboo.traces.trace import TraceError, load_trace
+    try:
+        trace = load_trace(cfg.cluster.trace)
+    except TraceError as e:
+        raise ConfigError(f"--trace: {e}") from None
+    if trace.unsorted_rows:
+        print(f"{prog}: warning: {cfg.cluster.trace}: {trace.unsorted_rows} row(s) out of time "
+              f"order were sorted", file=sys.stderr)
+    added = len({n for n, k in zip(trace.nodes, trace.kinds) if k == 1})
+    if added < cfg.layout.nodes:
+        raise ConfigError(f"--trace {cfg.cluster.trace} adds {added} distinct node(s) but --nodes is "
+                          f"{cfg.layout.nodes}: the replay's initial workers are the trace's first "
+                          f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
+
+
+def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, bool]:
+    """`--resume auto`: the --out run continues from its newest whole checkpoint when it has
+    one, else starts there afresh (a restart before the first checkpoint starts over). None
+    when that run already finished (a restarted job has nothing left to do)."""
+    out = Path(cfg.logging.out)
+    summary = out / "summary.json"
+    if summary.is_file():
+        try:
+            done = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            done = {}
+        check_same_job(cfg, done.get("config") or {}, f"--resume auto: the run in {out}")
+        if done.get("status") == "completed" and \
+                done.get("steps_completed", -1) >= cfg.training.steps:
+            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; "
+                  f"nothing to do (pass more --steps, or another --out for a new run)",
+                  file=sys.stderr)
+            return None, False
+    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
+    from bamboo.run.runlog import checkpoint_root
+    root = cfg.checkpoints.dir or checkpoint_root(out)
+    if list_checkpoints(root):
+        try:
+            load_latest(root, quiet=True)
+            return cfg.replace(resume=str(out)), False
+        except CheckpointError as e:  # every one unusable: say so, then start over
+            print(f"{prog}: warning: --resume auto: {e}; starting from step 0", file=sys.stderr)
+    return cfg.replace(resume=None), out.exists()
+
+
+def check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None:
+    """ConfigError when `made_with` (a checkpoint's meta, or a run's summary config) names a
+    model, seed or batch other than this job's: continuing it would train another run."""
+    if "global_micro_batches" not in made_with and "pipelines" in made_with \
+            and "micro_batches" in made_with:
+        made_with = made_with | {"global_micro_batches":
+                                 made_with["pipelines"] * made_with["micro_batches"]}
+    for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
+                       ("global_micro_batches", cfg.global_micro_batches),
+                       ("micro_batch_size", cfg.layout.micro_batch_size)):
+        if key in made_with and made_with[key] != value:
+            raise ConfigError(f"{what} was made with {key} {made_with[key]!r}, this job has "
+                              f"{value!r}: use the same settings (or another --out for a new "
+                              f"run)")
+
+
+def _load_resume(cfg: JobConfig, prog: str) -> Any:
+    """The checkpoint `--resume` continues from, checked against this job."""
+    if cfg.checkpoints.resume is None:
+        if cfg.checkpoints.dir is not None:
+            from bamboo.run.checkpoint import has_whole_checkpoint
+            if has_whole_checkpoint(cfg.checkpoints.dir):  # a restore would take another run's
+                raise ConfigError(f"--checkpoint-dir {cfg.checkpoints.dir} holds the checkpoints "
+                                  f"of an earlier run: continue it with --resume, or choose an "
+                                  f"empty --checkpoint-dir")
+        return None
+    # No checkpoint at all is a user error found without importing torch (nor is torch
+    # needed to find the newest whole one: its tensors stay where they are).
+    from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
+    from bamboo.run.runlog import checkpoint_root
+    # A run that wrote to --checkpoint-dir is resumed from there.
+    root = cfg.checkpoints.dir or checkpoint_root(cfg.checkpoints.resume)
+    if not list_checkpoints(root):
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: no checkpoint in {root}: pass the --out "
+                          f"directory of an earlier run that saved checkpoints (--checkpoint-every)")
+    try:
+        ckpt = load_latest(root, quiet=True)
+    except CheckpointError as e:
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
+    check_same_job(cfg, ckpt.meta, f"--resume {cfg.checkpoints.resume}: its checkpoint")
+    if ckpt.warning:
+        print(f"{prog}: warning: {ckpt.warning}", file=sys.stderr)
+    if ckpt.step >= cfg.training.steps:
+        raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint is at step {ckpt.step}, "
+                          f"--steps is {cfg.training.steps}: ask for more steps")
+    planned = ckpt.meta.get("steps")
+    if isinstance(planned, int) and planned != cfg.training.steps:
+        # The learning rate's cosine decay ends at --steps (bamboo.engine.optim).
+        how = "stretched" if cfg.training.steps > planned else "shortened"
+        print(f"{prog}: note: resuming a run planned for {planned} steps with --steps "
+              f"{cfg.training.steps}: the learning-rate schedule is {how} to "
+              f"{cfg.training.steps} steps (pass --steps {planned} to keep it)", file=sys.stderr)
+    return ckpt
