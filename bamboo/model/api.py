@@ -50,9 +50,18 @@ The rules:
 - `layers` are zero-argument callables, one per pipeline layer, each returning a fresh
   `nn.Module`. A node calls only the factories of the layers it holds, each under the
   random stream bamboo seeds from (seed, layer index), so every node draws exactly the
-  parameters a single process building the whole model would. Draw random numbers only
-  from torch's global generator, and use no dropout (masks drawn on different nodes
-  would differ from a single process's).
+  parameters a single process building the whole model would.
+- Randomness in a forward (`nn.Dropout`, stochastic depth, noise) is welcome, drawn from
+  torch's global generators (`torch.rand`, `torch.randn`, `torch.bernoulli`,
+  `F.dropout`, what torch's modules use): around each layer's forward bamboo sets them to
+  the state of (seed, step, global micro-batch id, layer index), so the node that runs it,
+  an eager FRC, a shadow redoing it, a re-routed or restarted step and the
+  activation-checkpointing recompute all draw the same masks, and a run with kills ends
+  equal to its failure-free run. Layers run in train mode, and in eval mode (no dropout)
+  for the held-out loss. A draw that bypasses torch's global generators is not seeded:
+  Python's `random` and numpy's `np.random` in a factory or a forward are refused at the
+  check below; a `torch.Generator` or a numpy `Generator` a layer keeps for itself cannot
+  be seen, and a failover would draw other numbers from it: do not keep one.
 - `boundary` is the tensor one layer hands the next, per sample (no batch dimension):
   one `TensorSpec` for every boundary, or a list of `len(layers) - 1`, one per boundary.
   Boundaries are floating point: gradients flow back through them.
@@ -68,8 +77,10 @@ The rules:
   machines (`bamboo agent`) import it there the same way.
 
 Before anything starts, bamboo builds every layer on the meta device (no memory) and runs a
-`[1, context]` batch through them, so a layer that raises or a declared shape that does not
-hold is one line on the command line, not a failure inside a worker.
+`[1, context]` batch through them, so a layer that raises, a declared shape that does not
+hold or a draw from Python's or numpy's global generator is one line on the command line,
+not a failure inside a worker or a run that silently ends elsewhere than its failure-free
+run.
 """
 from __future__ import annotations
 
@@ -79,6 +90,8 @@ import importlib
 import importlib.util
 import inspect
 import os
+import pickle
+import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -306,15 +319,39 @@ def _check_shapes(model: PipelineModel) -> None:
             _trace(model)
 
 
+def _unseeded_states() -> dict[str, bytes]:
+    """The state of each global generator bamboo does not seed: Python's `random`, and
+    numpy's `np.random` once numpy is imported."""
+    states = {"Python's random module": pickle.dumps(random.getstate())}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy's np.random"] = pickle.dumps(numpy.random.get_state())
+    return states
+
+
+def _refuse_unseeded(before: dict[str, bytes], what: str) -> None:
+    """ModelError when `what` (a layer's factory or forward) drew from a global generator
+    bamboo does not seed (its state is not `before`)."""
+    after = _unseeded_states()
+    for name, state in before.items():
+        if after.get(name) != state:
+            raise ModelError(f"{what} draws from {name}, whose numbers a failover would not "
+                             f"draw again: draw from torch's generator (torch.rand, "
+                             f"nn.Dropout), which bamboo seeds by step, micro-batch and layer")
+
+
 def _trace(model: PipelineModel) -> None:
     x = torch.zeros((1, model.context), dtype=torch.int64)
     for i, spec in enumerate(model.boundaries):
+        before = _unseeded_states()
         layer = custom_layer(model, i)
+        _refuse_unseeded(before, f"layer {i}'s factory")
         try:
             x = layer(x)
         except Exception as e:
             raise _RunError(f"layer {i} failed on its input of shape {list(x.shape)}: "
                              f"{_one_line(e)}") from None
+        _refuse_unseeded(before, f"layer {i}'s forward")
         if not isinstance(x, torch.Tensor):
             raise ModelError(f"layer {i} returned {type(x).__name__}, not one tensor")
         what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
