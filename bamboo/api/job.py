@@ -94,7 +94,7 @@ def guard_worker_import(what: str) -> None:
     """JobError when `what` is called from a script's top level while a worker (or the
     coordinator) imports that script to build its model: the script must start its run
     under `if __name__ == "__main__":`, as multiprocessing's spawn asks too."""
-    frame = inspect.currentframe()
+    frame = inspect.currentframe()  # this function's; its caller's is `what`'s
     caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
     module = caller.f_globals.get("__name__", "") if caller is not None else ""
     del frame, caller
@@ -115,7 +115,6 @@ class Job:
     def __init__(self, model: Any = None, dataset: Any = None, loss: Any = None,
                  optimizer: Any = None, schedule: Any = None, eval_dataset: Any = None,
                  **options: Any) -> None:
-        guard_worker_import("bamboo.Job")
         if isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
             options.setdefault("pipeline_schedule", schedule)  # `--schedule 1f1b|zb-h1`
             schedule = None

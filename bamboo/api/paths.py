@@ -39,7 +39,9 @@ def import_path(obj: Any, what: str) -> str:
         raise ConfigError(f"{what}: {_show(obj)} has no importable name: the workers rebuild "
                           f"it by name; {_FIX}", what)
     if name == "<lambda>" or "<" in name or "." in name:
-        kind = "a lambda" if name == "<lambda>" else f"'{name}', defined inside a function or class,"
+        short = name.rsplit(".", 1)[-1]
+        kind = "a lambda" if short == "<lambda>" else \
+            f"'{short}', defined inside a function or class,"
         raise ConfigError(f"{what}: {kind} cannot be imported by the workers: {_FIX}", what)
     mod = sys.modules.get(module)
     if mod is None or getattr(mod, name, None) is not obj:
