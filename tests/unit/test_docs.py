@@ -1,8 +1,8 @@
 """The user's pages hold: every `bamboo`, `python -m bamboo` and `make` command shown in a
 code block of README.md and docs/*.md parses with the project's own argument parsers (or
 names a real Makefile target), every repository path and `bamboo.x.y` name they give exists,
-every relative link and its anchor resolve, and the README's quick start really trains, a
-killed run ending with the bits of the run without the kill (the `procs` test).
+and every relative link and its anchor resolve. (The README's quick start really trains, a
+killed run ending with the bits of the run without the kill: tests/integration/test_docs_runs.py.)
 
 The parse checks start no process: they build each command's real parser
 (`bamboo.cli.COMMANDS` -> its module's `<command>_parser`, `build_parser` or `_parser`) and
@@ -12,27 +12,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import re
-import shlex
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from support.pages import Command, logical_lines, page_commands, program, split_commands
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-
-SHELL_LANGS = {"", "sh", "bash", "shell", "console"}
-"""Fenced blocks of these languages, and indented blocks, may hold commands."""
-
-NOT_COMMANDS: dict[str, str] = {
-    "bamboo train (coordinator)": "docs/architecture.md's process diagram, not a command",
-}
-"""Lines that start like a command and are not one: a substring of the line -> why."""
 
 NO_PARSER: dict[str, str] = {
     "config": "bamboo config builds its parser inside main(); there is no parser to import",
@@ -57,118 +46,7 @@ MODULE_PATTERN = re.compile(r"(?<![\w./-])bamboo(?:\.[A-Za-z_]\w*)+(?![\w/-])")
 PATH_PATTERN = re.compile(r"(?<![\w./~$-])(?:" + "|".join(PATH_ROOTS) + r")/[\w./*-]*")
 
 
-@dataclass(frozen=True)
-class Command:
-    """One shell command of a page: where it is and its words (the program first)."""
-
-    page: str
-    line: int
-    text: str
-    words: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"{self.page}:{self.line}: {self.text}"
-
-
-# -- extracting the commands ------------------------------------------------------------------
-
-
-def code_blocks(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(first line number, lines) of every shell code block: fenced with a shell language or
-    none, or indented by 4 spaces after a blank line (outside fences)."""
-    lines = text.split("\n")
-    i = 0
-    while i < len(lines):
-        fence = re.match(r"^\s*```\s*(\w*)", lines[i])
-        if fence:
-            end = next((j for j in range(i + 1, len(lines))
-                        if lines[j].strip().startswith("```")), len(lines))
-            if fence.group(1).lower() in SHELL_LANGS:
-                yield i + 2, lines[i + 1:end]
-            i = end + 1
-            continue
-        if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
-            start = i
-            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
-                i += 1
-            yield start + 1, [line[4:] for line in lines[start:i]]
-            continue
-        i += 1
-
-
-def logical_lines(first: int, lines: list[str]) -> Iterator[tuple[int, str]]:
-    """The block's lines with backslash continuations joined, each with its line number."""
-    buffer, at = "", first
-    for number, line in enumerate(lines, start=first):
-        if not buffer:
-            at = number
-        stripped = line.rstrip()
-        if stripped.endswith("\\"):
-            buffer += stripped[:-1] + " "
-            continue
-        yield at, buffer + stripped
-        buffer = ""
-    if buffer:
-        yield at, buffer
-
-
-def split_commands(line: str) -> Iterator[list[str]]:
-    """The simple commands of a shell line: comments dropped, redirections (> FILE, 2>&1)
-    removed, split at ; && || |."""
-    line = re.sub(r"(^|\s)\d?>>?&\d+", " ", line.lstrip("$ "))
-    line = re.sub(r"(^|\s)\d?(>>?|<)\s*[^\s;&|]+", " ", line)
-    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
-    lexer.whitespace_split = True
-    lexer.commenters = "#"
-    words: list[str] = []
-    for token in lexer:
-        if token in (";", "&&", "||", "|", "&"):
-            if words:
-                yield words
-            words = []
-        else:
-            words.append(token)
-    if words:
-        yield words
-
-
-def program(words: list[str]) -> list[str] | None:
-    """The command from its program on ("bamboo ...", "make ..."), without `sudo`, `timeout
-    N`, variable assignments and the `.venv/bin/` prefix; None when it is not one of ours."""
-    while words and (words[0] in ("sudo", "env", "exec") or re.fullmatch(r"\w+=.*", words[0])):
-        words = words[1:]
-    if words[:1] == ["timeout"]:
-        words = words[2:]
-    if not words:
-        return None
-    name = words[0].removeprefix("./").removeprefix(".venv/bin/")
-    if name == "bamboo":
-        return ["bamboo", *words[1:]]
-    if re.fullmatch(r"python3?", name) and words[1:3] == ["-m", "bamboo"]:
-        return ["bamboo", *words[3:]]
-    if re.fullmatch(r"python3?", name) and words[1:2] == ["-m"] and words[2].startswith("bamboo."):
-        return ["python -m", *words[2:]]
-    if name == "make":
-        return ["make", *words[1:]]
-    return None
-
-
-def page_commands(page: Path) -> list[Command]:
-    """Every `bamboo` and `make` command of a page's shell code blocks."""
-    found = []
-    rel = page.relative_to(REPO).as_posix()
-    for first, lines in code_blocks(page.read_text(encoding="utf-8")):
-        for number, line in logical_lines(first, lines):
-            if any(marker in line for marker in NOT_COMMANDS):
-                continue
-            if not re.match(r"^\s*(\$ )?(sudo |timeout \d+ |\w+=\S+ )*(\./)?"
-                            r"(\.venv/bin/)?(bamboo|python3? -m bamboo|make)\b", line):
-                continue
-            for words in split_commands(line):
-                command = program(words)
-                if command is not None:
-                    found.append(Command(rel, number, line.strip(), tuple(command)))
-    return found
+# -- the commands of the pages ----------------------------------------------------------------
 
 
 def inline_makes(page: Path) -> list[Command]:
@@ -399,68 +277,6 @@ def test_every_named_module_exists() -> None:
     assert not missing, "names the pages give that the package lacks:\n" + "\n".join(missing)
     assert resolves("bamboo.chaos.bits.bits_must_match")
     assert not resolves("bamboo.chaos.bits.no_such_rule") and not resolves("bamboo.nosuch")
-
-
-# -- the quick start, for real ----------------------------------------------------------------
-
-
-def quick_start_trains() -> list[list[str]]:
-    """The `bamboo train` commands of the README's "Quick start" section."""
-    page = REPO / "README.md"
-    lines = page.read_text(encoding="utf-8").split("\n")
-    start = lines.index("## Quick start") + 1
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith("## ")) + 1
-    return [list(c.words[2:]) for c in page_commands(page)
-            if start <= c.line <= end and c.words[:2] == ("bamboo", "train")]
-
-
-def shortened(args: list[str], out: Path) -> list[str]:
-    """The command in a short form: 2 steps, a kill moved into step 1, its own --out."""
-    short: list[str] = []
-    words = iter(args)
-    for word in words:
-        if word in ("--steps", "--out"):
-            next(words)
-        elif word == "--kill":
-            short += [word, re.sub(r"@\d+", "@1", next(words))]
-        else:
-            short.append(word)
-    return [*short, "--steps", "2", "--out", str(out), "--no-report"]
-
-
-def without_kills(args: list[str]) -> tuple[str, ...]:
-    words, kept = iter(args), []
-    for word in words:
-        if word == "--kill":
-            next(words)
-        elif word != "--out":
-            kept.append(word)
-        else:
-            next(words)
-    return tuple(kept)
-
-
-@pytest.mark.procs
-@pytest.mark.timeout(300)
-def test_the_quick_start_trains(tmp_path: Path) -> None:
-    """Each quick-start `bamboo train`, shortened, exits 0 with a summary; a run with a kill
-    ends with the bits of the same command without it, as the README says."""
-    trains = quick_start_trains()
-    assert trains, "the README's quick start shows no bamboo train command"
-    bits: dict[tuple[str, ...], set[str]] = {}
-    for number, args in enumerate(trains):
-        out = tmp_path / f"run{number}"
-        cmd = [sys.executable, "-m", "bamboo", "train", *shortened(args, out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-        assert proc.returncode == 0, \
-            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["steps_completed"] == 2
-        assert summary["preemptions"] == args.count("--kill")
-        bits.setdefault(without_kills(args), set()).add(summary["param_sha256"])
-    for args, digests in bits.items():
-        assert len(digests) == 1, f"`bamboo train {' '.join(args)}` with and without its kill " \
-                                  f"ended with other parameters: {digests}"
 
 
 def _module_table() -> set[str]:

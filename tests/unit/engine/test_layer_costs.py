@@ -1,8 +1,7 @@
-"""`--layer-costs`: stages cut by measured seconds per layer (`bamboo profile --layers-only`)."""
+"""`--layer-costs`: stages cut by measured seconds per layer (`bamboo profile --layers-only`).
+(A run cut by such a file, with a kill: tests/integration/test_layer_costs_runs.py.)"""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,7 @@ import pytest
 from bamboo.cli import main
 from bamboo.config.layer_costs import SCHEMA, LayerCosts, load_layer_costs, save_layer_costs
 from bamboo.engine.layer_costs import measure_layer_costs
-
-from support.procs import run_events
-from support.runs import assert_equals_failure_free, config, run_in_process
+from support.costs import write_layer_costs
 
 
 def test_each_layer_is_timed_alone_and_the_file_round_trips(tmp_path: Path) -> None:
@@ -33,12 +30,6 @@ def test_profile_layers_only_writes_a_file_train_takes(tmp_path: Path, capsys) -
     assert "exists" in capsys.readouterr().err  # never overwritten
 
 
-def _write(path: Path, **fields) -> Path:
-    path.write_text(json.dumps({"schema": SCHEMA, "model": "gpt2-tiny", "micro_batch_size": 8,
-                                "layer_s": [1.0] * 8, **fields}))
-    return path
-
-
 @pytest.mark.parametrize("fields,text", [
     (dict(model="llama-tiny"), "was measured for llama-tiny, not gpt2-tiny"),
     (dict(layer_s=[1.0] * 7), "has 7 layers; gpt2-tiny has 8"),
@@ -46,27 +37,11 @@ def _write(path: Path, **fields) -> Path:
     (dict(schema="bamboo.costs/1"), "is not a layer-costs file"),
 ])
 def test_a_wrong_file_is_one_line(fields: dict, text: str, tmp_path: Path, capsys) -> None:
-    path = _write(tmp_path / "c.json", **fields)
+    path = write_layer_costs(tmp_path / "c.json", **fields)
     assert main(["train", "--layer-costs", str(path), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert text in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_stages_follow_the_measured_costs_and_a_kill_ends_equal(tmp_path: Path) -> None:
-    """Costs that make the last three layers dear give them a stage each (parameter counts
-    would cut 2/2/2/2); the math does not change: a kill still ends equal to the
-    failure-free run."""
-    costs = _write(tmp_path / "c.json", layer_s=[1.0] * 5 + [5.0] * 3)
-    cfg = config(dict(steps=6, kills=["0:2@3"], layer_costs=str(costs)))
-    summary = run_in_process(cfg, tmp_path / "run")
-    assert_equals_failure_free(summary, cfg)
-    events = run_events(tmp_path / "run")
-    ready = next(e for e in events if e["event"] == "generation_ready")
-    assert ready["parts"] == [[0, 5], [5, 6], [6, 7], [7, 8]]
-    assert summary["failovers"] == 1
 
 
 def test_loaded_costs_are_validated(tmp_path: Path) -> None:
