@@ -215,13 +215,20 @@ _SPECIAL_TOKENS = {"gpt2": {"bos_token_id": 50256, "eos_token_id": 50256},
                    "llama": {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None},
                    "bert": {"pad_token_id": 0}}
 _FIXED: dict[str, dict[str, Any]] = {
-    "gpt2": {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-             "summary_first_dropout": 0.0, "tie_word_embeddings": False},
-    "llama": {"attention_dropout": 0.0, "tie_word_embeddings": False},
-    "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-             "tie_word_embeddings": False},
+    "gpt2": {"tie_word_embeddings": False}, "llama": {"tie_word_embeddings": False},
+    "bert": {"tie_word_embeddings": False},
 }
-"""No dropout (a pipelined run must draw what a single process draws) and an untied head."""
+"""An untied head. Dropout is the config's (transformers' default, or a directory's
+config.json): every layer's draws are seeded by (seed, step, micro-batch, layer), so a
+pipelined run draws what a single process draws (`bamboo.model.run_layers`)."""
+_DROPOUT: dict[str, dict[str, float]] = {
+    "gpt2": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
+             "summary_first_dropout": 0.1},
+    "llama": {"attention_dropout": 0.0},
+    "bert": {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+}
+"""transformers' default dropout of each family (a test checks them): what a name's
+dropout is, since a name does not set it."""
 _MIN_VOCAB = {"gpt2": 256, "llama": 256, "bert": 257}
 """Training data are byte tokens 0..255; the masked-LM task also uses id vocab-1 as [MASK]."""
 _EXAMPLE = {"gpt2": "n_layer=2,n_embd=64,n_head=4,n_positions=64,vocab_size=256",
@@ -314,6 +321,15 @@ def parse_hf_name(name: str) -> HFName:
     return HFName(name, kind, config, overrides, _weights_in(name, directory))
 
 
+def _dropout_why(kind: str | None, key: str) -> str:
+    """Why a dropout key cannot follow a name: its dropout is transformers' default."""
+    default = _DROPOUT.get(kind or "", {}).get(key)
+    if default is None:
+        return "dropout is fixed at the config's: transformers' default, or a directory's"
+    return (f"dropout is fixed at {default}, transformers' default for hf:{kind}; a "
+            f"directory's config.json sets its own")
+
+
 def _parse_overrides(name: str, kind: str | None, text: str) -> dict[str, int | float]:
     allowed = HF_OVERRIDES[kind] if kind else {"context": _INT}
     form = (f"write hf:{kind}:KEY=VALUE,... e.g. hf:{kind}:{_EXAMPLE[kind]}" if kind else
@@ -324,7 +340,7 @@ def _parse_overrides(name: str, kind: str | None, text: str) -> dict[str, int | 
         if not eq or not key or not raw:
             raise ValueError(f"model '{name}': '{item}' is not KEY=VALUE; {form}")
         if key not in allowed:
-            why = "dropout is fixed at 0" if "drop" in key else f"keys: {', '.join(allowed)}"
+            why = _dropout_why(kind, key) if "drop" in key else f"keys: {', '.join(allowed)}"
             raise ValueError(f"model '{name}': unknown key '{key}' ({why}); {form}")
         if key in out:
             raise ValueError(f"model '{name}': key '{key}' is given twice")

@@ -13,10 +13,11 @@ every boundary is a float32 [B, T, d] tensor.
     hf:/path/to/dir             config.json of a local directory, and its weights
                                 (model.safetensors or pytorch_model.bin) if present
 
-Dropout is forced to 0 (a pipelined run and a single process must draw the same
-numbers, and dropout masks would differ), attention runs through SDPA (GPT-2 and Llama
-are causal through SDPA's `is_causal`; eager with an explicit mask where a transformers
-release lacks SDPA), and the LM head is untied from the token embedding (tying would
+Dropout is the config's (transformers' defaults, or a directory's config.json): every
+layer's forward draws from generators seeded by (seed, step, micro-batch, layer)
+(`bamboo.model.run_layers`), so a pipelined run and a single process draw the same masks.
+Attention runs through SDPA (GPT-2 and Llama are causal through SDPA's `is_causal`; eager
+with an explicit mask where a transformers release lacks SDPA), and the LM head is untied from the token embedding (tying would
 couple the first and last stage every step). Every Llama layer holds its own rotary
 module and computes the (cos, sin) position embeddings itself, so nothing but the hidden
 state crosses a pipeline boundary. See docs/models.md.

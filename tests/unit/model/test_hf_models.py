@@ -25,8 +25,9 @@ from support.hf_models import BERT, GPT2, HF_MODELS, LLAMA
 
 
 def _compose(layers: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The layers in eval mode (no dropout, as the transformers model compared with)."""
     for layer in layers:
-        x = layer(x)
+        x = layer.eval()(x)
     return x
 
 
@@ -39,7 +40,7 @@ def test_the_layers_compose_to_the_transformers_model(kind: str) -> None:
     config._attn_implementation = "eager"  # an independent attention path, with explicit masks
     torch.manual_seed(0)
     model = model_class(config).eval()
-    layers = build_layers(p, range(p.layers), seed=0)
+    layers = [layer.eval() for layer in build_layers(p, range(p.layers), seed=0)]  # no dropout
     ckpt = Checkpoint.of_state_dict(model.state_dict(), kind)
     for index, layer in enumerate(layers):
         load_layer(layer, p, index, ckpt)
