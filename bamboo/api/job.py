@@ -118,16 +118,27 @@ class Job:
         if isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
             options.setdefault("pipeline_schedule", schedule)  # `--schedule 1f1b|zb-h1`
             schedule = None
-        for name, value in (("dataset", dataset), ("loss", loss), ("eval_dataset", eval_dataset),
-                            ("optimizer", optimizer), ("schedule", schedule)):
+        for name, value in (("dataset", dataset), ("loss", loss), ("eval_dataset", eval_dataset)):
             _unsupported(name, value)
         values = dict(options)
         if model is not None:
             values["model"] = model_name(model)
+        if optimizer is not None or schedule is not None:
+            from bamboo.api.optimizers import optimizer_options
+            try:
+                values.update(optimizer_options(optimizer, schedule))
+            except ConfigError as e:
+                raise JobError(f"Job: {e}", *e.options) from None
         self.model = model
         self.optimizer, self.schedule = optimizer, schedule
         self.config: JobConfig = config_of(values)
         """The validated job, as `bamboo train` would have built it from the same flags."""
+        if self.config.training.optimizer or self.config.training.lr_schedule:
+            from bamboo.api.start import check_optimizer
+            try:
+                check_optimizer(self.config)
+            except ConfigError as e:
+                raise JobError(f"Job: {e}", *e.options) from None
 
     def options(self) -> dict[str, Any]:
         """Every option of the job by its flat key (summary.json's names)."""

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from bamboo.control.sources import NodeSource
     from bamboo.run.progress import ProgressDisplay
 
-__all__ = ["Start", "prepare", "execute", "warm_up", "check_trace", "check_same_job"]
+__all__ = ["Start", "prepare", "execute", "warm_up", "check_optimizer", "check_trace",
+           "check_same_job"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
     """The checks of a job before it runs; None when `--resume auto` finds its run already
     complete (nothing to do). `run_dir`: the RunDir class to make the directory with."""
     check_trace(cfg, prog)
+    check_optimizer(cfg)
     auto_fresh = False
     if cfg.checkpoints.resume == "auto":
         resolved, auto_fresh = _resolve_auto_resume(cfg, prog)
@@ -76,6 +78,23 @@ def warm_up(debug: bool = False) -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR" if debug else "FATAL")
     from bamboo.node import forkserver
     forkserver.start()
+
+
+def check_optimizer(cfg: JobConfig) -> None:
+    """Build the job's own optimizer and schedule here once (`--optimizer`,
+    `--lr-schedule`), so a wrong one is one line before any worker starts."""
+    t = cfg.training
+    if t.optimizer is None and t.lr_schedule is None:
+        return
+    from bamboo.engine.optim import check_optimizer as build_once
+    for flag, optimizer, schedule in (("--optimizer", t.optimizer, None),
+                                      ("--lr-schedule", t.optimizer, t.lr_schedule)):
+        try:
+            build_once(optimizer, schedule, t.lr, t.steps)
+        except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs to fix
+            text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise ConfigError(f"{flag} {(schedule or optimizer)}: {text}".splitlines()[0][:300],
+                              flag.lstrip("-").replace("-", "_")) from None
 
 
 def check_trace(cfg: JobConfig, prog: str) -> None:

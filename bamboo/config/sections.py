@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bamboo.config.calls import check_call
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
 if TYPE_CHECKING:
@@ -191,6 +192,15 @@ class TrainingSection:
     exact: bool = option(False, help="""Accumulate and reduce gradients in float64 in pipeline
         order, so every layout gives the same bits (slower; the default accumulates in fp32 and
         reduces with one collective).""")
+    optimizer: str | None = option(None, check=check_call, metavar="MODULE:NAME(ARGS)",
+                                   help="""The optimizer instead of AdamW: a torch.optim
+        class or a function of the parameters returning an optimizer, with keyword arguments,
+        e.g. torch.optim:SGD(lr=0.05, momentum=0.9) (lr defaults to --lr; docs/api.md).""")
+    lr_schedule: str | None = option(None, check=check_call, metavar="MODULE:NAME(ARGS)",
+                                     help="""The learning-rate schedule instead of warm-up and
+        cosine decay: a function step -> multiplier of the optimizer's learning rate, or a
+        torch.optim.lr_scheduler class with its arguments, e.g.
+        torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=12).""")
 
     def check(self, job: JobConfig) -> None:
         pass

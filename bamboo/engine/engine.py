@@ -48,7 +48,7 @@ from bamboo.engine.forward import StageForward
 from bamboo.engine.options import EngineOptions
 from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
-from bamboo.engine.optim import clip_coefficient, learning_rate
+from bamboo.engine.optim import clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
@@ -123,6 +123,7 @@ class NodeEngine:
         o = self.options
         st = StageState(preset=self.preset, stage=stage, layer_indices=self.parts[stage],
                         seed=o.seed, device=self.device, lr=o.lr, weight_decay=o.weight_decay,
+                        optimizer=o.optimizer,
                         accumulate_dtype=torch.float64 if o.exact else torch.float32)
         if S.defers_weight(o.schedule, stage):
             st.taping = Taping(st.module)
@@ -305,7 +306,7 @@ class NodeEngine:
         start = time.perf_counter()
         o = self.options
         coef = clip_coefficient(result.norm, o.grad_clip)
-        lr = learning_rate(s.step, peak=o.lr, warmup=o.warmup_steps, total=o.total_steps)
+        lr = o.lr_at(s.step)
         for stage, st in self.stages.items():
             st.apply(result.reduced[stage].to(torch.float32), coef, lr)
             st.reset_grads()

@@ -1,8 +1,12 @@
 """Optimizer, learning-rate schedule and gradient clipping for one stage.
 
-AdamW with decoupled weight decay on parameters of two or more dimensions (not on
-biases and norms, as GPT-2 training does), a linear warm-up then cosine decay to a
-tenth of the peak rate.
+By default AdamW with decoupled weight decay on parameters of two or more dimensions (not
+on biases and norms, as GPT-2 training does), a linear warm-up then cosine decay to a
+tenth of the peak rate. A job may name its own (`--optimizer`, `--lr-schedule`, or
+`bamboo.Job(optimizer=..., schedule=...)`): any optimizer class or factory of the
+parameters, and a schedule as `step -> multiplier` or a `torch.optim.lr_scheduler`
+class, whose learning rates are taken once, step by step, on a throwaway optimizer
+(`user_schedule`); each process builds them by name (`bamboo.config.calls`).
 Every quantity is a pure function of the step, so a replica or a shadow computes
 exactly what the primary computes.
 
@@ -16,14 +20,32 @@ stay bit-identical to tests/reference.py, which builds its optimizer here too.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
 import math
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from bamboo.config.calls import parse_call
+
 __all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient",
-           "steps_on_param_device"]
+           "steps_on_param_device", "step_lr", "set_lr", "state_keys", "check_optimizer",
+           "import_object", "MOMENTS"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter state tensors (its `step` count is a scalar)."""
+
+MAX_STATE_TENSORS = 2
+"""Per-parameter state tensors (each the parameter's shape) a layer's state vector carries
+to a peer or a checkpoint (`StageState.layer_state`): AdamW's two moments, SGD's momentum."""
 
 
 def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
@@ -56,10 +78,15 @@ def steps_on_param_device(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 
 
 def make_optimizer(module: nn.Module, *, lr: float, weight_decay: float,
-                   device: torch.device | str | None = None) -> torch.optim.AdamW:
+                   device: torch.device | str | None = None,
+                   spec: str | None = None) -> torch.optim.Optimizer:
     """AdamW over `module`; weight decay on parameters with two or more dimensions.
-    `device`: where the parameters are (default: read from them)."""
+    `device`: where the parameters are (default: read from them). `spec`: the job's own
+    optimizer (`--optimizer MODULE:NAME(ARGS)`), called with the parameters and its
+    arguments (`lr` defaults to `lr`)."""
     params = list(module.parameters())
+    if spec is not None:
+        return _user_optimizer(params, spec, lr)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
@@ -70,6 +97,150 @@ def make_optimizer(module: nn.Module, *, lr: float, weight_decay: float,
     if options.get("fused"):
         optimizer.register_step_pre_hook(steps_on_param_device)
     return optimizer
+
+
+def _user_optimizer(params: list[nn.Parameter], spec: str, lr: float) -> torch.optim.Optimizer:
+    call = parse_call(spec)
+    factory = import_object(call.target)
+    kwargs = dict(call.kwargs)
+    if "lr" not in kwargs and _takes(factory, "lr"):
+        kwargs["lr"] = lr
+    optimizer = factory(params, **kwargs)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"--optimizer {spec} returned {type(optimizer).__name__}, not a "
+                         f"torch.optim.Optimizer")
+    base = optimizer.defaults.get("lr", lr)
+    for group in optimizer.param_groups:  # a factory's groups may scale the learning rate
+        group["lr_scale"] = float(group["lr"]) / base if base else 1.0
+    return optimizer
+
+
+def _takes(factory: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's learning rate for this step: `lr`, times the group's own scale (a
+    job's optimizer factory may give its groups rates of their own)."""
+    for group in optimizer.param_groups:
+        scale = group.get("lr_scale", 1.0)
+        group["lr"] = lr * scale if scale != 1.0 else lr
+
+
+def step_lr(step: int, *, lr: float, warmup: int, total: int, optimizer: str | None = None,
+            schedule: str | None = None) -> float:
+    """The learning rate of `step`: today's warm-up and cosine decay (of `lr`, or of the
+    job's optimizer's own rate), or the job's `--lr-schedule` times that rate."""
+    base = _base_lr(optimizer, lr)
+    if schedule is None:
+        return learning_rate(step, peak=base, warmup=warmup, total=total)
+    return base * user_schedule(schedule, optimizer, lr, total)[min(step, total - 1)]
+
+
+@functools.lru_cache(maxsize=8)
+def _base_lr(optimizer: str | None, lr: float) -> float:
+    if optimizer is None:
+        return lr
+    probe = _user_optimizer([nn.Parameter(torch.zeros(1))], optimizer, lr)
+    return float(probe.defaults.get("lr", lr))
+
+
+@functools.lru_cache(maxsize=8)
+def user_schedule(schedule: str, optimizer: str | None, lr: float, total: int) -> tuple[float, ...]:
+    """The multiplier of every step 0..total-1: a function's value, or the rate a
+    `torch.optim.lr_scheduler` class sets step by step on a throwaway optimizer (the job's,
+    on one parameter) over its rate before the scheduler (only the rate is taken from a
+    scheduler: a momentum it cycles is not)."""
+    call = parse_call(schedule)
+    target = import_object(call.target)
+    scheduler_base = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or \
+        torch.optim.lr_scheduler._LRScheduler
+    if not (inspect.isclass(target) and issubclass(target, scheduler_base)):
+        return tuple(float(target(step, **call.kwargs)) for step in range(total))
+    if target.__name__ == "ReduceLROnPlateau":
+        raise ValueError("ReduceLROnPlateau follows a metric, not the step: its rates cannot "
+                         "be replayed; give a schedule of the step")
+    param = nn.Parameter(torch.zeros(1))
+    probe = make_optimizer(nn.ParameterList([param]), lr=lr, weight_decay=0.0, spec=optimizer)
+    base = float(probe.param_groups[0]["lr"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+        scheduler = target(probe, **call.kwargs)
+        out = []
+        for _ in range(total):
+            out.append(float(probe.param_groups[0]["lr"]) / base)
+            probe.step()
+            scheduler.step()
+    return tuple(out)
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-parameter state tensors a layer's state vector carries for `optimizer`:
+    AdamW's moments, else those one step of the same optimizer on a probe parameter makes
+    (ValueError when they do not fit the vector: more than two, or not shaped like it)."""
+    if type(optimizer) is torch.optim.AdamW:
+        return MOMENTS
+    param = nn.Parameter(torch.zeros(2, 3))
+    try:
+        probe = type(optimizer)([param], **optimizer.defaults)
+    except TypeError as e:
+        raise ValueError(f"{type(optimizer).__name__} cannot be rebuilt from its defaults "
+                         f"({e}): a peer restore needs to know its state") from None
+    param.grad = torch.ones_like(param)
+    probe.step()
+    state = probe.state[param]
+    keys = tuple(k for k in state if k != "step")
+    shaped = [k for k in keys if isinstance(state[k], torch.Tensor)
+              and state[k].shape == param.shape]
+    if len(shaped) != len(keys) or len(keys) > MAX_STATE_TENSORS:
+        raise ValueError(f"{type(optimizer).__name__} keeps per-parameter state "
+                         f"{', '.join(keys)}: a peer restore or a checkpoint carries at most "
+                         f"{MAX_STATE_TENSORS} tensors shaped like the parameter (AdamW's "
+                         f"moments, SGD's momentum)")
+    return keys
+
+
+def check_optimizer(optimizer: str | None, schedule: str | None, lr: float, total: int) -> None:
+    """Build the job's optimizer and schedule once here, so a wrong one is one line before
+    any worker starts (ValueError)."""
+    if optimizer is not None:
+        probe = make_optimizer(nn.Linear(2, 2), lr=lr, weight_decay=0.0, spec=optimizer)
+        state_keys(probe)
+    if schedule is not None:
+        user_schedule(schedule, optimizer, lr, total)
+
+
+def import_object(target: str) -> Any:
+    """What `MODULE:NAME` or `path/file.py:NAME` names, imported as `--model` is (a file
+    under the same module name, so a script the model came from is imported once)."""
+    module_name, _, name = target.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+        key = f"_bamboo_model_{path.stem}_{digest}"
+        module = sys.modules.get(key)
+        if module is None:
+            if not path.is_file():
+                raise ValueError(f"file '{module_name}' does not exist")
+            spec = importlib.util.spec_from_file_location(key, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
+    else:
+        module = importlib.import_module(module_name)
+    obj = getattr(module, name, None)
+    if obj is None or not callable(obj):
+        raise ValueError(f"'{module_name}' has no callable '{name}'")
+    return obj
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

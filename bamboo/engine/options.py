@@ -39,6 +39,16 @@ class EngineOptions:
     """Eager FRC keeps what it saves, and the replica its AdamW moments, in host memory."""
     frc_at: str = "waits"
     """waits | slot: where eager FRC runs."""
+    optimizer: str | None = None
+    """The job's own optimizer, `MODULE:NAME(ARGS)` (`optim.make_optimizer`); None: AdamW."""
+    lr_schedule: str | None = None
+    """The job's own learning-rate schedule (`optim.step_lr`); None: warm-up, cosine decay."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of `step` (`optim.step_lr`)."""
+        from bamboo.engine.optim import step_lr
+        return step_lr(step, lr=self.lr, warmup=self.warmup_steps, total=self.total_steps,
+                       optimizer=self.optimizer, schedule=self.lr_schedule)
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> EngineOptions:
@@ -50,4 +60,5 @@ class EngineOptions:
                    precision=cfg.model.precision, exact=t.exact,
                    activation_checkpointing=cfg.model.activation_checkpointing,
                    check_replicas=cfg.redundancy.check_replicas,
-                   frc_offload=cfg.redundancy.frc_offload, frc_at=cfg.redundancy.frc_at)
+                   frc_offload=cfg.redundancy.frc_offload, frc_at=cfg.redundancy.frc_at,
+                   optimizer=t.optimizer, lr_schedule=t.lr_schedule)

@@ -23,12 +23,13 @@ from torch import nn
 
 from bamboo.model import ModelPreset, build_layers
 from bamboo.engine.memory import state_dict_bytes, to_host
-from bamboo.engine.optim import make_optimizer
+from bamboo.engine.optim import MAX_STATE_TENSORS, make_optimizer, set_lr, state_keys
 
 __all__ = ["StageState"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-"""The AdamW state tensors of a parameter (its `step` count is a host scalar)."""
+"""The AdamW state tensors of a parameter (its `step` count is a host scalar); a job's own
+optimizer has its own (`StageState.moments`, `optim.state_keys`)."""
 
 
 class StageState:
@@ -36,12 +37,16 @@ class StageState:
 
     def __init__(self, *, preset: ModelPreset, stage: int, layer_indices: range, seed: int,
                  device: torch.device, lr: float, weight_decay: float,
-                 accumulate_dtype: torch.dtype = torch.float32) -> None:
+                 accumulate_dtype: torch.dtype = torch.float32,
+                 optimizer: str | None = None) -> None:
         self.stage, self.layer_indices, self.device = stage, layer_indices, device
         self.accumulate_dtype = accumulate_dtype
         self.module = nn.Sequential(*build_layers(preset, layer_indices, seed, device))
         self.module.train()
-        self.optimizer = make_optimizer(self.module, lr=lr, weight_decay=weight_decay)
+        self.optimizer = make_optimizer(self.module, lr=lr, weight_decay=weight_decay,
+                                        spec=optimizer)
+        self.moments = state_keys(self.optimizer)
+        """The optimizer's per-parameter state tensors (AdamW's `MOMENTS`)."""
         self.params = list(self.module.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self._grad_sum: torch.Tensor | None = None
@@ -115,8 +120,7 @@ class StageState:
     def apply(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
         """One optimizer step with the reduced gradient `grad32` (float32) scaled by `coef`."""
         grad = grad32 * coef if coef != 1.0 else grad32
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         if self.optimizer_on_host:
             self._step_streamed(grad)
             return
@@ -134,16 +138,16 @@ class StageState:
         the all-at-once step's) and the moments go back to their host buffers."""
         state = self.optimizer.state
         for view, p in zip(self._split(grad), self.params):
-            host = {k: state[p][k] for k in MOMENTS} if p in state else None
+            host = {k: state[p][k] for k in self.moments} if p in state else None
             if host is not None:
-                for k in MOMENTS:
+                for k in self.moments:
                     state[p][k] = host[k].to(self.device, non_blocking=True)
             p.grad = view
             try:
                 self.optimizer.step()
             finally:
                 p.grad = None
-            for k in MOMENTS:
+            for k in self.moments:
                 on_device = state[p][k]
                 if host is None:
                     state[p][k] = on_device if on_device.device.type == "cpu" else to_host(on_device)
@@ -166,7 +170,7 @@ class StageState:
         if self.optimizer_on_host:
             return
         for per in self.optimizer.state.values():
-            for k in MOMENTS:
+            for k in self.moments:
                 if k in per and per[k].device.type != "cpu":
                     per[k] = to_host(per[k])
         self._sync()
@@ -178,7 +182,7 @@ class StageState:
         if not self.optimizer_on_host:
             return
         for per in self.optimizer.state.values():
-            for k in MOMENTS:
+            for k in self.moments:
                 if k in per:
                     per[k] = per[k].to(self.device)
         self.optimizer_on_host = False
@@ -191,7 +195,7 @@ class StageState:
         grads = 0 if self._grad_sum is None else \
             self._grad_sum.numel() * self._grad_sum.element_size()
         grads += sum(flat.numel() * flat.element_size() for flat, _ in self._served.values())
-        moments = state_dict_bytes(self.optimizer.state, MOMENTS)
+        moments = state_dict_bytes(self.optimizer.state, self.moments)
         if self.optimizer_on_host:
             return params + grads, moments
         return params + grads + moments, 0
@@ -230,11 +234,12 @@ class StageState:
         params = self._layer_params(layer_index)
         state = self.optimizer.state
         parts = [torch.cat([p.detach().reshape(-1) for p in params]).to("cpu", torch.float32)]
-        for key in MOMENTS:  # on the device, or on the host when offloaded
+        for slot in range(MAX_STATE_TENSORS):  # on the device, or on the host when offloaded
+            key = self.moments[slot] if slot < len(self.moments) else None
             parts.append(torch.cat([state[p][key].reshape(-1).to("cpu", torch.float32)
-                                    if p in state else torch.zeros(p.numel())
+                                    if p in state and key in state[p] else torch.zeros(p.numel())
                                     for p in params]))
-        steps = float(state[params[0]]["step"]) if params[0] in state else 0.0
+        steps = float(state[params[0]].get("step", 1.0)) if params[0] in state else 0.0
         parts.append(torch.tensor([steps], dtype=torch.float32))
         return torch.cat(parts)
 
@@ -256,8 +261,8 @@ class StageState:
                 self.optimizer.state.pop(p, None)
             else:
                 place = to_host if self.optimizer_on_host else torch.clone
-                self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32),
-                                           "exp_avg": place(a), "exp_avg_sq": place(b)}
+                self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32)} | {
+                    key: place(t) for key, t in zip(self.moments, (a, b))}
         self._sync()
 
     def digest(self) -> str:

@@ -116,3 +116,45 @@ def test_import_bamboo_keeps_the_torch_free_parts_torch_free(tmp_path: Path) -> 
     done = python(["-c", code], cwd=tmp_path, timeout=50)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "type"]
+
+
+OPTIMIZER_SCRIPT = """\
+import functools, json, sys
+import torch
+import bamboo
+
+if __name__ == "__main__":
+    job = bamboo.Job(model="gpt2-tiny", nodes=4, stages=2, micro_batches=2, micro_batch_size=2,
+                     steps=5, seed=1, kill=sys.argv[2:],
+                     optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+                     schedule=functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1,
+                                                total_steps=5))
+    r = bamboo.train(job, out=sys.argv[1])
+    print(json.dumps({"failovers": r.failovers, "sha": r.param_sha256}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sgd_with_momentum_and_a_one_cycle_schedule_survive_a_kill_bit_equal(
+        tmp_path: Path) -> None:
+    """The user's optimizer and schedule reach every worker; the shadow's replica holds the
+    same SGD momentum and steps it the same way, so the run whose stage-1 node is killed in
+    step 2 ends with the failure-free run's bits, and both with the single-process loop's
+    losses under that optimizer and schedule."""
+    script = tmp_path / "sgd.py"
+    script.write_text(OPTIMIZER_SCRIPT)
+    runs = {}
+    for name, kill in (("clean", []), ("killed", ["0:1@2"])):
+        done = python([str(script), str(tmp_path / name), *kill], cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (runs["clean"]["failovers"], runs["killed"]["failovers"]) == (0, 1)
+    assert runs["killed"]["sha"] == runs["clean"]["sha"]
+    summary = strict_loads((tmp_path / "killed" / "summary.json").read_text(), "summary.json")
+    config = summary["config"]
+    assert config["optimizer"] == "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"
+    cfg = JobConfig.of(model="gpt2-tiny", steps=5, seed=1, micro_batches=4, micro_batch_size=2,
+                       optimizer=config["optimizer"], lr_schedule=config["lr_schedule"])
+    losses, _ = train_reference(cfg.validate())
+    assert_close(summary["losses"], losses, rel=1e-6)

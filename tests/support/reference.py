@@ -16,7 +16,8 @@ from torch import nn
 from bamboo.config import JobConfig
 from bamboo.data.datasets import make_task
 from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
-from bamboo.engine.optim import clip_coefficient, learning_rate, make_optimizer
+from bamboo.engine.optim import clip_coefficient, make_optimizer, set_lr
+from bamboo.engine.options import EngineOptions
 
 
 def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
@@ -29,7 +30,9 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
     model = nn.Sequential(*build_layers(p, range(p.layers), cfg.training.seed))
     task = make_task(p, seed=cfg.training.seed, global_micro_batches=G,
                      micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
-    optimizer = make_optimizer(model, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    optimizer = make_optimizer(model, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+                               spec=cfg.training.optimizer)
+    options = EngineOptions.from_config(cfg)
     criterion = loss_fn(p)
     params = list(model.parameters())
     losses = []
@@ -52,10 +55,7 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
         coef = clip_coefficient(norm, cfg.training.grad_clip)
         for a, q in zip(acc, params):
             q.grad = a.float() * coef if coef != 1.0 else a.float()
-        lr = learning_rate(step, peak=cfg.training.lr, warmup=cfg.training.warmup_steps,
-                           total=cfg.training.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(optimizer, options.lr_at(step))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)

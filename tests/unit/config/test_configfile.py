@@ -230,6 +230,8 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "warmup_steps": [(-1, "--warmup-steps must be an integer >= 0")],
     "weight_decay": [(-0.5, "--weight-decay must be a number >= 0")],
     "grad_clip": [(float("inf"), "--grad-clip must be a number >= 0")],
+    "optimizer": [("SGD", "--optimizer 'SGD' is not MODULE:NAME")],
+    "lr_schedule": [("torch.optim:f(x=y)", "x= is not a literal")],
     "threads": [(0, "--threads must be a positive integer")],
     "comm_timeout_s": [(0, "--comm-timeout must be positive seconds")],
     "lease_s": [(11, "--lease must be in (0, 10]"), (0.25, "heartbeat interval (0.5 s)")],
