@@ -2,7 +2,8 @@
 every path that runs a forward again (a shadow's eager FRC, a lazy shadow's redo, a
 re-routed and restarted step, the activation-checkpointing recompute) draws the masks the
 failure-free run drew, so the run ends with its losses and parameters (its bits where the
-layout is kept), and with the single-process loop's, which seeds each layer the same way."""
+layout is kept), and with the single-process loop's, which seeds each layer the same way.
+An hf: GPT-2 keeps transformers' dropout (0.1) and the same holds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from bamboo.chaos.bits import bits_must_match, differs
+from bamboo.model import preset
+from bamboo.model.hf import hf_config
 from support.dropout_model import NAME
+from support.hf_models import GPT2
 from support.reference import train_reference
 from support.runs import NEW_LAYOUT_REL, REL, assert_close, config, param_l2, run_in_process
 
@@ -61,3 +65,18 @@ def test_a_dropout_model_killed_in_flight_ends_equal_to_its_failure_free_run(
     if evals:
         assert [step for step, _ in killed["eval_losses"]] == [step for step, _ in evals]
         assert_close([v for _, v in killed["eval_losses"]], [v for _, v in evals], rel=rel)
+
+
+@pytest.mark.timeout(300)
+def test_an_hf_model_with_its_dropout_killed_in_flight_ends_equal(tmp_path: Path) -> None:
+    assert hf_config(preset(GPT2).hf_config).resid_pdrop == 0.1  # dropout on
+    flags = dict(model=GPT2, nodes=3, stages=3, steps=4, micro_batches=2, micro_batch_size=2)
+    clean = run_in_process(config(flags), tmp_path / "clean")
+    cfg = config(flags, kills=["0:1@2"])
+    killed = run_in_process(cfg, tmp_path / "killed")
+    assert killed["status"] == "completed" and killed["failovers"] == 1, killed.get("error")
+    assert killed["param_sha256"] == clean["param_sha256"]
+    assert killed["losses"] == clean["losses"]
+    losses, params = train_reference(cfg)
+    assert_close(killed["losses"], losses, rel=REL)
+    assert_close(killed["param_l2"], param_l2(params), rel=REL)
