@@ -136,3 +136,20 @@ def test_dropout_and_torch_draws_pass_the_check(tmp_path: Path) -> None:
              "        return nn.functional.dropout(x + 0.01 * torch.randn_like(x), 0.2)\n")
     file = write_module(tmp_path, "torch_draws", MODEL.format(layer=layer))
     assert len(load_model(f"{file}:build").layers) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_on_cuda_the_device_generator_is_seeded_and_put_back() -> None:
+    """The CUDA device's generator is seeded as `torch.manual_seed` seeds it, and is where
+    it was after the forward (a worker's other draws do not move)."""
+    device = torch.device("cuda")
+    torch.cuda.manual_seed(5)
+    before = torch.cuda.get_rng_state(device)
+    with seeded_randomness(device) as reseed:
+        reseed(42)
+        seeded = torch.rand(5, device=device)
+        mask = nn.functional.dropout(torch.ones(64, device=device), 0.5)
+    assert torch.equal(torch.cuda.get_rng_state(device), before)
+    torch.manual_seed(42)
+    assert torch.equal(seeded, torch.rand(5, device=device))
+    assert torch.equal(mask, nn.functional.dropout(torch.ones(64, device=device), 0.5))
