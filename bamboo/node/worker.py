@@ -92,7 +92,7 @@ class WorkerSpec:
         return f"n{self.node}"
 
 
-class _TransferFailed(RuntimeError):
+class TransferFailed(RuntimeError):
     """A state transfer of a new generation failed (a source or destination was lost)."""
 
 
@@ -114,7 +114,7 @@ def _process_group(backend: str, store: dist.Store, rank: int, size: int,
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-class _Node:
+class WorkerNode:
     """One worker's life: generations one after another."""
 
     def __init__(self, spec: WorkerSpec, link: CoordinatorLink, store: dist.Store,
@@ -180,13 +180,13 @@ class _Node:
         if self.holdings_step != plan.start_step or plan.fresh_start:
             self.holdings = {}  # a standby's old state: never current
         try:
-            group = self._join_group(plan, rank)
-        except _TransferFailed as e:
+            group = self.join_group(plan, rank)
+        except TransferFailed as e:
             return self._failed(plan, e)
         if rank >= plan.active:  # leaving: only a source of state
             try:
                 self._transfer(plan, rank, group, {})
-            except _TransferFailed:
+            except TransferFailed:
                 pass
             self.link.report(Left, gen=plan.gen)
             return "finished"
@@ -202,7 +202,7 @@ class _Node:
                             hook=self.faults, progress=self._mark)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
-        except _TransferFailed as e:
+        except TransferFailed as e:
             return self._failed(plan, e)
         self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
                          replica=engine.replica.stage if engine.replica is not None else None,
@@ -266,7 +266,7 @@ class _Node:
         report.rss_bytes, report.rss_peak_bytes = m.rss, m.rss_peak
         report.cuda_peak_bytes, report.cuda_reserved_bytes = m.cuda_peak, m.cuda_reserved
 
-    def _join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
+    def join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
         """The generation's process group. Building it waits for every member, so it is
         built on a helper thread and given up when the coordinator abandons the generation
         (a member was lost before it connected).
@@ -279,10 +279,10 @@ class _Node:
                                       range(len(plan.members)),
                                       lambda: self.link.latest_epoch > plan.epoch)
         except Interrupted:
-            raise _TransferFailed(f"generation {plan.gen} was abandoned while its process "
+            raise TransferFailed(f"generation {plan.gen} was abandoned while its process "
                                   f"group formed") from None
         except PeerLost as e:
-            raise _TransferFailed(f"process group of generation {plan.gen} failed: "
+            raise TransferFailed(f"process group of generation {plan.gen} failed: "
                                   f"{e}") from None
 
     def _former(self, plan: GenerationPlan, rank: int) -> GroupFormer:
@@ -348,10 +348,10 @@ class _Node:
                 # new epoch, not the communication timeout, ends the wait.
                 p2p.wait_interruptible(work, peer, abandoned)
         except Interrupted as e:
-            raise _TransferFailed(f"generation {plan.gen} was abandoned during its state "
+            raise TransferFailed(f"generation {plan.gen} was abandoned during its state "
                                   f"transfer") from e
         except (RuntimeError, PeerLost) as e:
-            raise _TransferFailed(f"state transfer of generation {plan.gen} failed: "
+            raise TransferFailed(f"state transfer of generation {plan.gen} failed: "
                                   f"{str(e).splitlines()[0][:200]}") from e
         finally:
             self.link.on_epoch = engine_wake
@@ -391,7 +391,7 @@ def _first_holder_stages(engine: NodeEngine) -> list[StageState]:
     return [engine.stages[s] for s in stages_written_by(engine.roles, engine.rank, engine.stages)]
 
 
-def _writer(node: _Node) -> ThreadPoolExecutor:
+def _writer(node: WorkerNode) -> ThreadPoolExecutor:
     """The node's writer thread: its writes to storage, one after another. (Not at a lower
     CPU priority: it holds the GIL in parts of a write, and training would wait on it.)"""
     pool = getattr(node, "_storage_writer", None)
@@ -401,7 +401,7 @@ def _writer(node: _Node) -> ThreadPoolExecutor:
     return pool
 
 
-def _write_final(node: _Node, engine: NodeEngine,
+def _write_final(node: WorkerNode, engine: NodeEngine,
                  layers: list[int] | None = None) -> tuple[list[int], str | None]:
     """After the last step: write the parameters (named, as model.pt holds them) of the
     layers this node is the first live holder of (or of `layers`, from any copy it holds)
@@ -464,7 +464,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> N
         threading.Thread(target=link.heartbeat_forever, args=(HEARTBEAT_S, progress, spec.slot),
                          daemon=True, name="heartbeat").start()
         device, backend = worker_device(cfg, spec.node, spec.device_index)
-        _Node(spec, link, store, device, backend, progress, cpus).live()
+        WorkerNode(spec, link, store, device, backend, progress, cpus).live()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate
         try:

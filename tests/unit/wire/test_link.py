@@ -108,7 +108,7 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
     import torch
 
     from bamboo.wire.protocol import Progress
-    from bamboo.node.worker import WorkerSpec, _Node, _TransferFailed
+    from bamboo.node.worker import TransferFailed, WorkerNode, WorkerSpec
     from bamboo.config import JobConfig
     from bamboo.plan.planner import GenerationPlan
 
@@ -117,13 +117,13 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
                       store_port=store.port, config=cfg)
     link, _ = link_for(store)
     progress = Progress(RawArray("d", [0.0]), RawArray("i", [0, 0]))
-    node = _Node(spec, link, link.store, torch.device("cpu"), "gloo", progress)
+    node = WorkerNode(spec, link, link.store, torch.device("cpu"), "gloo", progress)
     plan = GenerationPlan(gen=3, epoch=0, members=["n0", "n1"], pipelines=1, stages=2,
                           parts=[[0, 4], [4, 8]], start_step=0)
     threading.Timer(0.5, publish_epoch, args=(store, 1)).start()  # the coordinator abandons
     start = time.monotonic()
-    with pytest.raises(_TransferFailed, match="abandoned"):
-        node._join_group(plan, 0)  # n1 never connects
+    with pytest.raises(TransferFailed, match="abandoned"):
+        node.join_group(plan, 0)  # n1 never connects
     assert time.monotonic() - start < 5
     start = time.monotonic()
     store.set("gen/4", "x")
