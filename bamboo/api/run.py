@@ -126,8 +126,8 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     """Run `job` to its end on local worker processes, in the run directory `out`
     (default: the job's `out`, else runs/<timestamp>; a directory that already holds a run
     is refused, never overwritten). `on_event(event)`: each event as the run writes it.
-    `quiet=False` shows the progress line on stderr. RunFailed when the run stops early,
-    JobError (a RunFailed too... see `bamboo.api`) for a job that cannot start."""
+    `quiet=False` shows the progress line on stderr. `bamboo.RunFailed` when the run stops
+    early; `bamboo.JobError` (one line) for a job that cannot start here."""
     guard_worker_import("bamboo.train")
     if not isinstance(job, Job):
         raise JobError(f"bamboo.train takes a bamboo.Job (got {type(job).__name__}): "

@@ -84,12 +84,21 @@ def test_a_script_that_starts_its_run_unguarded_is_refused_in_one_line(tmp_path:
 @pytest.mark.timeout(120)
 def test_a_run_result_carries_the_summary_and_a_resume_of_a_finished_run_runs_nothing(
         tmp_path: Path) -> None:
-    """RunResult's attributes are summary.json's; `resume="auto"` on a completed run
-    returns that run's result without starting a worker."""
+    """RunResult's attributes are summary.json's; an `on_event` that raises is called no
+    more and the run goes on; `resume="auto"` on a completed run returns that run's result
+    without starting a worker."""
     script = tmp_path / "guarded.py"
     script.write_text(SCRIPT + textwrap.dedent("""\
         if __name__ == "__main__":
-            r = bamboo.train(job, out=sys.argv[1])
+            seen = []
+
+            def watch(event):
+                seen.append(event["event"])
+                if event["event"] == "step_done":
+                    raise KeyError("mine")
+
+            r = bamboo.train(job, out=sys.argv[1], on_event=watch)
+            assert seen[0] == "run_start" and seen.count("step_done") == 1, seen
             again = bamboo.train(bamboo.Job(model=build, nodes=2, stages=2, steps=2,
                                             micro_batches=1, micro_batch_size=2,
                                             out=sys.argv[1], resume="auto"))
@@ -106,6 +115,8 @@ def test_a_run_result_carries_the_summary_and_a_resume_of_a_finished_run_runs_no
     assert got["sha"] == got["summary_sha"] == summary["param_sha256"]
     assert got["run_dir"] == str(tmp_path / "run") and got["median"] and got["keys"] > 0
     assert "already completed 2 steps; nothing to do" in done.stderr
+    assert "bamboo.train: warning: on_event raised KeyError: 'mine'; it is called no more " \
+        "(the run goes on)" in done.stderr
 
 
 @pytest.mark.timeout(60)
