@@ -32,8 +32,12 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 	rm -rf runs/demo-data
 	$(BIN)/bamboo data prepare $(DEMO_TEXT) --out runs/demo-data --tokenizer bpe:1024
 
+# Two tests at a time (pytest-xdist): most process tests wait (for leases, detection
+# deadlines, joins) far more than they compute, so a second one uses the idle core.
+XDIST := -n 2 --dist worksteal
+
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 
 # Unit, property and decision tests (tests/unit): no worker processes, under 2 minutes
 # (after each change).
@@ -43,7 +47,7 @@ test-fast: $(STAMP)
 # One end-to-end run per capability (kill, drain, join, checkpoint restore, re-route, agents,
 # etcd, the demo's job): tests/conftest.py's SMOKE, under 5 minutes.
 test-smoke: setup
-	$(BIN)/python -m pytest -q -m smoke --durations=10 tests/integration
+	$(BIN)/python -m pytest -q $(XDIST) -m smoke --durations=10 tests/integration
 
 bench: setup
 	$(BIN)/python benchmarks/engine_vs_torch.py

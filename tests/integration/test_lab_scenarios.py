@@ -215,21 +215,27 @@ def test_the_lab_command_runs_a_job_with_a_cut_and_leaves_nothing_behind(tmp_pat
     worker each, the third cut off from the start and reconnected 30 s later (its agent
     keeps retrying to join meanwhile); exit 0, the run equal to the failure-free one, and no
     namespace left."""
-    from bamboo.chaos.lab import leftover_namespaces, unsupported_reason
+    from bamboo.chaos.lab import lab_prefix, leftover_namespaces, unsupported_reason
     reason = unsupported_reason()
     if reason is not None:
         pytest.skip(f"a lab of network namespaces cannot be built here: {reason}")
-    before = set(leftover_namespaces("bb"))
     out = tmp_path / "run"
-    result = subprocess.run([*BAMBOO, "lab", "--hosts", "4", "--out", str(out), "--cut",
+    # The lab's namespaces are named after the `bamboo lab` process's pid (lab_prefix), so
+    # what it left is found by that name, whatever other labs the machine holds meanwhile.
+    proc = subprocess.Popen([*BAMBOO, "lab", "--hosts", "4", "--out", str(out), "--cut",
                              "a3@1+30", "--", "--nodes", "2", "--stages", "2", "--pipelines",
                              "1", "--max-nodes", "3", "--steps", "8", "--lease", "4",
                              "--quiet", "--no-report"],
-                            cwd=REPO, capture_output=True, text=True, timeout=280, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    try:
+        _, stderr = proc.communicate(timeout=280)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert_equal_and_accounted(summary, config(nodes=2, stages=2, pipelines=1, steps=8))
-    assert set(leftover_namespaces("bb")) <= before
+    assert leftover_namespaces(lab_prefix(proc.pid)) == []
 
 
 @pytest.mark.timeout(400)
