@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from bamboo.config import JobConfig
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import Fault
+from bamboo.plan.program import COMMIT_POINTS
 from bamboo.run.runlog import RunDir
 from support.procs import run_events
 from support.runs import (NEW_LAYOUT_REL, REL, assert_close, assert_equals_failure_free, config,
@@ -188,9 +189,10 @@ CASES = int(os.environ.get("BAMBOO_FAILOVER_CASES", "30"))
 
 
 def victim_schedule_length(cfg: JobConfig, pipeline: int, stage: int) -> int:
+    """The fault points of one step on that node: its instructions, then the commit round's."""
     frc = (stage + 1) % cfg.layout.stages if cfg.redundancy.mode == "eager" else None
     return len(S.node_schedule([stage], cfg.layout.stages, cfg.layout.micro_batches, frc_stage=frc,
-                               schedule=cfg.layout.schedule)) + 4
+                               schedule=cfg.layout.schedule)) + len(COMMIT_POINTS)
 
 
 @st.composite
