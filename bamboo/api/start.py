@@ -155,7 +155,8 @@ def check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None
                                  made_with["pipelines"] * made_with["micro_batches"]}
     for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
                        ("global_micro_batches", cfg.global_micro_batches),
-                       ("micro_batch_size", cfg.layout.micro_batch_size)):
+                       ("micro_batch_size", cfg.layout.micro_batch_size),
+                       ("optimizer", cfg.training.optimizer)):  # its state fills the vector
         if key in made_with and made_with[key] != value:
             raise ConfigError(f"{what} was made with {key} {made_with[key]!r}, this job has "
                               f"{value!r}: use the same settings (or another --out for a new "

@@ -70,7 +70,7 @@ class CheckpointAssembly:
         meta = {"unit": "layer", "model": cfg.model.name, "seed": cfg.training.seed,
                 "global_micro_batches": cfg.global_micro_batches,
                 "micro_batch_size": cfg.layout.micro_batch_size, "steps": cfg.training.steps,
-                "losses": ctx.losses[:msg.step],
+                "optimizer": cfg.training.optimizer, "losses": ctx.losses[:msg.step],
                 "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step]}
         start = ctx.clock()
         try:

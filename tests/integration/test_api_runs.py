@@ -169,3 +169,28 @@ def test_sgd_with_momentum_and_a_one_cycle_schedule_survive_a_kill_bit_equal(
                        optimizer=config["optimizer"], lr_schedule=config["lr_schedule"])
     losses, _ = train_reference(cfg.validate())
     assert_close(summary["losses"], losses, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_carries_sgds_momentum_and_a_resume_keeps_the_optimizer(bamboo) -> None:
+    """`--optimizer` on the command line: with no redundancy, the killed node's stage comes
+    back from the newest checkpoint, SGD's momentum with it, and the run ends with the
+    single-process loop's losses; continuing it with another optimizer is refused in one
+    line (its state would fill the vector of another)."""
+    sgd = "torch.optim:SGD(lr=0.05, momentum=0.9)"
+    common = ["--nodes", "2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "2",
+              "--seed", "1", "--json", "--quiet"]
+    run = bamboo([*common, "--steps", "5", "--optimizer", sgd, "--redundancy", "off",
+                  "--checkpoint-every", "1", "--kill", "0:1@3"])
+    assert run.code == 0, run.stderr
+    s = run.summary
+    assert (s["checkpoint_restores"], s["failovers"], s["config"]["optimizer"]) == (1, 0, sgd)
+    cfg = JobConfig.of(steps=5, seed=1, micro_batches=2, micro_batch_size=2, optimizer=sgd)
+    losses, _ = train_reference(cfg.validate())
+    assert_close(s["losses"], losses, rel=1e-6)
+    again = bamboo([*common, "--steps", "7", "--resume", "auto"])
+    assert again.code == 2
+    assert again.stderr.strip().splitlines() == [
+        f"bamboo train: error: --resume auto: the run in {run.out} was made with optimizer "
+        f"'{sgd}', this job has None: use the same settings (or another --out for a new run)"]
