@@ -156,6 +156,7 @@ def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
         with _shapes_only():
             return hf_layer(p, index, init=False)
     if p.family == "custom":
+        load_model(p.name, p.vocab)  # outside: a build function may make modules by value
         try:
             with _shapes_only():
                 return _custom_layer(p, index)

@@ -292,15 +292,18 @@ def _load(name: str, vocab: int | None) -> PipelineModel:
             except TypeError:
                 raise ModelError(f"{function}() has a parameter without a default; give "
                                  f"vocab_size (and any other) a default") from None
+    from bamboo.model import forms  # it imports this module
     try:
-        model = build() if vocab is None else build(vocab_size=vocab)
+        with forms.seeded_build():
+            model = build() if vocab is None else build(vocab_size=vocab)
     except ModelError as e:
         raise ModelError(f"{function}(): {e}") from None
     except Exception as e:
         raise ModelError(f"{function}() raised {_one_line(e)}") from None
-    if not isinstance(model, PipelineModel):
-        raise ModelError(f"{function}() returned {type(model).__name__}, not a "
-                         f"bamboo.model.api.PipelineModel")
+    try:  # another form (nn.Sequential, a layer list, DeepSpeed's): converted
+        model = forms.pipeline_model(model, vocab_size=vocab, build=build)
+    except ModelError as e:
+        raise ModelError(f"{function}() returned {e}") from None
     if vocab is not None and model.vocab_size != vocab:
         raise ModelError(f"{function}(vocab_size={vocab}) returned a model with vocab_size="
                          f"{model.vocab_size}: pass vocab_size on to the model")

@@ -1,0 +1,247 @@
+"""Other model forms, converted to a `PipelineModel`: an `nn.Sequential`, a list of
+modules or of zero-argument factories, and a DeepSpeed `PipelineModule` or its list of
+`LayerSpec`s (with its `loss_fn`).
+
+A build function (`--model MODULE:FUNCTION`) may return any of them instead of a
+`PipelineModel`, and `pipeline_model(obj, context=..., ...)` converts one in Python.
+DeepSpeed is never imported here: its objects are recognised by their type's module and
+their attributes, so the plain forms work without it installed.
+
+- Modules given by value (the children of an `nn.Sequential`, the modules of a list) were
+  initialised when the build function made them; each layer factory returns a deep copy.
+  The build function runs in every process of a run, so `load_model` calls it with
+  torch's generator seeded by a constant (`seeded_build`): every node builds the same
+  parameters (the run's `--seed` does not change them; factories and `LayerSpec`s are
+  built under the stream of (seed, layer index) instead, like every other model).
+- Factories and `LayerSpec`s (`spec.build()`) are called for the layers a node holds.
+- A plain callable in a DeepSpeed layer list is a forward function (as in DeepSpeed);
+  in a bamboo list it is a zero-argument factory.
+- The tensors between layers and the last layer's output are found by running a
+  `[1, context]` batch through the layers on the meta device (on the CPU if an op has no
+  meta kernel), unless `boundary` / `output` are given.
+- `context` (tokens per sample) and `vocab_size` come from the keywords, else from the
+  object's attributes of that name, else from the build function's keyword defaults.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from bamboo.model.api import ModelError, PipelineModel, TensorSpec, next_token_loss
+
+__all__ = ["pipeline_model", "seeded_build", "BUILD_SEED"]
+
+BUILD_SEED = 0
+"""The seed of torch's generator while a build function runs (`seeded_build`)."""
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@contextlib.contextmanager
+def seeded_build() -> Iterator[None]:
+    """Torch's CPU generator seeded by `BUILD_SEED`, and put back after: a build function
+    that makes modules by value makes the same ones in every process."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(BUILD_SEED)
+        yield
+
+
+class _Copy:
+    """A layer given by value: each call returns a deep copy (on the meta device when
+    that is the default device, as during the shape check)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> nn.Module:
+        if torch.get_default_device().type == "meta":
+            return copy.deepcopy(self.module).to("meta")
+        return copy.deepcopy(self.module)
+
+
+class _Function(nn.Module):
+    """A plain function of a DeepSpeed layer list (`lambda x: x.float()`), as a layer."""
+
+    def __init__(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(x)
+
+
+class _FunctionFactory:
+    def __init__(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.function = function
+
+    def __call__(self) -> nn.Module:
+        return _Function(self.function)
+
+
+def _from_deepspeed(obj: object) -> bool:
+    return type(obj).__module__.split(".")[0] == "deepspeed"
+
+
+def _is_layer_spec(obj: object) -> bool:
+    """DeepSpeed's `LayerSpec` (or one with its interface), recognised without importing it."""
+    names = {cls.__name__ for cls in type(obj).__mro__}
+    return ("LayerSpec" in names and callable(getattr(obj, "build", None))
+            and hasattr(obj, "typename") and hasattr(obj, "module_args"))
+
+
+def _is_tied(obj: object) -> bool:
+    return "TiedLayerSpec" in {cls.__name__ for cls in type(obj).__mro__} or (
+        hasattr(obj, "tied_weight_attr") and hasattr(obj, "key"))
+
+
+def _is_pipeline_module(obj: object) -> bool:
+    return isinstance(obj, nn.Module) and _from_deepspeed(obj) and hasattr(obj, "_layer_specs")
+
+
+def _factories(items: Sequence[object], deepspeed: bool) -> list[Callable[[], nn.Module]]:
+    """One zero-argument factory per item of a layer list."""
+    factories: list[Callable[[], nn.Module]] = []
+    for i, item in enumerate(items):
+        if _is_layer_spec(item):
+            if _is_tied(item):
+                raise ModelError(f"tied layers are not supported yet: layer {i} is a "
+                                 f"TiedLayerSpec (key {getattr(item, 'key', '?')!r}); give each "
+                                 f"layer its own weights (a LayerSpec)")
+            factories.append(item.build)  # type: ignore[attr-defined]
+        elif isinstance(item, nn.Module):
+            factories.append(_Copy(item))
+        elif callable(item):
+            factories.append(_FunctionFactory(item) if deepspeed else item)
+        else:
+            raise ModelError(f"layer {i} is {type(item).__name__}: a layer list holds "
+                             f"nn.Modules, zero-argument factories returning one, or "
+                             f"DeepSpeed LayerSpecs")
+    return factories
+
+
+def _layers(obj: object) -> tuple[list[Callable[[], nn.Module]], Loss | None, str]:
+    """(factories, the object's own loss, what it is) of a model form; ModelError if
+    `obj` is none."""
+    if _is_pipeline_module(obj):
+        return (_factories(list(obj._layer_specs), deepspeed=True),  # type: ignore[attr-defined]
+                getattr(obj, "loss_fn", None), "DeepSpeed PipelineModule")
+    if isinstance(obj, nn.Sequential):
+        return _factories(list(obj), deepspeed=False), None, "nn.Sequential"
+    if isinstance(obj, nn.Module):
+        raise ModelError("one nn.Module, which bamboo cannot cut "
+                         f"into layers: return nn.Sequential(...) of its layers, a list of "
+                         f"them, or a bamboo.model.api.PipelineModel")
+    if isinstance(obj, (list, tuple)):
+        if not obj:
+            raise ModelError("the layer list is empty: give at least one layer")
+        deepspeed = any(_is_layer_spec(item) for item in obj)
+        return (_factories(obj, deepspeed), None,
+                "list of LayerSpecs" if deepspeed else "list of layers")
+    raise ModelError("not a bamboo.model.api.PipelineModel, an nn.Sequential, a list of modules or of zero-argument "
+                     f"factories, or a DeepSpeed PipelineModule or list of LayerSpecs")
+
+
+def _positive(obj: object, name: str, given: int | None, build: Callable | None) -> int:
+    """`name` (context or vocab_size): the keyword, the object's attribute, or the build
+    function's keyword default; ModelError saying where to give it."""
+    value = given if given is not None else getattr(obj, name, None)
+    if value is None and build is not None:
+        try:
+            parameter = inspect.signature(build).parameters.get(name)
+        except (TypeError, ValueError):
+            parameter = None
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            value = parameter.default
+    if value is None:
+        where = ("" if isinstance(obj, (list, tuple)) else f"set its `{name}` attribute, ")
+        raise ModelError(f"no {name}: {where}give the build "
+                         f"function a keyword `{name}` with a default, or return "
+                         f"bamboo.model.forms.pipeline_model(model, {name}=N)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelError(f"{name}={value!r} is not a positive integer")
+    return value
+
+
+class _Unrunnable(Exception):
+    """A factory or forward that raised while the shapes were traced."""
+
+
+def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[torch.Tensor]:
+    """Every layer's output for a `[1, context]` batch of token ids."""
+    x: object = torch.zeros((1, context), dtype=torch.int64)
+    outputs: list[torch.Tensor] = []
+    for i, make in enumerate(layers):
+        try:
+            layer = make()
+            x = layer(x)
+        except Exception as e:
+            raise _Unrunnable(f"layer {i} failed: {type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0]}") from None
+        if not isinstance(x, torch.Tensor):
+            raise ModelError(f"layer {i} returns {type(x).__name__}, not one tensor: one "
+                             f"floating-point tensor travels between layers")
+        outputs.append(x)
+    return outputs
+
+
+def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[TensorSpec]:
+    """The output spec of every layer (no batch dimension), traced on the meta device,
+    on the CPU where that fails."""
+    from bamboo.model import _shapes_only  # bamboo.model imports bamboo.model.api
+    try:
+        with _shapes_only(), torch.no_grad():
+            outputs = _run(layers, context)
+    except _Unrunnable:
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                outputs = _run(layers, context)
+        except _Unrunnable as e:
+            raise ModelError(f"cannot find the tensors between layers on a [1, {context}] "
+                             f"batch of token ids ({e}): give boundary=TensorSpec(...) and "
+                             f"output=TensorSpec(...) to bamboo.model.forms.pipeline_model"
+                             ) from None
+    specs = []
+    for i, out in enumerate(outputs):
+        if not out.dtype.is_floating_point:
+            what = "its output" if i == len(outputs) - 1 else "the tensor it hands on"
+            raise ModelError(f"layer {i}'s {what} is {out.dtype}, not floating point: "
+                             f"gradients flow back through it (end the layer in a float)")
+        specs.append(TensorSpec(tuple(out.shape[1:]) or (1,), out.dtype))
+    return specs
+
+
+def pipeline_model(obj: object, *, context: int | None = None, vocab_size: int | None = None,
+                   loss: Loss | None = None, boundary: TensorSpec | Sequence[TensorSpec] | None
+                   = None, output: TensorSpec | None = None, description: str = "",
+                   build: Callable | None = None) -> PipelineModel:
+    """`obj` (any model form of this module's docstring, or a PipelineModel, returned as
+    it is) as a PipelineModel. `loss` defaults to a PipelineModule's `loss_fn`, else
+    next-token cross-entropy; `build` is the function that returned `obj` (for its
+    keyword defaults). ModelError with one line when it cannot be converted."""
+    if isinstance(obj, PipelineModel):
+        return obj
+    try:
+        return _convert(obj, context, vocab_size, loss, boundary, output, description, build)
+    except ModelError as e:
+        raise ModelError(f"{type(obj).__name__}, {e}") from None
+
+
+def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Loss | None,
+             boundary: TensorSpec | Sequence[TensorSpec] | None, output: TensorSpec | None,
+             description: str, build: Callable | None) -> PipelineModel:
+    layers, own_loss, what = _layers(obj)
+    context = _positive(obj, "context", context, build)
+    vocab_size = _positive(obj, "vocab_size", vocab_size, build)
+    if boundary is None or output is None:
+        specs = _derived_specs(layers, context)
+        if boundary is None and len(layers) > 1:
+            boundary = specs[:-1]
+        output = output or specs[-1]
+    return PipelineModel(layers=layers, boundary=boundary, context=context,
+                         vocab_size=vocab_size, loss=loss or own_loss or next_token_loss,
+                         output=output, description=description or what)
