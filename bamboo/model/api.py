@@ -1,6 +1,7 @@
 """Your own model: an ordered list of layers, the tensor between them, and a loss.
 
-A model is one Python file with a build function that returns a `PipelineModel`;
+A model is one Python file with a build function that returns a `PipelineModel` (or an
+`nn.Sequential`, a layer list or DeepSpeed `LayerSpec`s: bamboo.model.forms converts them);
 `bamboo train --model PACKAGE.MODULE:FUNCTION` (or `--model path/to/file.py:FUNCTION`)
 trains it on next-token prediction like bamboo's own GPT-2 presets: every layer of the
 pipeline gets a micro-batch of `[B, context]` int64 token ids (layer 0) or the previous

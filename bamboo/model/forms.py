@@ -208,8 +208,8 @@ def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> l
     specs = []
     for i, out in enumerate(outputs):
         if not out.dtype.is_floating_point:
-            what = "its output" if i == len(outputs) - 1 else "the tensor it hands on"
-            raise ModelError(f"layer {i}'s {what} is {out.dtype}, not floating point: "
+            what = "outputs" if i == len(outputs) - 1 else "hands on"
+            raise ModelError(f"layer {i} {what} {out.dtype}, not floating point: "
                              f"gradients flow back through it (end the layer in a float)")
         specs.append(TensorSpec(tuple(out.shape[1:]) or (1,), out.dtype))
     return specs

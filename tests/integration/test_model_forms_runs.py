@@ -97,3 +97,39 @@ def test_deepspeed_layer_specs_killed_in_flight_end_equal_to_their_failure_free_
         tmp_path: Path) -> None:
     path = write_module(tmp_path, "layer_spec_model", LAYER_SPECS)
     _killed_equals_clean(f"{path}:build", tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (pip install 'bamboo-train[deepspeed]')")
+def test_a_deepspeed_pipeline_module_converts_with_its_loss_fn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real PipelineModule (its constructor needs torch.distributed: a group of one
+    process here; on a CPU DeepSpeed compiles its shared-memory op the first time, about
+    a minute and a half on two cores): its LayerSpecs are the layers, its loss_fn the loss."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import deepspeed.comm
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from bamboo.model.api import TensorSpec
+    from bamboo.model.forms import pipeline_model
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        loss = nn.CrossEntropyLoss()
+        module = PipelineModule(layers=[LayerSpec(nn.Embedding, 40, 4), nn.Tanh(),
+                                        LayerSpec(nn.Linear, 4, 40), lambda x: x.transpose(1, 2)],
+                                num_stages=1, loss_fn=loss)
+        model = pipeline_model(module, context=6, vocab_size=40)
+    finally:
+        dist.destroy_process_group()
+    assert model.loss is loss and model.description == "DeepSpeed PipelineModule"
+    assert model.boundaries == (TensorSpec((6, 4)), TensorSpec((6, 4)), TensorSpec((6, 40)),
+                                TensorSpec((40, 6)))
+    logits = torch.nn.Sequential(*(make() for make in model.layers))(torch.zeros(2, 6).long())
+    assert float(model.loss(logits, torch.zeros(2, 6).long()).detach()) > 0

@@ -1,0 +1,199 @@
+"""Other model forms (bamboo.model.forms): an nn.Sequential, a list of modules or of
+factories, DeepSpeed LayerSpecs and a PipelineModule, converted to a PipelineModel with the
+tensors between layers found on the meta device; what cannot be converted is one line.
+
+Their runs killed in flight: tests/integration/test_model_forms_runs.py."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bamboo.config.presets import custom_preset
+from bamboo.model import boundary_shapes, build_layer, layer_param_counts, loss_fn
+from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model, next_token_loss
+from bamboo.model.forms import pipeline_model
+from support.models import write_module
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NO_DEEPSPEED = "deepspeed is not installed (pip install 'bamboo-train[deepspeed]')"
+
+SEQUENTIAL = """
+import torch
+from torch import nn
+
+
+def build(vocab_size: int = 256, context: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Embedding(vocab_size, 4), nn.Linear(4, 6), nn.Tanh(),
+                         nn.Linear(6, vocab_size))
+"""
+
+
+class LayerSpec:
+    """A stand-in with DeepSpeed's LayerSpec interface (typename, module_args,
+    module_kwargs, build()), for the duck-typed path without DeepSpeed."""
+
+    def __init__(self, typename: type, *module_args: object, **module_kwargs: object) -> None:
+        self.typename, self.module_args, self.module_kwargs = typename, module_args, module_kwargs
+
+    def build(self, log: bool = False) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+
+class TiedLayerSpec(LayerSpec):
+    def __init__(self, key: str, typename: type, *module_args: object) -> None:
+        super().__init__(typename, *module_args)
+        self.key, self.tied_weight_attr = key, ["weight"]
+
+
+def _sum_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return output.float().mean() + 0 * targets.float().mean()
+
+
+def test_an_nn_sequential_is_one_layer_per_child_with_its_boundaries_found() -> None:
+    seq = nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 6), nn.Linear(6, 50))
+    model = pipeline_model(seq, context=5, vocab_size=50)
+    assert isinstance(model, PipelineModel) and len(model.layers) == 3
+    assert model.boundaries == (TensorSpec((5, 4)), TensorSpec((5, 6)), TensorSpec((5, 50)))
+    assert model.loss is next_token_loss and model.description == "nn.Sequential"
+    first, second = model.layers[1](), model.layers[1]()
+    assert first is not second and first is not seq[1]  # a copy each time, by value
+    assert torch.equal(first.weight, seq[1].weight) and torch.equal(second.weight, seq[1].weight)
+
+
+def test_context_and_vocabulary_come_from_the_attributes_and_a_pipeline_model_stays() -> None:
+    seq = nn.Sequential(nn.Embedding(30, 4), nn.Linear(4, 30))
+    seq.context, seq.vocab_size = 7, 30
+    model = pipeline_model(seq)
+    assert (model.context, model.vocab_size, model.boundaries[0]) == (7, 30, TensorSpec((7, 4)))
+    assert pipeline_model(model) is model
+
+
+def test_given_boundaries_and_loss_are_kept() -> None:
+    model = pipeline_model([nn.Embedding(30, 4), nn.Linear(4, 2)], context=3, vocab_size=30,
+                           loss=_sum_loss, output=TensorSpec((3, 2)),
+                           boundary=TensorSpec((3, 4)))
+    assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 2)))
+    assert model.loss is _sum_loss
+
+
+def test_factories_are_built_under_the_seeded_stream_modules_by_value() -> None:
+    """A factory draws its init from (seed, layer): another seed, other parameters. A module
+    given by value is the same whatever the seed."""
+    model = pipeline_model([lambda: nn.Embedding(30, 4), nn.Linear(4, 30)], context=3,
+                           vocab_size=30)
+    assert model.boundaries[-1] == TensorSpec((3, 30))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        a = model.layers[0]()
+        torch.manual_seed(2)
+        b = model.layers[0]()
+        c, d = model.layers[1](), model.layers[1]()
+    assert not torch.equal(a.weight, b.weight)
+    assert torch.equal(c.weight, d.weight)
+
+
+def test_every_process_builds_the_same_sequential(tmp_path: Path) -> None:
+    """The build function runs in every process, whatever torch's generator holds there:
+    two nodes (two loads from a different generator state) hold the same parameters, and
+    the engine's layers, count and boundaries follow the Sequential."""
+    name = f"{write_module(tmp_path, 'forms_sequential', SEQUENTIAL)}:build"
+    params = []
+    for node_seed in (11, 12):
+        load_model.cache_clear()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(node_seed)
+            p = custom_preset(name, 256)
+            params.append([build_layer(p, i, seed=3).state_dict() for i in range(p.layers)])
+    for one, other in zip(*params, strict=True):
+        assert one.keys() == other.keys()
+        assert all(torch.equal(one[k], other[k]) for k in one)
+    assert p.layers == 4 and p.context == 8
+    assert layer_param_counts(p) == [256 * 4, 4 * 6 + 6, 0, 6 * 256 + 256]
+    assert [s.shape for s in boundary_shapes(p, 2)] == [(2, 8, 4), (2, 8, 6), (2, 8, 6),
+                                                        (2, 8, 256)]
+    assert load_model(name, 300).boundaries[-1] == TensorSpec((8, 300))
+    assert loss_fn(p) is next_token_loss
+
+
+def test_layer_specs_are_built_per_layer_with_their_loss() -> None:
+    specs = [LayerSpec(nn.Embedding, 30, 4), lambda x: x * 2, LayerSpec(nn.Linear, 4, 30)]
+    model = pipeline_model(specs, context=3, vocab_size=30, loss=_sum_loss)
+    assert model.description == "list of LayerSpecs" and model.loss is _sum_loss
+    assert isinstance(model.layers[0](), nn.Embedding)
+    double = model.layers[1]()  # a plain function in a DeepSpeed list is a forward
+    assert isinstance(double, nn.Module) and torch.equal(double(torch.ones(2)), torch.full((2,), 2.))
+    assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 4)), TensorSpec((3, 30)))
+
+
+@pytest.mark.parametrize("layers, expected", [
+    ([TiedLayerSpec("embed", nn.Embedding, 30, 4), LayerSpec(nn.Linear, 4, 30)],
+     "list, tied layers are not supported yet: layer 0 is a TiedLayerSpec (key 'embed')"),
+    ([], "list, the layer list is empty"),
+    ([nn.Embedding(30, 4), 3], "list, layer 1 is int: a layer list holds nn.Modules"),
+    ([nn.Embedding(30, 4), nn.LSTM(4, 4), nn.Linear(4, 30)],
+     "list, layer 1 returns tuple, not one tensor"),
+    ([nn.Embedding(30, 4), nn.Linear(5, 30)],
+     "list, cannot find the tensors between layers on a [1, 3] batch of token ids (layer 1 "
+     "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    ([nn.Identity(), nn.Embedding(30, 4)], "list, layer 0 hands on torch.int64, not "
+                                           "floating point"),
+])
+def test_what_cannot_be_converted_is_one_line(layers: list, expected: str) -> None:
+    with pytest.raises(ModelError) as e:
+        pipeline_model(layers, context=3, vocab_size=30)
+    message = str(e.value)
+    assert expected in message and "\n" not in message, message
+
+
+def test_where_context_and_vocabulary_are_missing_the_line_says_what_to_add() -> None:
+    with pytest.raises(ModelError, match=r"^list, no context: give the build function a "
+                                         r"keyword `context` with a default, or return "):
+        pipeline_model([nn.Embedding(30, 4)], vocab_size=30)
+    with pytest.raises(ModelError, match=r"^Sequential, no vocab_size: set its `vocab_size` "
+                                         r"attribute, "):
+        pipeline_model(nn.Sequential(nn.Embedding(30, 4)), context=3)
+    with pytest.raises(ModelError, match=r"^Linear, one nn.Module, which bamboo cannot cut"):
+        pipeline_model(nn.Linear(2, 2), context=3, vocab_size=30)
+
+
+def test_a_build_function_returning_another_form_is_refused_in_one_line(tmp_path: Path) -> None:
+    source = "from torch import nn\n\ndef build(vocab_size: int = 256):\n" \
+             "    return [nn.Embedding(vocab_size, 4), nn.Linear(4, vocab_size)]\n"
+    name = f"{write_module(tmp_path, 'forms_no_context', source)}:build"
+    with pytest.raises(ModelError, match=r"^model '.*': build\(\) returned list, no context: "):
+        load_model(name)
+
+
+def test_the_plain_forms_do_not_import_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, module)  # put back after the test
+    pipeline_model(nn.Sequential(nn.Embedding(30, 4), nn.Linear(4, 30)), context=3,
+                   vocab_size=30)
+    pipeline_model([LayerSpec(nn.Embedding, 30, 4), lambda x: x * 2], context=3,
+                   vocab_size=30)
+    with pytest.raises(ModelError):
+        pipeline_model([TiedLayerSpec("e", nn.Embedding, 30, 4)], context=3, vocab_size=30)
+    assert not [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+def test_deepspeed_layer_specs_convert_and_tied_ones_are_refused() -> None:
+    from deepspeed.pipe import LayerSpec as DSLayerSpec, TiedLayerSpec as DSTied
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    specs = [DSLayerSpec(nn.Embedding, 30, 4), DSLayerSpec(nn.Linear, 4, 30)]
+    model = pipeline_model(specs, context=3, vocab_size=30, loss=loss)
+    assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 30))) and model.loss is loss
+    assert isinstance(model.layers[1](), nn.Linear)
+    with pytest.raises(ModelError, match="tied layers are not supported yet: layer 0 is a "
+                                         "TiedLayerSpec"):
+        pipeline_model([DSTied("embed", nn.Embedding, 30, 4), *specs[1:]], context=3,
+                       vocab_size=30)
