@@ -51,6 +51,18 @@ class TiedLayerSpec(LayerSpec):
         self.key, self.tied_weight_attr = key, ["weight"]
 
 
+class PipelineModule(nn.Module):
+    """A stand-in with DeepSpeed's PipelineModule attributes (`_layer_specs`, `loss_fn`), its
+    type's module DeepSpeed's; the real one (it needs torch.distributed) is converted in
+    tests/integration/test_model_forms_runs.py."""
+
+    __module__ = "deepspeed.runtime.pipe.module"
+
+    def __init__(self, layers: list, loss_fn: object) -> None:
+        super().__init__()
+        self._layer_specs, self.loss_fn = list(layers), loss_fn
+
+
 def _sum_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return output.float().mean() + 0 * targets.float().mean()
 
@@ -129,6 +141,17 @@ def test_layer_specs_are_built_per_layer_with_their_loss() -> None:
     double = model.layers[1]()  # a plain function in a DeepSpeed list is a forward
     assert isinstance(double, nn.Module) and torch.equal(double(torch.ones(2)), torch.full((2,), 2.))
     assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 4)), TensorSpec((3, 30)))
+
+
+def test_a_pipeline_module_gives_its_layer_list_and_its_loss_fn() -> None:
+    module = PipelineModule([LayerSpec(nn.Embedding, 30, 4), nn.Tanh(),
+                             lambda x: x.transpose(1, 2)], loss_fn=_sum_loss)
+    module.context, module.vocab_size = 3, 30
+    model = pipeline_model(module)
+    assert model.description == "DeepSpeed PipelineModule" and model.loss is _sum_loss
+    assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 4)), TensorSpec((4, 3)))
+    tanh = model.layers[1]()
+    assert isinstance(tanh, nn.Tanh) and tanh is not module._layer_specs[1]
 
 
 @pytest.mark.parametrize("layers, expected", [
