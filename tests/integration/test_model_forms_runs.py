@@ -105,18 +105,21 @@ def test_deepspeed_layer_specs_killed_in_flight_end_equal_to_their_failure_free_
 def test_a_deepspeed_pipeline_module_converts_with_its_loss_fn(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real PipelineModule (its constructor needs torch.distributed: a group of one
-    process here; on a CPU DeepSpeed compiles its shared-memory op the first time, about
-    a minute and a half on two cores): its LayerSpecs are the layers, its loss_fn the loss."""
+    process here): its LayerSpecs are the layers, its loss_fn the loss. DeepSpeed's
+    shared-memory all-reduce op is marked unavailable, as on a machine without a compiler:
+    a group of one never reduces, and building it costs a minute and a half on two cores."""
     import torch
     import torch.distributed as dist
     from torch import nn
     import deepspeed.comm
+    import deepspeed.ops
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     from bamboo.model.api import TensorSpec
     from bamboo.model.forms import pipeline_model
 
     monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
