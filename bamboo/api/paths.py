@@ -22,7 +22,7 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["import_path", "resolve", "LOADED_BY_PATH"]
+__all__ = ["import_path", "LOADED_BY_PATH"]
 
 LOADED_BY_PATH = "_bamboo_model_"
 """The prefix of the module name a `FILE.py:NAME` is imported under (bamboo.model.api)."""
@@ -64,16 +64,6 @@ def _module_target(mod: Any, module: str, what: str) -> str:
                           f"workers cannot import: put it in a .py file and import it from there "
                           f"(or {_FIX})", what)
     return str(Path(file).resolve())
-
-
-def resolve(target: str, what: str) -> Any:
-    """The object a `MODULE:NAME` (or `FILE.py:NAME`) names, imported in this process as a
-    worker does; ConfigError naming `what` when it cannot be."""
-    from bamboo.model.api import ModelError, import_target
-    try:
-        return import_target(target)
-    except ModelError as e:
-        raise ConfigError(f"{what}: {e}", what) from None
 
 
 def _show(obj: Any) -> str:

@@ -21,24 +21,20 @@ stay bit-identical to tests/reference.py, which builds its optimizer here too.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from bamboo.config.calls import parse_call
+from bamboo.model.api import import_object
 
 __all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient",
            "steps_on_param_device", "step_lr", "set_lr", "state_keys", "check_optimizer",
-           "import_object", "MOMENTS"]
+           "MOMENTS"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state tensors (its `step` count is a scalar)."""
@@ -212,35 +208,6 @@ def check_optimizer(optimizer: str | None, schedule: str | None, lr: float, tota
         state_keys(probe)
     if schedule is not None:
         user_schedule(schedule, optimizer, lr, total)
-
-
-def import_object(target: str) -> Any:
-    """What `MODULE:NAME` or `path/file.py:NAME` names, imported as `--model` is (a file
-    under the same module name, so a script the model came from is imported once)."""
-    module_name, _, name = target.rpartition(":")
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-        key = f"_bamboo_model_{path.stem}_{digest}"
-        module = sys.modules.get(key)
-        if module is None:
-            if not path.is_file():
-                raise ValueError(f"file '{module_name}' does not exist")
-            spec = importlib.util.spec_from_file_location(key, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[key] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[key]
-                raise
-    else:
-        module = importlib.import_module(module_name)
-    obj = getattr(module, name, None)
-    if obj is None or not callable(obj):
-        raise ValueError(f"'{module_name}' has no callable '{name}'")
-    return obj
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

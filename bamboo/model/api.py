@@ -103,7 +103,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
-           "custom_layer"]
+           "custom_layer", "import_object"]
 
 
 class ModelError(ValueError):
@@ -244,6 +244,16 @@ def _import(target: str) -> object:
             raise ModelError(f"no module '{target}' in {cwd} or on sys.path: run bamboo from the "
                              f"directory that holds it, or put it on PYTHONPATH") from None
         raise
+
+
+def import_object(name: str) -> Callable[..., object]:
+    """The callable a `MODULE:NAME` or `path/file.py:NAME` names, imported as `--model` is
+    (a file under one module name, so a script the model came from is imported once)."""
+    target, _, attribute = name.rpartition(":")
+    obj = getattr(_import(target), attribute, None)
+    if obj is None or not callable(obj):
+        raise ModelError(f"'{target}' has no callable '{attribute}'")
+    return obj
 
 
 def _one_line(e: BaseException) -> str:
