@@ -170,7 +170,7 @@ def custom_preset(name: str, vocab: int | None = None) -> ModelPreset:
         raise ValueError(f"model '{name}': vocab_size={size} is too small for byte tokens "
                          f"0..255 (the synthetic data and text files): give vocab_size a "
                          f"default of 256 or more")
-    shapes = {spec.shape for spec in model.boundaries[:-1]}
+    shapes = {getattr(spec, "shape", ()) for spec in model.boundaries[:-1]}  # () a structure
     shape = shapes.pop() if len(shapes) == 1 else ()
     d_model = shape[1] if len(shape) == 2 and shape[0] == context else 0  # [context, d] throughout
     return ModelPreset(name=name, family="custom", layers=n, d_model=d_model, context=context,

@@ -48,6 +48,7 @@ from bamboo.engine.forward import StageForward
 from bamboo.engine.options import EngineOptions
 from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
+from bamboo.model.structure import detach
 from bamboo.engine.optim import clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
@@ -349,7 +350,7 @@ class NodeEngine:
         if loss is not None:
             s.losses[i.mb] = loss
         elif self.keep_outputs:
-            s.saved_out[key] = out.detach()
+            s.saved_out[key] = detach(out)
             meter.hold(("kept", *key), storage_bytes(out))  # for a shadow: the whole step
         else:
             meter.hold(("fwd", *key), storage_bytes(out))  # until its backward
@@ -377,7 +378,8 @@ class NodeEngine:
         start = time.perf_counter()
         assert self.replica is not None
         x = self._data(s, i.mb) if i.stage == 0 else \
-            s.saved_out[(i.stage - 1, i.mb)].detach().requires_grad_()
+            self.ctx.boundary_spec(i.stage, input_side=True).as_input(
+                s.saved_out[(i.stage - 1, i.mb)])
         with self.forwards.frc_stream():
             out, loss = self.forwards.run(self.replica, i.mb, x, s,
                                           targets=lambda: self._batch(s, i.mb).targets, frc=True)
@@ -394,9 +396,12 @@ class NodeEngine:
         if i.stage == self.P - 1:
             out.backward()
         else:
-            torch.autograd.backward(out, grad_tensors=s.out_grads.pop(key))
+            outs, grads = self.ctx.boundary_spec(i.stage, input_side=False).grad_pairs(
+                out, s.out_grads.pop(key))
+            torch.autograd.backward(outs, grad_tensors=grads)
         if i.stage > 0:
-            s.in_grads[key] = s.inputs.pop(key).grad
+            spec = self.ctx.boundary_spec(i.stage, input_side=True)
+            s.in_grads[key] = spec.input_grads(s.inputs.pop(key))
         self._backward_done(s, i.stage, i.mb, start)
 
     def _backward_done(self, s: StepState, stage: int, mb: int, start: float) -> None:
@@ -421,13 +426,18 @@ class NodeEngine:
         start = time.perf_counter()
         key = (i.stage, i.mb)
         st = self.stages[i.stage]
-        out = s.outputs.pop(key)
-        grad = None if i.stage == self.P - 1 else s.out_grads.pop(key)
+        out, grad = s.outputs.pop(key), None
+        if i.stage != self.P - 1:
+            out, grad = self.ctx.boundary_spec(i.stage, input_side=False).grad_pairs(
+                out, s.out_grads.pop(key))
         x = s.inputs.pop(key) if i.stage > 0 else None
+        spec = self.ctx.boundary_spec(i.stage, input_side=True) if x is not None else None
         # no tape: a stage that does not defer its weights (`defers_weight`), or an adopted
         # FRC forward run under --frc-offload; its whole backward runs here
         tape = s.tapes.pop(key, None)
-        dx = input_gradient(out, grad, x, Taping.other_params(st.params, tape), tape)
+        dxs = input_gradient(out, grad, spec.grad_inputs(x) if spec else [],
+                             Taping.other_params(st.params, tape), tape)
+        dx = spec.grads_of(x, dxs) if spec else None
         if dx is not None:
             s.in_grads[key] = dx
         self._accumulate(i.stage, i.mb)
@@ -445,15 +455,17 @@ class NodeEngine:
         self._backward_done(s, i.stage, i.mb, start)
 
     def _send_activation(self, s: StepState, i: S.SendActivation) -> None:
-        out = s.outputs[(i.stage, i.mb)].detach()
+        out = detach(s.outputs[(i.stage, i.mb)])
+        spec = self.ctx.boundary_spec(i.stage, input_side=False)
         peer = self.worker(i.stage + 1, i.mb)
         if peer != self.rank:
             key = (ACTIVATION, i.stage, i.mb)
             if key not in s.transfers.peer_has:
-                self.p2p.send(out, peer, key)
-                s.transfers.sent[key] = out
+                wire = spec.pack(out)  # a tuple or dict of tensors: one message
+                self.p2p.send(wire, peer, key)
+                s.transfers.sent[key] = wire
         elif S.Forward(i.stage + 1, i.mb) not in s.done:
-            s.inputs[(i.stage + 1, i.mb)] = out.detach().requires_grad_()
+            s.inputs[(i.stage + 1, i.mb)] = spec.as_input(out)
 
     def _recv_activation(self, s: StepState, i: S.RecvActivation) -> None:
         key = (i.stage, i.mb)
@@ -464,7 +476,7 @@ class NodeEngine:
         buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer,
                                           (ACTIVATION, i.stage - 1, i.mb), self.interrupted,
                                           idle=lambda: self._frc_at_wait(s))
-        s.inputs[key] = buf.requires_grad_(buf.is_floating_point())
+        s.inputs[key] = spec.as_input(spec.unpack(buf))
         s.transfers.received_acts.add(key)
 
     def _send_grad(self, s: StepState, i: S.SendGrad) -> None:
@@ -472,10 +484,11 @@ class NodeEngine:
         peer = self.worker(i.stage - 1, i.mb)
         if peer != self.rank:
             key = (GRADIENT, i.stage, i.mb)
+            wire = self.ctx.boundary_spec(i.stage, input_side=True).pack_grad(grad)
             if key not in s.transfers.peer_has:
-                self.p2p.send(grad, peer, key)
-                s.transfers.sent[key] = grad
-            s.transfers.sent_grads[(i.stage, i.mb)] = grad
+                self.p2p.send(wire, peer, key)
+                s.transfers.sent[key] = wire
+            s.transfers.sent_grads[(i.stage, i.mb)] = wire
         elif not s.backward_begun(i.stage - 1, i.mb):
             s.out_grads[(i.stage - 1, i.mb)] = grad
         del s.in_grads[(i.stage, i.mb)]
@@ -485,9 +498,9 @@ class NodeEngine:
         if peer == self.rank:
             return  # passed in memory by this node's own SendGrad
         spec = self.ctx.boundary_spec(i.stage, input_side=False)
-        s.out_grads[(i.stage, i.mb)] = self.p2p.recv_interruptible(
-            spec.shape, spec.dtype, self.device, peer, (GRADIENT, i.stage + 1, i.mb),
-            self.interrupted, idle=lambda: self._frc_at_wait(s))
+        s.out_grads[(i.stage, i.mb)] = spec.unpack_grad(self.p2p.recv_interruptible(
+            spec.grad_shape, spec.grad_dtype, self.device, peer, (GRADIENT, i.stage + 1, i.mb),
+            self.interrupted, idle=lambda: self._frc_at_wait(s)))
 
     def _holds(self, pipeline: int, stage: int) -> bool:
         """Whether this node holds `stage` of `pipeline` now (a fault's target)."""

@@ -12,6 +12,7 @@ from bamboo.data.datasets import Task
 from bamboo.engine.comm import EVAL, P2P
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.stage import StageState
+from bamboo.model.structure import float32
 from bamboo.plan.faults import EVAL_FAULT_INDEX
 
 __all__ = ["eval_pass", "EVAL_FAULT_INDEX"]
@@ -52,18 +53,19 @@ def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Tas
                 x = batch.inputs.to(device)
             elif source != rank:
                 spec = ctx.boundary_spec(stage, input_side=True)
-                x = p2p.recv_interruptible(spec.shape, spec.dtype, device, source,
-                                           (EVAL, stage - 1, seq), interrupted)
+                x = spec.unpack(p2p.recv_interruptible(spec.shape, spec.dtype, device, source,
+                                                       (EVAL, stage - 1, seq), interrupted))
             out = forward(held.stages[stage], x, index)
             if stage == ctx.P - 1:
                 batch = batch or task.eval_batch(index)
-                value = loss(out.float(), batch.targets.to(device))
+                value = loss(float32(out), batch.targets.to(device))
                 losses.append((index, float(value), 1.0 / batches))
                 continue
-            x = out.to(ctx.boundary_spec(stage, input_side=False).dtype)
+            spec = ctx.boundary_spec(stage, input_side=False)
+            x = spec.cast(out)  # float tensors only
             target = roles.holders[d][stage + 1]
             if target != rank:
-                p2p.send(x, target, (EVAL, stage, seq))
+                p2p.send(spec.pack(x), target, (EVAL, stage, seq))
         after_batch(index)
     p2p.flush(set(roles.dead), interrupted)
     return losses

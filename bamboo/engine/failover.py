@@ -25,6 +25,7 @@ from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
 from bamboo.engine.transport import Transport
+from bamboo.model.structure import detach
 from bamboo.plan.roles import RoleMap, Takeover
 
 __all__ = ["GenerationEnded", "Recovery", "recover"]
@@ -142,7 +143,8 @@ class _CatchUp:
         for mb in self.ctx.global_mbs:
             key = (stage, mb)
             if stage > 0 and (stage - 1, mb) in s.saved_out:
-                s.inputs[key] = s.saved_out[(stage - 1, mb)].detach().requires_grad_()
+                s.inputs[key] = self.ctx.boundary_spec(stage, input_side=True).as_input(
+                    s.saved_out[(stage - 1, mb)])
                 s.done.add(S.RecvActivation(stage, mb))
             if mb in s.frc and t.kind == "failover":
                 x, out, loss = s.frc.pop(mb)
@@ -152,12 +154,13 @@ class _CatchUp:
                 if loss is not None:
                     s.losses[mb] = loss
                 else:
-                    s.saved_out[key] = out.detach()
+                    s.saved_out[key] = detach(out)
                 s.done.update({S.RecvActivation(stage, mb), S.Forward(stage, mb)})
                 s.report.frc_reused += 1
             sent_grads = s.transfers.sent_grads
             if (stage + 1, mb) in sent_grads and not s.backward_begun(stage, mb):
-                s.out_grads[key] = sent_grads[(stage + 1, mb)]  # this node is also the successor
+                s.out_grads[key] = self.ctx.boundary_spec(stage, input_side=False).unpack_grad(
+                    sent_grads[(stage + 1, mb)])  # this node is also the successor
         s.frc.clear()
         s.frc_tapes.clear()
         s.frc_pending.clear()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bamboo.model import forward_seed, run_layers
+from bamboo.model.structure import float32
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
@@ -99,10 +100,10 @@ class StageForward:
             with self.autocast():
                 out = self._layers(st, x, s.step, mb)
             if stage != self.P - 1:
-                out = out.to(self.specs[self.parts[stage].stop - 1].dtype)
+                out = self.specs[self.parts[stage].stop - 1].cast(out)  # float tensors only
                 loss = None
             else:
-                loss = self.loss(out.float(), targets().to(self.device))
+                loss = self.loss(float32(out), targets().to(self.device))
         if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape

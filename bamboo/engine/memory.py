@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from bamboo.model.structure import leaves
+
 __all__ = ["SavedTensors", "StepMemory", "storage_bytes", "state_dict_bytes", "to_host", "can_pin"]
 
 
@@ -47,8 +49,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True)
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the memory `t` keeps alive: its whole storage (a view keeps all of it)."""
+def storage_bytes(t: Any) -> int:
+    """Bytes of the memory `t` keeps alive: its whole storage (a view keeps all of it);
+    of a tuple or dict of tensors, each storage once (a received structure's tensors are
+    views of one buffer)."""
+    if not isinstance(t, torch.Tensor):
+        storages = {_storage_key(x): x for x in leaves(t)}
+        return sum(map(storage_bytes, storages.values()))
     try:
         return t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):  # tensors without a plain storage

@@ -22,7 +22,7 @@ the weight half runs; under 1F1B autograd would free it at the backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,28 +101,35 @@ class Taping:
         return [p for p in params if id(p) not in deferred and p.requires_grad]
 
 
-def input_gradient(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   others: list[nn.Parameter], tape: Tape | None) -> torch.Tensor | None:
+def input_gradient(out: Any, grad: Any, x: torch.Tensor | Sequence[torch.Tensor] | None,
+                   others: list[nn.Parameter], tape: Tape | None) -> Any:
     """The first half, one autograd call: the gradient of `x` (None when it needs none),
     `others`' gradients left in their `.grad`, and each taped output's gradient kept on
-    the tape for the second half."""
-    inputs: list[Any] = ([x] if x is not None and x.requires_grad else []) + others
+    the tape for the second half. `out` and `grad` are a tensor or lists of them (a
+    boundary's float tensors); `x` a tensor, or a list of the input's tensors that take a
+    gradient, whose gradients come back as a list (None for one the output does not use)."""
+    single = x is None or isinstance(x, torch.Tensor)
+    if single:
+        xs = [x] if x is not None and x.requires_grad else []
+    else:
+        xs = list(x)  # type: ignore[arg-type]
+    inputs: list[Any] = xs + others
     entries = tape.entries if tape is not None else []
     n_direct = len(inputs)
     inputs += [e.out for e in entries]
     if not inputs:
-        return None
+        return None if single else []
     grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True)
-    dx = None
-    if x is not None and x.requires_grad:
-        dx, grads = grads[0], grads[1:]
-        n_direct -= 1
+    dxs, grads = grads[:len(xs)], grads[len(xs):]
+    n_direct -= len(xs)
     for p, g in zip(others, grads[:n_direct]):
         if g is not None:
             p.grad = g
     for entry, g in zip(entries, grads[n_direct:]):
         entry.grad = g
-    return dx
+    if single:
+        return dxs[0] if xs else None
+    return list(dxs)
 
 
 def weight_gradient(tape: Tape, autocast: Callable[[], Any]) -> None:

@@ -208,15 +208,17 @@ class StrictTransport:
             for i, mb in enumerate(mbs):
                 instr = S.RecvGrad(t, mb) if upstream else S.RecvActivation(t + 1, mb)
                 if flags[M + i if upstream else i] and instr not in s.done:
-                    buf = torch.empty(spec.shape, dtype=spec.dtype, device=e.device)
+                    shape, dtype = (spec.grad_shape, spec.grad_dtype) if upstream else \
+                        (spec.shape, spec.dtype)
+                    buf = torch.empty(shape, dtype=dtype, device=e.device)
                     recvs.append((buf, peer, (in_kind, in_stage, mb)))
-                    sinks.append(instr)
+                    sinks.append((instr, spec))
         self._exchange(sends, recvs, roles)
-        for instr, (buf, _, _) in zip(sinks, recvs):
+        for (instr, spec), (buf, _, _) in zip(sinks, recvs):
             if isinstance(instr, S.RecvGrad):
-                s.out_grads[(instr.stage, instr.mb)] = buf
+                s.out_grads[(instr.stage, instr.mb)] = spec.unpack_grad(buf)
             else:
-                s.inputs[(instr.stage, instr.mb)] = buf.requires_grad_(buf.is_floating_point())
+                s.inputs[(instr.stage, instr.mb)] = spec.as_input(spec.unpack(buf))
                 log.received_acts.add((instr.stage, instr.mb))
             s.done.add(instr)
 

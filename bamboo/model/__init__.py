@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +23,12 @@ from bamboo.model.cnn import _block_widths, cnn_layer
 from bamboo.model.gpt2 import gpt2_layer
 from bamboo.model.hf import hf_layer, load_transformers
 from bamboo.model.llama import llama_layer
+from bamboo.model.structure import BoundarySpec, StructuredSpec, boundary_spec
 from bamboo.config.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
     "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",
-    "boundary_shapes", "loss_fn", "BoundarySpec", "derive_seed", "forward_seed",
+    "boundary_shapes", "loss_fn", "BoundarySpec", "StructuredSpec", "derive_seed", "forward_seed",
     "seeded_randomness", "run_layers",
 ]
 
@@ -172,24 +172,17 @@ def layer_param_counts(p: ModelPreset) -> list[int]:
     return [sum(t.numel() for t in _meta_layer(p, i).parameters()) for i in range(p.layers)]
 
 
-@dataclass(frozen=True, slots=True)
-class BoundarySpec:
-    """Shape and dtype of the tensor flowing out of one layer for one micro-batch."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def boundary_shapes(p: ModelPreset, micro_batch_size: int) -> list[BoundarySpec]:
-    """Output spec of every layer for a micro-batch of `micro_batch_size` samples.
+def boundary_shapes(p: ModelPreset, micro_batch_size: int
+                    ) -> list[BoundarySpec | StructuredSpec]:
+    """Output spec of every layer for a micro-batch of `micro_batch_size` samples (a
+    tuple or dict of tensors: a `StructuredSpec`, whose shape and dtype are its message's).
 
     Worked out from the preset (a forward pass on the meta device costs seconds);
     a test checks it against real forward passes.
     """
     b = micro_batch_size
     if p.family == "custom":
-        return [BoundarySpec((b, *spec.shape), spec.dtype)
-                for spec in load_model(p.name, p.vocab).boundaries]
+        return [boundary_spec(spec, b) for spec in load_model(p.name, p.vocab).boundaries]
     if p.family == "cnn":
         shapes, size = [(b, p.channels, p.image_size, p.image_size)], p.image_size
         for _, c_out, stride in _block_widths(p):

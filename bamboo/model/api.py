@@ -1,4 +1,4 @@
-"""Your own model: an ordered list of layers, the tensor between them, and a loss.
+"""Your own model: an ordered list of layers, what travels between them, and a loss.
 
 A model is one Python file with a build function that returns a `PipelineModel` (or an
 `nn.Sequential`, a layer list or DeepSpeed `LayerSpec`s: bamboo.model.forms converts them);
@@ -102,6 +102,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.model.structure import StructureError, Treedef, describe, flatten, float32
+
 __all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
            "custom_layer", "import_object"]
 
@@ -133,10 +135,33 @@ class TensorSpec:
                 or not all(type(n) is int and n > 0 for n in shape)):
             raise ModelError(f"TensorSpec shape {shape!r} is not a tuple of positive integers "
                              f"(one sample, no batch dimension), e.g. TensorSpec((context, d))")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ModelError(f"TensorSpec dtype {self.dtype!r} is not a floating torch dtype: "
-                             f"gradients flow back through it (use torch.float32)")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype.is_complex:
+            raise ModelError(f"TensorSpec dtype {self.dtype!r} is not a real torch dtype "
+                             f"(torch.float32 for what takes gradients; torch.bool or "
+                             f"torch.int64 for masks and ids)")
         object.__setattr__(self, "shape", tuple(shape))
+
+
+Boundary = TensorSpec | tuple | dict
+"""What one layer hands the next, per sample: a TensorSpec, or a tuple or a dict of str to
+TensorSpecs (nesting allowed), the structure of what the layer returns."""
+
+
+def _structure(spec: object, what: str, needs_float: bool) -> Boundary:
+    """`spec` checked as a boundary's structure of TensorSpecs (one line when it is not)."""
+    try:
+        items, _ = flatten(spec, leaf=TensorSpec)
+    except StructureError as e:
+        raise ModelError(f"PipelineModel {what} must be a TensorSpec, or a tuple or a dict "
+                         f"of str to TensorSpecs (got {e} in {spec!r})") from None
+    if not items:
+        raise ModelError(f"PipelineModel {what} {spec!r} holds no TensorSpec")
+    if needs_float and not any(s.dtype.is_floating_point for s in items):
+        dtypes = ", ".join(str(s.dtype) for s in items)
+        raise ModelError(f"PipelineModel {what} holds no floating tensor ({dtypes} is not a "
+                         f"floating torch dtype): gradients flow back through the floating "
+                         f"tensors between layers, so at least one must be (torch.float32)")
+    return spec  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,18 +170,19 @@ class PipelineModel:
 
     layers: Sequence[Callable[[], nn.Module]]
     """One zero-argument factory per pipeline layer, in order; each returns an nn.Module."""
-    boundary: TensorSpec | Sequence[TensorSpec] | None = None
-    """The tensor between layers, per sample: one spec for all, or one per boundary."""
+    boundary: Boundary | list[Boundary] | None = None
+    """What travels between layers, per sample: a TensorSpec, or a tuple or dict of them
+    (one structure for every boundary), or a list of them, one per boundary."""
     context: int
     """Tokens per sample: layer 0 receives `[B, context]` int64 token ids."""
     vocab_size: int
     """Token ids are 0..vocab_size-1."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
     """(last layer's output, `[B, context]` int64 targets) -> scalar mean loss."""
-    output: TensorSpec | None = None
+    output: Boundary | None = None
     """The last layer's output per sample; `[context, vocab_size]` float32 logits if None."""
     description: str = ""
-    boundaries: tuple[TensorSpec, ...] = field(init=False, repr=False)
+    boundaries: tuple[Boundary, ...] = field(init=False, repr=False)
     """The output of every layer (len(layers) specs, the last one `output`)."""
 
     def __post_init__(self) -> None:
@@ -179,25 +205,27 @@ class PipelineModel:
             raise ModelError(f"PipelineModel loss is {type(self.loss).__name__}, not a callable "
                              f"(output, targets) -> scalar mean loss")
         output = self.output or TensorSpec((self.context, self.vocab_size))
-        if not isinstance(output, TensorSpec):
+        if not isinstance(output, (TensorSpec, tuple, dict)):
             raise ModelError(f"PipelineModel output is {type(output).__name__}, not a TensorSpec")
+        _structure(output, "output", needs_float=False)
         object.__setattr__(self, "layers", tuple(layers))
         object.__setattr__(self, "boundaries", (*self._inner_boundaries(), output))
 
-    def _inner_boundaries(self) -> tuple[TensorSpec, ...]:
+    def _inner_boundaries(self) -> tuple[Boundary, ...]:
         n, spec = len(self.layers) - 1, self.boundary
         if spec is None and n == 0:
             return ()
-        if isinstance(spec, TensorSpec):
-            return (spec,) * n
-        if (spec is None or isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence)
-                or not all(isinstance(s, TensorSpec) for s in spec)):
+        if isinstance(spec, (TensorSpec, tuple, dict)):  # one structure for every boundary
+            return (_structure(spec, "boundary", needs_float=True),) * n
+        if not isinstance(spec, list):
             raise ModelError(f"PipelineModel boundary must be a TensorSpec (the tensor between "
-                             f"layers) or a list of {n}, one per boundary (got {spec!r})")
+                             f"layers), a tuple or dict of them, or a list of {n}, one per "
+                             f"boundary (got {spec!r})")
         if len(spec) != n:
             raise ModelError(f"PipelineModel boundary lists {len(spec)} specs but its {n + 1} "
                              f"layers need {n}, one per boundary (or one TensorSpec for all)")
-        return tuple(spec)
+        return tuple(_structure(s, f"boundary {i}", needs_float=True)
+                     for i, s in enumerate(spec))
 
 
 # -- loading by import path ----------------------------------------------------------------
@@ -355,7 +383,7 @@ def _refuse_unseeded(before: dict[str, bytes], what: str) -> None:
 
 
 def _trace(model: PipelineModel) -> None:
-    x = torch.zeros((1, model.context), dtype=torch.int64)
+    x: object = torch.zeros((1, model.context), dtype=torch.int64)
     for i, spec in enumerate(model.boundaries):
         before = _unseeded_states()
         layer = custom_layer(model, i)
@@ -363,25 +391,55 @@ def _trace(model: PipelineModel) -> None:
         try:
             x = layer(x)
         except Exception as e:
-            raise _RunError(f"layer {i} failed on its input of shape {list(x.shape)}: "
-                             f"{_one_line(e)}") from None
+            raise _RunError(f"layer {i} failed on its input {_shapes(x)}: "
+                            f"{_one_line(e)}") from None
         _refuse_unseeded(before, f"layer {i}'s forward")
-        if not isinstance(x, torch.Tensor):
-            raise ModelError(f"layer {i} returned {type(x).__name__}, not one tensor")
         what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
-        if tuple(x.shape) != (1, *spec.shape) or x.dtype != spec.dtype:
-            raise ModelError(f"layer {i} outputs [B, {', '.join(map(str, x.shape[1:]))}] "
-                             f"{x.dtype} but the model declares its {what} as "
-                             f"[B, {', '.join(map(str, spec.shape))}] {spec.dtype}")
+        _check_output(i, x, spec, what)
     targets = torch.zeros((1, model.context), dtype=torch.int64)
     try:
-        loss = model.loss(x.float(), targets)
+        loss = model.loss(float32(x), targets)
     except Exception as e:
-        raise _RunError(f"loss failed on the output {list(x.shape)} and targets "
-                         f"{list(targets.shape)}: {_one_line(e)}") from None
+        raise _RunError(f"loss failed on the output {_shapes(x)} and targets "
+                        f"{list(targets.shape)}: {_one_line(e)}") from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ModelError(f"loss returned {type(loss).__name__} "
                          f"{list(getattr(loss, 'shape', []))}, not a scalar tensor")
+
+
+def _shapes(x: object) -> str:
+    """A value's shapes for a message: `of shape [1, 16]`, `(hidden [1, 16, 8], mask [1, 16])`."""
+    if isinstance(x, torch.Tensor):
+        return f"of shape {list(x.shape)}"
+    try:
+        items, treedef = flatten(x)
+    except StructureError:
+        return describe(x)
+    return f"{treedef} of shapes {[list(t.shape) for t in items]}"
+
+
+def _check_output(i: int, x: object, spec: object, what: str) -> None:
+    """ModelError unless layer `i`'s output `x` has the structure, shapes and dtypes of its
+    declared `spec` (`what`: "boundary i" or "output")."""
+    try:
+        items, treedef = flatten(x)
+    except StructureError as e:
+        raise ModelError(f"layer {i} returned {describe(x)} ({e} is not a tensor): a layer "
+                         f"returns a tensor, or a tuple or a dict of str to tensors") from None
+    specs, declared = flatten(spec, leaf=TensorSpec)
+    if treedef != declared:
+        raise ModelError(f"layer {i} returns {_structure_name(treedef)} but the model declares "
+                         f"its {what} as {_structure_name(declared)}")
+    for n, (t, s) in enumerate(zip(items, specs)):
+        if tuple(t.shape) != (1, *s.shape) or t.dtype != s.dtype:
+            at = "" if treedef.kind == "tensor" else f" (tensor {n} of {treedef})"
+            raise ModelError(f"layer {i} outputs [B, {', '.join(map(str, t.shape[1:]))}] "
+                             f"{t.dtype}{at} but the model declares its {what} as "
+                             f"[B, {', '.join(map(str, s.shape))}] {s.dtype}")
+
+
+def _structure_name(treedef: Treedef) -> str:
+    return "one tensor" if treedef.kind == "tensor" else str(treedef)
 
 
 def custom_layer(model: PipelineModel, index: int) -> nn.Module:

@@ -49,7 +49,8 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
             step_loss += float(loss.detach()) / G
             (loss * (1.0 / G)).backward()
             for a, q in zip(acc, params):
-                a.add_(q.grad)
+                if q.grad is not None:  # a parameter the loss does not reach: as the engine
+                    a.add_(q.grad)
                 q.grad = None
         norm = math.sqrt(sum(float(a.square().sum()) for a in acc))
         coef = clip_coefficient(norm, cfg.training.grad_clip)
