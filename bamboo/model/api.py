@@ -63,9 +63,12 @@ The rules:
   Python's `random` and numpy's `np.random` in a factory or a forward are refused at the
   check below; a `torch.Generator` or a numpy `Generator` a layer keeps for itself cannot
   be seen, and a failover would draw other numbers from it: do not keep one.
-- `boundary` is the tensor one layer hands the next, per sample (no batch dimension):
-  one `TensorSpec` for every boundary, or a list of `len(layers) - 1`, one per boundary.
-  Boundaries are floating point: gradients flow back through them.
+- `boundary` is what one layer hands the next, per sample (no batch dimension): a
+  `TensorSpec`, or a tuple or a dict of str to TensorSpecs when a layer returns a tuple
+  or dict of tensors (the next layer gets it as its one argument), for every boundary,
+  or a list of `len(layers) - 1` of them, one per boundary. Floating-point tensors get
+  their gradients back; others (masks, ids) travel forward only; each boundary holds at
+  least one floating tensor (bamboo.model.structure).
 - The last layer's output is `output` per sample, `[context, vocab_size]` float32 logits
   unless given, and `loss(output, targets)` is the micro-batch's mean loss (by default
   next-token cross-entropy, targets of -100 ignored).
