@@ -7,16 +7,19 @@ The options are the job's flat keys as `bamboo train` has them (the flag without
 declaration as the flag (`bamboo.config.sections`) and the same `JobConfig.validate()`,
 so a bad job is one line (`JobError`) before any worker starts.
 
-`model` is a preset's name, a `MODULE:FUNCTION` string, or the function itself (which
-every process then imports by its derived path, `bamboo.api.paths`).
+`model` is a preset's name, a `MODULE:FUNCTION` string, the function itself (which
+every process then imports by its derived path, `bamboo.api.paths`), or what no process
+can import (the model object, a lambda, a closure, a notebook's function), sent by value
+(`bamboo.config.objects`).
 """
 from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from typing import Any
 
-from bamboo.api.paths import LOADED_BY_PATH, import_path
+from bamboo.api.paths import LOADED_BY_PATH
 from bamboo.config import (ConfigError, JobConfig, KillSpec, all_options, options_by_key,
                            parse_kill)
 from bamboo.config.jobfile import coerce
@@ -131,7 +134,7 @@ class Job:
                 raise JobError(f"Job: {e}", *e.options) from None
         self.model = model
         self.optimizer, self.schedule = optimizer, schedule
-        self.config: JobConfig = config_of(values)
+        self.config: JobConfig = _config_of_model(values)
         """The validated job, as `bamboo train` would have built it from the same flags."""
         if self.config.training.optimizer or self.config.training.lr_schedule:
             from bamboo.api.start import check_optimizer
@@ -145,20 +148,68 @@ class Job:
         return self.config.to_dict()
 
     def __repr__(self) -> str:
+        from bamboo.config import objects
         c = self.config
-        return (f"bamboo.Job(model={c.model.name!r}, nodes={c.layout.nodes}, "
+        name = objects.short(c.model.name) if objects.is_reference(c.model.name) else c.model.name
+        return (f"bamboo.Job(model={name!r}, nodes={c.layout.nodes}, "
                 f"stages={c.layout.stages}, steps={c.training.steps}, seed={c.training.seed})")
 
 
+def _config_of_model(values: dict[str, Any]) -> JobConfig:
+    """`config_of(values)`, a model sent by value named in its errors by its hash's head
+    rather than its whole reference."""
+    from bamboo.config import objects
+    ref = values.get("model")
+    try:
+        return config_of(values)
+    except JobError as e:
+        if not objects.is_reference(ref):
+            raise
+        text = str(e).replace(f"'{ref}'", objects.short(ref)).replace(ref, objects.short(ref))
+        text = text.replace(f"sha256_{objects.digest_of(ref)}()", "the factory")
+        raise JobError(text, *e.options) from None
+
+
 def model_name(model: Any) -> str:
-    """The `--model` value of `model`: a name as it is, a function by its import path."""
+    """The `--model` value of `model`: a name as it is, an importable function by its
+    import path, anything else sent by value (`bamboo.api.paths.reference`)."""
     if isinstance(model, str):
         return model
+    from bamboo.api.paths import reference
     if inspect.isfunction(model) or inspect.isclass(model) or inspect.isbuiltin(model):
         try:
-            return import_path(model, "model")
+            return reference(model, "model")
         except ConfigError as e:
             raise JobError(f"Job: {e}", "model") from None
-    raise JobError(f"Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', or a "
-                   f"function that returns a PipelineModel (got {type(model).__name__}): give "
-                   f"the function that builds it, defined at module level", "model")
+    if callable(model) or _model_object(model):
+        if _model_object(model):
+            model = _given(model)
+        try:
+            return reference(model, "model", by_value=True)
+        except ConfigError as e:
+            raise JobError(f"Job: {e}", "model") from None
+    raise JobError(f"Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', a "
+                   f"function that returns a model, or the model itself (a PipelineModel, an "
+                   f"nn.Sequential, a list of layers, a DeepSpeed PipelineModule; got "
+                   f"{type(model).__name__})", "model")
+
+
+def _model_object(model: Any) -> bool:
+    """Whether `model` is a model object (checked without importing torch for others)."""
+    if not isinstance(model, (list, tuple)) and "torch" not in sys.modules:
+        return False
+    from bamboo.model.forms import is_model_object
+    return is_model_object(model)
+
+
+def _given(model: Any) -> Any:
+    """A model object as the build function the workers call (`bamboo.model.forms.Given`),
+    converted here once, so what they would refuse (no context, a layer that fails) is one
+    line now."""
+    from bamboo.model.api import ModelError
+    from bamboo.model.forms import Given, pipeline_model
+    try:
+        pipeline_model(model)
+    except ModelError as e:
+        raise JobError(f"Job: model={e}", "model") from None
+    return Given(model)

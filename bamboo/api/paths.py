@@ -10,7 +10,10 @@ that name from a function or class:
   workers import as a module, so the script must start its run under
   `if __name__ == "__main__":`;
 - anything else (a lambda, a function defined inside another, a notebook cell, an object
-  without a name) is refused with one line saying to define it at module level in a file.
+  without a name) is refused by `import_path` with one line saying to define it at module
+  level in a file; `reference` sends it by value instead (`bamboo.config.objects`:
+  cloudpickle, found again by its SHA-256), refusing in one line only what cannot be
+  pickled.
 
 Importable without torch.
 """
@@ -22,7 +25,7 @@ from typing import Any
 
 from bamboo.config import ConfigError
 
-__all__ = ["import_path", "LOADED_BY_PATH"]
+__all__ = ["import_path", "reference", "LOADED_BY_PATH"]
 
 LOADED_BY_PATH = "_bamboo_model_"
 """The prefix of the module name a `FILE.py:NAME` is imported under (bamboo.model.api)."""
@@ -48,6 +51,19 @@ def import_path(obj: Any, what: str) -> str:
         raise ConfigError(f"{what}: '{name}' is not found as {module}.{name} (redefined or "
                           f"made at run time): {_FIX}", what)
     return f"{_module_target(mod, module, what)}:{name}"
+
+
+def reference(obj: Any, what: str, *, by_value: bool = False) -> str:
+    """What every process finds `obj` again by: its import path when it has one (and not
+    `by_value`), else a by-value reference (`bamboo.config.objects.send`); ConfigError
+    (one line naming `what`) for an object that cannot be pickled."""
+    if not by_value:
+        try:
+            return import_path(obj, what)
+        except ConfigError:
+            pass
+    from bamboo.config import objects
+    return objects.send(obj, what)
 
 
 def _module_target(mod: Any, module: str, what: str) -> str:

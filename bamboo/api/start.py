@@ -55,7 +55,18 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
         run.check_usable()
     resume = _load_resume(cfg, prog)
     run.check_writable("--resume" if same_dir else "--out")
+    _save_objects(cfg, run.path)
     return Start(cfg, run, resume)
+
+
+def _save_objects(cfg: JobConfig, run_path: Path) -> None:
+    """The job's objects sent by value written once into the run directory's objects/
+    (`<sha256>.pkl`, the bytes every worker loads), where a later resume or report finds
+    them too."""
+    from bamboo.config import objects
+    refs = objects.references(cfg.to_dict())
+    if refs:
+        objects.save(refs, run_path / "objects")
 
 
 def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,
@@ -153,6 +164,7 @@ def check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None
             and "micro_batches" in made_with:
         made_with = made_with | {"global_micro_batches":
                                  made_with["pipelines"] * made_with["micro_batches"]}
+    _check_same_objects(cfg, made_with, what)
     for key, value in (("model", cfg.model.name), ("seed", cfg.training.seed),
                        ("global_micro_batches", cfg.global_micro_batches),
                        ("micro_batch_size", cfg.layout.micro_batch_size),
@@ -161,6 +173,21 @@ def check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None
             raise ConfigError(f"{what} was made with {key} {made_with[key]!r}, this job has "
                               f"{value!r}: use the same settings (or another --out for a new "
                               f"run)")
+
+
+def _check_same_objects(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None:
+    """ConfigError when the run was made with a model sent by value and this job gives
+    another one (their SHA-256 differ), or gives it otherwise."""
+    from bamboo.config import objects
+    before, now = made_with.get("model"), cfg.model.name
+    if before == now or not (objects.is_reference(before) or objects.is_reference(now)):
+        return
+
+    def shown(name: Any) -> str:
+        return objects.short(name) if objects.is_reference(name) else repr(name)
+    raise ConfigError(f"{what} was made with the model {shown(before)}, this job gives "
+                      f"{shown(now)}: resume with the same model object (the same bytes), or "
+                      f"use another --out for a new run", "model")
 
 
 def _load_resume(cfg: JobConfig, prog: str) -> Any:

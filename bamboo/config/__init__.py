@@ -8,6 +8,7 @@ build to size it (.importlinter).
     bamboo.config.job        JobConfig: the sections together, `of`, `validate`
     bamboo.config.data       the checks that read --data and --layer-costs
     bamboo.config.calls      `MODULE:NAME(key=value)` text: --optimizer, --lr-schedule
+    bamboo.config.objects    objects sent by value (cloudpickle), found again by their SHA-256
     bamboo.config.presets    what a --model name is, in numbers (the model presets)
     bamboo.config.token_dir  the format of a prepared token directory (--data DIR)
     bamboo.config.layer_costs  the format of a --layer-costs file

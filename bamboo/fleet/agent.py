@@ -30,7 +30,7 @@ from typing import Any
 
 from bamboo.wire.protocol import (Beat, Done, Exit, Finished, FromWorker, Hello, Job,
                                      KillOrder, Notice, NoticeOrder, Progress, Refused)
-from bamboo.fleet.remote import JoinError, register_wire_types
+from bamboo.fleet.remote import JoinError, Objects, install_objects, register_wire_types
 from bamboo.wire.frames import Channel, Refusal, WireError, client_handshake
 
 __all__ = ["run_agent", "AgentOptions", "EXIT_DRAINED"]
@@ -207,6 +207,8 @@ class _Session:
                         self.beats, self.cells, self.opts.say, self.opts.workers)
             self.workers[msg.worker] = w
             self.opts.say(f"worker {msg.worker} is node n{w.spec.node}")
+        elif isinstance(msg, Objects):
+            return self._objects(msg)
         elif isinstance(msg, KillOrder):
             w = self.workers.get(msg.worker)
             if w is not None and w.process.is_alive():
@@ -221,6 +223,18 @@ class _Session:
         elif isinstance(msg, Refused):
             self.opts.say(f"the coordinator has no room for this machine: {msg.why}")
             return "refused"
+        return None
+
+    def _objects(self, msg: Objects) -> str | None:
+        """Keep the job's objects sent by value for the workers; 'refused' (this
+        coordinator is not trusted: the agent ends) when one fails its checks."""
+        from bamboo.config.objects import ObjectError
+        try:
+            kept = install_objects(msg, self.opts.token)
+        except (ObjectError, OSError) as e:
+            self.opts.say(f"refused the job's objects: {e}")
+            return "refused"
+        self.opts.say(f"received {len(kept)} object(s) sent by value")
         return None
 
     def _forward(self, w: _Worker) -> None:

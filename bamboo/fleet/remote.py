@@ -23,6 +23,8 @@ import signal
 import socket
 import threading
 import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
     from bamboo.config.join import JoinConfig
 
 __all__ = ["JoinError", "parse_address", "write_join_token", "open_join", "AgentListener",
-           "RemoteAgent", "RemoteProcess", "register_wire_types"]
+           "RemoteAgent", "RemoteProcess", "register_wire_types", "Objects", "objects_message",
+           "install_objects"]
 
 HANDSHAKE_S = 10.0
 """A joining client must finish the handshake within this many seconds."""
@@ -48,6 +51,57 @@ _IO_S = 10.0
 
 class JoinError(RuntimeError):
     """An agent could not join; str() is the one line for the user."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Objects:
+    """The objects a job sent by value (bamboo.config.objects), sent to an agent before the
+    first `Job` that names them: {reference: [base64 of the bytes, HMAC-SHA256 of the
+    reference and bytes under the job's token]}. The agent checks both before it keeps them
+    (`install_objects`): it unpickles only what the holder of its token sent."""
+
+    objects: dict
+
+
+_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The join token each admitted agent's channel proved (to sign what it is sent)."""
+
+
+def objects_message(config: Any, token: str, sent: set[str]) -> Objects | None:
+    """The `Objects` of `config`'s by-value references not in `sent` (which gains them), or
+    None when there are none."""
+    import base64
+
+    from bamboo.config import objects
+    refs = [r for r in objects.references(config.to_dict()) if r not in sent]
+    if not refs:
+        return None
+    out = {}
+    for ref in refs:
+        data = objects.data_of(ref)
+        out[ref] = [base64.b64encode(data).decode(), objects.sign(token, ref, data)]
+    sent.update(refs)
+    return Objects(objects=out)
+
+
+def install_objects(msg: Objects, token: str) -> list[str]:
+    """An agent's side: each object checked (signature, hash) and kept on this machine for
+    its workers; the references kept. ObjectError (one line) for one that fails a check."""
+    import base64
+    import binascii
+
+    from bamboo.config import objects
+    kept = []
+    for ref, entry in msg.objects.items():
+        try:
+            encoded, mac = entry
+            data = base64.b64decode(encoded, validate=True)
+        except (TypeError, ValueError, binascii.Error):
+            raise objects.ObjectError(f"a malformed object {str(ref)[:80]!r}") from None
+        objects.verify(token, ref, data, mac)
+        objects.install(ref, data)
+        kept.append(ref)
+    return kept
 
 
 def write_join_token(path: Path, token: str | None = None) -> str:
@@ -112,7 +166,7 @@ def register_wire_types() -> None:
     from bamboo.config import SECTION_CLASSES, JobConfig, KillSpec
     from bamboo.plan.faults import Fault
     register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, *SECTION_CLASSES,
-             KillSpec, Fault)
+             KillSpec, Fault, Objects)
 
 
 def _hello(data: dict) -> Hello:
@@ -184,6 +238,7 @@ class AgentListener:
         else:
             with self._closing:
                 if not self._closed:
+                    _TOKENS[channel] = self.token
                     self.joined.put((channel, hello))
                     return
             self._let_go(channel)
@@ -221,6 +276,9 @@ class RemoteAgent:
         """Workers that ended other than by finishing (killed, or fenced and then confirmed
         gone) while the machine stayed connected: a replacement may take each one's GPU."""
         self.workers: dict[int, RemoteProcess] = {}
+        self.token: str | None = _TOKENS.get(channel)
+        self.objects_sent: set[str] = set()
+        """The by-value references this agent was sent (`Objects`), each once."""
         self.gone = False
         self._stop = threading.Event()
         threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.machine}").start()
@@ -230,6 +288,9 @@ class RemoteAgent:
         k = self.free.pop(0)
         process = RemoteProcess(self, k, slot)
         self.workers[k] = process
+        objects = objects_message(spec.config, self.token or "", self.objects_sent)
+        if objects is not None:
+            self.send(objects)
         self.send(Job(worker=k, spec=spec, etcd=etcd, lease_s=lease_s))
         return process
 

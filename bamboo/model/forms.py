@@ -21,6 +21,10 @@ their attributes, so the plain forms work without it installed.
   meta kernel), unless `boundary` / `output` are given.
 - `context` (tokens per sample) and `vocab_size` come from the keywords, else from the
   object's attributes of that name, else from the build function's keyword defaults.
+- Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these
+  objects, or a factory no process can import (a lambda, a closure, a notebook's
+  function); every process unpickles the same bytes (`Given`), so a module's
+  parameters are the ones it had when the job was made.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from torch import nn
 
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, next_token_loss
 
-__all__ = ["pipeline_model", "seeded_build", "BUILD_SEED"]
+__all__ = ["pipeline_model", "seeded_build", "BUILD_SEED", "is_model_object", "Given"]
 
 BUILD_SEED = 0
 """The seed of torch's generator while a build function runs (`seeded_build`)."""
@@ -245,3 +249,22 @@ def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Los
     return PipelineModel(layers=layers, boundary=boundary, context=context,
                          vocab_size=vocab_size, loss=loss or own_loss or next_token_loss,
                          output=output, description=description or what)
+
+
+def is_model_object(obj: object) -> bool:
+    """Whether `obj` is a model itself (a form this module converts, or a PipelineModel)
+    rather than a factory that returns one."""
+    return isinstance(obj, (PipelineModel, nn.Module, list, tuple)) or _is_layer_spec(obj)
+
+
+class Given:
+    """A model object as a build function (what `bamboo.Job(model=<object>)` sends by
+    value, bamboo.config.objects): called in each process, it converts the object it
+    holds, with the object's own `context` and `vocab_size`."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+
+    def __call__(self, vocab_size: int | None = None) -> PipelineModel:
+        kind = type(self.model).__name__
+        return pipeline_model(self.model, description=f"{kind} sent by value")

@@ -13,8 +13,8 @@ import pytest
 
 import bamboo
 from bamboo.api.job import config_of, option_names
-from bamboo.api.paths import import_path
-from bamboo.config import ConfigError, KillSpec, all_options
+from bamboo.api.paths import import_path, reference
+from bamboo.config import ConfigError, KillSpec, all_options, objects
 from support.models import EXAMPLE
 
 REPO = Path(__file__).resolve().parents[3]
@@ -79,8 +79,8 @@ def test_the_same_values_make_the_same_job_as_the_command_line() -> None:
     ({"redundancy": "sometimes"}, "Job: --redundancy 'sometimes' is not one of eager, lazy"),
     ({"model": "gpt5"}, "Job: --model: unknown model 'gpt5'"),
     ({"model": "no_such_module_here:build"}, "no module 'no_such_module_here'"),
-    ({"model": 42}, "Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', or a "
-                    "function that returns a PipelineModel (got int)"),
+    ({"model": 42}, "Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', a "
+                    "function that returns a model, or the model itself"),
     ({"dataset": [1, 2, 3]}, "Job: dataset= is not supported yet (got list)"),
     ({"loss": print}, "Job: loss= is not supported yet"),
     ({"eval_dataset": object()}, "Job: eval_dataset= is not supported yet"),
@@ -117,17 +117,19 @@ def test_a_function_of_the_running_script_is_named_by_the_scripts_path(
     assert import_path(main.build, "model") == "mypackage.train_mine:build"
 
 
-def test_a_notebooks_function_is_refused_saying_where_to_put_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_notebooks_function_is_sent_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers cannot import it (import_path says so in one line); the Job sends it by
+    value (tests/unit/api/test_by_value.py)."""
     main = types.ModuleType("__main__")  # a notebook's or a REPL's: no file
     exec("def build(vocab_size=256):\n    pass\n", main.__dict__)
     monkeypatch.setitem(sys.modules, "__main__", main)
-    with pytest.raises(bamboo.JobError, match="defined in an interactive session or a notebook, "
+    with pytest.raises(ConfigError, match="defined in an interactive session or a notebook, "
                        "which the workers cannot import: put it in a .py file"):
-        bamboo.Job(model=main.build)
+        import_path(main.build, "model")
+    assert reference(main.build, "model").startswith(objects.PREFIX)
 
 
-def test_a_lambda_a_closure_and_a_shadowed_name_are_refused() -> None:
+def test_a_lambda_a_closure_and_a_shadowed_name_have_no_import_path() -> None:
     def inner(vocab_size: int = 256):
         return None
 
@@ -135,9 +137,11 @@ def test_a_lambda_a_closure_and_a_shadowed_name_are_refused() -> None:
     for model, expected in ((lambda vocab_size=256: None, "a lambda cannot be imported"),
                             (inner, "defined inside a function or class"),
                             (shadowed, "is not found as")):
-        with pytest.raises(bamboo.JobError, match=expected) as e:
-            bamboo.Job(model=model)
+        with pytest.raises(ConfigError, match=expected) as e:
+            import_path(model, "model")
         assert "define it at module level" in str(e.value)
+        assert reference(model, "model").startswith(objects.PREFIX)  # so: sent by value
+    assert reference(module_level_builder, "model") == f"{__name__}:module_level_builder"
     with pytest.raises(ConfigError, match="has no importable name"):
         import_path(functools.partial(module_level_builder), "model")
 
