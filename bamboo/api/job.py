@@ -10,7 +10,11 @@ so a bad job is one line (`JobError`) before any worker starts.
 `model` is a preset's name, a `MODULE:FUNCTION` string, the function itself (which
 every process then imports by its derived path, `bamboo.api.paths`), or what no process
 can import (the model object, a lambda, a closure, a notebook's function), sent by value
-(`bamboo.config.objects`).
+(`bamboo.config.objects`). `dataset`,
+`eval_dataset` and `loss` (and the options `metrics={"name": fn}` and `collate`) are
+functions or classes taken the same way, a `functools.partial` of one, or
+'MODULE:NAME(ARGS)' text, as `--dataset`, `--eval-dataset`, `--loss`, `--metric` and
+`--collate` take them (`bamboo.data.user`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import inspect
 import sys
 from typing import Any
 
+from bamboo.api.data_options import data_options
 from bamboo.api.paths import LOADED_BY_PATH
 from bamboo.config import (ConfigError, JobConfig, KillSpec, all_options, options_by_key,
                            parse_kill)
@@ -106,12 +111,6 @@ def guard_worker_import(what: str) -> None:
                        f"the script's bamboo calls under `if __name__ == \"__main__\":`")
 
 
-def _unsupported(name: str, value: Any) -> None:
-    if value is not None:
-        raise JobError(f"Job: {name}= is not supported yet (got {type(value).__name__}): leave it "
-                       f"None; the model's own loss and bamboo's data are used", name)
-
-
 class Job:
     """One training job: the model, and the options `bamboo train` takes as flags."""
 
@@ -121,9 +120,11 @@ class Job:
         if isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
             options.setdefault("pipeline_schedule", schedule)  # `--schedule 1f1b|zb-h1`
             schedule = None
-        for name, value in (("dataset", dataset), ("loss", loss), ("eval_dataset", eval_dataset)):
-            _unsupported(name, value)
-        values = dict(options)
+        options = dict(options)
+        try:
+            values = data_options(dataset, eval_dataset, loss, options) | options
+        except ConfigError as e:
+            raise JobError(f"Job: {e}", *e.options) from None
         if model is not None:
             values["model"] = model_name(model)
         if optimizer is not None or schedule is not None:
@@ -134,6 +135,7 @@ class Job:
                 raise JobError(f"Job: {e}", *e.options) from None
         self.model = model
         self.optimizer, self.schedule = optimizer, schedule
+        self.dataset, self.eval_dataset, self.loss = dataset, eval_dataset, loss
         self.config: JobConfig = _config_of_model(values)
         """The validated job, as `bamboo train` would have built it from the same flags."""
         if self.config.training.optimizer or self.config.training.lr_schedule:

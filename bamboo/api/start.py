@@ -41,6 +41,8 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
     complete (nothing to do). `run_dir`: the RunDir class to make the directory with."""
     check_trace(cfg, prog)
     check_optimizer(cfg)
+    from bamboo.data.user import check_job_data
+    check_job_data(cfg)
     auto_fresh = False
     if cfg.checkpoints.resume == "auto":
         resolved, auto_fresh = _resolve_auto_resume(cfg, prog)
@@ -214,6 +216,8 @@ def _load_resume(cfg: JobConfig, prog: str) -> Any:
     except CheckpointError as e:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: {e}") from None
     check_same_job(cfg, ckpt.meta, f"--resume {cfg.checkpoints.resume}: its checkpoint")
+    from bamboo.data.user import check_resume_position
+    check_resume_position(cfg, ckpt.meta, ckpt.step, f"--resume {cfg.checkpoints.resume}: its checkpoint")
     if ckpt.warning:
         print(f"{prog}: warning: {ckpt.warning}", file=sys.stderr)
     if ckpt.step >= cfg.training.steps:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bamboo.config.calls import check_call
+from bamboo.config.metric_spec import check_metrics
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
 if TYPE_CHECKING:
@@ -122,9 +123,24 @@ class DataSection:
         written by `bamboo data prepare` (token files; the model's vocabulary follows its
         tokenizer's), or a UTF-8 text file to train on as byte tokens; default: a synthetic
         language.""")
+    dataset: str | None = option(None, check=check_call, metavar="MODULE:NAME(ARGS)", help="""Your
+        own map-style torch Dataset instead: a function or class returning it, with keyword
+        arguments; sample i is (inputs, labels); bamboo picks the indices by seed and step,
+        shuffled epochs without repetition (docs/api.md).""")
+    eval_dataset: str | None = option(None, check=check_call, metavar="MODULE:NAME(ARGS)",
+                                      help="""The held-out Dataset for --eval-every (its
+        micro-batches in order); with --dataset, no held-out loss without it.""")
+    collate: str | None = option(None, check=check_call, metavar="MODULE:NAME", help="""How
+        --dataset's samples make a micro-batch (default: torch's default_collate).""")
 
     def check(self, job: JobConfig) -> None:
-        pass  # needs the model: JobConfig.validate()
+        if self.path is not None and self.dataset is not None:
+            raise ConfigError("--data and --dataset both name the training data: give one",
+                              "data", "dataset")
+        for key, value in (("eval_dataset", self.eval_dataset), ("collate", self.collate)):
+            if value is not None and self.dataset is None:
+                raise ConfigError(f"--{key.replace('_', '-')} goes with --dataset: give "
+                                  f"--dataset too (bamboo's own data has its own)", key)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,6 +217,14 @@ class TrainingSection:
         cosine decay: a function step -> multiplier of the optimizer's learning rate, or a
         torch.optim.lr_scheduler class with its arguments, e.g.
         torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=12).""")
+    loss: str | None = option(None, check=check_call, metavar="MODULE:NAME(ARGS)", help="""The
+        loss instead of the model's own: a function loss(outputs, labels) -> scalar mean loss
+        of a micro-batch, or a class with its arguments, e.g.
+        torch.nn:CrossEntropyLoss(label_smoothing=0.1).""")
+    metrics: list[str] = option(factory=list, flag="--metric", metavar="NAME=MODULE:FUNCTION",
+                                check=check_metrics, help="""A metric of the last stage
+        (repeatable): FUNCTION(outputs, labels) -> scalar, averaged over the global batch
+        (summary.json's metrics, the live line, TensorBoard, W&B, /metrics).""")
 
     def check(self, job: JobConfig) -> None:
         pass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, discard_unpublished,
                                publish)
+from bamboo.data.user import data_position
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.state import RunContext
 from bamboo.wire.protocol import CheckpointPart
@@ -71,7 +72,8 @@ class CheckpointAssembly:
                 "global_micro_batches": cfg.global_micro_batches,
                 "micro_batch_size": cfg.layout.micro_batch_size, "steps": cfg.training.steps,
                 "optimizer": cfg.training.optimizer, "losses": ctx.losses[:msg.step],
-                "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step]}
+                "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step],
+                "data": data_position(cfg, msg.step)}
         start = ctx.clock()
         try:
             path = publish(checkpoint_location(cfg), msg.step, sorted(parts), meta,

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint  # noqa: F401 - imported (1.5 s) while the w
 
 from bamboo.run.checkpoint import CheckpointError, checkpoint_location, final_dir, load_layer_tensors
 from bamboo.node import procmem
+from bamboo.data.user import data_position
 from bamboo.control.node_memory import MemoryWatch
 from bamboo.control.state import RunContext, Stop
 from bamboo.control.steps import PendingStep
@@ -211,7 +212,7 @@ class Results:
         return {
             "status": status, "error": error,
             "steps_completed": steps, "samples": steps * batch, "losses": ctx.losses,
-            "eval_losses": ctx.eval_losses,
+            "eval_losses": ctx.eval_losses, "data": data_position(ctx.cfg, steps),
             "param_l2": l2 if params else None,
             "param_sha256": sha.hexdigest() if params else None,
             "preemptions": len(losses) + standby_losses,

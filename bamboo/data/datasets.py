@@ -9,23 +9,26 @@ covers the same G micro-batches per step trains on the very same samples.
 Sources: a learnable synthetic language (a sparse Markov chain drawn from the
 seed), a directory written by `bamboo data prepare` (token windows read through a
 memory map), any UTF-8 text file as byte tokens, and synthetic images for the CNN.
-Each has a held-out split that `Task.eval_batch` draws from.
+Each has a held-out split that `Task.eval_batch` draws from. They are `Samples` as a
+user's Dataset is (`bamboo.data.user`): a `Task` over either is the engine's one data path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from bamboo.config.presets import CAUSAL_FAMILIES, ModelPreset
 from bamboo.config.token_dir import SPLITS, open_split, read_header
+from bamboo.data.sampling import DataPosition, dataset_indices, position_after, positions
 from bamboo.data.tokens import text_split
 
 __all__ = ["Batch", "DataSource", "SyntheticLanguage", "TextFile", "TokenFile", "SyntheticImages",
-           "Task",
-           "make_task", "MASK_RATE"]
+           "Samples", "PresetSamples", "Task", "Metric", "on_device", "make_task", "MASK_RATE"]
 
 MASK_RATE = 0.15
 _ALPHABET = 64
@@ -144,37 +147,47 @@ class SyntheticImages:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One micro-batch: model inputs and loss targets."""
+    """One micro-batch: the model's inputs and the loss's targets (labels), each a tensor, or
+    a tuple or dict of tensors (a user's Dataset)."""
 
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    inputs: Any
+    targets: Any
 
 
-@dataclass(kw_only=True, slots=True)
-class Task:
-    """Turns (step, global micro-batch) into a Batch for one model family."""
+def on_device(x: Any, device: torch.device | str) -> Any:
+    """`x` (a tensor, or a tuple, list or dict of them, nested) moved to `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: on_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_device(v, device) for v in x)
+    return x
 
-    preset: ModelPreset
-    seed: int
-    global_micro_batches: int
-    micro_batch_size: int
-    source: DataSource | None = None
-    images: SyntheticImages | None = None
 
-    def sample_indices(self, step: int, micro_batch: int) -> list[int]:
-        first = (step * self.global_micro_batches + micro_batch) * self.micro_batch_size
-        return list(range(first, first + self.micro_batch_size))
+class Samples:
+    """What a Task reads micro-batches of: samples addressed by index, a train and a
+    held-out set. `size` None: an unbounded stream (bamboo's own sources), where sample
+    position p is index p; else a dataset of `size` samples, shuffled by epoch
+    (`bamboo.data.sampling`)."""
 
-    def batch(self, step: int, micro_batch: int) -> Batch:
-        return self._batch(self.sample_indices(step, micro_batch), val=False)
+    size: int | None = None
+    eval_size: int | None = None
 
-    def eval_batch(self, index: int) -> Batch:
-        """Held-out micro-batch `index` (of `micro_batch_size` samples from the val split),
-        a pure function of (seed, index): every layout evaluates the very same samples."""
-        first = index * self.micro_batch_size
-        return self._batch(list(range(first, first + self.micro_batch_size)), val=True)
+    def batch(self, indices: list[int], val: bool) -> Batch:
+        """The micro-batch of samples `indices` (of the held-out set with `val`)."""
+        raise NotImplementedError
 
-    def _batch(self, indices: list[int], val: bool) -> Batch:
+
+class PresetSamples(Samples):
+    """Bamboo's own data for a preset's family: token sequences (next-token or masked-token
+    targets) of a `DataSource`, or `SyntheticImages` for the CNN."""
+
+    def __init__(self, preset: ModelPreset, seed: int, source: DataSource | None = None,
+                 images: SyntheticImages | None = None) -> None:
+        self.preset, self.seed, self.source, self.images = preset, seed, source, images
+
+    def batch(self, indices: list[int], val: bool) -> Batch:
         family = self.preset.family
         if family == "cnn":
             assert self.images is not None
@@ -187,6 +200,7 @@ class Task:
         return self._masked(indices, val)
 
     def _masked(self, indices: list[int], val: bool) -> Batch:
+        assert self.source is not None
         seq = self.source.sequences(indices, self.preset.context, val)
         kind = "val-mask" if val else "mask"
         masks = np.stack([_rng(self.seed, kind, i).random(seq.shape[1]) < MASK_RATE
@@ -197,14 +211,67 @@ class Task:
         return Batch(torch.from_numpy(inputs), torch.from_numpy(targets))
 
 
+Metric = Callable[[Any, Any], torch.Tensor]
+"""(outputs, labels) -> scalar tensor: a loss or a metric of a micro-batch."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Task:
+    """Turns (step, global micro-batch) into a Batch of its `samples`: the one data path of
+    the engine, for bamboo's own sources and a user's Dataset alike. `loss` (None: the
+    model's own) and `metrics` are what the last stage computes on it."""
+
+    samples: Samples
+    seed: int
+    global_micro_batches: int
+    micro_batch_size: int
+    loss: Metric | None = None
+    metrics: dict[str, Metric] = field(default_factory=dict)
+
+    @property
+    def source(self) -> DataSource | None:
+        """Bamboo's token source, when the samples are bamboo's own."""
+        return getattr(self.samples, "source", None)
+
+    @property
+    def images(self) -> SyntheticImages | None:
+        return getattr(self.samples, "images", None)
+
+    def sample_indices(self, step: int, micro_batch: int) -> list[int]:
+        """The indices micro-batch `micro_batch` of `step` takes (a pure function of the
+        seed, the step and the micro-batch: `bamboo.data.sampling`)."""
+        where = positions(step, micro_batch, self.global_micro_batches, self.micro_batch_size)
+        n = self.samples.size
+        return list(where) if n is None else dataset_indices(self.seed, n, where)
+
+    def batch(self, step: int, micro_batch: int) -> Batch:
+        return self.samples.batch(self.sample_indices(step, micro_batch), val=False)
+
+    def eval_batch(self, index: int) -> Batch:
+        """Held-out micro-batch `index` (of `micro_batch_size` samples from the val split,
+        in order), a pure function of (seed, index): every layout evaluates the very same
+        samples."""
+        first = index * self.micro_batch_size
+        indices = list(range(first, first + self.micro_batch_size))
+        n = self.samples.eval_size
+        return self.samples.batch(indices if n is None else [i % n for i in indices], val=True)
+
+    def position_after(self, steps: int) -> DataPosition | None:
+        """Where the run stands in its dataset after `steps` steps (None: an unbounded
+        stream)."""
+        n = self.samples.size
+        if n is None:
+            return None
+        return position_after(steps, self.global_micro_batches, self.micro_batch_size, n)
+
+
 def make_task(p: ModelPreset, *, seed: int, global_micro_batches: int, micro_batch_size: int,
               data_file: str | None = None) -> Task:
     """The task for preset `p`: synthetic by default, token windows of a prepared directory
     or byte windows of a text file when `data_file` is one."""
-    task = Task(preset=p, seed=seed, global_micro_batches=global_micro_batches,
-                micro_batch_size=micro_batch_size)
+    samples = PresetSamples(p, seed)
     if p.family == "cnn":
-        task.images = SyntheticImages(seed, p.classes, p.image_size)
+        samples.images = SyntheticImages(seed, p.classes, p.image_size)
     elif data_file is not None and Path(data_file).is_dir():
         source = TokenFile(data_file, seed, p.context + 1)
         # masked-LM families use id vocab-1 as [MASK], past the data's ids
@@ -212,9 +279,10 @@ def make_task(p: ModelPreset, *, seed: int, global_micro_batches: int, micro_bat
         if source.vocab > room:
             raise ValueError(f"model {p.name} has {p.vocab} token ids but {data_file} holds "
                              f"{source.vocab}: build the model from JobConfig.model_preset()")
-        task.source = source
+        samples.source = source
     elif data_file is not None:
-        task.source = TextFile(data_file, seed, p.context + 1)
+        samples.source = TextFile(data_file, seed, p.context + 1)
     else:
-        task.source = SyntheticLanguage(seed)
-    return task
+        samples.source = SyntheticLanguage(seed)
+    return Task(samples=samples, seed=seed, global_micro_batches=global_micro_batches,
+                micro_batch_size=micro_batch_size)

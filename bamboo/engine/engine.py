@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bamboo.data.datasets import Batch, Task
+from bamboo.data.datasets import Batch, Task, on_device
 from bamboo.model import ModelPreset, boundary_shapes, loss_fn
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
@@ -99,7 +99,7 @@ class NodeEngine:
         self._orders: dict[int, dict[S.Instruction, int]] = {}
         self.weight = 1.0 / layout.global_micro_batches
         self.specs = boundary_shapes(model, task.micro_batch_size)
-        self.loss = loss_fn(model)
+        self.loss = task.loss or loss_fn(model)
         self.stages = {s: self.build(s) for s in roles.stages_of(rank)}
         replica = roles.replica_of(rank) if shadowed else None
         self.replica = self.build(replica) if replica is not None else None
@@ -328,7 +328,7 @@ class NodeEngine:
 
     def _data(self, s: StepState, mb: int) -> torch.Tensor:
         """Stage 0's input for micro-batch `mb`: any node can build it from (seed, step, mb)."""
-        return self._batch(s, mb).inputs.to(self.device)
+        return on_device(self._batch(s, mb).inputs, self.device)
 
     def _batch(self, s: StepState, mb: int) -> Batch:
         """Micro-batch `mb` of this step, built once (the last stage needs its targets, and

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from bamboo.data.datasets import Task
+from bamboo.data.datasets import Task, on_device
 from bamboo.engine.comm import EVAL, P2P
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.stage import StageState
@@ -50,7 +50,7 @@ def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Tas
             source = roles.holders[d][stage - 1] if stage > 0 else rank
             if stage == 0:
                 batch = task.eval_batch(index)
-                x = batch.inputs.to(device)
+                x = on_device(batch.inputs, device)
             elif source != rank:
                 spec = ctx.boundary_spec(stage, input_side=True)
                 x = spec.unpack(p2p.recv_interruptible(spec.shape, spec.dtype, device, source,
@@ -58,7 +58,7 @@ def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Tas
             out = forward(held.stages[stage], x, index)
             if stage == ctx.P - 1:
                 batch = batch or task.eval_batch(index)
-                value = loss(float32(out), batch.targets.to(device))
+                value = loss(float32(out), on_device(batch.targets, device))
                 losses.append((index, float(value), 1.0 / batches))
                 continue
             spec = ctx.boundary_spec(stage, input_side=False)

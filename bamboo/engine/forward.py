@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bamboo.data.datasets import on_device
 from bamboo.model import forward_seed, run_layers
 from bamboo.model.structure import float32
 from bamboo.engine.memory import SavedTensors
@@ -103,7 +104,7 @@ class StageForward:
                 out = self.specs[self.parts[stage].stop - 1].cast(out)  # float tensors only
                 loss = None
             else:
-                loss = self.loss(float32(out), targets().to(self.device))
+                loss = self.loss(float32(out), on_device(targets(), self.device))
         if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape

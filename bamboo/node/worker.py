@@ -48,7 +48,7 @@ from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Do
                                      final_request_key, plan_key)
 from bamboo.node.pinning import pin_this_process
 from bamboo.config import JobConfig
-from bamboo.data.datasets import make_task
+from bamboo.data.user import job_task
 from bamboo.plan.faults import Fault, FaultPlan
 from bamboo.model import layer_param_counts
 from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
@@ -126,9 +126,7 @@ class WorkerNode:
         self.progress = progress
         cfg = self.cfg = spec.config
         self.preset = cfg.model_preset()
-        self.task = make_task(self.preset, seed=cfg.training.seed,
-                              global_micro_batches=cfg.global_micro_batches,
-                              micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
+        self.task = job_task(cfg, self.preset)
         self.options = EngineOptions.from_config(cfg)
         self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
         self.holdings: dict[int, torch.Tensor] = {}

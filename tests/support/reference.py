@@ -14,26 +14,29 @@ import torch
 from torch import nn
 
 from bamboo.config import JobConfig
-from bamboo.data.datasets import make_task
+from bamboo.data.user import job_task
 from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
 from bamboo.engine.optim import clip_coefficient, make_optimizer, set_lr
 from bamboo.engine.options import EngineOptions
 
 
-def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
+def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
+                    metrics: list[dict[str, float]] | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses per step and final parameters (named like model.pt's keys); with `evals`, the
-    held-out losses `[steps done, loss]` at the config's evaluation points go there."""
+    held-out losses `[steps done, loss]` at the config's evaluation points go there; with
+    `metrics`, each step's mean of the job's metrics (`--metric`) over its micro-batches.
+    The job's own Dataset, loss and metrics (`--dataset`, `--loss`, `--metric`) are used as
+    the workers build them (`bamboo.data.user.job_task`)."""
     torch.set_num_threads(1)
     p = cfg.model_preset()
     G = cfg.global_micro_batches
     model = nn.Sequential(*build_layers(p, range(p.layers), cfg.training.seed))
-    task = make_task(p, seed=cfg.training.seed, global_micro_batches=G,
-                     micro_batch_size=cfg.layout.micro_batch_size, data_file=cfg.data.path)
+    task = job_task(cfg, p)
     optimizer = make_optimizer(model, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
                                spec=cfg.training.optimizer)
     options = EngineOptions.from_config(cfg)
-    criterion = loss_fn(p)
+    criterion = task.loss or loss_fn(p)
     params = list(model.parameters())
     losses = []
     for step in range(cfg.training.steps):
@@ -41,12 +44,15 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
             evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches,
                                          seed=cfg.training.seed)])
         acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
-        step_loss = 0.0
+        step_loss, step_metrics = 0.0, dict.fromkeys(task.metrics, 0.0)
         for g in range(G):
             batch = task.batch(step, g)
             out = forward(model, batch.inputs, cfg.training.seed, step, g)
             loss = criterion(out, batch.targets)
             step_loss += float(loss.detach()) / G
+            with torch.no_grad():
+                for name, fn in task.metrics.items():
+                    step_metrics[name] += float(fn(out.detach().float(), batch.targets)) / G
             (loss * (1.0 / G)).backward()
             for a, q in zip(acc, params):
                 if q.grad is not None:  # a parameter the loss does not reach: as the engine
@@ -60,6 +66,8 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
+        if metrics is not None:
+            metrics.append(step_metrics)
     if evals is not None and cfg.evaluates_at(cfg.training.steps):
         evals.append([cfg.training.steps, evaluate(model, task, criterion, cfg.evaluation.batches,
                                                    seed=cfg.training.seed)])

@@ -81,9 +81,10 @@ def test_the_same_values_make_the_same_job_as_the_command_line() -> None:
     ({"model": "no_such_module_here:build"}, "no module 'no_such_module_here'"),
     ({"model": 42}, "Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', a "
                     "function that returns a model, or the model itself"),
-    ({"dataset": [1, 2, 3]}, "Job: dataset= is not supported yet (got list)"),
-    ({"loss": print}, "Job: loss= is not supported yet"),
-    ({"eval_dataset": object()}, "Job: eval_dataset= is not supported yet"),
+    ({"dataset": [1, 2, 3]}, "Job: dataset= takes a function or class that returns the "
+                             "Dataset, defined at module level"),
+    ({"loss": lambda o, l: o}, "Job: loss: a lambda cannot be imported by the workers"),
+    ({"eval_dataset": object()}, "Job: eval_dataset= takes a function or class that returns"),
 ])
 def test_a_bad_job_is_one_line(options: dict, expected: str) -> None:
     with pytest.raises(bamboo.JobError) as e:
@@ -167,14 +168,16 @@ def test_the_commands_checks_take_no_prefix() -> None:
 
 
 def test_import_bamboo_loads_the_api_only_on_first_use() -> None:
-    """bamboo/__init__.py imports nothing of the package at its top level (so `import
-    bamboo.config` stays torch-free; tests/integration/test_api_runs.py checks it in a
-    fresh interpreter), and its names are the API's."""
+    """bamboo/__init__.py imports nothing of the package at its top level but the torch-free
+    presets it hands the model sizer (so `import bamboo.config` stays torch-free;
+    tests/integration/test_api_runs.py checks it in a fresh interpreter), and its names are
+    the API's."""
     tree = ast.parse((REPO / "bamboo" / "__init__.py").read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     imported = {a.name for n in top for a in n.names} | {n.module for n in top
                                                          if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"annotations", "__future__", "importlib", "Any", "typing"}, imported
+    assert imported <= {"annotations", "__future__", "importlib", "Any", "typing",
+                        "bamboo.config", "presets"}, imported
     from bamboo.api.job import Job
     from bamboo.control import RunFailed
     assert bamboo.Job is Job and bamboo.RunFailed is RunFailed
