@@ -1,9 +1,14 @@
 """Models made in Python and sent by value (bamboo.config.objects) trained by
 `bamboo.train` with a node killed in flight: an `nn.Sequential` built here (its classes
 defined in this function, so no worker can import them) ends bit-equal to its failure-free
-run and equal to the single-process loop; a layer list of lambdas and closures too."""
+run and equal to the single-process loop; a layer list of lambdas and closures too. The
+same model reaches an agent on another machine (another temp directory) over the wire."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,9 @@ from torch import nn
 
 import bamboo
 from bamboo.model.forms import pipeline_model
+from bamboo.config import objects
+from support.agents import stop, wait_for
+from support.procs import BAMBOO, REPO, free_port
 from support.reference import train_reference
 from support.runs import REL, assert_close, param_l2
 
@@ -63,3 +71,47 @@ def test_models_sent_by_value_killed_in_flight_end_equal_to_their_failure_free_r
     result = bamboo.train(listed, out=tmp_path / "listed")
     assert result.failovers == 1
     _equals_the_single_process_loop(result, listed)
+
+
+def _bamboo(args: list[str], tmpdir: Path) -> subprocess.Popen:
+    """`bamboo ARGS` on a "machine" whose temp directory is `tmpdir`."""
+    return subprocess.Popen(BAMBOO + args, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1"))
+
+
+@pytest.mark.timeout(240)
+def test_a_model_sent_by_value_reaches_an_agent_on_another_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator finds the model in its machine's directory; the agent, whose machine
+    has no copy, gets it with the job, signed with the token, and its workers load it."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(here))
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(256, D), _mix_class()(D), nn.Linear(D, 256))
+    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    job = bamboo.Job(model=model, nodes=2, stages=2, steps=3, micro_batches=2,
+                     micro_batch_size=2)
+    ref, out, port = job.config.model.name, tmp_path / "run", free_port()
+    coord = _bamboo(["coordinator", "--bind", f"127.0.0.1:{port}", "--model", ref, "--nodes",
+                     "2", "--stages", "2", "--steps", "3", "--micro-batches", "2",
+                     "--micro-batch-size", "2", "--out", str(out), "--json", "--quiet",
+                     "--no-report"], here)
+    agent = None
+    try:
+        wait_for(out / "join-token")
+        agent = _bamboo(["agent", "--join", f"127.0.0.1:{port}", "--token-file",
+                         str(out / "join-token"), "--workers", "2"], there)
+        stdout, stderr = coord.communicate(timeout=200)
+        agent_out, agent_err = agent.communicate(timeout=60)
+    finally:
+        stop([p for p in (coord, agent) if p is not None])
+    assert coord.returncode == 0, stderr
+    assert "received 1 object(s) sent by value" in agent_out + agent_err
+    digest = objects.digest_of(ref)
+    assert [p.name for p in there.glob("bamboo-objects-*/*.pkl")] == [f"{digest}.pkl"]
+    assert (out / "objects" / f"{digest}.pkl").is_file()
+    summary = json.loads(stdout)
+    assert summary["status"] == "completed" and summary["config"]["model"] == ref
+    _equals_the_single_process_loop(bamboo.load_result(out), job)
