@@ -5,8 +5,9 @@ on biases and norms, as GPT-2 training does), a linear warm-up then cosine decay
 tenth of the peak rate. A job may name its own (`--optimizer`, `--lr-schedule`, or
 `bamboo.Job(optimizer=..., schedule=...)`): any optimizer class or factory of the
 parameters, and a schedule as `step -> multiplier` or a `torch.optim.lr_scheduler`
-class, whose learning rates are taken once, step by step, on a throwaway optimizer
-(`user_schedule`); each process builds them by name (`bamboo.config.calls`).
+class, whose learning rates (and the momentum it cycles: OneCycleLR's and CyclicLR's
+`cycle_momentum`) are taken once, step by step, on a throwaway optimizer
+(`user_schedule`, `StepRate`); each process builds them by name (`bamboo.config.calls`).
 Every quantity is a pure function of the step, so a replica or a shadow computes
 exactly what the primary computes.
 
@@ -34,7 +35,7 @@ from bamboo.model.api import import_object
 
 __all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient",
            "steps_on_param_device", "step_lr", "set_lr", "state_keys", "check_optimizer",
-           "MOMENTS"]
+           "MOMENTS", "StepRate", "schedule_momenta"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state tensors (its `step` count is a scalar)."""
@@ -119,22 +120,52 @@ def _takes(factory: Any, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+class StepRate(float):
+    """A step's learning rate that also carries the momentum its schedule sets for that
+    step (`momentum`; None: the optimizer's own). It is a float everywhere else (a step
+    report, a log line) and pickles as a plain float."""
+
+    momentum: float | None
+
+    def __new__(cls, value: float, momentum: float | None = None) -> StepRate:
+        rate = super().__new__(cls, value)
+        rate.momentum = momentum
+        return rate
+
+    def __reduce__(self) -> tuple[type, tuple[float]]:
+        return float, (float(self),)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's learning rate for this step: `lr`, times the group's own scale (a
-    job's optimizer factory may give its groups rates of their own)."""
+    job's optimizer factory may give its groups rates of their own); and when `lr` is a
+    `StepRate` with a momentum, every group's momentum (SGD's `momentum`, or the first of
+    Adam's `betas`), as the scheduler sets it."""
+    rate = float(lr)
     for group in optimizer.param_groups:
         scale = group.get("lr_scale", 1.0)
-        group["lr"] = lr * scale if scale != 1.0 else lr
+        group["lr"] = rate * scale if scale != 1.0 else rate
+    momentum = getattr(lr, "momentum", None)
+    if momentum is not None:
+        for group in optimizer.param_groups:
+            if "betas" in group:
+                group["betas"] = (momentum, *group["betas"][1:])
+            elif "momentum" in group:
+                group["momentum"] = momentum
 
 
 def step_lr(step: int, *, lr: float, warmup: int, total: int, optimizer: str | None = None,
             schedule: str | None = None) -> float:
     """The learning rate of `step`: today's warm-up and cosine decay (of `lr`, or of the
-    job's optimizer's own rate), or the job's `--lr-schedule` times that rate."""
+    job's optimizer's own rate), or the job's `--lr-schedule` times that rate (a
+    `StepRate` carrying the step's momentum when that schedule cycles it)."""
     base = _base_lr(optimizer, lr)
     if schedule is None:
         return learning_rate(step, peak=base, warmup=warmup, total=total)
-    return base * user_schedule(schedule, optimizer, lr, total)[min(step, total - 1)]
+    k = min(step, total - 1)
+    rate = base * user_schedule(schedule, optimizer, lr, total)[k]
+    momenta = schedule_momenta(schedule, optimizer, lr, total)
+    return rate if momenta is None else StepRate(rate, momenta[k])
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,33 +176,58 @@ def _base_lr(optimizer: str | None, lr: float) -> float:
     return float(probe.defaults.get("lr", lr))
 
 
-@functools.lru_cache(maxsize=8)
 def user_schedule(schedule: str, optimizer: str | None, lr: float, total: int) -> tuple[float, ...]:
     """The multiplier of every step 0..total-1: a function's value, or the rate a
     `torch.optim.lr_scheduler` class sets step by step on a throwaway optimizer (the job's,
-    on one parameter) over its rate before the scheduler (only the rate is taken from a
-    scheduler: a momentum it cycles is not)."""
+    on one parameter) over its rate before the scheduler."""
+    return _scheduled(schedule, optimizer, lr, total)[0]
+
+
+def schedule_momenta(schedule: str, optimizer: str | None, lr: float,
+                     total: int) -> tuple[float, ...] | None:
+    """The momentum (SGD's `momentum`, Adam's first beta) a scheduler sets at every step
+    0..total-1 (OneCycleLR's and CyclicLR's `cycle_momentum`); None when it sets none."""
+    return _scheduled(schedule, optimizer, lr, total)[1]
+
+
+def _momentum(group: dict[str, Any]) -> float | None:
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group["momentum"]) if "momentum" in group else None
+
+
+@functools.lru_cache(maxsize=8)
+def _scheduled(schedule: str, optimizer: str | None, lr: float,
+               total: int) -> tuple[tuple[float, ...], tuple[float, ...] | None]:
+    """(multipliers, momenta or None) of every step: see `user_schedule`."""
     call = parse_call(schedule)
     target = import_object(call.target)
     scheduler_base = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or \
         torch.optim.lr_scheduler._LRScheduler
     if not (inspect.isclass(target) and issubclass(target, scheduler_base)):
-        return tuple(float(target(step, **call.kwargs)) for step in range(total))
+        return tuple(float(target(step, **call.kwargs)) for step in range(total)), None
     if target.__name__ == "ReduceLROnPlateau":
         raise ValueError("ReduceLROnPlateau follows a metric, not the step: its rates cannot "
                          "be replayed; give a schedule of the step")
     param = nn.Parameter(torch.zeros(1))
     probe = make_optimizer(nn.ParameterList([param]), lr=lr, weight_decay=0.0, spec=optimizer)
-    base = float(probe.param_groups[0]["lr"])
+    group = probe.param_groups[0]
+    base, own = float(group["lr"]), _momentum(group)
+    rates, momenta = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
         scheduler = target(probe, **call.kwargs)
-        out = []
         for _ in range(total):
-            out.append(float(probe.param_groups[0]["lr"]) / base)
+            rates.append(float(group["lr"]) / base)
+            momenta.append(_momentum(group))
             probe.step()
             scheduler.step()
-    return tuple(out)
+    if all(m == own for m in momenta):
+        return tuple(rates), None
+    if own == 0.0 and "betas" not in group:
+        raise ValueError(f"{target.__name__} cycles a momentum the optimizer has at 0 "
+                         f"(no state to carry): give momentum=0.9 or cycle_momentum=False")
+    return tuple(rates), tuple(float(m) for m in momenta)  # type: ignore[arg-type]
 
 
 def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
