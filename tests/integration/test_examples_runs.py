@@ -1,0 +1,61 @@
+"""The scripts of examples/ run as a user runs them (`python examples/X.py --compare`, from
+another directory): each trains with a node killed in flight, then without the kill, and
+the two runs end with the same losses and parameters, bit for bit."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.strict import strict_loads
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]  # every test here starts processes
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str, tmp_path: Path, steps: int) -> tuple[dict, dict, str]:
+    """(killed run's summary, failure-free run's summary, stdout) of examples/`name`."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / name), "--steps", str(steps),
+                           "--out", str(tmp_path / "run"), "--compare"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    killed, clean = (strict_loads((tmp_path / "run" / which / "summary.json").read_text(),
+                                  "summary.json") for which in ("killed", "clean"))
+    assert (killed["status"], clean["status"]) == ("completed", "completed")
+    assert (killed["preemptions"], killed["failovers"], clean["failovers"]) == (1, 1, 0)
+    assert (killed["redone_steps"], killed["checkpoint_restores"]) == (0, 0)
+    assert len(killed["losses"]) == steps
+    assert killed["losses"] == clean["losses"]
+    assert killed["param_sha256"] == clean["param_sha256"]
+    assert "the same losses and parameters" in done.stdout
+    return killed, clean, done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_sgd_with_momentum_under_one_cycle_survives_its_kill(tmp_path: Path) -> None:
+    """The momentum OneCycleLR cycles reaches the shadow's replica too: the killed run
+    is the failure-free run."""
+    killed, _, _ = run_example("sgd_onecycle.py", tmp_path, steps=6)
+    config = killed["config"]
+    assert config["optimizer"] == "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"
+    assert config["lr_schedule"] == \
+        "torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=6)"
+    assert config["model"] == f"{EXAMPLES / 'sgd_onecycle.py'}:build"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (pip install 'bamboo-train[deepspeed]')")
+def test_a_deepspeed_pipeline_script_survives_its_kill(tmp_path: Path) -> None:
+    """A real PipelineModule built in every process; its LayerSpecs are the layers and its
+    loss_fn the loss; DeepSpeed's config becomes the job's options."""
+    killed, _, _ = run_example("deepspeed_pipeline.py", tmp_path, steps=5)
+    config = killed["config"]
+    assert config["model"] == f"{EXAMPLES / 'deepspeed_pipeline.py'}:build"
+    assert config["optimizer"] == "torch.optim.adamw:AdamW(lr=0.001)"
+    assert (config["micro_batches"], config["micro_batch_size"], config["grad_clip"]) == \
+        (2, 4, 1.0)
