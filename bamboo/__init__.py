@@ -7,17 +7,31 @@
 The API's names (`Job`, `train`, `RunResult`, `RunFailed`, `JobError`, `load_result`;
 docs/api.md) load on first use, so importing a torch-free part (`bamboo.config`,
 `bamboo.plan`) never imports torch.
+
+This root is also where the layers are wired: the configuration sizes a `MODULE:FUNCTION`
+model by building it, which only the model package can do, so the root installs that
+package's sizer (imported, with torch, when such a model is first sized).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from bamboo.config import presets as _presets
+
 __version__ = "0.1.0"
 
 __all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result", "__version__"]
 
 _API = frozenset(__all__) - {"__version__"}
+
+
+def _size_custom_model(name: str, vocab: int | None) -> Any:
+    from bamboo.model.sizing import size_custom_model
+    return size_custom_model(name, vocab)
+
+
+_presets.set_custom_model_sizer(_size_custom_model)
 
 
 def __getattr__(name: str) -> Any:

@@ -5,9 +5,10 @@ torch, so the facts it needs about each preset live here, in the configuration's
 apart from the modules (`bamboo.model` builds them from these facts).
 That includes `hf:` names (transformers' GPT-2, Llama and BERT, see docs/models.md): they are
 parsed and sized here without importing torch or transformers. Your own model, named
-`MODULE:FUNCTION` (bamboo.model.api), is the exception: its module, and torch, are
-imported when such a name is used (`custom_preset`: the one import of this package that
-reaches up, allowed by name in `.importlinter`).
+`MODULE:FUNCTION` (bamboo.model.api), is sized by building it, which needs torch and the
+model package: this package never imports them. The package root (`bamboo/__init__.py`, the
+one place that wires layers together) hands `set_custom_model_sizer` the function that does,
+so `custom_preset` works in every process that imports any part of bamboo.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import importlib.util
 import json
 import math
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name",
-           "CAUSAL_FAMILIES", "drop_special_tokens", "custom_preset", "with_vocab"]
+           "CAUSAL_FAMILIES", "drop_special_tokens", "custom_preset", "with_vocab",
+           "set_custom_model_sizer", "CustomModelSizer"]
 
 CAUSAL_FAMILIES = frozenset({"gpt2", "llama", "custom"})
 """Families trained on next-token prediction (bert is masked-LM, cnn classifies images)."""
@@ -155,27 +158,32 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
                      f"vocabulary; add it to bamboo.config.presets.with_vocab")
 
 
+CustomModelSizer = Callable[[str, int | None], ModelPreset]
+"""(`MODULE:FUNCTION`, vocab or None) -> the facts of that model, built for that vocabulary."""
+
+_custom_sizer: list[CustomModelSizer] = []
+
+
+def set_custom_model_sizer(sizer: CustomModelSizer) -> None:
+    """Install what sizes a `MODULE:FUNCTION` model (`bamboo.model.sizing`, by the package
+    root): this package cannot build a model itself."""
+    _custom_sizer[:] = [sizer]
+    custom_preset.cache_clear()
+
+
 @functools.cache
 def custom_preset(name: str, vocab: int | None = None) -> ModelPreset:
     """Your own model, `pkg.module:function` or `path/to/file.py:function` (see
-    bamboo.model.api), built for `vocab` tokens (the function's default when None).
+    bamboo.model.api), built for `vocab` tokens (the function's default when None), by the
+    sizer `set_custom_model_sizer` installed.
 
-    Imports the module, and so torch, only when called. The preset's name is the import
-    path, so `custom_preset(p.name, vocab)` re-derives it for another vocabulary.
+    The preset's name is the import path, so `custom_preset(p.name, vocab)` re-derives it for
+    another vocabulary.
     """
-    from bamboo.model.api import load_model
-    model = load_model(name, vocab)
-    n, context, size = len(model.layers), model.context, model.vocab_size
-    if vocab is None and size < 256:
-        raise ValueError(f"model '{name}': vocab_size={size} is too small for byte tokens "
-                         f"0..255 (the synthetic data and text files): give vocab_size a "
-                         f"default of 256 or more")
-    shapes = {getattr(spec, "shape", ()) for spec in model.boundaries[:-1]}  # () a structure
-    shape = shapes.pop() if len(shapes) == 1 else ()
-    d_model = shape[1] if len(shape) == 2 and shape[0] == context else 0  # [context, d] throughout
-    return ModelPreset(name=name, family="custom", layers=n, d_model=d_model, context=context,
-                       vocab=size, description=model.description or
-                       f"your model {name}: {n} layers, context {context}, vocab {size}")
+    if not _custom_sizer:
+        raise ValueError(f"model '{name}': nothing can build a MODULE:FUNCTION model in this "
+                         f"process; import bamboo (its root installs the model sizer)")
+    return _custom_sizer[0](name, vocab)
 
 
 # -- hf: models, worked out without importing torch or transformers ---------------------

@@ -9,14 +9,34 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bamboo.control.nodes import Node
-from bamboo.control.state import Stop
+from bamboo.config import JobConfig
+from bamboo.control.nodes import Node, Supervisor
+from bamboo.control.preemptions import Preemptions
+from bamboo.control.state import Events, RunContext, Stop
 
 if TYPE_CHECKING:
-    from bamboo.control.core import CoordinatorCore
     from bamboo.fleet.membership import EtcdMembership
 
-__all__ = ["NodeSource", "LocalWorkers", "Agents"]
+__all__ = ["NodeSource", "CoordinatorCore", "LocalWorkers", "Agents"]
+
+
+class CoordinatorCore(Protocol):
+    """What a node source uses of the coordinator (`bamboo.control.core.CoordinatorCore` is
+    the one): declared here so the sources need not import the core that calls them."""
+
+    cfg: JobConfig
+    ctx: RunContext
+    nodes: Supervisor
+    events: Events
+    preemptions: Preemptions
+
+    @property
+    def committed(self) -> int:
+        """Steps committed so far."""
+
+    def spawn(self, *, first_gen: int, trace_node: int | None = None,
+              owns_trace_node: bool = True) -> Node:
+        """One more node from the source, announced with its role."""
 
 
 class NodeSource(Protocol):

@@ -1,0 +1,30 @@
+"""The facts (`ModelPreset`) of your own `MODULE:FUNCTION` model, found by building it.
+
+`bamboo.config` sizes presets without torch, but a model of yours is only known once its
+function runs; the package root installs `size_custom_model` as the configuration's
+sizer (`bamboo.config.presets.set_custom_model_sizer`), so the configuration can check
+a layout against your model without importing this package itself.
+"""
+from __future__ import annotations
+
+from bamboo.config.presets import ModelPreset
+from bamboo.model.api import load_model
+
+__all__ = ["size_custom_model"]
+
+
+def size_custom_model(name: str, vocab: int | None = None) -> ModelPreset:
+    """`name`'s model (`pkg.module:function` or `path/to/file.py:function`), built for
+    `vocab` tokens (the function's default when None), as a preset of family "custom"."""
+    model = load_model(name, vocab)
+    n, context, size = len(model.layers), model.context, model.vocab_size
+    if vocab is None and size < 256:
+        raise ValueError(f"model '{name}': vocab_size={size} is too small for byte tokens "
+                         f"0..255 (the synthetic data and text files): give vocab_size a "
+                         f"default of 256 or more")
+    shapes = {getattr(spec, "shape", ()) for spec in model.boundaries[:-1]}  # () a structure
+    shape = shapes.pop() if len(shapes) == 1 else ()
+    d_model = shape[1] if len(shape) == 2 and shape[0] == context else 0  # [context, d] throughout
+    return ModelPreset(name=name, family="custom", layers=n, d_model=d_model, context=context,
+                       vocab=size, description=model.description or
+                       f"your model {name}: {n} layers, context {context}, vocab {size}")
