@@ -7,9 +7,12 @@ schedule, written as the calls every process makes again (`bamboo.config.calls`)
     schedule=warmup_then_constant                              # def f(step) -> multiplier
     schedule=functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=12)
 
-A class or function must be importable by name (`bamboo.api.paths`); a partial's arguments
-must be keywords with literal values (numbers, strings, booleans, None, tuples, lists,
-dicts), which the call's text carries to every worker. Anything else is refused in one line.
+A class or function is named by its import path (`bamboo.api.paths`), or sent by value when
+it has none (a lambda, a closure, a notebook's function: `bamboo.config.objects`;
+`call_text(..., by_value=True)`, which the optimizer and schedule use); a
+partial's arguments must be keywords with literal values (numbers, strings, booleans, None,
+tuples, lists, dicts), which the call's text carries to every worker. Anything else is
+refused in one line.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import functools
 import inspect
 from typing import Any
 
-from bamboo.api.paths import import_path
+from bamboo.api.paths import import_path, reference
 from bamboo.config import ConfigError
 from bamboo.config.calls import Call, parse_call
 
@@ -29,15 +32,18 @@ def optimizer_options(optimizer: Any, schedule: Any) -> dict[str, str]:
     """The job options (`optimizer`, `lr_schedule`) of the API's arguments."""
     out: dict[str, str] = {}
     if optimizer is not None:
-        out["optimizer"] = call_text(optimizer, "optimizer")
+        out["optimizer"] = call_text(optimizer, "optimizer", by_value=True)
     if schedule is not None:
-        out["lr_schedule"] = call_text(schedule, "schedule")
+        out["lr_schedule"] = call_text(schedule, "schedule", by_value=True)
     return out
 
 
-def call_text(obj: Any, what: str) -> str:
+def call_text(obj: Any, what: str, *, by_value: bool = False) -> str:
     """`MODULE:NAME(key=value, ...)` for a call text, a class or function, or a
-    `functools.partial` of one; ConfigError (one line) for anything else."""
+    `functools.partial` of one; ConfigError (one line) for anything else. `by_value`: a
+    class or function without an import path is sent by value (its reference the call's
+    target), else refused."""
+    name_of = (lambda f: reference(f, what)) if by_value else (lambda f: import_path(f, what))
     if isinstance(obj, str):
         try:
             return str(parse_call(obj))
@@ -52,9 +58,9 @@ def call_text(obj: Any, what: str) -> str:
                 raise ConfigError(f"{what}: {key}={_short(value)} is not a literal (a number, "
                                   f"string, boolean, None, or a tuple, list or dict of those): "
                                   f"the workers get the arguments as text", what)
-        return str(Call(import_path(obj.func, what), dict(obj.keywords)))
+        return str(Call(name_of(obj.func), dict(obj.keywords)))
     if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
-        return str(Call(import_path(obj, what), {}))
+        return str(Call(name_of(obj), {}))
     raise ConfigError(f"{what}= takes an optimizer class, a function, a functools.partial of "
                       f"one, or 'MODULE:NAME(ARGS)' text (got {type(obj).__name__}: "
                       f"{_short(obj)}); an instance cannot reach the workers", what)

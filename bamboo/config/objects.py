@@ -224,13 +224,15 @@ def resolve(ref: str) -> Any:
 
 
 def references(value: Any) -> list[str]:
-    """Every by-value reference in `value` (a config's dict, its lists and strings), once."""
+    """Every by-value reference in `value` (a config's dict, its lists and strings, also
+    inside a call's text: `--optimizer bamboo.config.objects:sha256_...(lr=0.1)`), once."""
     found: list[str] = []
 
     def walk(v: Any) -> None:
-        if is_reference(v):
-            if v not in found:
-                found.append(v)
+        if isinstance(v, str):
+            for match in _REF.finditer(v):
+                if match.group(0) not in found:
+                    found.append(match.group(0))
         elif isinstance(v, dict):
             for item in v.values():
                 walk(item)

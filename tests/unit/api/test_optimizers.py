@@ -53,7 +53,8 @@ def test_the_forms_an_optimizer_and_a_schedule_take() -> None:
     ({"optimizer": "torch.optim:Nope()"}, "'torch.optim' has no callable 'Nope'"),
     ({"optimizer": "torch.optim:RMSprop(centered=True, momentum=0.5)"},
      "carries at most 2 tensors shaped like the parameter"),
-    ({"schedule": lambda step: 1.0}, "a lambda cannot be imported by the workers"),
+    ({"schedule": (lambda steps: lambda step: next(steps))(i for i in range(9))},
+     "schedule: function cannot be sent by value (TypeError: cannot pickle"),
     ({"schedule": "torch.optim.lr_scheduler:ReduceLROnPlateau()"}, "follows a metric"),
     ({"schedule": "torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=3)"},
      "--lr-schedule torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=3): Tried to "
@@ -143,3 +144,17 @@ def test_a_layers_state_carries_the_optimizers_own_state(spec: str | None, keys:
     for p, q in zip(a.params, b.params):
         for key in keys:
             assert torch.equal(a.optimizer.state[p][key], b.optimizer.state[q][key])
+
+
+def test_a_lambda_or_closure_schedule_is_sent_by_value_in_the_call_text() -> None:
+    """No import path: pickled (bamboo.config.objects), its reference the call's target,
+    which every importer resolves and an agent is sent (`objects.references`)."""
+    from bamboo.config import objects
+    from bamboo.model.api import import_object
+    floor = 0.25
+    job = bamboo.Job(nodes=2, stages=2, steps=6, optimizer=functools.partial(
+        torch.optim.SGD, lr=0.1), schedule=lambda step: max(floor, 1.0 - step / 6))
+    text = job.config.training.lr_schedule
+    [ref] = objects.references(job.options())
+    assert text == f"{ref}()" and job.config.training.optimizer == SGD.split("(")[0] + "(lr=0.1)"
+    assert import_object(ref)(5) == 0.25
