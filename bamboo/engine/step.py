@@ -26,12 +26,13 @@ class TransferLog:
     """The step's traffic, as a failover or a rebuilt group needs to know it."""
 
     sent: dict[Key, torch.Tensor] = field(default_factory=dict)
-    """Every activation and gradient this node sent in this step (strict: resent to a peer
-    that did not get it before the group was rebuilt)."""
+    """Every activation and gradient this node sent in this step, as sent (a structure
+    packed into its one message; strict: resent to a peer that did not get it before the
+    group was rebuilt)."""
     peer_has: set[Key] = field(default_factory=set)
     """Transfers their receiver already holds (strict, after a rebuild): not sent again."""
     sent_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
-    """Input gradients sent upstream (a lost predecessor's shadow needs them again)."""
+    """Input gradients sent upstream, as sent (a lost predecessor's shadow needs them again)."""
     received_acts: set[Slot] = field(default_factory=set)
     """Activations received from another node."""
     dup_recvs: list[tuple[Any, int]] = field(default_factory=list)
@@ -45,12 +46,14 @@ class StepState:
     step: int
     done: set = field(default_factory=set)
     """Instructions carried out (a failover's longer list skips them)."""
-    inputs: dict[Slot, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[Slot, torch.Tensor] = field(default_factory=dict)
-    saved_out: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[Slot, Any] = field(default_factory=dict)
+    """A stage's input: a tensor, or a tuple or dict of them (`bamboo.model.structure`)."""
+    outputs: dict[Slot, Any] = field(default_factory=dict)
+    saved_out: dict[Slot, Any] = field(default_factory=dict)
     """Stage outputs kept for the whole step: a shadow's or FRC's input."""
-    out_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
-    in_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    out_grads: dict[Slot, Any] = field(default_factory=dict)
+    """A stage output's gradient: a tensor, or a tuple with one per float tensor."""
+    in_grads: dict[Slot, Any] = field(default_factory=dict)
     tapes: dict[Slot, Any] = field(default_factory=dict)
     """ZB-H1: what each forward taped for its weight gradient (`split_backward.Tape`)."""
     frc_tapes: dict[int, Any] = field(default_factory=dict)
@@ -62,11 +65,14 @@ class StepState:
     """What the step holds on top of the stages' state (saved activations, kept outputs, FRC)."""
     restores: list[tuple[str, Takeover]] = field(default_factory=list)
     """Peer restores of the latest role change still to carry out: ("send" | "recv", move)."""
-    frc: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = field(default_factory=dict)
+    frc: dict[int, tuple[Any, Any, float | None]] = field(default_factory=dict)
     """Eager FRC results by micro-batch: (input, output, loss value of the last stage)."""
     frc_pending: list[Any] = field(default_factory=list)
     """Eager FRC whose input is ready, kept for the node's next wait (`--frc-at waits`)."""
     losses: dict[int, float] = field(default_factory=dict)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    """The job's metrics (`--metric`) of each micro-batch whose last stage ran here (an eager
+    FRC's too: the same values, taken once per micro-batch by the coordinator)."""
     batches: dict[int, Batch] = field(default_factory=dict)
     adopted: set[int] = field(default_factory=set)
     restarted: bool = False
@@ -86,7 +92,8 @@ class StepState:
         moves a stage's state, not the step's."""
         self.done.clear()
         for buffers in (self.inputs, self.outputs, self.saved_out, self.out_grads, self.in_grads,
-                        self.tapes, self.frc_tapes, self.weight_work, self.frc, self.losses):
+                        self.tapes, self.frc_tapes, self.weight_work, self.frc, self.losses,
+                        self.metrics):
             buffers.clear()
         self.frc_pending.clear()
         self.adopted.clear()

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
-from bamboo.model import BoundarySpec, StructuredSpec, boundary_shapes
+from bamboo.model import BoundarySpec, StructuredSpec, boundary_shapes, boundary_spec
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
-from bamboo.model.structure import StructureError, boundary_spec, flatten, unflatten
+from bamboo.model.structure import StructureError, flatten, unflatten
 from bamboo.config.presets import custom_preset
 from support.models import HEADER, write_module
 from support.structured_model import BOUNDARY, CONTEXT, D, NAME, Mix
