@@ -32,6 +32,7 @@ def measure_layer_costs(model: str, micro_batch_size: int, repeats: int, seed: i
     from bamboo.config import JobConfig
     from bamboo.data.datasets import make_task
     from bamboo.model import build_layer, loss_fn
+    from bamboo.model.structure import detach, float32, leaves, map_floats
 
     torch.set_num_threads(1)
     p = JobConfig.of(model=model, data=data).model_preset()
@@ -43,17 +44,18 @@ def measure_layer_costs(model: str, micro_batch_size: int, repeats: int, seed: i
         layer = build_layer(p, index, seed)
         times = []
         for run in range(repeats + 1):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = map_floats(lambda t: t.requires_grad_(), detach(x))  # a tuple or dict too
             start = time.perf_counter()
             out = layer(inp)
             if index == p.layers - 1:
-                out = criterion(out, batch.targets)
-            out.backward(torch.ones_like(out) if out.dim() else None)
+                out = criterion(float32(out), batch.targets)
+            outs = [t for t in leaves(out) if t.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(t) if t.dim() else None for t in outs])
             if run:  # the first run warms up
                 times.append(time.perf_counter() - start)
             layer.zero_grad(set_to_none=True)
         seconds.append(statistics.median(times))
         with torch.no_grad():
-            x = layer(x.detach())
+            x = detach(layer(detach(x)))
         del layer
     return LayerCosts(model=model, micro_batch_size=micro_batch_size, layer_s=seconds)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from bamboo.engine.layer_costs import measure_layer_costs
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
 from bamboo.model import BoundarySpec, StructuredSpec, boundary_shapes, boundary_spec
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
@@ -203,3 +204,9 @@ def test_a_per_boundary_list_may_mix_one_tensor_and_structures() -> None:
     with pytest.raises(ModelError, match="boundary 1 holds no floating tensor"):
         PipelineModel(layers=[nn.Identity] * 3, context=4, vocab_size=8,
                       boundary=[TensorSpec((4,)), (TensorSpec((4,), torch.bool),)])
+
+
+def test_a_structured_model_is_profiled_layer_by_layer() -> None:
+    """`bamboo profile`'s per-layer timing hands each layer the previous one's dict."""
+    costs = measure_layer_costs(NAME, micro_batch_size=2, repeats=1)
+    assert len(costs.layer_s) == 4 and all(t > 0 for t in costs.layer_s)
