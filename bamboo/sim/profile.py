@@ -41,6 +41,7 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
 
     from bamboo.data.datasets import make_task
     from bamboo.model import build_layers, layer_param_counts, loss_fn, preset
+    from bamboo.model.structure import detach, float32, leaves, map_floats
     from bamboo.plan.partition import partition
 
     torch.set_num_threads(1)
@@ -55,13 +56,14 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
     for s, module in enumerate(modules):
         f_times, b_times = [], []
         for i in range(repeats + 1):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = map_floats(lambda t: t.requires_grad_(), detach(x))  # a tuple or dict too
             start = time.perf_counter()
             out = module(inp)
             if s == stages - 1:
-                out = criterion(out, batch.targets)
+                out = criterion(float32(out), batch.targets)
             mid = time.perf_counter()
-            out.backward(torch.ones_like(out) if out.dim() else None)
+            outs = [t for t in leaves(out) if t.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(t) if t.dim() else None for t in outs])
             end = time.perf_counter()
             if i:  # the first run warms up
                 f_times.append(mid - start)
@@ -70,7 +72,7 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
         forward.append(statistics.median(f_times))
         backward.append(statistics.median(b_times))
         with torch.no_grad():
-            x = module(x.detach())
+            x = detach(module(detach(x)))
     return forward, backward
 
 
