@@ -206,12 +206,13 @@ def _model_object(model: Any) -> bool:
 
 def _given(model: Any) -> Any:
     """A model object as the build function the workers call (`bamboo.model.forms.Given`),
-    converted here once, so what they would refuse (no context, a layer that fails) is one
-    line now."""
+    converted here once (a PipelineModel: what they would refuse, no context or a layer that
+    fails, is one line now, and a DeepSpeed PipelineModule travels as its layers and loss,
+    without its process groups)."""
     from bamboo.model.api import ModelError
     from bamboo.model.forms import Given, pipeline_model
     try:
-        pipeline_model(model)
+        converted = pipeline_model(model, description=f"{type(model).__name__} sent by value")
     except ModelError as e:
         raise JobError(f"Job: model={e}", "model") from None
-    return Given(model)
+    return Given(converted)

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from bamboo.config.options import ConfigError
 
 if TYPE_CHECKING:
-    from bamboo.config.job import JobConfig
+    from bamboo.config.sections import JobView
 
 __all__ = ["check_data", "check_layer_costs"]
 
 
-def check_data(job: JobConfig, family: str) -> None:
+def check_data(job: JobView, family: str) -> None:
     data, model = job.data.path, job.model.name
     if data is None:
         return
@@ -56,7 +56,7 @@ def _check_text(path: Path, sample: int = 1 << 20) -> None:
                           f"text file, or tokenize your data with `bamboo data prepare`", "data")
 
 
-def _check_token_dir(job: JobConfig) -> None:
+def _check_token_dir(job: JobView) -> None:
     from bamboo.config.token_dir import largest_token_id, open_split, read_header
     data = job.data.path
     try:
@@ -83,7 +83,7 @@ def _check_token_dir(job: JobConfig) -> None:
                           f"prepare the directory again with `bamboo data prepare`", "data")
 
 
-def check_layer_costs(job: JobConfig, layers: int) -> None:
+def check_layer_costs(job: JobView, layers: int) -> None:
     path, model = job.layout.layer_costs, job.model.name
     if path is None:
         return

@@ -13,19 +13,19 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bamboo.config.calls import check_call
 from bamboo.config.metric_spec import check_metrics
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
 if TYPE_CHECKING:
-    from bamboo.config.job import JobConfig
+    from bamboo.config.presets import ModelPreset
 
 __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSection",
            "TrainingSection", "RedundancySection", "RuntimeSection", "ClusterSection",
            "CheckpointSection", "EvaluationSection", "LoggingSection", "HEARTBEAT_S",
-           "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
+           "JobView", "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
 
 REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")
 COMM_MODES = ("strict", "tagged")
@@ -103,7 +103,7 @@ class ModelSection:
     activation_checkpointing: bool = option(False, help="""Recompute each layer's activations in
         the backward instead of keeping them.""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.activation_checkpointing and job.layout.schedule == "zb-h1":
             raise ConfigError("--activation-checkpointing works with --schedule 1f1b only: "
                               "zb-h1 keeps the linear layers' inputs for their weight "
@@ -133,7 +133,7 @@ class DataSection:
     collate: str | None = option(None, check=check_call, metavar="MODULE:NAME", help="""How
         --dataset's samples make a micro-batch (default: torch's default_collate).""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.path is not None and self.dataset is not None:
             raise ConfigError("--data and --dataset both name the training data: give one",
                               "data", "dataset")
@@ -169,7 +169,7 @@ class LayoutSection:
     def data_parallel(self) -> int:
         return self.pipelines if self.pipelines is not None else self.nodes // self.stages
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.data_parallel < 1:
             raise ConfigError(f"--nodes {self.nodes} cannot hold one pipeline of "
                               f"{self.stages} stages: use --nodes {self.stages} or more",
@@ -226,7 +226,7 @@ class TrainingSection:
         (repeatable): FUNCTION(outputs, labels) -> scalar, averaged over the global batch
         (summary.json's metrics, the live line, TensorBoard, W&B, /metrics).""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         pass
 
 
@@ -251,7 +251,7 @@ class RedundancySection:
     check_replicas: bool = option(False, summary=False, help="""Compare every replica's digest
         with its primary's after every step.""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.mode == "reroute" and job.layout.data_parallel < 2:
             raise ConfigError(f"--redundancy reroute needs at least 2 pipelines (got "
                               f"{job.layout.data_parallel}): give --nodes at least twice "
@@ -298,7 +298,7 @@ class RuntimeSection:
         step must end (or a node report) within this."""
         return self.comm_timeout_s + 30.0
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.comm == "tagged" and self.device == "cuda" and \
                 os.environ.get("BAMBOO_BACKEND", "") != "gloo":
             raise ConfigError("--comm tagged needs gloo, and --device cuda uses NCCL, which has "
@@ -354,7 +354,7 @@ class ClusterSection:
         """The trace seconds per wall second a replay runs at."""
         return DEFAULT_TIME_SCALE if self.time_scale is None else self.time_scale
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         nodes = job.layout.nodes
         if self.time_scale is not None and self.trace is None:
             raise ConfigError(f"--time-scale {self.time_scale:g} has no trace to scale: add "
@@ -403,7 +403,7 @@ class CheckpointSection:
         it has a whole checkpoint, else a fresh start (one command line for the first start
         and every restart).""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         if self.resume == "auto" and job.logging.out is None:
             raise ConfigError("--resume auto needs --out DIR: the run directory to continue "
                               "(or to start)", "resume", "out")
@@ -425,7 +425,7 @@ class EvaluationSection:
     batches: int = option(8, key="eval_batches", metavar="N", check=_eval_batches, help="""Val
         micro-batches (of --micro-batch-size windows each) in one evaluation.""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         pass
 
 
@@ -470,5 +470,27 @@ class LoggingSection:
         scalars to this Weights & Biases project (WANDB_MODE=offline works without
         network).""")
 
-    def check(self, job: JobConfig) -> None:
+    def check(self, job: JobView) -> None:
         pass
+
+
+class JobView(Protocol):
+    """What the checks read of the whole job (`bamboo.config.JobConfig` is the one job),
+    declared here so the sections need not import the job made of them."""
+
+    model: ModelSection
+    data: DataSection
+    layout: LayoutSection
+    training: TrainingSection
+    checkpoints: CheckpointSection
+    logging: LoggingSection
+
+    @property
+    def data_parallel(self) -> int: ...
+
+    @property
+    def node_cap(self) -> int: ...
+
+    def model_preset(self) -> ModelPreset: ...
+
+    def check_target(self, flag: str, text: str, k: KillSpec) -> None: ...

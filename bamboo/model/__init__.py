@@ -23,7 +23,9 @@ from bamboo.model.cnn import _block_widths, cnn_layer
 from bamboo.model.gpt2 import gpt2_layer
 from bamboo.model.hf import hf_layer, load_transformers
 from bamboo.model.llama import llama_layer
-from bamboo.model.structure import BoundarySpec, StructuredSpec, boundary_spec
+from bamboo.model.meta import shapes_only
+from bamboo.model.pipeline import boundary_spec
+from bamboo.model.structure import BoundarySpec, StructuredSpec
 from bamboo.config.presets import PRESETS, ModelPreset, preset
 
 __all__ = [
@@ -128,42 +130,20 @@ def build_layers(p: ModelPreset, indices: Iterable[int], seed: int,
     return [build_layer(p, i, seed, device) for i in indices]
 
 
-_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_",
-                   "ones_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "constant_")
-
-
-@contextlib.contextmanager
-def _shapes_only() -> Iterator[None]:
-    """Build modules on the meta device with initialisers switched off.
-
-    Random initialisers on meta tensors route through torch's reference
-    implementations and cost seconds; shapes need none of it.
-    """
-    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in _INIT_FUNCTIONS:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
-
 def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
     if p.hf_config:
         load_transformers()  # before the init functions are stubbed: it keeps references
-        with _shapes_only():
+        with shapes_only():
             return hf_layer(p, index, init=False)
     if p.family == "custom":
         load_model(p.name, p.vocab)  # outside: a build function may make modules by value
         try:
-            with _shapes_only():
+            with shapes_only():
                 return _custom_layer(p, index)
         except Exception:  # a constructor that needs real tensors: count them on the CPU
             with torch.random.fork_rng(devices=[]):
                 return _custom_layer(p, index)
-    with _shapes_only():
+    with shapes_only():
         return _BUILDERS[p.family](p, index)
 
 

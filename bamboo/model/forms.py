@@ -259,8 +259,9 @@ def is_model_object(obj: object) -> bool:
 
 class Given:
     """A model object as a build function (what `bamboo.Job(model=<object>)` sends by
-    value, bamboo.config.objects): called in each process, it converts the object it
-    holds, with the object's own `context` and `vocab_size`."""
+    value, bamboo.config.objects): called in each process, it returns the model it holds
+    (converted by `pipeline_model` when it is another form, with the object's own `context`
+    and `vocab_size`)."""
 
     def __init__(self, model: object) -> None:
         self.model = model

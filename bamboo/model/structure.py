@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 __all__ = ["Treedef", "StructureError", "flatten", "unflatten", "describe", "map_floats",
-           "float32", "detach", "BoundarySpec", "StructuredSpec", "boundary_spec", "leaves"]
+           "float32", "detach", "BoundarySpec", "StructuredSpec", "leaves"]
 
 _ALIGN = 16
 """Byte alignment of each tensor in a packed buffer (any dtype's view of it is aligned)."""
@@ -295,16 +295,3 @@ def _views(wire: torch.Tensor, specs: Sequence[BoundarySpec],
     """The tensors of a packed buffer, as views of it (no copy)."""
     return [wire[at:at + math.prod(s.shape) * s.dtype.itemsize].view(s.dtype).view(s.shape)
             for s, at in zip(specs, offsets)]
-
-
-def boundary_spec(spec: Any, batch: int) -> BoundarySpec | StructuredSpec:
-    """The spec of a layer's output for a micro-batch of `batch` samples, from its
-    per-sample spec (a TensorSpec, or a tuple or dict of them)."""
-    items, treedef = flatten(spec, leaf=_tensor_spec())
-    specs = tuple(BoundarySpec((batch, *s.shape), s.dtype) for s in items)
-    return specs[0] if treedef.kind == "tensor" else StructuredSpec(treedef, specs)
-
-
-def _tensor_spec() -> type:
-    from bamboo.model.api import TensorSpec  # it imports this module
-    return TensorSpec

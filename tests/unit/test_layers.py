@@ -53,3 +53,48 @@ def test_every_contract_is_kept() -> None:
             broken.append(f"{contract.name}:\n{text.getvalue().strip()}")
     assert [c.name for c, _ in report.get_contracts_and_checks()], "no contract was checked"
     assert not broken, "\n\n".join(broken)
+
+
+def _import_cycles(graph) -> list[list[str]]:
+    """Groups of modules that import each other in a circle (Tarjan's strongly connected
+    components of the import graph, with more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    """Every import counts, also one inside a function or under TYPE_CHECKING: a module that
+    needs the type of one above it declares the Protocol it uses instead."""
+    import grimp
+    graph = grimp.build_graph("bamboo")
+    assert len(graph.modules) > 100
+    assert _import_cycles(graph) == []

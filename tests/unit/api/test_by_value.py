@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import threading
 import types
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch import nn
 import bamboo
 from bamboo.api.start import check_same_job, prepare
 from bamboo.config import ConfigError, objects
-from bamboo.model.api import PipelineModel, load_model
+from bamboo.model.api import PipelineModel, TensorSpec, load_model
 from bamboo.model.forms import pipeline_model
 
 SHAPE = dict(nodes=2, stages=2, steps=2, micro_batches=2, micro_batch_size=2)
@@ -128,3 +129,37 @@ def test_the_run_directory_holds_the_bytes_and_a_resume_with_another_object_is_r
                                 f"this job gives {objects.short(ref)}: resume with the same "
                                 f"model object (the same bytes), or use another --out for a "
                                 f"new run")
+
+
+class LayerSpec:
+    """DeepSpeed's LayerSpec as bamboo.model.forms recognises it (by its interface)."""
+
+    def __init__(self, typename: type, *module_args: object) -> None:
+        self.typename, self.module_args = typename, module_args
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.module_args)
+
+
+class PipelineModule(nn.Module):
+    """A DeepSpeed PipelineModule's shape (its type's module is deepspeed's), holding what
+    cannot be pickled, as the real one holds its process groups."""
+
+    def __init__(self, layers: list, loss_fn: object) -> None:
+        super().__init__()
+        self._layer_specs, self.loss_fn = layers, loss_fn
+        self._grid = threading.Lock()
+        self.context, self.vocab_size = 6, 256
+
+
+PipelineModule.__module__ = "deepspeed.runtime.pipe.module"
+
+
+def test_a_pipeline_module_travels_as_its_layers_and_loss_without_its_groups() -> None:
+    loss = nn.CrossEntropyLoss()
+    module = PipelineModule([LayerSpec(nn.Embedding, 256, 4), nn.Tanh(),
+                             LayerSpec(nn.Linear, 4, 256), lambda x: x.transpose(1, 2)], loss)
+    model = load_model(bamboo.Job(model=module, **SHAPE).config.model.name)
+    assert model.description == "PipelineModule sent by value" and len(model.layers) == 4
+    assert isinstance(model.loss, nn.CrossEntropyLoss) and model.loss is not loss
+    assert model.boundaries[-1] == TensorSpec((256, 6))
