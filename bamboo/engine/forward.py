@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bamboo.data.datasets import on_device
 from bamboo.model import forward_seed, run_layers
-from bamboo.model.structure import float32
+from bamboo.model.structure import float32, leaves
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
@@ -91,7 +91,8 @@ class StageForward:
         gradient needs) goes to `s.tapes` (an FRC forward's to `s.frc_tapes`).
         """
         stage = st.stage
-        saved = SavedTensors(offload=frc and self.options.frc_offload)
+        saved = SavedTensors(offload=frc and self.options.frc_offload,
+                             held=() if isinstance(x, torch.Tensor) else leaves(x))
         # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
         # failover adopts it, its backward runs whole in the input half.
         taped = st.taping is not None and not (frc and self.options.frc_offload)

@@ -76,16 +76,21 @@ class SavedTensors:
     buffer, e.g. q, k and v of one projection); `host_bytes` the host copies made.
     """
 
-    def __init__(self, offload: bool = False) -> None:
+    def __init__(self, offload: bool = False, held: Sequence[torch.Tensor] = ()) -> None:
         self.offload = offload
         self.device_bytes = 0
         self.host_bytes = 0
         self._seen: set[tuple[str, int]] = set()
+        self._held = {_storage_key(t) for t in held if not t.is_floating_point()}
+        """Storages of a structured input's tensors that take no gradient (a mask, ids):
+        held by the step anyway, as the input leaf is, so neither counted nor offloaded."""
 
     def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor, int]:
         """Called by autograd for every tensor a forward op saves for its backward."""
         if t.is_leaf and t.requires_grad:  # a parameter or the stage's input: held anyway
             return None, t, t._version
+        if self._held and not t.is_floating_point() and _storage_key(t) in self._held:
+            return None, t.detach(), t._version
         if self.offload:
             host = to_host(t)
             self.host_bytes += host.numel() * host.element_size()

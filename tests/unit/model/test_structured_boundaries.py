@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from bamboo.engine.layer_costs import measure_layer_costs
+from bamboo.engine.memory import SavedTensors
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
 from bamboo.model import BoundarySpec, StructuredSpec, boundary_shapes, boundary_spec
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
-from bamboo.model.structure import StructureError, flatten, unflatten
+from bamboo.model.structure import StructureError, flatten, leaves, unflatten
 from bamboo.config.presets import custom_preset
 from support.models import HEADER, write_module
 from support.structured_model import BOUNDARY, CONTEXT, D, NAME, Mix
@@ -210,3 +211,16 @@ def test_a_structured_model_is_profiled_layer_by_layer() -> None:
     """`bamboo profile`'s per-layer timing hands each layer the previous one's dict."""
     costs = measure_layer_costs(NAME, micro_batch_size=2, repeats=1)
     assert len(costs.layer_s) == 4 and all(t > 0 for t in costs.layer_s)
+
+
+def test_a_mask_held_in_the_input_is_not_counted_again_as_saved() -> None:
+    """The memory accounting: a forward that saves the input's mask (a view of the received
+    message) saves nothing the step does not hold already; its own activations count."""
+    spec = boundary_spec(BOUNDARY, batch=2)
+    x = spec.as_input(spec.unpack(torch.zeros(spec.shape, dtype=torch.uint8)))
+    counted, plain = SavedTensors(held=leaves(x)), SavedTensors()
+    for saved in (counted, plain):
+        with saved.hooks():
+            (x["hidden"] * 2.0).tanh() * x["mask"][..., None]
+    assert counted.device_bytes == 2 * CONTEXT * D * 4  # tanh's output
+    assert plain.device_bytes - counted.device_bytes == spec.shape[0]  # the whole message
