@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from bamboo.model.api import ModelError, PipelineModel, TensorSpec, next_token_loss
+from bamboo.model.meta import shapes_only
+from bamboo.model.pipeline import ModelError, PipelineModel, TensorSpec, next_token_loss
 
 __all__ = ["pipeline_model", "seeded_build", "BUILD_SEED", "is_model_object", "Given"]
 
@@ -196,9 +197,8 @@ def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[torch.
 def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[TensorSpec]:
     """The output spec of every layer (no batch dimension), traced on the meta device,
     on the CPU where that fails."""
-    from bamboo.model import _shapes_only  # bamboo.model imports bamboo.model.api
     try:
-        with _shapes_only(), torch.no_grad():
+        with shapes_only(), torch.no_grad():
             outputs = _run(layers, context)
     except _Unrunnable:
         try:
