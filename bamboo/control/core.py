@@ -257,6 +257,9 @@ class CoordinatorCore:
             losses=list(resume.meta.get("losses", []))[:start] if resume else [],
             eval_losses=[e for e in resume.meta.get("eval_losses", []) if e[0] <= start]
             if resume else [],
+            metrics=list(resume.meta.get("metrics", []))[:start] if resume else [],
+            eval_metrics=[e for e in resume.meta.get("eval_metrics", []) if e[0] <= start]
+            if resume else [],
             resume_step=resume.step if resume else None,
             resume_path=resume.path if resume else None)
 
@@ -307,8 +310,8 @@ class CoordinatorCore:
         done = self.steps.on_eval_done(msg)
         if done is None:
             return
-        step, loss = done
-        self.results.record_eval(step, loss)
+        step, loss, metrics = done
+        self.results.record_eval(step, loss, metrics)
         if step >= self.cfg.training.steps:  # no step record follows: close the last pass
             self.failures.close(step, [], 0.0, self.results.records)
 

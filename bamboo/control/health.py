@@ -66,6 +66,8 @@ class HealthFeed:
             m.set_step(ctx.committed)
             if 0 < ctx.committed <= len(ctx.losses):
                 m.set_loss(ctx.losses[ctx.committed - 1])
+            if 0 < ctx.committed <= len(ctx.metrics):
+                m.set_metrics(ctx.metrics[ctx.committed - 1])
             if results.records:
                 samples = cfg.global_micro_batches * cfg.layout.micro_batch_size
                 m.set_samples_per_second(samples / max(results.records[-1]["wall_s"], 1e-9))

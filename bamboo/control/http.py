@@ -57,6 +57,8 @@ class RunMetrics:
         self.step = Gauge("bamboo_step", "Steps committed so far (the next step to run)",
                           registry=r)
         self.loss = Gauge("bamboo_loss", "Loss of the last committed step", registry=r)
+        self.metric = Gauge("bamboo_metric", "The job's metrics (--metric) of the last "
+                            "committed step, by name", ["name"], registry=r)
         self.samples_per_second = Gauge("bamboo_samples_per_second",
                                         "Throughput of the last recorded step (samples/s)",
                                         registry=r)
@@ -89,6 +91,12 @@ class RunMetrics:
     def set_loss(self, loss: float) -> None:
         with self.lock:
             self.loss.set(loss)
+
+    def set_metrics(self, values: dict[str, float]) -> None:
+        """The job's metrics (`--metric`) of the last committed step."""
+        with self.lock:
+            for name, value in values.items():
+                self.metric.labels(name=name).set(value)
 
     def set_samples_per_second(self, value: float) -> None:
         with self.lock:

@@ -77,6 +77,7 @@ class Results:
                   "grad_norm": reports[0].grad_norm if reports else None,
                   "lr": reports[0].lr if reports else None,
                   "attempts": max((r.attempts for r in reports), default=1),
+                  **({"metrics": p.metrics} if p.metrics else {}),
                   "nodes": [self._node_timers(r, name) for r, name in zip(reports, names)]}
         work = [NodeWork(tuple(r.stages), r.compute_s, r.wait_s, r.optim_s, own)
                 for r, own in zip(reports, own_processor)]
@@ -92,7 +93,8 @@ class Results:
         cfg = self.ctx.cfg
         samples = cfg.global_micro_batches * cfg.layout.micro_batch_size
         self.display.step(p.step, p.loss, samples / max(p.wall_s, 1e-9),
-                          [1000 * r.step_s for r in reports], self.largest_rss)
+                          [1000 * r.step_s for r in reports], self.largest_rss,
+                          **({"metrics": p.metrics} if p.metrics else {}))
         return record
 
     def _stages(self) -> int:
@@ -103,13 +105,17 @@ class Results:
         self.ctx.events.write("memory_growth", **fields)
         self.ctx.say(f"warning: {text}")
 
-    def record_eval(self, step: int, loss: float) -> None:
-        """The held-out loss of the parameters after `step` steps."""
+    def record_eval(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
+        """The held-out loss (and metrics) of the parameters after `step` steps."""
         self.ctx.eval_losses.append([step, loss])
         self.ctx.eval_losses.sort()
+        extra = {"metrics": metrics} if metrics else {}
+        if metrics:
+            self.ctx.eval_metrics.append([step, metrics])
+            self.ctx.eval_metrics.sort(key=lambda e: e[0])
         self.ctx.events.write("eval", step=step, loss=loss,
-                              batches=self.ctx.cfg.evaluation.batches)
-        self.display.evaluation(step, loss)
+                              batches=self.ctx.cfg.evaluation.batches, **extra)
+        self.display.evaluation(step, loss, **extra)
 
     def _note_memory(self, name: str, r: StepReport) -> None:
         """Keep node `name`'s running peaks of device and host bytes."""
@@ -213,6 +219,7 @@ class Results:
             "status": status, "error": error,
             "steps_completed": steps, "samples": steps * batch, "losses": ctx.losses,
             "eval_losses": ctx.eval_losses, "data": data_position(ctx.cfg, steps),
+            "metrics": ctx.metrics, "eval_metrics": ctx.eval_metrics,
             "param_l2": l2 if params else None,
             "param_sha256": sha.hexdigest() if params else None,
             "preemptions": len(losses) + standby_losses,

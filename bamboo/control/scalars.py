@@ -12,6 +12,7 @@ held-out loss of those same parameters, so the two curves line up.
     cluster/redundancy_mode                    2 eager, 1 lazy, 0 off; at the start and on
                                                every --redundancy auto choice
     eval/loss                                  each evaluation
+    train/<metric>, eval/<metric>              the job's metrics (--metric), as the loss
     preemptions/<handled_as>, preemptions/total  cumulative, at each loss
     failover/pause_s                           each failover's pause in the step it hit
     preemptions/reconfiguration_s              a loss's share of a later reconfiguration
@@ -118,12 +119,15 @@ class ScalarLog:
             for key in ("lr", "grad_norm"):
                 if record.get(key) is not None:
                     values[f"train/{key}"] = record[key]
+            values.update({f"train/{k}": v for k, v in (record.get("metrics") or {}).items()})
             live = self.live_nodes()
             if live is not None:
                 values["cluster/live_nodes"] = live
             self._emit(values, record["step"])
         elif kind == "eval":
-            self._emit({"eval/loss": record["loss"]}, record["step"])
+            self._emit({"eval/loss": record["loss"],
+                        **{f"eval/{k}": v for k, v in (record.get("metrics") or {}).items()}},
+                       record["step"])
         elif kind == "node_lost":
             handled = str(record.get("handled_as"))
             self.preemptions[handled] += 1

@@ -19,8 +19,9 @@ fails when a second module writes a field (of the context, or of a node).
 | `roles` | `generations.Generations` (`enter`, `publish_roles` for a failover/peer restore/re-route that `failures` planned, `abandon`) | `core`, `display`, `failures`, `final_layers`, `health`, `kills`, `preemptions`, `steps` |
 | `reconf` and each field of it (`ending`, `holdings`, `abandoned`, `lost`, `why`, `restarting`) | `generations.Generations` (`begin`, `abandon`, `restarting`, `not_ending`, `on_end`, `try_plan`) | `core`, `display`, `failures`, `health`, `sources`, `steps` |
 | `committed`, `losses` | `steps.StepProtocol` (`_commit`; `rewind` when the core enters a plan from a restore point) | `checkpointing`, `core`, `failures`, `generations`, `health`, `kills`, `preemptions`, `redundancy_mode`, `restore`, `results`, `user_stop` |
+| `metrics` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `health`, `results` |
 | `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |
-| `eval_losses` | `results.Results.record_eval` | `checkpointing`, `core` |
+| `eval_losses`, `eval_metrics` | `results.Results.record_eval` | `checkpointing`, `core` |
 
 A node's fields (`nodes.Node`) follow the same rule: the supervisor writes them (`state`
 through `Supervisor.set_state`; a kill through `kill`, `kill_due`, `fence`, `retire`; `ready`,
@@ -171,6 +172,10 @@ class RunContext:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[list[float]] = field(default_factory=list)
     """[steps done, held-out loss] of every evaluation, in step order."""
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    """The job's metrics (`--metric`) of each committed step, as `losses` (empty without)."""
+    eval_metrics: list[list[Any]] = field(default_factory=list)
+    """[steps done, {name: held-out value}] of every evaluation, with `--metric`."""
     plan: GenerationPlan | None = None
     roles: RoleMap | None = None
     reconf: Reconfiguration | None = None

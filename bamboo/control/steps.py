@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from bamboo.control.metrics import reduce_metrics
 from bamboo.control.nodes import Supervisor
 from bamboo.control.state import RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
@@ -41,6 +42,8 @@ class PendingStep:
     expected: set[int]
     """Node ids whose step report is awaited."""
     reports: dict[int, StepReport] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The job's metrics (`--metric`), each the mean over the global batch."""
 
 
 class StepProtocol:
@@ -93,9 +96,9 @@ class StepProtocol:
             if epoch == self.ctx.roles.epoch and done >= self.live_active():
                 self._decide(go_key(step, epoch), Go.GO.value, step)
 
-    def on_eval_done(self, msg: EvalDone) -> tuple[int, float] | None:
-        """(steps done, held-out loss) when this vote completes an evaluation not recorded
-        yet: the caller records it."""
+    def on_eval_done(self, msg: EvalDone) -> tuple[int, float, dict[str, float]] | None:
+        """(steps done, held-out loss, held-out metrics) when this vote completes an
+        evaluation not recorded yet: the caller records it."""
         key = eval_key(msg.step, msg.epoch)
         if self._stale(msg.epoch):
             self._decide(key, Go.ABORT.value, msg.step)
@@ -109,7 +112,8 @@ class StepProtocol:
                 self.evaluated.add(msg.step)
                 losses = dict(sorted((i, (loss, w)) for v in votes.values()
                                      for i, loss, w in v.losses))
-                return msg.step, math.fsum(loss * w for loss, w in losses.values())
+                metrics = reduce_metrics(row for v in votes.values() for row in v.metrics)
+                return msg.step, math.fsum(loss * w for loss, w in losses.values()), metrics
         return None
 
     def eval_pending(self, step: int) -> bool:
@@ -168,12 +172,17 @@ class StepProtocol:
         loss = self._step_loss(reports)
         now = ctx.clock()
         expected = {self._member_node(r) for r in self.live_active()}
-        self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected)
+        metrics = reduce_metrics(row for r in reports.values() for row in r.metrics)
+        self.pending[step] = PendingStep(step, loss, now - self.last_commit_t, expected,
+                                         metrics=metrics)
         self.last_commit_t = now
         ctx.committed = step + 1
         self._note_layout(step)
         del ctx.losses[step:]
         ctx.losses.append(loss)
+        if ctx.cfg.training.metrics:
+            del ctx.metrics[step:]
+            ctx.metrics.append(metrics)
         self._forget(step - FORGET_AFTER)
 
     def _note_layout(self, step: int) -> None:
@@ -228,6 +237,7 @@ class StepProtocol:
         later steps will never complete."""
         self.ctx.committed = step
         del self.ctx.losses[step:]
+        del self.ctx.metrics[step:]
         self.pending = {k: v for k, v in self.pending.items() if k < step}
 
     def new_generation(self) -> None:

@@ -42,7 +42,7 @@ from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, RED
 from bamboo.engine.comm import ACTIVATION, GRADIENT, P2P, GroupFormer, Interrupted, PeerLost
 from bamboo.engine.commit import RoundResult, commit_round
 from bamboo.engine.context import Held, NodeContext
-from bamboo.engine.evaluation import Losses, eval_pass
+from bamboo.engine.evaluation import Losses, MetricRows, eval_pass
 from bamboo.engine.failover import GenerationEnded, Recovery, recover
 from bamboo.engine.forward import StageForward
 from bamboo.engine.options import EngineOptions
@@ -108,7 +108,8 @@ class NodeEngine:
                                link=link, former=former)
         self.transport: Transport = make_transport(self.ctx, options.comm, group)
         self.forwards = StageForward(options=options, device=device, P=self.P, parts=parts,
-                                     specs=self.specs, loss=self.loss, weight=self.weight)
+                                     specs=self.specs, loss=self.loss, weight=self.weight,
+                                     metrics=task.metrics)
         link.on_epoch = self.p2p.wake.set
         self._dispatch: dict[type, Callable[[StepState, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
@@ -167,7 +168,10 @@ class NodeEngine:
         result = self._commit_round(s, length)
         self._passed(s.step, length, ROUND_DONE)
         losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
-        verdict = self.link.round_done(s.step, self.roles.epoch, result.ok, losses, result.norm)
+        metrics = [(g, name, value) for g in sorted(s.losses)
+                   for name, value in s.metrics.get(g, {}).items()]
+        verdict = self.link.round_done(s.step, self.roles.epoch, result.ok, losses, result.norm,
+                                       metrics)
         if verdict.decision is not Decision.COMMIT:
             return _REDO
         self.flags = set(verdict.flags)
@@ -231,11 +235,12 @@ class NodeEngine:
         while True:
             wait = False
             try:
+                metrics: MetricRows = []
                 losses = eval_pass(self.ctx, self._held(), self.p2p, batches, task=self.task,
                                    loss=self.loss, forward=self.forwards.held_out,
                                    after_batch=lambda i: self.hook.on_instruction(
-                                       step, i, EvalMicroBatch(i)))
-                if self.link.eval_done(step, self.roles.epoch, losses) is Go.GO:
+                                       step, i, EvalMicroBatch(i)), metrics=metrics)
+                if self.link.eval_done(step, self.roles.epoch, losses, metrics) is Go.GO:
                     return losses
             except PeerLost as lost:
                 wait = lost.peer not in self.roles.dead

@@ -11,25 +11,30 @@ import torch
 from bamboo.data.datasets import Task, on_device
 from bamboo.engine.comm import EVAL, P2P
 from bamboo.engine.context import Held, NodeContext
+from bamboo.engine.forward import metric_values
 from bamboo.engine.stage import StageState
 from bamboo.model.structure import float32
 from bamboo.plan.faults import EVAL_FAULT_INDEX
 
-__all__ = ["eval_pass", "EVAL_FAULT_INDEX"]
+__all__ = ["eval_pass", "EVAL_FAULT_INDEX", "MetricRows"]
 
 Losses = list[tuple[int, float, float]]
 """(val micro-batch, loss, weight) of each micro-batch whose last stage this node ran."""
+
+MetricRows = list[tuple[int, str, float]]
+"""(val micro-batch, metric name, value) of each of them, for the job's `--metric`s."""
 
 
 def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Task,
               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
               forward: Callable[[StageState, torch.Tensor, int], torch.Tensor],
-              after_batch: Callable[[int], None]) -> Losses:
+              after_batch: Callable[[int], None],
+              metrics: MetricRows | None = None) -> Losses:
     """One pass over val micro-batches 0..batches-1 (pipeline d takes those with index % D
     == d) through the stages `held` gives this node, over `p2p`: the last stage's holder
     returns (index, loss, weight) for its pipeline's share. `forward(stage, x, index)` runs
     a stage on val micro-batch `index`. `after_batch(index)` after each val micro-batch this
-    node ran."""
+    node ran. The task's metrics of each val micro-batch go to `metrics`."""
     # Each node walks its val micro-batches in order and, within one, its stages in
     # order: between any two nodes the messages of a direction come in one order on
     # both sides (what strict communication needs), whatever stages each holds. The
@@ -58,8 +63,12 @@ def eval_pass(ctx: NodeContext, held: Held, p2p: P2P, batches: int, *, task: Tas
             out = forward(held.stages[stage], x, index)
             if stage == ctx.P - 1:
                 batch = batch or task.eval_batch(index)
-                value = loss(float32(out), on_device(batch.targets, device))
+                labels = on_device(batch.targets, device)
+                value = loss(float32(out), labels)
                 losses.append((index, float(value), 1.0 / batches))
+                if metrics is not None and task.metrics:
+                    values = metric_values(task.metrics, out, labels)
+                    metrics.extend((index, name, v) for name, v in values.items())
                 continue
             spec = ctx.boundary_spec(stage, input_side=False)
             x = spec.cast(out)  # float tensors only

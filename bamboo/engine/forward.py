@@ -23,14 +23,14 @@ from torch.utils.checkpoint import checkpoint
 
 from bamboo.data.datasets import on_device
 from bamboo.model import forward_seed, run_layers
-from bamboo.model.structure import float32, leaves
+from bamboo.model.structure import detach, float32, leaves
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
 
-__all__ = ["StageForward"]
+__all__ = ["StageForward", "metric_values"]
 
 
 class StageForward:
@@ -40,9 +40,12 @@ class StageForward:
     def __init__(self, *, options: EngineOptions, device: torch.device, P: int,
                  parts: Sequence[range], specs: Sequence[Any],
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 weight: float) -> None:
+                 weight: float, metrics: dict[str, Callable[[Any, Any], torch.Tensor]] | None = None
+                 ) -> None:
         self.options, self.device, self.P, self.parts, self.specs = options, device, P, parts, specs
         self.loss, self.weight = loss, weight
+        self.metrics = metrics or {}
+        """The job's metrics (`--metric`), taken on the last stage's output under no_grad."""
         self._side_stream: Any = None
         """CUDA: the stream eager FRC runs on (`frc_stream`)."""
 
@@ -105,7 +108,10 @@ class StageForward:
                 out = self.specs[self.parts[stage].stop - 1].cast(out)  # float tensors only
                 loss = None
             else:
-                loss = self.loss(float32(out), on_device(targets(), self.device))
+                labels = on_device(targets(), self.device)
+                loss = self.loss(float32(out), labels)
+                if self.metrics:
+                    s.metrics[mb] = metric_values(self.metrics, out, labels)
         if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape
@@ -136,6 +142,15 @@ class StageForward:
         """Before a failover adopts eager FRC results: on CUDA, wait for their stream."""
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+
+
+def metric_values(metrics: dict[str, Callable[[Any, Any], torch.Tensor]], out: Any,
+                  labels: Any) -> dict[str, float]:
+    """Each metric of the last stage's output `out` against `labels`, under no_grad (in fp32,
+    as the loss)."""
+    with torch.no_grad():
+        outputs = float32(detach(out))
+        return {name: float(fn(outputs, labels)) for name, fn in metrics.items()}
 
 
 def _checkpointed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -100,12 +100,14 @@ class ProgressDisplay:
                 print(f"  {row}", file=sys.stderr, flush=True)
 
     def step(self, step: int, loss: float, samples_per_s: float, node_ms: list[float],
-             rss_max_bytes: int = 0) -> None:
-        """A committed step; `rss_max_bytes` is the largest worker's resident memory."""
+             rss_max_bytes: int = 0, metrics: dict[str, float] | None = None) -> None:
+        """A committed step; `rss_max_bytes` is the largest worker's resident memory;
+        `metrics` the job's (`--metric`), shown beside the loss."""
         if not self.enabled:
             return
         stages = "/".join(f"{ms:.0f}" for ms in node_ms)
-        info = f"loss {loss:.4f}{self._eval}  {samples_per_s:,.0f} samples/s  node ms {stages}"
+        info = f"loss {loss:.4f}{_metrics_text(metrics)}{self._eval}  " \
+               f"{samples_per_s:,.0f} samples/s  node ms {stages}"
         if rss_max_bytes:
             info += f"  rss {rss_max_bytes / 2**20:,.0f} MiB max"
         if self._progress is not None:
@@ -114,15 +116,20 @@ class ProgressDisplay:
         else:
             print(f"step {step} ({step + 1}/{self.total} done)  {info}", file=sys.stderr, flush=True)
 
-    def evaluation(self, step: int, loss: float) -> None:
-        """The held-out loss of the parameters after `step` steps (those step `step`, from
-        0, starts from): a line, and beside the loss from now on."""
+    def evaluation(self, step: int, loss: float, metrics: dict[str, float] | None = None) -> None:
+        """The held-out loss (and metrics) of the parameters after `step` steps (those step
+        `step`, from 0, starts from): a line, and beside the loss from now on."""
         if not self.enabled:
             return
-        self._eval = f"  eval {loss:.4f} @{step}"
-        self.message(f"eval after {step} steps: loss {loss:.4f}")
+        self._eval = f"  eval {loss:.4f}{_metrics_text(metrics)} @{step}"
+        self.message(f"eval after {step} steps: loss {loss:.4f}{_metrics_text(metrics)}")
 
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+def _metrics_text(metrics: dict[str, float] | None) -> str:
+    """`  accuracy 0.8125` for each metric, or nothing."""
+    return "".join(f"  {name} {value:.4g}" for name, value in (metrics or {}).items())

@@ -104,13 +104,16 @@ class CoordinatorLink:
         return Go(self._vote_answer(go_key(step, epoch), epoch, Go.ABORT.value))
 
     def round_done(self, step: int, epoch: int, ok: bool,
-                   losses: list[tuple[int, float, float]], grad_norm: float = 0.0) -> Verdict:
-        self.report(RoundDone, step=step, epoch=epoch, ok=ok, losses=losses, grad_norm=grad_norm)
+                   losses: list[tuple[int, float, float]], grad_norm: float = 0.0,
+                   metrics: list[tuple[int, str, float]] | None = None) -> Verdict:
+        self.report(RoundDone, step=step, epoch=epoch, ok=ok, losses=losses, grad_norm=grad_norm,
+                    metrics=metrics or [])
         return Verdict.decode(self._vote_answer(decide_key(step, epoch), epoch,
                                                 Decision.REDO.value))
 
-    def eval_done(self, step: int, epoch: int, losses: list[tuple[int, float, float]]) -> Go:
-        self.report(EvalDone, step=step, epoch=epoch, losses=losses)
+    def eval_done(self, step: int, epoch: int, losses: list[tuple[int, float, float]],
+                  metrics: list[tuple[int, str, float]] | None = None) -> Go:
+        self.report(EvalDone, step=step, epoch=epoch, losses=losses, metrics=metrics or [])
         return Go(self._vote_answer(eval_key(step, epoch), epoch, Go.ABORT.value))
 
     def next_epochs(self, current: int, wait: bool) -> list[RoleMap]:

@@ -139,6 +139,9 @@ class RoundDone(WorkerMessage):
     grad_norm: float = 0.0
     """The step's global gradient norm as this node's commit round agreed on it (checked for
     a non-finite value before the step is committed: a diverging run stops there)."""
+    metrics: list[tuple[int, str, float]] = field(default_factory=list)
+    """(global micro-batch, name, value) of the job's metrics (`--metric`) of the micro-batches
+    in `losses`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,6 +154,8 @@ class EvalDone(WorkerMessage):
     epoch: int
     losses: list[tuple[int, float, float]]
     """(val micro-batch, loss, weight) of every val micro-batch whose loss this node computed."""
+    metrics: list[tuple[int, str, float]] = field(default_factory=list)
+    """(val micro-batch, name, value) of the job's metrics of those val micro-batches."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

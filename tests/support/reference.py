@@ -21,11 +21,13 @@ from bamboo.engine.options import EngineOptions
 
 
 def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
-                    metrics: list[dict[str, float]] | None = None
+                    metrics: list[dict[str, float]] | None = None,
+                    eval_metrics: list[list] | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses per step and final parameters (named like model.pt's keys); with `evals`, the
     held-out losses `[steps done, loss]` at the config's evaluation points go there; with
-    `metrics`, each step's mean of the job's metrics (`--metric`) over its micro-batches.
+    `metrics`, each step's mean of the job's metrics (`--metric`) over its micro-batches,
+    with `eval_metrics` `[steps done, {name: held-out mean}]` at each evaluation.
     The job's own Dataset, loss and metrics (`--dataset`, `--loss`, `--metric`) are used as
     the workers build them (`bamboo.data.user.job_task`)."""
     torch.set_num_threads(1)
@@ -41,8 +43,7 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
     losses = []
     for step in range(cfg.training.steps):
         if evals is not None and cfg.evaluates_at(step):
-            evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches,
-                                         seed=cfg.training.seed)])
+            _evaluate_into(evals, eval_metrics, step, model, task, criterion, cfg)
         acc = [torch.zeros_like(q, dtype=torch.float64) for q in params]
         step_loss, step_metrics = 0.0, dict.fromkeys(task.metrics, 0.0)
         for g in range(G):
@@ -69,10 +70,19 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
         if metrics is not None:
             metrics.append(step_metrics)
     if evals is not None and cfg.evaluates_at(cfg.training.steps):
-        evals.append([cfg.training.steps, evaluate(model, task, criterion, cfg.evaluation.batches,
-                                                   seed=cfg.training.seed)])
+        _evaluate_into(evals, eval_metrics, cfg.training.steps, model, task, criterion, cfg)
     named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
     return losses, named
+
+
+def _evaluate_into(evals: list, eval_metrics: list | None, step: int, model: nn.Sequential,
+                   task, criterion, cfg: JobConfig) -> None:
+    """The held-out loss after `step` steps into `evals` (its metrics into `eval_metrics`)."""
+    values: dict[str, float] = {}
+    evals.append([step, evaluate(model, task, criterion, cfg.evaluation.batches,
+                                 seed=cfg.training.seed, metrics=values)])
+    if eval_metrics is not None and values:
+        eval_metrics.append([step, values])
 
 
 def forward(model: nn.Sequential, x: torch.Tensor, seed: int, step: int | str,
@@ -83,14 +93,22 @@ def forward(model: nn.Sequential, x: torch.Tensor, seed: int, step: int | str,
                       seed_of=lambda layer: forward_seed(seed, step, mb, layer))
 
 
-def evaluate(model: nn.Sequential, task, criterion, batches: int, seed: int = 0) -> float:
+def evaluate(model: nn.Sequential, task, criterion, batches: int, seed: int = 0,
+             metrics: dict[str, float] | None = None) -> float:
     """The mean loss over val micro-batches 0..batches-1, summed in index order, the model
-    in eval mode (and back in train mode after)."""
+    in eval mode (and back in train mode after); the task's metrics' means go to `metrics`."""
     model.eval()
+    losses, values = [], {name: [] for name in task.metrics}
     try:
         with torch.no_grad():
-            return math.fsum(
-                float(criterion(forward(model, b.inputs, seed, "eval", index), b.targets))
-                / batches for index, b in enumerate(map(task.eval_batch, range(batches))))
+            for index in range(batches):
+                b = task.eval_batch(index)
+                out = forward(model, b.inputs, seed, "eval", index)
+                losses.append(float(criterion(out, b.targets)) / batches)
+                for name, fn in task.metrics.items():
+                    values[name].append(float(fn(out.float(), b.targets)))
     finally:
         model.train()
+    if metrics is not None:
+        metrics.update({name: math.fsum(v) / batches for name, v in values.items()})
+    return math.fsum(losses)
