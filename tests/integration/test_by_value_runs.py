@@ -1,7 +1,8 @@
 """Models made in Python and sent by value (bamboo.config.objects) trained by
 `bamboo.train` with a node killed in flight: an `nn.Sequential` built here (its classes
 defined in this function, so no worker can import them) ends bit-equal to its failure-free
-run and equal to the single-process loop; a layer list of lambdas and closures too. The
+run and equal to the single-process loop (and resuming it with another model object is
+refused); a layer list of lambdas and closures too. The
 same model reaches an agent on another machine (another temp directory) over the wire."""
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def test_models_sent_by_value_killed_in_flight_end_equal_to_their_failure_free_r
     assert killed.losses == clean.losses and killed.param_sha256 == clean.param_sha256
     assert killed.config["model"] == clean.config["model"] == job.config.model.name
     _equals_the_single_process_loop(killed, job)
+    other = nn.Sequential(nn.Embedding(256, D), mix(D), nn.Linear(D, 256))
+    other.context, other.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    with pytest.raises(bamboo.JobError) as e:  # before any worker starts
+        bamboo.train(bamboo.Job(model=other, resume=str(tmp_path / "killed"),
+                                **(SHAPE | {"steps": 6})))
+    assert str(e.value).startswith("bamboo.train: --resume ") and "\n" not in str(e.value)
+    assert f"was made with the model {objects.short(job.config.model.name)}, this job gives " \
+           f"by value (sha256 " in str(e.value)
 
     def block(width: int):  # a closure: each call a factory of its own layer
         return lambda: mix(width)
