@@ -8,10 +8,13 @@ loss and metrics, written as the calls every process makes again (`--dataset`,
     loss=functools.partial(torch.nn.CrossEntropyLoss, label_smoothing=0.1)
     metrics={"accuracy": accuracy}                   # def f(outputs, labels) -> scalar
 
-A function or class must be importable by name (`bamboo.api.paths`). A Dataset object is
-refused (the workers rebuild it by name), and so are a DataLoader and an IterableDataset,
-whose order only their own iteration knows: a step must be replayable. Importable without
-torch (types are told apart by name).
+A function or class is taken by its import path (`bamboo.api.paths`); one without (a
+lambda, a closure, a notebook's function) and an object (a small Dataset, a loss module
+such as `nn.CrossEntropyLoss(label_smoothing=0.1)`) are sent by value
+(`bamboo.config.objects`: cloudpickle, at most 8 MiB; a larger Dataset is given as the
+function that builds it). A DataLoader and an IterableDataset are refused: their order only
+their own iteration knows, and a step must be replayable. Importable without torch (types
+are told apart by name).
 """
 from __future__ import annotations
 
@@ -33,40 +36,42 @@ def data_options(dataset: Any, eval_dataset: Any, loss: Any,
     data, loss and metric arguments, each written as the call every process makes again;
     `options` loses the `metrics` and `collate` it gave. ConfigError (one line) for what
     the workers could not rebuild."""
-    from bamboo.api.optimizers import call_text
     out: dict[str, Any] = {}
     for name, value in (("dataset", dataset), ("eval_dataset", eval_dataset)):
         if value is not None:
             _refuse_unreplayable(name, value)
-            out[name] = call_text(_by_name(value, name, _DATASET), name)
+            out[name] = _text(value, name, _DATASET)
     if loss is not None:
-        out["loss"] = call_text(_by_name(loss, "loss", _FUNCTION), "loss")
+        out["loss"] = _text(loss, "loss", _FUNCTION)
     if callable(options.get("collate")):
-        out["collate"] = call_text(_by_name(options.pop("collate"), "collate", _FUNCTION),
-                                   "collate")
+        out["collate"] = _text(options.pop("collate"), "collate", _FUNCTION)
     metrics = options.get("metrics", options.get("metric"))
     if isinstance(metrics, dict):
         options.pop("metrics", None), options.pop("metric", None)
-        out["metrics"] = []
-        for name, fn in metrics.items():
-            what = f"metrics[{name!r}]"
-            out["metrics"].append(f"{name}={call_text(_by_name(fn, what, _FUNCTION), what)}")
+        out["metrics"] = [f"{name}={_text(fn, f'metrics[{name!r}]', _FUNCTION)}"
+                          for name, fn in metrics.items()]
     return out
 
 
-_DATASET = "a function or class that returns the Dataset"
-_FUNCTION = "a function (outputs, labels) -> scalar tensor, or a class making one"
+_DATASET = "a map-style Dataset, or a function or class that returns one"
+_FUNCTION = "a function (outputs, labels) -> scalar tensor, a class making one, or such an object"
 
 
-def _by_name(value: Any, name: str, kind: str) -> Any:
-    """`value` when the workers can rebuild it by name (a function, class, partial of one,
-    or call text); ConfigError naming what `name=` takes otherwise."""
+def _text(value: Any, name: str, kind: str) -> str:
+    """The call text every process rebuilds `value` by: a function, class or partial by its
+    import path (sent by value when it has none: a lambda, a closure, a notebook's); an
+    object (a Dataset, an `nn.CrossEntropyLoss(...)`) sent by value
+    (`bamboo.config.objects`); call text as it is."""
+    from bamboo.api.optimizers import call_text
+    from bamboo.api.paths import reference
     if isinstance(value, (str, functools.partial)) or inspect.isclass(value) or \
             inspect.isfunction(value) or inspect.isbuiltin(value):
-        return value
-    raise ConfigError(f"{name}= takes {kind}, defined at module level, a functools.partial "
-                   f"of one, or 'MODULE:NAME(ARGS)' text (got {type(value).__name__}): the "
-                   f"workers rebuild it by name", name.split("[")[0])
+        return call_text(value, name, by_value=True)
+    dataset = kind == _DATASET and hasattr(value, "__getitem__") and hasattr(value, "__len__")
+    if dataset or (kind == _FUNCTION and callable(value)):
+        return reference(value, name, by_value=True)
+    raise ConfigError(f"{name}= takes {kind}, or 'MODULE:NAME(ARGS)' text (got "
+                      f"{type(value).__name__})", name.split("[")[0])
 
 
 def _refuse_unreplayable(name: str, value: Any) -> None:
@@ -80,7 +85,3 @@ def _refuse_unreplayable(name: str, value: Any) -> None:
         raise ConfigError(f"{name}= is an IterableDataset, which bamboo cannot replay "
                       f"({_REPLAYABLE}): pass a function returning a map-style Dataset "
                       f"(__len__ and __getitem__)", name)
-    if any(k.startswith("torch.utils.data") and k.endswith(".Dataset") for k in kinds):
-        raise ConfigError(f"{name}= is a Dataset object, which the workers cannot rebuild: "
-                      f"pass the function (or class) that returns it, defined at module level, "
-                      f"or 'MODULE:NAME(ARGS)'", name)

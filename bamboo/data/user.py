@@ -20,6 +20,7 @@ from typing import Any
 
 
 from bamboo.config import ConfigError, JobConfig
+from bamboo.config import objects
 from bamboo.config.calls import Call, parse_call
 from bamboo.config.metric_spec import parse_metric
 from bamboo.data.datasets import Batch, Metric, Samples, Task, make_task
@@ -37,6 +38,8 @@ def _build(text: str, flag: str) -> tuple[Any, Call]:
     """The object `text` names (imported, not called yet) and its Call."""
     try:
         call = parse_call(text)
+        if objects.is_reference(call.target):  # sent by value: need not be callable
+            return objects.resolve(call.target), call
         return import_object(call.target), call
     except ConfigError:
         raise
@@ -47,13 +50,21 @@ def _build(text: str, flag: str) -> tuple[Any, Call]:
 
 
 def build_dataset(text: str, flag: str = "--dataset") -> Any:
-    """The Dataset `text` names, made by calling it with its arguments, and checked."""
+    """The Dataset `text` names, made by calling it with its arguments (a Dataset sent by
+    value, `bamboo.config.objects`, is the Dataset itself), and checked."""
     target, call = _build(text, flag)
+    if _is_dataset(target) and not call.kwargs:
+        return check_dataset(target, f"{flag} {text}")
     try:
         dataset = target(**call.kwargs)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"{flag} {text}: {_line(e)}", _key(flag)) from None
     return check_dataset(dataset, f"{flag} {text}")
+
+
+def _is_dataset(obj: Any) -> bool:
+    """An object (not a class) with `__len__` and `__getitem__`."""
+    return not inspect.isclass(obj) and hasattr(obj, "__len__") and hasattr(obj, "__getitem__")
 
 
 def check_dataset(dataset: Any, what: str) -> Any:

@@ -81,10 +81,10 @@ def test_the_same_values_make_the_same_job_as_the_command_line() -> None:
     ({"model": "no_such_module_here:build"}, "no module 'no_such_module_here'"),
     ({"model": 42}, "Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', a "
                     "function that returns a model, or the model itself"),
-    ({"dataset": [1, 2, 3]}, "Job: dataset= takes a function or class that returns the "
-                             "Dataset, defined at module level"),
-    ({"loss": lambda o, l: o}, "Job: loss: a lambda cannot be imported by the workers"),
-    ({"eval_dataset": object()}, "Job: eval_dataset= takes a function or class that returns"),
+    ({"dataset": 42}, "Job: dataset= takes a map-style Dataset, or a function or class that "
+                      "returns one"),
+    ({"loss": 3.5}, "Job: loss= takes a function (outputs, labels) -> scalar tensor"),
+    ({"eval_dataset": object()}, "Job: eval_dataset= takes a map-style Dataset"),
 ])
 def test_a_bad_job_is_one_line(options: dict, expected: str) -> None:
     with pytest.raises(bamboo.JobError) as e:

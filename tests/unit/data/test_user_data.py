@@ -137,10 +137,9 @@ def _make() -> list:
     ({"dataset": DataLoader([1, 2])}, "Job: dataset= is a DataLoader, which bamboo cannot "
      "replay (a step must be replayable"),
     ({"dataset": _Stream()}, "Job: dataset= is an IterableDataset, which bamboo cannot replay"),
-    ({"eval_dataset": TokenClasses(4)}, "Job: eval_dataset= is a Dataset object, which the "
-     "workers cannot rebuild: pass the function (or class) that returns it"),
-    ({"loss": torch.nn.CrossEntropyLoss()}, "Job: loss= takes a function (outputs, labels) -> "
-     "scalar tensor, or a class making one"),
+    ({"dataset": 42}, "Job: dataset= takes a map-style Dataset, or a function or class that "
+     "returns one, or 'MODULE:NAME(ARGS)' text (got int)"),
+    ({"loss": "x"}, "Job: loss: 'x' is not MODULE:NAME"),
     ({"metrics": {"acc": functools.partial(accuracy, 3)}}, "positional arguments"),
 ])
 def test_the_api_refuses_what_cannot_be_replayed_or_rebuilt(kwargs: dict, expected: str) -> None:
@@ -161,6 +160,24 @@ def test_the_api_writes_the_flags_values() -> None:
                          loss="torch.nn:CrossEntropyLoss(label_smoothing=0.1)")
     assert partial.config.data.dataset == f"{here}:TokenClasses(n=12)"
     assert partial.config.data.eval_dataset == DATASET
+
+
+def test_objects_and_lambdas_are_sent_by_value() -> None:
+    """A small Dataset object, a loss module and a lambda metric have no import path: they
+    reach the workers pickled (`bamboo.config.objects`), named by their digest."""
+    job = bamboo.Job(model=MODEL, dataset=TokenClasses(12), eval_dataset=TokenClasses(4, seed=5),
+                     loss=torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                     metrics={"mean": lambda out, labels: out.mean()}, nodes=2, stages=2)
+    cfg = job.config
+    assert cfg.data.dataset.startswith("bamboo.config.objects:sha256_")
+    assert cfg.training.metrics[0].startswith("mean=bamboo.config.objects:sha256_")
+    task = job_task(cfg, None)
+    assert task.samples.size == 12 and task.samples.eval_size == 4
+    assert isinstance(task.loss, torch.nn.CrossEntropyLoss) and task.loss.label_smoothing == 0.1
+    batch = task.batch(0, 0)
+    assert torch.equal(batch.inputs[0], TokenClasses(12)[task.sample_indices(0, 0)[0]][0])
+    assert float(task.metrics["mean"](torch.ones(2, 3), None)) == 1.0
+    check_job_data(cfg)
 
 
 def test_a_resume_checks_where_the_run_stands_in_its_dataset() -> None:
