@@ -35,3 +35,17 @@ def test_the_metrics_reach_the_prometheus_page() -> None:
     m = RunMetrics()
     m.set_metrics({"accuracy": 0.75})
     assert m.registry.get_sample_value("bamboo_metric", {"name": "accuracy"}) == 0.75
+
+
+def test_the_live_line_shows_the_metrics_beside_the_loss(capsys) -> None:
+    from bamboo.run.progress import ProgressDisplay
+    display = ProgressDisplay(4, enabled=True)
+    display.evaluation(2, 1.25, {"accuracy": 0.5})
+    display.step(2, 1.5, 100.0, [10.0, 12.0], metrics={"accuracy": 0.25})
+    display.step(3, 1.4, 100.0, [10.0, 12.0])
+    display.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert "eval after 2 steps: loss 1.2500  accuracy 0.5" in lines
+    assert any(line.startswith("step 2 (3/4 done)  loss 1.5000  accuracy 0.25  eval 1.2500  "
+                               "accuracy 0.5 @2") for line in lines), lines
+    assert any(line.startswith("step 3 (4/4 done)  loss 1.4000  eval") for line in lines), lines
