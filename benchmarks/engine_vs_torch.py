@@ -44,7 +44,8 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, sch
                                               ScheduleInterleavedZeroBubble)
 
     from bamboo.data.datasets import make_task
-    from bamboo.model import build_layers, layer_param_counts, loss_fn, preset
+    from bamboo.model import build_layers, layer_param_counts, loss_fn
+    from bamboo.config.presets import preset
     from bamboo.engine.optim import learning_rate, make_optimizer
     from bamboo.plan.partition import partition
 

@@ -108,7 +108,8 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     import torch
 
     from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
-    from bamboo.model import layer_param_counts, preset
+    from bamboo.model import layer_param_counts
+    from bamboo.config.presets import preset
     from bamboo.plan.partition import partition
     from bamboo.engine.stage import StageState
 

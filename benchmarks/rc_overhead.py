@@ -93,7 +93,8 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
     import torch
 
     from bamboo.data.datasets import make_task
-    from bamboo.model import layer_param_counts, loss_fn, preset
+    from bamboo.model import layer_param_counts, loss_fn
+    from bamboo.config.presets import preset
     from bamboo.plan.partition import partition
     from bamboo.engine.stage import StageState
 
@@ -156,7 +157,8 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
 
 def output_bytes(args: argparse.Namespace) -> list[int]:
     """Bytes of one micro-batch's output of each stage (0 for the last: its output is a loss)."""
-    from bamboo.model import boundary_shapes, layer_param_counts, preset
+    from bamboo.model import boundary_shapes, layer_param_counts
+    from bamboo.config.presets import preset
     from bamboo.plan.partition import partition
 
     p = preset(args.model)

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from bamboo.data.datasets import make_task
-from bamboo.model import build_layers, forward_seed, loss_fn, preset, run_layers
+from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
+from bamboo.config.presets import preset
 
 
 def _timed(fn, reps: int) -> list[float]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from bamboo.model.api import PipelineModel, TensorSpec
-from bamboo.model import boundary_spec
+from bamboo.model.pipeline import boundary_spec
 from bamboo.model.structure import detach
 
 CONTEXT, D, BLOCKS = 128, 128, 6

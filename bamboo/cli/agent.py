@@ -35,7 +35,8 @@ def agent_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = agent_parser().parse_args(argv)
     from bamboo.fleet.agent import AgentOptions, run_agent
-    from bamboo.fleet.remote import JoinError, parse_address
+    from bamboo.fleet.remote import JoinError
+    from bamboo.config.join import parse_address
     try:
         address = parse_address(args.join, "--join")
         if (args.token is None) == (args.token_file is None):

@@ -152,7 +152,7 @@ def run(argv: list[str], command: JobCommand) -> int:
         command.check(args, None)
         http = None
         if args.http is not None:
-            from bamboo.fleet.remote import parse_address
+            from bamboo.config.join import parse_address
             try:
                 http = parse_address(args.http, "--http")
             except ValueError as e:

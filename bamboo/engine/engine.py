@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from bamboo.data.datasets import Batch, Task, on_device
-from bamboo.model import ModelPreset, boundary_shapes, loss_fn
+from bamboo.model import boundary_shapes, loss_fn
+from bamboo.config.presets import ModelPreset
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
 from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bamboo.model import ModelPreset, build_layers
+from bamboo.model import build_layers
+from bamboo.config.presets import ModelPreset
 from bamboo.engine.memory import state_dict_bytes, to_host
 from bamboo.engine.optim import MAX_STATE_TENSORS, make_optimizer, set_lr, state_keys
 

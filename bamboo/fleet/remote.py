@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.config.join import parse_address
 from bamboo.wire.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
                                      FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
                                      Progress)
@@ -37,7 +36,7 @@ from bamboo.wire.frames import Channel, Refusal, register, serve_handshake
 if TYPE_CHECKING:
     from bamboo.config.join import JoinConfig
 
-__all__ = ["JoinError", "parse_address", "write_join_token", "open_join", "AgentListener",
+__all__ = ["JoinError", "write_join_token", "open_join", "AgentListener",
            "RemoteAgent", "RemoteProcess", "register_wire_types", "Objects", "objects_message",
            "install_objects"]
 

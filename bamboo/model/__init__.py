@@ -26,12 +26,11 @@ from bamboo.model.llama import llama_layer
 from bamboo.model.meta import shapes_only
 from bamboo.model.pipeline import boundary_spec
 from bamboo.model.structure import BoundarySpec, StructuredSpec
-from bamboo.config.presets import PRESETS, ModelPreset, preset
+from bamboo.config.presets import ModelPreset
 
 __all__ = [
-    "PRESETS", "ModelPreset", "preset", "build_layer", "build_layers", "layer_param_counts",
-    "boundary_shapes", "loss_fn", "BoundarySpec", "StructuredSpec", "derive_seed", "forward_seed",
-    "seeded_randomness", "run_layers",
+    "build_layer", "build_layers", "layer_param_counts", "boundary_shapes", "loss_fn",
+    "derive_seed", "forward_seed", "seeded_randomness", "run_layers",
 ]
 
 

@@ -40,7 +40,8 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
     from torch import nn
 
     from bamboo.data.datasets import make_task
-    from bamboo.model import build_layers, layer_param_counts, loss_fn, preset
+    from bamboo.model import build_layers, layer_param_counts, loss_fn
+    from bamboo.config.presets import preset
     from bamboo.model.structure import detach, float32, leaves, map_floats
     from bamboo.plan.partition import partition
 

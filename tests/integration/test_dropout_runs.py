@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bamboo.chaos.bits import bits_must_match, differs
-from bamboo.model import preset
+from bamboo.config.presets import preset
 from bamboo.model.hf import hf_config
 from support.dropout_model import NAME
 from support.hf_models import GPT2

@@ -16,7 +16,7 @@ from bamboo.config import ConfigError
 from bamboo.config.calls import parse_call
 from bamboo.engine.optim import learning_rate, make_optimizer, set_lr, state_keys, step_lr
 from bamboo.engine.stage import StageState
-from bamboo.model import ModelPreset
+from bamboo.config.presets import ModelPreset
 from bamboo.config.presets import preset
 
 SGD = "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"

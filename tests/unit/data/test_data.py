@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from bamboo.data.datasets import SyntheticLanguage, make_task
-from bamboo.model import preset
+from bamboo.config.presets import preset
 
 
 def test_micro_batches_are_pure_functions_of_seed_step_and_index() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bamboo.model import preset
+from bamboo.config.presets import preset
 from bamboo.engine.memory import SavedTensors, StepMemory
 from bamboo.engine.stage import StageState
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from bamboo.model import build_layers, layer_param_counts, loss_fn, preset
+from bamboo.model import build_layers, layer_param_counts, loss_fn
+from bamboo.config.presets import preset
 from bamboo.plan import schedule as S
 from bamboo.plan.partition import partition
 from bamboo.engine.split_backward import Tape, Taping, deferred_linears, input_gradient, \

@@ -17,8 +17,8 @@ from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadMod
                           LlamaForCausalLM)
 
 from bamboo.data.datasets import make_task
-from bamboo.model import (boundary_shapes, build_layer, build_layers, layer_param_counts,
-                           loss_fn, preset)
+from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
+from bamboo.config.presets import preset
 from bamboo.model.hf import Checkpoint, hf_config, hf_state_key, load_layer
 from bamboo.config.presets import HF_SIZES
 from support.hf_models import BERT, GPT2, HF_MODELS, LLAMA

@@ -16,7 +16,9 @@ from torch import nn
 from bamboo.engine.layer_costs import measure_layer_costs
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
-from bamboo.model import BoundarySpec, StructuredSpec, boundary_shapes, boundary_spec
+from bamboo.model import boundary_shapes
+from bamboo.model.structure import BoundarySpec, StructuredSpec
+from bamboo.model.pipeline import boundary_spec
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
 from bamboo.model.structure import StructureError, flatten, leaves, unflatten
 from bamboo.config.presets import custom_preset

@@ -22,7 +22,8 @@ from bamboo.control.nodes import Supervisor, free_device_slot
 from bamboo.node.devices import choose_device_index, configure_tf32
 from bamboo.node.devices import worker_device as _device
 from bamboo.config import JobConfig
-from bamboo.model import build_layers, preset
+from bamboo.model import build_layers
+from bamboo.config.presets import preset
 from bamboo.engine.optim import adamw_options, make_optimizer, steps_on_param_device
 
 REPO = Path(__file__).resolve().parents[3]
