@@ -18,7 +18,11 @@ their attributes, so the plain forms work without it installed.
   in a bamboo list it is a zero-argument factory.
 - The tensors between layers and the last layer's output are found by running a
   `[1, context]` batch through the layers on the meta device (on the CPU if an op has no
-  meta kernel), unless `boundary` / `output` are given.
+  meta kernel), unless `boundary` / `output` are given. A layer may return a tensor, or a
+  tuple or a dict of str to tensors (nesting allowed; bamboo.model.structure): its spec
+  is the same structure of `TensorSpec`s, as bamboo.model.api's start-up trace checks.
+  Each holds at least one floating-point tensor (the gradient flows back through those;
+  masks and ids travel without one). A list, None or any other value is refused.
 - `context` (tokens per sample) and `vocab_size` come from the keywords, else from the
   object's attributes of that name, else from the build function's keyword defaults.
 - Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these
@@ -37,7 +41,9 @@ import torch
 from torch import nn
 
 from bamboo.model.meta import shapes_only
-from bamboo.model.pipeline import ModelError, PipelineModel, TensorSpec, next_token_loss
+from bamboo.model.pipeline import (Boundary, ModelError, PipelineModel, TensorSpec,
+                                   next_token_loss)
+from bamboo.model.structure import StructureError, describe, flatten, unflatten
 
 __all__ = ["pipeline_model", "seeded_build", "BUILD_SEED", "is_model_object", "Given"]
 
@@ -176,10 +182,11 @@ class _Unrunnable(Exception):
     """A factory or forward that raised while the shapes were traced."""
 
 
-def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[torch.Tensor]:
-    """Every layer's output for a `[1, context]` batch of token ids."""
+def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[object]:
+    """Every layer's output for a `[1, context]` batch of token ids: a tensor, or a tuple or
+    dict of tensors (the next layer gets it as its one argument)."""
     x: object = torch.zeros((1, context), dtype=torch.int64)
-    outputs: list[torch.Tensor] = []
+    outputs: list[object] = []
     for i, make in enumerate(layers):
         try:
             layer = make()
@@ -187,16 +194,19 @@ def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[torch.
         except Exception as e:
             raise _Unrunnable(f"layer {i} failed: {type(e).__name__}: "
                               f"{(str(e).strip().splitlines() or [''])[0]}") from None
-        if not isinstance(x, torch.Tensor):
-            raise ModelError(f"layer {i} returns {type(x).__name__}, not one tensor: one "
-                             f"floating-point tensor travels between layers")
+        try:
+            flatten(x)
+        except StructureError as e:
+            raise ModelError(f"layer {i} returns {describe(x)} ({e} is not a tensor): a layer "
+                             f"returns a tensor, or a tuple or a dict of str to tensors"
+                             ) from None
         outputs.append(x)
     return outputs
 
 
-def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[TensorSpec]:
-    """The output spec of every layer (no batch dimension), traced on the meta device,
-    on the CPU where that fails."""
+def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[Boundary]:
+    """The output spec of every layer (no batch dimension; a structure of TensorSpecs for a
+    tuple or dict), traced on the meta device, on the CPU where that fails."""
     try:
         with shapes_only(), torch.no_grad():
             outputs = _run(layers, context)
@@ -209,19 +219,27 @@ def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> l
                              f"batch of token ids ({e}): give boundary=TensorSpec(...) and "
                              f"output=TensorSpec(...) to bamboo.model.forms.pipeline_model"
                              ) from None
-    specs = []
-    for i, out in enumerate(outputs):
-        if not out.dtype.is_floating_point:
-            what = "outputs" if i == len(outputs) - 1 else "hands on"
-            raise ModelError(f"layer {i} {what} {out.dtype}, not floating point: "
-                             f"gradients flow back through it (end the layer in a float)")
-        specs.append(TensorSpec(tuple(out.shape[1:]) or (1,), out.dtype))
-    return specs
+    return [_spec_of(i, out, last=i == len(outputs) - 1) for i, out in enumerate(outputs)]
+
+
+def _spec_of(i: int, out: object, last: bool) -> Boundary:
+    """The per-sample spec of layer `i`'s output `out`: a TensorSpec, or the same tuple or
+    dict of TensorSpecs. ModelError when no tensor of it is floating point (gradients flow
+    back through the floating ones; masks and ids travel forward only)."""
+    items, treedef = flatten(out)
+    specs = [TensorSpec(tuple(t.shape[1:]) or (1,), t.dtype) for t in items]
+    if not any(t.dtype.is_floating_point for t in items):
+        what = "outputs" if last else "hands on"
+        dtypes = ", ".join(str(t.dtype) for t in items) or "no tensor"
+        raise ModelError(f"layer {i} {what} {dtypes}, not floating point: gradients flow "
+                         f"back through it (end the layer in a float"
+                         f"{'' if treedef.kind == 'tensor' else ', or add one'})")
+    return unflatten(treedef, specs)
 
 
 def pipeline_model(obj: object, *, context: int | None = None, vocab_size: int | None = None,
-                   loss: Loss | None = None, boundary: TensorSpec | Sequence[TensorSpec] | None
-                   = None, output: TensorSpec | None = None, description: str = "",
+                   loss: Loss | None = None, boundary: Boundary | Sequence[Boundary] | None
+                   = None, output: Boundary | None = None, description: str = "",
                    build: Callable | None = None) -> PipelineModel:
     """`obj` (any model form of this module's docstring, or a PipelineModel, returned as
     it is) as a PipelineModel. `loss` defaults to a PipelineModule's `loss_fn`, else
@@ -236,7 +254,7 @@ def pipeline_model(obj: object, *, context: int | None = None, vocab_size: int |
 
 
 def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Loss | None,
-             boundary: TensorSpec | Sequence[TensorSpec] | None, output: TensorSpec | None,
+             boundary: Boundary | Sequence[Boundary] | None, output: Boundary | None,
              description: str, build: Callable | None) -> PipelineModel:
     layers, own_loss, what = _layers(obj)
     context = _positive(obj, "context", context, build)

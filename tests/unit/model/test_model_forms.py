@@ -18,6 +18,7 @@ from bamboo.config.presets import custom_preset
 from bamboo.model import boundary_shapes, build_layer, layer_param_counts, loss_fn
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model, next_token_loss
 from bamboo.model.forms import pipeline_model
+from bamboo.model.pipeline import boundary_spec
 from support.models import write_module
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -31,6 +32,28 @@ from torch import nn
 def build(vocab_size: int = 256, context: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Embedding(vocab_size, 4), nn.Linear(4, 6), nn.Tanh(),
                          nn.Linear(6, vocab_size))
+"""
+
+
+STRUCTURED = """
+import torch
+from torch import nn
+
+
+class Masked(nn.Module):
+    def forward(self, h):
+        return h, h[..., 0] > 0
+
+
+class Apply(nn.Module):
+    def forward(self, x):
+        h, mask = x
+        return h * mask[..., None]
+
+
+def build(vocab_size: int = 30, context: int = 5) -> nn.Sequential:
+    return nn.Sequential(nn.Embedding(vocab_size, 4), Masked(), Apply(),
+                         nn.Linear(4, vocab_size))
 """
 
 
@@ -61,6 +84,57 @@ class PipelineModule(nn.Module):
     def __init__(self, layers: list, loss_fn: object) -> None:
         super().__init__()
         self._layer_specs, self.loss_fn = list(layers), loss_fn
+
+
+class Pairs(nn.Module):
+    """Hands on a tuple: the hidden states and a bool mask of the even token ids."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h, h[..., 0] > 0
+
+
+class Gated(nn.Module):
+    """Takes the tuple and hands on a dict (hidden, mask, an int64 id per position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h, mask = x
+        ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        return {"hidden": self.fc(h) * mask[..., None], "mask": mask, "ids": ids}
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 30)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.out(x["hidden"])
+
+
+class ReturnsList(nn.Module):
+    def forward(self, h: torch.Tensor) -> list[torch.Tensor]:
+        return [h, h]
+
+
+class ReturnsNone(nn.Module):
+    def forward(self, h: torch.Tensor) -> None:
+        return None
+
+
+class ReturnsCount(nn.Module):
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        return x[0], 3
+
+
+class MaskOnly(nn.Module):
+    """A mask and ids, no floating tensor for the gradient to flow back through."""
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h[..., 0] > 0, h.argmax(-1)
 
 
 def _sum_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -154,13 +228,64 @@ def test_a_pipeline_module_gives_its_layer_list_and_its_loss_fn() -> None:
     assert isinstance(tanh, nn.Tanh) and tanh is not module._layer_specs[1]
 
 
+TUPLE_THEN_DICT = (TensorSpec((3, 4)), TensorSpec((3,), torch.bool))
+DICT = {"hidden": TensorSpec((3, 4)), "mask": TensorSpec((3,), torch.bool),
+        "ids": TensorSpec((3,), torch.int64)}
+
+
+def test_layers_handing_on_a_tuple_or_a_dict_get_that_structure_of_specs() -> None:
+    """The structure is found as the start-up trace checks it: a tuple of (hidden, mask),
+    then a dict with an int64 id, each tensor's spec in its place; the model loads."""
+    seq = nn.Sequential(nn.Embedding(30, 4), Pairs(), Gated(), Head())
+    model = pipeline_model(seq, context=3, vocab_size=30)
+    assert model.boundaries == (TensorSpec((3, 4)), TUPLE_THEN_DICT, DICT, TensorSpec((3, 30)))
+    assert list(model.boundaries[2]) == ["hidden", "mask", "ids"]
+    assert boundary_spec(model.boundaries[1], 2).specs[1].shape == (2, 3)
+    x = torch.randint(0, 30, (2, 3))
+    for make in model.layers:
+        x = make()(x)
+    assert x.shape == (2, 3, 30)
+
+
+def test_a_layer_list_and_layer_specs_may_hand_on_structures_too() -> None:
+    listed = pipeline_model([nn.Embedding(30, 4), Pairs, lambda: Gated()], context=3,
+                            vocab_size=30, loss=_sum_loss)
+    assert listed.boundaries[1:] == (TUPLE_THEN_DICT, DICT)
+    specs = [LayerSpec(nn.Embedding, 30, 4), LayerSpec(Pairs), LayerSpec(Gated),
+             LayerSpec(Head)]
+    module = PipelineModule(specs, loss_fn=_sum_loss)
+    module.context, module.vocab_size = 3, 30
+    model = pipeline_model(module)
+    assert model.boundaries == (TensorSpec((3, 4)), TUPLE_THEN_DICT, DICT, TensorSpec((3, 30)))
+    assert model.loss is _sum_loss
+
+
+def test_a_structured_sequential_by_name_passes_the_start_up_trace(tmp_path: Path) -> None:
+    """load_model converts a build function's Sequential of layers handing on a tuple, then
+    checks the derived specs against the layers' outputs (bamboo.model.api's trace)."""
+    name = f"{write_module(tmp_path, 'forms_structured', STRUCTURED)}:build"
+    model = load_model(name)
+    assert model.boundaries == (TensorSpec((5, 4)), (TensorSpec((5, 4)),
+                                                     TensorSpec((5,), torch.bool)),
+                                TensorSpec((5, 4)), TensorSpec((5, 30)))
+    assert model.description == "nn.Sequential"
+
+
 @pytest.mark.parametrize("layers, expected", [
     ([TiedLayerSpec("embed", nn.Embedding, 30, 4), LayerSpec(nn.Linear, 4, 30)],
      "list, tied layers are not supported yet: layer 0 is a TiedLayerSpec (key 'embed')"),
     ([], "list, the layer list is empty"),
     ([nn.Embedding(30, 4), 3], "list, layer 1 is int: a layer list holds nn.Modules"),
-    ([nn.Embedding(30, 4), nn.LSTM(4, 4), nn.Linear(4, 30)],
-     "list, layer 1 returns tuple, not one tensor"),
+    ([nn.Embedding(30, 4), ReturnsList(), nn.Linear(4, 30)],
+     "list, layer 1 returns list (list is not a tensor): a layer returns a tensor, or a "
+     "tuple or a dict of str to tensors"),
+    ([nn.Embedding(30, 4), ReturnsNone()],
+     "list, layer 1 returns NoneType (NoneType is not a tensor)"),
+    ([nn.Embedding(30, 4), Pairs(), ReturnsCount(), nn.Linear(4, 30)],
+     "list, layer 2 returns tuple of (Tensor, int) (int at [1] is not a tensor)"),
+    ([nn.Embedding(30, 4), MaskOnly()],
+     "list, layer 1 outputs torch.bool, torch.int64, not floating point: gradients flow back "
+     "through it (end the layer in a float, or add one)"),
     ([nn.Embedding(30, 4), nn.Linear(5, 30)],
      "list, cannot find the tensors between layers on a [1, 3] batch of token ids (layer 1 "
      "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
