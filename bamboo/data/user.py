@@ -23,7 +23,7 @@ from bamboo.config import ConfigError, JobConfig
 from bamboo.config import objects
 from bamboo.config.calls import Call, parse_call
 from bamboo.config.metric_spec import parse_metric
-from bamboo.data.datasets import Batch, Metric, Samples, Task, make_task
+from bamboo.data.datasets import Batch, Metric, Samples, Task, make_task, on_device
 from bamboo.data.sampling import position_after
 from bamboo.model.api import import_object
 
@@ -158,6 +158,52 @@ def check_job_data(cfg: JobConfig) -> None:
         except Exception as e:  # noqa: BLE001 - the user's code
             raise ConfigError(f"{what}: its first micro-batch failed: {_line(e)}",
                               _key(what)) from None
+    if task.loss is not None or task.metrics:
+        _check_on_outputs(cfg, task)
+
+
+def _check_on_outputs(cfg: JobConfig, task: Task) -> None:
+    """The loss and metrics on the first micro-batch's labels and zeros shaped as the model's
+    output for its inputs (the layers run on the meta device: shapes only, no memory): a
+    loss or metric that does not fit the model's output or the labels is one line now, not
+    a failed worker. A model that cannot run on the meta device is not checked here."""
+    from bamboo.model import build_layer
+    from bamboo.model.meta import shapes_only
+    import torch
+    batch, p = task.batch(0, 0), cfg.model_preset()
+    try:
+        with shapes_only(), torch.no_grad():
+            x = on_device(batch.inputs, "meta")
+            for index in range(p.layers):
+                x = build_layer(p, index, cfg.training.seed, device="meta")(x)
+    except Exception:  # noqa: BLE001 - checked in the workers, where it runs for real
+        return
+    if not isinstance(x, torch.Tensor):
+        return
+    outputs = torch.zeros(x.shape, dtype=torch.float32)
+    checks = [("--loss", "loss", task.loss)] if task.loss is not None else []
+    checks += [("--metric", f"metric '{name}'", fn) for name, fn in task.metrics.items()]
+    for flag, what, fn in checks:
+        try:
+            with torch.no_grad():
+                value = fn(outputs, batch.targets)
+        except Exception as e:  # noqa: BLE001 - the user's code
+            raise ConfigError(f"{flag}: the {what} failed on the model's output "
+                              f"{list(x.shape)} and the labels {_shapes(batch.targets)}: "
+                              f"{_line(e)}", _key(flag)) from None
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise ConfigError(f"{flag}: the {what} returned {type(value).__name__} "
+                              f"{list(getattr(value, 'shape', []))}, not a scalar tensor",
+                              _key(flag))
+
+
+def _shapes(x: Any) -> str:
+    """`[4, 8]`, or the shapes of a tuple or dict of tensors."""
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_shapes(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (tuple, list)):
+        return "(" + ", ".join(_shapes(v) for v in x) + ")"
+    return str(list(getattr(x, "shape", [])))
 
 
 def _key(flag: str) -> str:

@@ -45,6 +45,17 @@ def smoothed_loss(outputs: torch.Tensor, labels: torch.Tensor,
                            label_smoothing=smoothing)
 
 
+class SmoothedLoss(nn.Module):
+    """`smoothed_loss` as a module, given as an object (sent by value)."""
+
+    def __init__(self, smoothing: float) -> None:
+        super().__init__()
+        self.smoothing = smoothing
+
+    def forward(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return smoothed_loss(outputs, labels, self.smoothing)
+
+
 def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The fraction of tokens whose class is the arg-max."""
     return (outputs.argmax(-1) == labels).float().mean()

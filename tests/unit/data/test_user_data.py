@@ -15,8 +15,8 @@ from bamboo.config import ConfigError, JobConfig
 from bamboo.data.user import (DatasetSamples, check_job_data, check_resume_position,
                               data_position, job_task)
 from support.models import write_module
-from support.user_data import (DATASET, EVAL_DATASET, LOSS, METRIC, MODEL, TokenClasses,
-                               accuracy, smoothed_loss)
+from support.user_data import (DATASET, EVAL_DATASET, LOSS, METRIC, MODEL, SmoothedLoss,
+                               TokenClasses, accuracy, smoothed_loss)
 
 SOURCE = """
 import torch
@@ -114,6 +114,13 @@ def test_tuple_and_dict_samples_are_collated_as_torch_does(mine: str) -> None:
     ({"dataset": "{mine}:Pairs", "eval_dataset": "{mine}:Broken", "eval_every": 2},
      "--eval-dataset: its first micro-batch failed"),
     ({"loss": "{mine}:Stream(size=3)"}, "--loss {mine}:Stream(size=3): TypeError"),
+    ({"dataset": DATASET, "loss": "torch.nn:CrossEntropyLoss"}, "--loss: the loss failed on "
+     "the model's output [4, 8, 4] and the labels [4, 8]: RuntimeError: Expected target size"),
+    ({"dataset": DATASET, "metrics": ["top=torch:argmax"]}, "--metric: the metric 'top' failed "
+     "on the model's output [4, 8, 4]"),
+    ({"dataset": DATASET, "metrics": ["per_token=torch.nn.functional:cross_entropy("
+                                      "reduction='none')"]},
+     "--metric: the metric 'per_token' failed on the model's output"),
 ])
 def test_bad_data_is_one_line_before_any_worker(mine: str, flags: dict, expected: str) -> None:
     cfg = _job(**{k: v.format(mine=mine) if isinstance(v, str) else v
@@ -166,14 +173,14 @@ def test_objects_and_lambdas_are_sent_by_value() -> None:
     """A small Dataset object, a loss module and a lambda metric have no import path: they
     reach the workers pickled (`bamboo.config.objects`), named by their digest."""
     job = bamboo.Job(model=MODEL, dataset=TokenClasses(12), eval_dataset=TokenClasses(4, seed=5),
-                     loss=torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                     loss=SmoothedLoss(0.1),
                      metrics={"mean": lambda out, labels: out.mean()}, nodes=2, stages=2)
     cfg = job.config
     assert cfg.data.dataset.startswith("bamboo.config.objects:sha256_")
     assert cfg.training.metrics[0].startswith("mean=bamboo.config.objects:sha256_")
     task = job_task(cfg, None)
     assert task.samples.size == 12 and task.samples.eval_size == 4
-    assert isinstance(task.loss, torch.nn.CrossEntropyLoss) and task.loss.label_smoothing == 0.1
+    assert isinstance(task.loss, SmoothedLoss) and task.loss.smoothing == 0.1
     batch = task.batch(0, 0)
     assert torch.equal(batch.inputs[0], TokenClasses(12)[task.sample_indices(0, 0)[0]][0])
     assert float(task.metrics["mean"](torch.ones(2, 3), None)) == 1.0
