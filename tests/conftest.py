@@ -79,10 +79,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("markexpr") == "smoke" and lost:
         raise pytest.UsageError(f"smoke tests not found (renamed?): {sorted(lost)}")
     if not config.getoption("--fast"):
+        _longest_first(items)
         return
     kept = [i for i in items if i.get_closest_marker("procs") is None]
     config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("procs")])
     items[:] = kept
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Modules with long runs first (a `slow` or `smoke` test), then those that start
+    processes, then the rest, each module's tests together and in their order (its
+    module-scoped fixtures stay shared). Two at a time (`make test`), a long run started last
+    would leave one worker alone at the end; started first, the short tests fill around it."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        long = item.get_closest_marker("slow") or item.get_closest_marker("smoke")
+        kind = 0 if long else 1 if item.get_closest_marker("procs") else 2
+        rank[item.path] = min(rank.get(item.path, 2), kind)
+    items.sort(key=lambda item: rank[item.path])
 
 
 class StartsProcess(AssertionError):
