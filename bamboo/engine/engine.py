@@ -40,7 +40,7 @@ from bamboo.plan.faults import EVAL_FAULT_INDEX
 from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,
                                  ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
                                  NoHook, node_instructions)
-from bamboo.engine.comm import ACTIVATION, GRADIENT, P2P, GroupFormer, Interrupted, PeerLost
+from bamboo.engine.comm import P2P, GroupFormer, Interrupted, PeerLost
 from bamboo.engine.commit import RoundResult, commit_round
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.evaluation import Losses, MetricRows, eval_pass
@@ -54,6 +54,7 @@ from bamboo.engine.optim import clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
+from bamboo.engine.transfers import recv_activation, recv_grad, send_activation, send_grad
 from bamboo.engine.transport import Transport, make_transport
 from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 from bamboo.plan.roles import RoleMap
@@ -461,52 +462,18 @@ class NodeEngine:
         self._backward_done(s, i.stage, i.mb, start)
 
     def _send_activation(self, s: StepState, i: S.SendActivation) -> None:
-        out = detach(s.outputs[(i.stage, i.mb)])
-        spec = self.ctx.boundary_spec(i.stage, input_side=False)
-        peer = self.worker(i.stage + 1, i.mb)
-        if peer != self.rank:
-            key = (ACTIVATION, i.stage, i.mb)
-            if key not in s.transfers.peer_has:
-                wire = spec.pack(out)  # a tuple or dict of tensors: one message
-                self.p2p.send(wire, peer, key)
-                s.transfers.sent[key] = wire
-        elif S.Forward(i.stage + 1, i.mb) not in s.done:
-            s.inputs[(i.stage + 1, i.mb)] = spec.as_input(out)
+        send_activation(self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb))
 
     def _recv_activation(self, s: StepState, i: S.RecvActivation) -> None:
-        key = (i.stage, i.mb)
-        peer = self.worker(i.stage - 1, i.mb)
-        if peer == self.rank:
-            return  # passed in memory by this node's own SendActivation, earlier in the list
-        spec = self.ctx.boundary_spec(i.stage, input_side=True)
-        buf = self.p2p.recv_interruptible(spec.shape, spec.dtype, self.device, peer,
-                                          (ACTIVATION, i.stage - 1, i.mb), self.interrupted,
-                                          idle=lambda: self._frc_at_wait(s))
-        s.inputs[key] = spec.as_input(spec.unpack(buf))
-        s.transfers.received_acts.add(key)
+        recv_activation(self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb),
+                        self.interrupted, idle=lambda: self._frc_at_wait(s))
 
     def _send_grad(self, s: StepState, i: S.SendGrad) -> None:
-        grad = s.in_grads[(i.stage, i.mb)]  # kept until sent: a failed send is retried
-        peer = self.worker(i.stage - 1, i.mb)
-        if peer != self.rank:
-            key = (GRADIENT, i.stage, i.mb)
-            wire = self.ctx.boundary_spec(i.stage, input_side=True).pack_grad(grad)
-            if key not in s.transfers.peer_has:
-                self.p2p.send(wire, peer, key)
-                s.transfers.sent[key] = wire
-            s.transfers.sent_grads[(i.stage, i.mb)] = wire
-        elif not s.backward_begun(i.stage - 1, i.mb):
-            s.out_grads[(i.stage - 1, i.mb)] = grad
-        del s.in_grads[(i.stage, i.mb)]
+        send_grad(self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb))
 
     def _recv_grad(self, s: StepState, i: S.RecvGrad) -> None:
-        peer = self.worker(i.stage + 1, i.mb)
-        if peer == self.rank:
-            return  # passed in memory by this node's own SendGrad
-        spec = self.ctx.boundary_spec(i.stage, input_side=False)
-        s.out_grads[(i.stage, i.mb)] = spec.unpack_grad(self.p2p.recv_interruptible(
-            spec.grad_shape, spec.grad_dtype, self.device, peer, (GRADIENT, i.stage + 1, i.mb),
-            self.interrupted, idle=lambda: self._frc_at_wait(s)))
+        recv_grad(self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb),
+                  self.interrupted, idle=lambda: self._frc_at_wait(s))
 
     def _holds(self, pipeline: int, stage: int) -> bool:
         """Whether this node holds `stage` of `pipeline` now (a fault's target)."""
