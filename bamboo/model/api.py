@@ -84,7 +84,9 @@ Before anything starts, bamboo builds every layer on the meta device (no memory)
 `[1, context]` batch through them, so a layer that raises, a declared shape that does not
 hold or a draw from Python's or numpy's global generator is one line on the command line,
 not a failure inside a worker or a run that silently ends elsewhere than its failure-free
-run.
+run. The loss is tried there on `[1, context]` token targets when the output is per token
+(`[B, context, ...]`); a classifier's output (`[B, classes]`) takes a Dataset's labels,
+which it first meets in the run.
 """
 from __future__ import annotations
 
@@ -282,6 +284,8 @@ def _trace(model: PipelineModel) -> None:
         _refuse_unseeded(before, f"layer {i}'s forward")
         what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
         _check_output(i, x, spec, what)
+    if not _per_token(x, model.context):
+        return  # a sequence's prediction: its labels are a Dataset's, not token targets
     targets = torch.zeros((1, model.context), dtype=torch.int64)
     try:
         loss = model.loss(float32(x), targets)
@@ -291,6 +295,16 @@ def _trace(model: PipelineModel) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ModelError(f"loss returned {type(loss).__name__} "
                          f"{list(getattr(loss, 'shape', []))}, not a scalar tensor")
+
+
+def _per_token(output: object, context: int) -> bool:
+    """Whether the last layer's output may take `[B, context]` token targets: a structure
+    (as before), or one tensor of per-token predictions `[B, context, ...]`. One tensor of
+    another shape (a classifier's `[B, classes]`) meets a Dataset's labels, which only the
+    job has: its loss is first called in the run."""
+    if not isinstance(output, torch.Tensor):
+        return True
+    return output.dim() >= 2 and output.shape[1] == context
 
 
 def _shapes(x: object) -> str:

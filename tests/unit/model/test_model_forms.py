@@ -271,6 +271,46 @@ def test_a_structured_sequential_by_name_passes_the_start_up_trace(tmp_path: Pat
     assert model.description == "nn.Sequential"
 
 
+CLASSIFIER = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Pool(nn.Module):
+    def forward(self, h):
+        return h.mean(1)
+
+
+def labels_loss(logits, labels):
+    return F.cross_entropy(logits, labels)
+
+
+def build(vocab_size: int = 30, context: int = 5):
+    return nn.Sequential(nn.Embedding(vocab_size, 4), Pool(), nn.Linear(4, 3))
+
+
+def per_token(vocab_size: int = 30, context: int = 5):
+    return bamboo.model.forms.pipeline_model(
+        nn.Sequential(nn.Embedding(vocab_size, 4), nn.Linear(4, 3)), context=context,
+        vocab_size=vocab_size, loss=labels_loss)
+"""
+
+
+def test_a_classifier_s_loss_meets_its_labels_in_the_run_a_per_token_one_at_start(
+        tmp_path: Path) -> None:
+    """The start-up trace tries the loss on `[1, context]` token targets only for a per-token
+    output: a classifier's `[B, classes]` meets a Dataset's labels (`[B]`), which the trace
+    does not have; a per-token model whose loss cannot take token targets stays refused."""
+    path = write_module(tmp_path, "forms_classifier", "import bamboo.model.forms\n" + CLASSIFIER)
+    model = load_model(f"{path}:build")
+    assert model.boundaries == (TensorSpec((5, 4)), TensorSpec((4,)), TensorSpec((3,)))
+    assert model.loss is next_token_loss  # the job's loss= replaces it in the run
+    with pytest.raises(ModelError, match=r"loss failed on the output of shape \[1, 5, 3\] and "
+                                         r"targets \[1, 5\]: "):
+        load_model(f"{path}:per_token")
+
+
 @pytest.mark.parametrize("layers, expected", [
     ([TiedLayerSpec("embed", nn.Embedding, 30, 4), LayerSpec(nn.Linear, 4, 30)],
      "list, tied layers are not supported yet: layer 0 is a TiedLayerSpec (key 'embed')"),
