@@ -59,3 +59,22 @@ def test_a_deepspeed_pipeline_script_survives_its_kill(tmp_path: Path) -> None:
     assert config["optimizer"] == "torch.optim.adamw:AdamW(lr=0.001)"
     assert (config["micro_batches"], config["micro_batch_size"], config["grad_clip"]) == \
         (2, 4, 1.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_bert_style_classifier_with_dropout_survives_its_kill(tmp_path: Path) -> None:
+    """Encoder blocks with dropout hand on (hidden states, attention mask); a user's Dataset,
+    cross-entropy and an accuracy metric: the killed run is the failure-free run, accuracy
+    included, for every step and every held-out pass."""
+    killed, clean, stdout = run_example("bert_classifier.py", tmp_path, steps=6)
+    config = killed["config"]
+    assert config["model"] == f"{EXAMPLES / 'bert_classifier.py'}:build"
+    assert config["dataset"] == f"{EXAMPLES / 'bert_classifier.py'}:Reviews(n=512)"
+    assert config["metrics"] == [f"accuracy={EXAMPLES / 'bert_classifier.py'}:accuracy()"]
+    assert [list(m) for m in killed["metrics"]] == [["accuracy"]] * 6
+    assert all(0 <= m["accuracy"] <= 1 for m in killed["metrics"])
+    assert [step for step, _ in killed["eval_metrics"]] == [2, 4, 6]
+    assert [list(m) for _, m in killed["eval_metrics"]] == [["accuracy"]] * 3
+    assert (killed["metrics"], killed["eval_metrics"], killed["eval_losses"]) == \
+        (clean["metrics"], clean["eval_metrics"], clean["eval_losses"])
+    assert f"held out {killed['eval_metrics'][-1][1]['accuracy']:.3f} after step 6" in stdout
