@@ -385,3 +385,16 @@ def test_deepspeed_layer_specs_convert_and_tied_ones_are_refused() -> None:
                                          "TiedLayerSpec"):
         pipeline_model([DSTied("embed", nn.Embedding, 30, 4), *specs[1:]], context=3,
                        vocab_size=30)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+def test_deepspeed_layer_specs_handing_on_a_tuple_and_a_dict_convert() -> None:
+    """DeepSpeed's own LayerSpecs whose layers hand on (hidden, mask), then a dict with ids:
+    the structures are found, each layer built by its spec."""
+    from deepspeed.pipe import LayerSpec as DSLayerSpec
+
+    specs = [DSLayerSpec(nn.Embedding, 30, 4), DSLayerSpec(Pairs), DSLayerSpec(Gated),
+             DSLayerSpec(Head)]
+    model = pipeline_model(specs, context=3, vocab_size=30, loss=_sum_loss)
+    assert model.boundaries == (TensorSpec((3, 4)), TUPLE_THEN_DICT, DICT, TensorSpec((3, 30)))
+    assert isinstance(model.layers[2](), Gated) and model.description == "list of LayerSpecs"
