@@ -1,6 +1,7 @@
 """The scripts of examples/ run as a user runs them (`python examples/X.py --compare`, from
 another directory): each trains with a node killed in flight, then without the kill, and
-the two runs end with the same losses and parameters, bit for bit."""
+the two runs end with the same losses and parameters, bit for bit; the vision example's
+killed run is compared with the single-process loop instead (one run fewer)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from bamboo.config import JobConfig
+from support.reference import train_reference
+from support.runs import REL, assert_close, param_l2
 from support.strict import strict_loads
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]  # every test here starts processes
@@ -78,3 +82,36 @@ def test_a_bert_style_classifier_with_dropout_survives_its_kill(tmp_path: Path) 
     assert (killed["metrics"], killed["eval_metrics"], killed["eval_losses"]) == \
         (clean["metrics"], clean["eval_metrics"], clean["eval_losses"])
     assert f"held out {killed['eval_metrics'][-1][1]['accuracy']:.3f} after step 6" in stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_vision_transformer_on_an_image_dataset_survives_its_kill(tmp_path: Path) -> None:
+    """Patch embedding and blocks with dropout on a user's image Dataset (8-bit pixels), a
+    label-smoothing loss and an accuracy metric; killed in flight (no `--compare`, to keep
+    the suite short), it ends with the failure-free single-process loop's losses, metrics
+    and parameters on the same Dataset, loss and metric."""
+    example = EXAMPLES / "vision_classifier.py"
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(example), "--steps", "6", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    killed = strict_loads((out / "killed" / "summary.json").read_text(), "summary.json")
+    assert (killed["status"], killed["preemptions"], killed["failovers"]) == ("completed", 1, 1)
+    assert (killed["redone_steps"], killed["checkpoint_restores"]) == (0, 0)
+    config = killed["config"]
+    assert config["loss"] == "torch.nn.functional:cross_entropy(label_smoothing=0.1)"
+    keys = ("model", "dataset", "eval_dataset", "loss", "metrics", "steps", "seed", "lr",
+            "micro_batch_size", "eval_every", "eval_batches")
+    cfg = JobConfig.of(**{k: config[k] for k in keys}, micro_batches=4)  # 2 pipelines x 2
+    evals: list[list[float]] = []
+    metrics: list[dict[str, float]] = []
+    eval_metrics: list[list] = []
+    losses, params = train_reference(cfg.validate(), evals, metrics, eval_metrics)
+    assert_close(killed["losses"], losses, rel=REL)
+    assert_close(killed["param_l2"], param_l2(params), rel=REL)
+    assert_close([m["accuracy"] for m in killed["metrics"]],
+                 [m["accuracy"] for m in metrics], rel=REL)
+    assert [s for s, _ in killed["eval_losses"]] == [s for s, _ in evals] == [6]
+    assert_close([v for _, v in killed["eval_losses"]], [v for _, v in evals], rel=REL)
+    assert_close([m["accuracy"] for _, m in killed["eval_metrics"]],
+                 [m["accuracy"] for _, m in eval_metrics], rel=REL)
