@@ -1,0 +1,126 @@
+"""The driver: one job under Bamboo, torchrun elastic + DCP and torchft, failure-free and
+under one kill schedule, repetitions interleaved; a table (table.md), a plot (peers.png) and
+every run's record (results.json) in --out.
+
+    python -m benchmarks.peers.run --kills 8,20 --boot-s 5 --reps 1 --out runs/peers
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peers import systems
+from benchmarks.peers.job import Job
+from benchmarks.peers.report import Kill, Outcome, markdown_table, parse_schedule, summarize
+
+SYSTEMS = ("bamboo", "torchrun", "torchft")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
+    ap.add_argument("--model", default="gpt2-tiny")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro-batches", type=int, default=8, help="global, of all workers")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--kills", default="8,20", help="seconds after the first step (8 or 8s) or steps (@15)")
+    ap.add_argument("--boot-s", type=float, default=5.0, help="seconds before capacity comes back")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's DCP interval in steps")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
+    ap.add_argument("--out", type=Path, default=Path("runs/peers"))
+    a = ap.parse_args(argv)
+    try:
+        a.kill_list = parse_schedule(a.kills)
+    except ValueError as e:
+        ap.error(str(e))
+    a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
+    unknown = [s for s in a.system_list if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown system {unknown[0]!r}: choose from {', '.join(SYSTEMS)}")
+    if "torchft" in a.system_list and importlib.util.find_spec("torchft") is None:
+        print("torchft is not installed (pip install -e '.[peers]'): left out", file=sys.stderr)
+        a.system_list.remove("torchft")
+    if a.workers < 2 or a.micro_batches % a.workers:
+        ap.error("--micro-batches must be a multiple of --workers (>= 2)")
+    return a
+
+
+def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out: Path) -> dict:
+    """The system's record of one run: its summary plus wall_s (first step to end)."""
+    if system == "bamboo":
+        return systems.run_bamboo(job, out, kills, a.boot_s, shlex.split(a.bamboo_flags))
+    if system == "torchrun":
+        return systems.run_torchrun(job, out, kills, a.boot_s, a.checkpoint_every)
+    return systems.run_torchft(job, out, kills, a.boot_s)
+
+
+def outcome(system: str, record: dict, kills: int, free: dict | None) -> Outcome:
+    equal = gap = None
+    if free is not None:
+        equal = (record["param_sha256"] == free["param_sha256"]
+                 and record["losses"] == free["losses"])
+        gap = None if equal else abs(record["param_l2"] - free["param_l2"])
+    return Outcome(system, record["samples"], record["wall_s"], kills, equal, gap,
+                   {k: record.get(k) for k in ("launch_s", "param_l2", "participants", "preemptions", "kills_sent")})
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from statistics import mean
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [mean(r.free_rate) if r.free_rate else 0 for r in rows], 0.4,
+           label="failure-free")
+    ax.bar([i + 0.2 for i in x], [mean(r.goodput) if r.goodput else 0 for r in rows], 0.4,
+           label="goodput under kills")
+    ax.set_xticks(list(x), [r.system for r in rows])
+    ax.set_ylabel("samples/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
+              micro_batch_size=a.micro_batch_size, workers=a.workers)
+    a.out.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    free: list[Outcome] = []
+    killed: list[Outcome] = []
+    first_free: dict[str, dict] = {}
+    for rep in range(a.reps):
+        for kills in ([], a.kill_list):
+            for system in a.system_list:  # interleaved: each system once, then again
+                tag = f"{system}-{'kills' if kills else 'free'}-{rep}"
+                print(f"{time.strftime('%H:%M:%S')} {tag}", file=sys.stderr, flush=True)
+                rec = one_run(a, job, system, kills, a.out / tag)
+                records.append({"run": tag, **{k: v for k, v in rec.items() if k != "config"}})
+                if not kills:
+                    first_free.setdefault(system, rec)
+                    free.append(outcome(system, rec, 0, None))
+                else:
+                    sent = rec.get("kills_sent", rec.get("preemptions", len(kills)))
+                    killed.append(outcome(system, rec, sent, first_free.get(system)))
+    rows = summarize(free, killed)
+    table = markdown_table(rows, baseline="torchrun" if "torchrun" in a.system_list else None)
+    (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
+    (a.out / "table.md").write_text(table + "\n")
+    plot(rows, a.out / "peers.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The peers harness's pure parts (benchmarks/peers/report.py, loaded by path as the other
+benchmark tests load theirs): the kill schedule, the trace Bamboo replays, goodput and
+seconds lost per preemption, and the table."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _report():
+    path = REPO / "benchmarks" / "peers" / "report.py"
+    spec = importlib.util.spec_from_file_location("peers_report", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("peers_report", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+R = _report()
+
+
+def test_a_schedule_reads_seconds_or_steps() -> None:
+    assert R.parse_schedule("8, 20s,31.5") == [R.Kill(8.0, "s"), R.Kill(20.0, "s"), R.Kill(31.5, "s")]
+    assert R.parse_schedule("@15,@32") == [R.Kill(15, "step"), R.Kill(32, "step")]
+    assert R.parse_schedule("") == []
+
+
+@pytest.mark.parametrize("text, says", [("8,x", "bad kill 'x'"), ("@1.5", "bad kill '@1.5'"),
+                                         ("-2", "never negative"), ("8,@9", "mix"),
+                                         ("9,8", "out of order")])
+def test_a_bad_schedule_says_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        R.parse_schedule(text)
+
+
+def test_kills_never_hit_worker_zero_and_the_trace_replaces_each_victim() -> None:
+    assert [R.victim(i, 4) for i in range(5)] == [1, 2, 3, 1, 2]
+    trace = R.bamboo_trace(R.parse_schedule("3,7,9.5,12"), 4, 2.0).splitlines()
+    assert trace[:4] == ["0,add,n0", "0,add,n1", "0,add,n2", "0,add,n3"]
+    assert trace[4:] == ["3000,remove,n1", "5000,add,n4", "7000,remove,n2", "9000,add,n5",
+                         "9500,remove,n3", "11500,add,n6", "12000,remove,n4", "14000,add,n7"]
+
+
+def test_goodput_and_the_seconds_each_preemption_cost() -> None:
+    free = R.Outcome("ddp", useful_samples=1920, train_s=30.0)
+    killed = R.Outcome("ddp", useful_samples=1920, train_s=60.0, kills=3)
+    assert free.goodput == 64.0 and killed.goodput == 32.0
+    assert R.seconds_lost(killed, free.goodput) == pytest.approx(10.0)
+    # samples dropped (a lost replica's share) count as time lost at the failure-free rate
+    dropped = R.Outcome("ft", useful_samples=1600, train_s=30.0, kills=2)
+    assert R.seconds_lost(dropped, 64.0) == pytest.approx((30.0 - 25.0) / 2)
+    assert R.seconds_lost(free, 64.0) is None
+    assert R.Outcome("x", 10, 0.0).goodput == 0.0
+
+
+def test_the_table_has_a_row_per_system_and_the_multiples_of_the_baseline() -> None:
+    free = [R.Outcome("torchrun", 640, 10.0), R.Outcome("bamboo", 640, 20.0),
+            R.Outcome("torchrun", 640, 10.0)]
+    killed = [R.Outcome("torchrun", 640, 20.0, kills=2, equal=True),
+              R.Outcome("bamboo", 640, 20.0, kills=2, equal=False, gap=2.5e-9)]
+    rows = R.summarize(free, killed)
+    assert [r.system for r in rows] == ["torchrun", "bamboo"]
+    assert rows[0].free_rate == [64.0, 64.0] and rows[0].lost_s == [5.0]
+    assert rows[1].lost_s == [0.0]
+    table = R.markdown_table(rows, baseline="torchrun").splitlines()
+    assert len(table) == 4 and table[0].startswith("| system | failure-free samples/s")
+    assert table[2] == "| torchrun | 64.0, 64.0 (1.00x) | 32.0 (1.00x) | 5.0 | yes |"
+    assert table[3] == "| bamboo | 32.0 (0.50x) | 32.0 (1.00x) | 0.0 | no (L2 off by 2.5e-09) |"
+    assert R.markdown_table(rows).splitlines()[3] == "| bamboo | 32.0 | 32.0 | 0.0 | no (L2 off by 2.5e-09) |"
