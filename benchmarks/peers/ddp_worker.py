@@ -72,8 +72,8 @@ def main(out: Path, every: int, boot_s: float) -> None:
             save(out / "ckpt", step + 1, losses, parts)
     if rank == 0:
         write_json(out / "result.json", {"losses": losses, "steps_completed": job.steps,
-                                          **param_digest(parts.model)})
-    dist.destroy_process_group()
+                                          "t_end": time.time(), **param_digest(parts.model)})
+    os._exit(0)  # destroy_process_group can hang on gloo at exit; torchrun needs only the exit status
 
 
 if __name__ == "__main__":

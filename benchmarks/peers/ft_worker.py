@@ -80,6 +80,7 @@ def main(out: Path, replica: int, store_port: int, restarted: bool) -> None:
                                   "loss": mean}) + "\n")
             log.flush()
     write_json(out / f"result.{replica}.json", {"losses": losses, "steps_completed": job.steps,
+                                                "t_end": time.time(),
                                                 **param_digest(parts.model)})
     manager.shutdown(wait=False)
     del store

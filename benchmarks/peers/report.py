@@ -56,7 +56,7 @@ def bamboo_trace(kills: list[Kill], workers: int, boot_s: float) -> str:
 @dataclass
 class Outcome:
     """One run of one system: samples that count toward the model, and the seconds from the
-    first step to the end of the run."""
+    first step's start to the last step's end (start-up and teardown left out)."""
 
     system: str
     useful_samples: float

@@ -105,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             for system in a.system_list:  # interleaved: each system once, then again
                 tag = f"{system}-{'kills' if kills else 'free'}-{rep}"
                 print(f"{time.strftime('%H:%M:%S')} {tag}", file=sys.stderr, flush=True)
-                rec = one_run(a, job, system, kills, a.out / tag)
+                try:
+                    rec = one_run(a, job, system, kills, a.out / tag)
+                except RuntimeError as e:  # kept as a failed run: the others still count
+                    print(f"{tag}: {e}", file=sys.stderr, flush=True)
+                    records.append({"run": tag, "error": str(e)})
+                    continue
                 records.append({"run": tag, **{k: v for k, v in rec.items() if k != "config"}})
+                (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
                 if not kills:
                     first_free.setdefault(system, rec)
                     free.append(outcome(system, rec, 0, None))

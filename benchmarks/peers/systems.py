@@ -19,6 +19,7 @@ from benchmarks.peers.report import Kill, bamboo_trace, victim
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+STALL_S = 240.0  # a torchft replica 0 that has not finished by then has hung: the run failed
 
 
 def _read(path: Path) -> dict | None:
@@ -57,7 +58,8 @@ def drive_kills(kills: list[Kill], progress: Callable[[], dict | None],
 
 def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: list[str]) -> dict:
     """`bamboo train --json`: its summary, its seconds from the first step (when its first
-    generation is ready, trace time 0) as `wall_s`, the whole process's as `launch_s`."""
+    generation is ready, trace time 0) to the last step's end as `wall_s`, the whole
+    process's as `launch_s`."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(BIN / "bamboo"), "train", *job.bamboo_flags(), "--json", "--out", str(out / "run"), *extra]
     if kills and kills[0].unit == "s":
@@ -74,7 +76,8 @@ def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: lis
     summary = json.loads(done.stdout)
     events = [json.loads(line) for line in (out / "run" / "events.jsonl").read_text().splitlines()]
     ready = next(e["t"] for e in events if e["event"] == "generation_ready")
-    return summary | {"launch_s": time.time() - start, "wall_s": summary["wall_s"] - ready,
+    last = max(e["t"] for e in events if e["event"] == "step_done")
+    return summary | {"launch_s": time.time() - start, "wall_s": last - ready,
                       "startup_s": ready}
 
 
@@ -101,7 +104,7 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
     result = _read(out / "result.json")
     if proc.returncode != 0 or result is None:
         raise RuntimeError(f"torchrun failed ({proc.returncode}): see {out / 'log.txt'}")
-    return result | {"wall_s": end - (t0 or start), "launch_s": end - start, "kills_sent": sent,
+    return result | {"wall_s": result["t_end"] - (t0 or start), "launch_s": end - start, "kills_sent": sent,
                      "samples": job.steps * job.global_batch}
 
 
@@ -146,7 +149,7 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float) -> dict:
         start(r)
     first: list = [None]
     t0, sent = drive_kills(kills, lambda: _first_step(out / "progress.0.json", first), kill,
-                     lambda: procs[0].poll() is None)
+                     lambda: procs[0].poll() is None and time.time() < t_launch + STALL_S)
     end = time.time()
     time.sleep(boot_s + 1)  # a replica started late finishes or is ended here
     for p in procs.values():
@@ -156,9 +159,9 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float) -> dict:
     lighthouse.shutdown()
     result = _read(out / "result.0.json")
     if procs[0].returncode != 0 or result is None:
-        raise RuntimeError(f"torchft failed ({procs[0].returncode}): see {out / 'log.txt'}")
+        raise RuntimeError(f"torchft failed or hung ({procs[0].returncode}): see {out / 'log.txt'}")
     share = job.global_batch / job.workers
     steps = [json.loads(line) for line in (out / "steps.0.jsonl").read_text().splitlines()]
-    return result | {"wall_s": end - (t0 or t_launch), "launch_s": end - t_launch, "kills_sent": sent,
+    return result | {"wall_s": result["t_end"] - (t0 or t_launch), "launch_s": end - t_launch, "kills_sent": sent,
                      "samples": sum(s["participants"] * share for s in steps),
                      "participants": [s["participants"] for s in steps]}
