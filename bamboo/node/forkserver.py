@@ -20,9 +20,11 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import tempfile
 import time
-from multiprocessing import forkserver
+from multiprocessing import forkserver, process, util
 from multiprocessing.context import BaseContext
 
 __all__ = ["context", "start", "die_with_parent", "mark_server", "server_pid", "server_death",
@@ -46,7 +48,28 @@ def start() -> None:
     """Start the fork server now (it imports torch in the background). Call it from the
     main thread: the parent-death signal follows the thread that started the server."""
     context()
+    _fit_socket_path()
     forkserver.ensure_running()
+
+
+_SUN_PATH_MAX = 107
+"""The longest path of a Unix socket Linux accepts (108 bytes with the NUL)."""
+_SOCKET_NAME = "/pymp-xxxxxxxx/listener-xxxxxxxx"
+"""What Python 3.11 adds to the temp directory for the fork server's socket."""
+
+
+def _fit_socket_path() -> None:
+    """Give multiprocessing a temp directory short enough for the fork server's Unix
+    socket. Under a long TMPDIR Python 3.11 fails with "AF_UNIX path too long" (3.12 falls
+    back by itself); /tmp is used then, and removed at exit as Python removes its own."""
+    config = process.current_process()._config  # type: ignore[attr-defined]
+    if config.get("tempdir") is not None:
+        return
+    if len(os.fsencode(tempfile.gettempdir() + _SOCKET_NAME)) <= _SUN_PATH_MAX:
+        return
+    short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    util.Finalize(None, shutil.rmtree, args=(short, True), exitpriority=-100)
+    config["tempdir"] = short
 
 
 def die_with_parent() -> None:
