@@ -20,7 +20,7 @@ from support.procs import Result, run_bamboo
 from support.runs import assert_close
 
 GROWTH_BOUND = 1 << 20
-STEPS = 48
+STEPS = 32
 JOB = ["--model", "gpt2-tiny", "--nodes", "4", "--stages", "4", "--micro-batches", "4",
        "--steps", str(STEPS), "--json", "--quiet"]
 MODES = {
