@@ -4,12 +4,14 @@
 
 The model is what a torch user writes, an `nn.Sequential` of token and position embeddings,
 `nn.TransformerEncoderLayer` blocks and a pooled `[CLS]` head, dropout 0.1 throughout
-(bamboo cuts it between any two children). Layer 0 takes the padded token ids and hands
-on `(hidden states, attention mask)`, a tuple: the bool mask (True on real tokens, as a
-tokenizer's `attention_mask`) travels between the pipeline's stages with the hidden
-states, without a gradient, and every block attends to the real tokens only. The data is a map-style Dataset of this file, sample i `(input_ids, label)`: short "reviews"
-of word ids padded to CONTEXT, labelled 1 when they hold more positive words than negative
-ones. Cross-entropy is the loss and `accuracy` a metric, taken on the last stage for every
+(bamboo cuts it between any two children). The data is a map-style Dataset of this file,
+sample i `((input_ids, attention_mask), label)` as a tokenizer gives them: short "reviews"
+of word ids padded to CONTEXT, the bool mask True on the real tokens, labelled 1 when they
+hold more positive words than negative ones. Layer 0 takes the tuple `(input_ids,
+attention_mask)` (the model declares it: `model.inputs = (TensorSpec((CONTEXT,),
+torch.int64), TensorSpec((CONTEXT,), torch.bool))`) and hands on `(hidden states, attention
+mask)`: the mask travels between the pipeline's stages with the hidden states, without a
+gradient, and every block attends to the real tokens only. Cross-entropy is the loss and `accuracy` a metric, taken on the last stage for every
 step and for the held-out Dataset, and read back from the RunResult.
 
 Dropout is safe under failover: bamboo seeds torch's generator around every layer's forward
@@ -30,6 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import bamboo
+from bamboo.model.api import TensorSpec
 
 CONTEXT, D, HEADS, BLOCKS, CLASSES, DROPOUT = 16, 32, 2, 2, 2, 0.1
 PAD, CLS = 0, 1
@@ -38,8 +41,9 @@ POSITIVE, NEGATIVE, NEUTRAL = range(2, 10), range(10, 18), range(18, 40)
 
 
 class Reviews(Dataset):
-    """`n` reviews of 4..CONTEXT-1 words after `[CLS]`, padded with PAD; each one drawn from
-    (seed, index), so every process builds the same samples."""
+    """`n` reviews of 4..CONTEXT-1 words after `[CLS]`, padded with PAD, with their
+    attention mask; each one drawn from (seed, index), so every process builds the same
+    samples."""
 
     def __init__(self, n: int = 512, seed: int = 0) -> None:
         self.n, self.seed = n, seed
@@ -47,7 +51,7 @@ class Reviews(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         length = int(torch.randint(4, CONTEXT, (), generator=g))
         words = torch.randint(POSITIVE.start, NEUTRAL.stop, (length,), generator=g)
@@ -55,21 +59,22 @@ class Reviews(Dataset):
         negative = int(((words >= NEGATIVE.start) & (words < NEGATIVE.stop)).sum())
         ids = torch.full((CONTEXT,), PAD, dtype=torch.int64)
         ids[0], ids[1:length + 1] = CLS, words
-        return ids, torch.tensor(int(positive > negative))
+        return (ids, ids != PAD), torch.tensor(int(positive > negative))
 
 
 class Embeddings(nn.Module):
-    """Token and position embeddings, LayerNorm and dropout; the mask from the padding."""
+    """Token and position embeddings, LayerNorm and dropout; the mask handed on."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab_size, D), nn.Embedding(CONTEXT, D)
         self.norm, self.drop = nn.LayerNorm(D), nn.Dropout(DROPOUT)
 
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = x
         positions = torch.arange(ids.shape[1], device=ids.device)
         hidden = self.drop(self.norm(self.tokens(ids) + self.positions(positions)))
-        return hidden, ids != PAD
+        return hidden, mask
 
 
 class Block(nn.Module):
@@ -98,13 +103,16 @@ class Classifier(nn.Module):
 
 
 def build(vocab_size: int = 256, context: int = CONTEXT) -> nn.Sequential:
-    """Embeddings, BLOCKS encoder blocks and the classifier, as a torch user writes them:
-    bamboo cuts the Sequential one child per pipeline layer and finds what travels between
-    them on the meta device (here `([B, CONTEXT, D] float32, [B, CONTEXT] bool)`), and the
-    output (`[B, CLASSES]`). `bamboo.model.api.PipelineModel(layers=..., boundary=...)`
+    """Embeddings, BLOCKS encoder blocks and the classifier, as a torch user writes them,
+    its `inputs` the Dataset's `(input_ids, attention_mask)` per sample: bamboo cuts the
+    Sequential one child per pipeline layer and finds what travels between them on the
+    meta device (here `([B, CONTEXT, D] float32, [B, CONTEXT] bool)`), and the output
+    (`[B, CLASSES]`). `bamboo.model.api.PipelineModel(layers=..., inputs=..., boundary=...)`
     declares the same by hand."""
-    return nn.Sequential(Embeddings(vocab_size), *[Block() for _ in range(BLOCKS)],
-                         Classifier())
+    model = nn.Sequential(Embeddings(vocab_size), *[Block() for _ in range(BLOCKS)],
+                          Classifier())
+    model.inputs = (TensorSpec((context,), torch.int64), TensorSpec((context,), torch.bool))
+    return model
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,12 @@ flight.
     python examples/vision_classifier.py --steps 6 --out runs/vit [--compare]
 
 The pieces are those of a torch script: a map-style `Dataset` whose sample i is
-`(image, label)`, the image as its 8-bit pixels (`uint8` values as int64, flattened: layer
-0 receives `[B, 256]` integers, as it would token ids, and scales them to `[0, 1]`), `F.cross_entropy(..., label_smoothing=0.1)` as the loss, an accuracy
-function of `(outputs, labels)`, and a model of four pipeline layers (patch embedding,
-two transformer blocks, the classifier head), each with `nn.Dropout`. Every process builds
+`(image, label)`, the image a `[1, 16, 16]` float32 tensor of pixels in `[0, 1]` (the model
+declares it, `inputs=TensorSpec((1, 16, 16))`: layer 0 receives `[B, 1, 16, 16]`),
+`F.cross_entropy(..., label_smoothing=0.1)` as the loss, an accuracy function of
+`(outputs, labels)`, and a model of four pipeline layers (patch embedding, two
+transformer blocks, the classifier head), each with `nn.Dropout`. It has no vocabulary
+(no `vocab_size`): it trains on its Dataset only. Every process builds
 them again by name; bamboo picks each step's sample indices (by seed and step, shuffled
 epochs) and seeds every dropout mask by (seed, step, micro-batch, layer), so the shadow
 that takes over the killed node's stage draws the masks and reads the samples the lost
@@ -37,7 +39,7 @@ PATCHES = (SIZE // PATCH) ** 2
 class Quadrants(Dataset):
     """`n` noisy 16x16 grey images, each with a bright square in one quadrant: the
     label. Sample i is drawn from (seed, i), so every process reads the same one; its
-    pixels are 0..255, flattened."""
+    pixels are in [0, 1], one channel."""
 
     def __init__(self, n: int, seed: int = 0) -> None:
         self.n, self.seed = n, seed
@@ -52,8 +54,7 @@ class Quadrants(Dataset):
         row, col = divmod(label, 2)
         half = SIZE // 2
         image[row * half:(row + 1) * half, col * half:(col + 1) * half] += 0.4
-        pixels = (image.clamp(0, 1) * 255).round().to(torch.int64)
-        return pixels.flatten(), torch.tensor(label)
+        return image.clamp(0, 1).unsqueeze(0), torch.tensor(label)
 
 
 def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,7 @@ def accuracy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class PatchEmbed(nn.Module):
-    """[B, 256] pixels 0..255 -> [B, 16, D] patch embeddings with learned positions."""
+    """[B, 1, 16, 16] images -> [B, 16, D] patch embeddings with learned positions."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,8 +71,7 @@ class PatchEmbed(nn.Module):
         self.positions = nn.Parameter(torch.zeros(PATCHES, D))
         self.drop = nn.Dropout(0.1)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        images = pixels.view(-1, 1, SIZE, SIZE).float() / 255.0
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(images).flatten(2).transpose(1, 2) + self.positions)
 
 
@@ -102,11 +102,12 @@ class Head(nn.Module):
         return self.out(self.ln(x).mean(dim=1))
 
 
-def build(vocab_size: int = 256) -> PipelineModel:
-    """Four pipeline layers; between them [16 patches, D] float32 activations."""
+def build() -> PipelineModel:
+    """Four pipeline layers: float images in, [16 patches, D] float32 activations between
+    them, class logits out; `context` is the sequence the blocks see (the patches)."""
     return PipelineModel(layers=[PatchEmbed, Block, Block, Head],
-                         boundary=TensorSpec((PATCHES, D)), output=TensorSpec((CLASSES,)),
-                         context=SIZE * SIZE, vocab_size=vocab_size,
+                         inputs=TensorSpec((1, SIZE, SIZE)), boundary=TensorSpec((PATCHES, D)),
+                         output=TensorSpec((CLASSES,)), context=PATCHES,
                          description=f"ViT: {SIZE}x{SIZE} images, {PATCHES} patches, d={D}")
 
 

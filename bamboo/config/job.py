@@ -144,6 +144,7 @@ class JobConfig:
                               "stages")
         for name in SECTIONS:
             getattr(self, name).check(self)
+        _check_byte_vocabulary(self, p)
         from bamboo.config.data import check_data, check_layer_costs
         check_data(self, p.family)
         check_layer_costs(self, p.layers)
@@ -170,3 +171,17 @@ class JobConfig:
         """Every option by its flat key (the run_start event, W&B's run config)."""
         return flat_values(self, list(all_options()))
 
+
+
+def _check_byte_vocabulary(job: JobConfig, p: ModelPreset) -> None:
+    """Your model on bamboo's byte tokens (the synthetic language, a --data text file) needs
+    ids 0..255; a --dataset brings its own inputs, and a --data directory sizes the model to
+    its tokenizer (`model_preset`), so neither needs it."""
+    path = job.data.path
+    if (p.family != "custom" or p.vocab >= 256 or job.data.dataset is not None
+            or (path is not None and Path(path).is_dir())):
+        return
+    has = (f"vocab_size={p.vocab} is too small for byte tokens 0..255" if p.vocab else
+           "has no vocab_size, and byte tokens 0..255 need one")
+    raise ConfigError(f"--model '{p.name}': {has} (the synthetic data and text files): give "
+                      f"vocab_size a default of 256 or more, or train on a --dataset", "model")

@@ -119,7 +119,17 @@ class DatasetSamples(Samples):
         if not isinstance(sample, (tuple, list)) or len(sample) != 2:
             raise ValueError(f"a sample of the Dataset is {type(sample).__name__}, not a pair "
                              f"(inputs, labels)")
-        return Batch(sample[0], sample[1])
+        return Batch(_tuples(sample[0]), sample[1])
+
+
+def _tuples(x: Any) -> Any:
+    """The inputs with every list a tuple: torch's `default_collate` turns a sample's tuple
+    into a list, and layer 0 takes (and the model declares) a tuple."""
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    return x
 
 
 def job_task(cfg: JobConfig, preset: Any) -> Task:
@@ -158,8 +168,60 @@ def check_job_data(cfg: JobConfig) -> None:
         except Exception as e:  # noqa: BLE001 - the user's code
             raise ConfigError(f"{what}: its first micro-batch failed: {_line(e)}",
                               _key(what)) from None
+    if d.dataset is not None:
+        _check_inputs(cfg, task)
     if task.loss is not None or task.metrics:
         _check_on_outputs(cfg, task)
+
+
+def _model_inputs(cfg: JobConfig) -> tuple[Any, bool] | None:
+    """(what the job's model's layer 0 takes per sample, whether the model declares it), or
+    None where bamboo does not know (the CNN presets take images of their own)."""
+    from bamboo.model.api import load_model
+    from bamboo.model.pipeline import token_inputs
+    p = cfg.model_preset()
+    if p.family == "custom":
+        model = load_model(p.name, p.vocab)
+        return model.input_spec, model.inputs is not None
+    return None if p.family == "cnn" else (token_inputs(p.context), False)
+
+
+def _check_inputs(cfg: JobConfig, task: Task) -> None:
+    """ConfigError (one line naming both) when the first micro-batch's inputs, per sample,
+    are not what the model's layer 0 takes (structure, shape, dtype). A model that declares
+    no `inputs` takes `[context]` int64 token ids: it is held to that only by a Dataset whose
+    inputs are token ids (one integer tensor); other inputs meet its layer 0 in the run."""
+    import torch
+    from bamboo.model.pipeline import TensorSpec, describe_spec
+    from bamboo.model.structure import StructureError, flatten, unflatten
+    known = _model_inputs(cfg)
+    if known is None:
+        return
+    spec, declared = known
+    d = cfg.data
+    for flag, text, batch in (("--dataset", d.dataset, lambda: task.batch(0, 0)),
+                              ("--eval-dataset", d.eval_dataset, lambda: task.eval_batch(0))):
+        if text is None:
+            continue
+        inputs = batch().inputs
+        tokens = isinstance(inputs, torch.Tensor) and not (
+            inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool)
+        if not (declared or tokens):
+            continue
+        try:
+            items, treedef = flatten(inputs)
+        except StructureError:
+            items, treedef = [], None
+        specs, expected = flatten(spec, leaf=TensorSpec)
+        samples = [t[0] if t.dim() else t for t in items]  # one sample's: the batch's first
+        if treedef == expected and all((t.shape, t.dtype) == (s.shape, s.dtype)
+                                       for t, s in zip(samples, specs)):
+            continue
+        have = describe_spec(unflatten(treedef, samples)) if treedef else describe_spec(inputs)
+        how = ("PipelineModel(inputs=...)" if declared else "token ids, the default: declare "
+               "what it takes with PipelineModel(inputs=...)")
+        raise ConfigError(f"{flag} {text}: a sample's inputs are {have} but the model's layer 0 "
+                          f"takes {describe_spec(spec)} ({how})", _key(flag))
 
 
 def _check_on_outputs(cfg: JobConfig, task: Task) -> None:

@@ -6,7 +6,8 @@ A model is one Python file with a build function that returns a `PipelineModel` 
 trains it on next-token prediction like bamboo's own GPT-2 presets: every layer of the
 pipeline gets a micro-batch of `[B, context]` int64 token ids (layer 0) or the previous
 layer's output, and the last layer's output goes with the `[B, context]` int64 targets
-into the loss. A complete model::
+into the loss. With a Dataset (`--dataset`, `bamboo.Job(dataset=...)`) layer 0 gets its
+inputs instead, which the model declares (`inputs=`, below). A complete model::
 
     # mymodel.py
     import torch
@@ -69,11 +70,17 @@ The rules:
   or a list of `len(layers) - 1` of them, one per boundary. Floating-point tensors get
   their gradients back; others (masks, ids) travel forward only; each boundary holds at
   least one floating tensor (bamboo.model.structure).
+- `inputs` is what layer 0 receives per sample: `[context]` int64 token ids unless
+  given; a `TensorSpec` of any dtype (`TensorSpec((3, 32, 32))` for float images), or a
+  tuple or dict of them (`(ids, mask)`), as a Dataset's collate makes its inputs.
 - The last layer's output is `output` per sample, `[context, vocab_size]` float32 logits
   unless given, and `loss(output, targets)` is the micro-batch's mean loss (by default
   next-token cross-entropy, targets of -100 ignored).
-- The build function takes the vocabulary as the keyword `vocab_size` with a default:
-  the training data's tokenizer may ask for another size, and bamboo calls it again.
+- A model with a vocabulary takes it as the build function's keyword `vocab_size` with a
+  default: the training data's tokenizer may ask for another size, and bamboo calls it
+  again. `vocab_size` is needed only for the default `output` and for bamboo's own byte
+  tokens (256 or more); a classifier of a Dataset's images leaves it None, and its build
+  function need not take it.
 - Every process of a run imports the module: the coordinator, and each worker, which
   starts in the coordinator's working directory. A `PACKAGE.MODULE` is imported with that
   directory first on `sys.path` (as `python -m` does), so a module in the directory you run
@@ -81,10 +88,10 @@ The rules:
   machines (`bamboo agent`) import it there the same way.
 
 Before anything starts, bamboo builds every layer on the meta device (no memory) and runs a
-`[1, context]` batch through them, so a layer that raises, a declared shape that does not
-hold or a draw from Python's or numpy's global generator is one line on the command line,
-not a failure inside a worker or a run that silently ends elsewhere than its failure-free
-run. The loss is tried there on `[1, context]` token targets when the output is per token
+batch of one sample of `inputs` through them (zeros; True for a bool mask), so a layer that
+raises, a declared shape that does not hold or a draw from Python's or numpy's global
+generator is one line on the command line, not a failure inside a worker or a run that
+silently ends elsewhere than its failure-free run. The loss is tried there on `[1, context]` token targets when the output is per token
 (`[B, context, ...]`); a classifier's output (`[B, classes]`) takes a Dataset's labels,
 which it first meets in the run.
 """
@@ -107,7 +114,8 @@ from torch import nn
 
 from bamboo.model import forms
 from bamboo.model.meta import shapes_only
-from bamboo.model.pipeline import ModelError, PipelineModel, TensorSpec, next_token_loss
+from bamboo.model.pipeline import (ModelError, PipelineModel, TensorSpec, describe_spec,
+                                   next_token_loss, zeros_of)
 from bamboo.model.structure import StructureError, Treedef, describe, flatten, float32
 
 __all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
@@ -182,8 +190,10 @@ def _one_line(e: BaseException) -> str:
 @functools.cache
 def load_model(name: str, vocab: int | None = None) -> PipelineModel:
     """The model of `name` (MODULE:FUNCTION), built for `vocab` tokens (the function's
-    default when None), with its layers and declared shapes checked on the meta device.
-    ValueError with one line when anything is wrong."""
+    default when None or 0, a preset's vocabulary for a model without one), with its
+    layers and declared shapes checked on the meta device. ValueError with one line when
+    anything is wrong."""
+    vocab = vocab or None
     try:
         model = _load(name, vocab)
         _check_shapes(model)
@@ -205,22 +215,7 @@ def _load(name: str, vocab: int | None) -> PipelineModel:
         raise ModelError(f"'{target}' has no function '{function}'")
     if not callable(build):
         raise ModelError(f"'{function}' in '{target}' is {type(build).__name__}, not a function")
-    try:
-        signature = inspect.signature(build)
-    except (TypeError, ValueError):
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(vocab_size=1)
-        except TypeError:
-            raise ModelError(f"{function}() takes no vocab_size keyword; define it as "
-                             f"def {function}(vocab_size: int = 256) -> PipelineModel") from None
-        if vocab is None:
-            try:
-                signature.bind()
-            except TypeError:
-                raise ModelError(f"{function}() has a parameter without a default; give "
-                                 f"vocab_size (and any other) a default") from None
+    takes_vocab = _takes_vocab(build, function, vocab)
     try:
         with forms.seeded_build():
             model = build() if vocab is None else build(vocab_size=vocab)
@@ -232,15 +227,45 @@ def _load(name: str, vocab: int | None) -> PipelineModel:
         model = forms.pipeline_model(model, vocab_size=vocab, build=build)
     except ModelError as e:
         raise ModelError(f"{function}() returned {e}") from None
+    if not takes_vocab and model.vocab_size is not None:
+        raise ModelError(f"{function}() takes no vocab_size keyword but its model has "
+                         f"vocab_size={model.vocab_size}; define it as def {function}("
+                         f"vocab_size: int = {model.vocab_size}) and pass it on to the model")
     if vocab is not None and model.vocab_size != vocab:
         raise ModelError(f"{function}(vocab_size={vocab}) returned a model with vocab_size="
                          f"{model.vocab_size}: pass vocab_size on to the model")
     return model
 
 
+def _takes_vocab(build: Callable, function: str, vocab: int | None) -> bool:
+    """Whether `build` takes the keyword `vocab_size` (a model with a vocabulary must: the
+    data's tokenizer may ask for another size); ModelError when it cannot be called as
+    bamboo calls it (with `vocab_size=vocab`, or with no argument when `vocab` is None)."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(vocab_size=1)
+        takes = True
+    except TypeError:
+        takes = False
+    if vocab is not None and not takes:
+        raise ModelError(f"{function}() takes no vocab_size keyword; define it as "
+                         f"def {function}(vocab_size: int = 256) -> PipelineModel")
+    if vocab is None:
+        try:
+            signature.bind()
+        except TypeError:
+            raise ModelError(f"{function}() has a parameter without a default; give "
+                             f"vocab_size (and any other) a default") from None
+    return takes
+
+
 def _check_shapes(model: PipelineModel) -> None:
-    """Build every layer and run a `[1, context]` batch through them, on the meta device
-    (no memory, no init); on CPU when some op has no meta kernel."""
+    """Build every layer and run a batch of one sample of the model's inputs (zeros of
+    `input_spec`) through them, on the meta device (no memory, no init); on CPU when some
+    op has no meta kernel."""
     try:
         with shapes_only(), torch.no_grad():
             _trace(model)
@@ -271,7 +296,7 @@ def _refuse_unseeded(before: dict[str, bytes], what: str) -> None:
 
 
 def _trace(model: PipelineModel) -> None:
-    x: object = torch.zeros((1, model.context), dtype=torch.int64)
+    x: object = zeros_of(model.input_spec)
     for i, spec in enumerate(model.boundaries):
         before = _unseeded_states()
         layer = custom_layer(model, i)
@@ -279,8 +304,9 @@ def _trace(model: PipelineModel) -> None:
         try:
             x = layer(x)
         except Exception as e:
-            raise _RunError(f"layer {i} failed on its input {_shapes(x)}: "
-                            f"{_one_line(e)}") from None
+            fed = (f"its input {_shapes(x)}" if i else f"its inputs, one sample of "
+                   f"{describe_spec(model.input_spec)}{_declare(model)}")
+            raise _RunError(f"layer {i} failed on {fed}: {_one_line(e)}") from None
         _refuse_unseeded(before, f"layer {i}'s forward")
         what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
         _check_output(i, x, spec, what)
@@ -295,6 +321,12 @@ def _trace(model: PipelineModel) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ModelError(f"loss returned {type(loss).__name__} "
                          f"{list(getattr(loss, 'shape', []))}, not a scalar tensor")
+
+
+def _declare(model: PipelineModel) -> str:
+    """How to say what layer 0 takes, in a message about the default inputs."""
+    return (" (token ids, the default: declare what layer 0 takes with "
+            "PipelineModel(inputs=...))" if model.inputs is None else "")
 
 
 def _per_token(output: object, context: int) -> bool:

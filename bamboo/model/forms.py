@@ -16,15 +16,18 @@ their attributes, so the plain forms work without it installed.
 - Factories and `LayerSpec`s (`spec.build()`) are called for the layers a node holds.
 - A plain callable in a DeepSpeed layer list is a forward function (as in DeepSpeed);
   in a bamboo list it is a zero-argument factory.
-- The tensors between layers and the last layer's output are found by running a
-  `[1, context]` batch through the layers on the meta device (on the CPU if an op has no
-  meta kernel), unless `boundary` / `output` are given. A layer may return a tensor, or a
+- The tensors between layers and the last layer's output are found by running a batch of
+  one sample of what layer 0 takes (zeros of `inputs`: `[1, context]` int64 token ids by
+  default) through the layers on the meta device (on the CPU if an op has no meta
+  kernel), unless `boundary` / `output` are given. A layer may return a tensor, or a
   tuple or a dict of str to tensors (nesting allowed; bamboo.model.structure): its spec
   is the same structure of `TensorSpec`s, as bamboo.model.api's start-up trace checks.
   Each holds at least one floating-point tensor (the gradient flows back through those;
   masks and ids travel without one). A list, None or any other value is refused.
 - `context` (tokens per sample) and `vocab_size` come from the keywords, else from the
-  object's attributes of that name, else from the build function's keyword defaults.
+  object's attributes of that name, else from the build function's keyword defaults;
+  `inputs` from the keyword, else the object's `inputs` attribute. A model fed token ids
+  (no `inputs`) needs a `vocab_size`; one whose `inputs` are declared may have none.
 - Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these
   objects, or a factory no process can import (a lambda, a closure, a notebook's
   function); every process unpickles the same bytes (`Given`), so a module's
@@ -42,7 +45,8 @@ from torch import nn
 
 from bamboo.model.meta import shapes_only
 from bamboo.model.pipeline import (Boundary, ModelError, PipelineModel, TensorSpec,
-                                   next_token_loss)
+                                   check_spec, describe_spec, next_token_loss, token_inputs,
+                                   zeros_of)
 from bamboo.model.structure import StructureError, describe, flatten, unflatten
 
 __all__ = ["pipeline_model", "seeded_build", "BUILD_SEED", "is_model_object", "Given"]
@@ -157,9 +161,11 @@ def _layers(obj: object) -> tuple[list[Callable[[], nn.Module]], Loss | None, st
                      f"factories, or a DeepSpeed PipelineModule or list of LayerSpecs")
 
 
-def _positive(obj: object, name: str, given: int | None, build: Callable | None) -> int:
+def _positive(obj: object, name: str, given: int | None, build: Callable | None,
+              required: bool = True) -> int | None:
     """`name` (context or vocab_size): the keyword, the object's attribute, or the build
-    function's keyword default; ModelError saying where to give it."""
+    function's keyword default; ModelError saying where to give it (None when it is not
+    `required` and nothing gives it)."""
     value = given if given is not None else getattr(obj, name, None)
     if value is None and build is not None:
         try:
@@ -168,6 +174,8 @@ def _positive(obj: object, name: str, given: int | None, build: Callable | None)
             parameter = None
         if parameter is not None and parameter.default is not inspect.Parameter.empty:
             value = parameter.default
+    if value is None and not required:
+        return None
     if value is None:
         where = ("" if isinstance(obj, (list, tuple)) else f"set its `{name}` attribute, ")
         raise ModelError(f"no {name}: {where}give the build "
@@ -182,10 +190,11 @@ class _Unrunnable(Exception):
     """A factory or forward that raised while the shapes were traced."""
 
 
-def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[object]:
-    """Every layer's output for a `[1, context]` batch of token ids: a tensor, or a tuple or
-    dict of tensors (the next layer gets it as its one argument)."""
-    x: object = torch.zeros((1, context), dtype=torch.int64)
+def _run(layers: Sequence[Callable[[], nn.Module]], inputs: Boundary) -> list[object]:
+    """Every layer's output for a batch of one sample of `inputs` (zeros; token ids by
+    default): a tensor, or a tuple or dict of tensors (the next layer gets it as its one
+    argument)."""
+    x: object = zeros_of(inputs)
     outputs: list[object] = []
     for i, make in enumerate(layers):
         try:
@@ -204,21 +213,29 @@ def _run(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[object
     return outputs
 
 
-def _derived_specs(layers: Sequence[Callable[[], nn.Module]], context: int) -> list[Boundary]:
+def _fed(inputs: Boundary, declared: bool) -> str:
+    """What the trace fed layer 0, for a message."""
+    if not declared and isinstance(inputs, TensorSpec):
+        return f"a [1, {inputs.shape[0]}] batch of token ids"
+    return f"a batch of one sample of its inputs {describe_spec(inputs)}"
+
+
+def _derived_specs(layers: Sequence[Callable[[], nn.Module]], inputs: Boundary,
+                   declared: bool) -> list[Boundary]:
     """The output spec of every layer (no batch dimension; a structure of TensorSpecs for a
     tuple or dict), traced on the meta device, on the CPU where that fails."""
     try:
         with shapes_only(), torch.no_grad():
-            outputs = _run(layers, context)
+            outputs = _run(layers, inputs)
     except _Unrunnable:
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                outputs = _run(layers, context)
+                outputs = _run(layers, inputs)
         except _Unrunnable as e:
-            raise ModelError(f"cannot find the tensors between layers on a [1, {context}] "
-                             f"batch of token ids ({e}): give boundary=TensorSpec(...) and "
-                             f"output=TensorSpec(...) to bamboo.model.forms.pipeline_model"
-                             ) from None
+            hint = "" if declared else ", or inputs=TensorSpec(...) if layer 0 takes no token ids"
+            raise ModelError(f"cannot find the tensors between layers on {_fed(inputs, declared)}"
+                             f" ({e}): give boundary=TensorSpec(...) and output=TensorSpec(...)"
+                             f"{hint} to bamboo.model.forms.pipeline_model") from None
     return [_spec_of(i, out, last=i == len(outputs) - 1) for i, out in enumerate(outputs)]
 
 
@@ -239,34 +256,43 @@ def _spec_of(i: int, out: object, last: bool) -> Boundary:
 
 def pipeline_model(obj: object, *, context: int | None = None, vocab_size: int | None = None,
                    loss: Loss | None = None, boundary: Boundary | Sequence[Boundary] | None
-                   = None, output: Boundary | None = None, description: str = "",
-                   build: Callable | None = None) -> PipelineModel:
+                   = None, output: Boundary | None = None, inputs: Boundary | None = None,
+                   description: str = "", build: Callable | None = None) -> PipelineModel:
     """`obj` (any model form of this module's docstring, or a PipelineModel, returned as
     it is) as a PipelineModel. `loss` defaults to a PipelineModule's `loss_fn`, else
-    next-token cross-entropy; `build` is the function that returned `obj` (for its
-    keyword defaults). ModelError with one line when it cannot be converted."""
+    next-token cross-entropy; `inputs` (what layer 0 takes per sample) to the object's
+    `inputs` attribute, else `[context]` int64 token ids; `build` is the function that
+    returned `obj` (for its keyword defaults). ModelError with one line when it cannot be
+    converted."""
     if isinstance(obj, PipelineModel):
         return obj
     try:
-        return _convert(obj, context, vocab_size, loss, boundary, output, description, build)
+        return _convert(obj, context, vocab_size, loss, boundary, output, inputs, description,
+                        build)
     except ModelError as e:
         raise ModelError(f"{type(obj).__name__}, {e}") from None
 
 
 def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Loss | None,
              boundary: Boundary | Sequence[Boundary] | None, output: Boundary | None,
-             description: str, build: Callable | None) -> PipelineModel:
+             inputs: Boundary | None, description: str, build: Callable | None
+             ) -> PipelineModel:
     layers, own_loss, what = _layers(obj)
     context = _positive(obj, "context", context, build)
-    vocab_size = _positive(obj, "vocab_size", vocab_size, build)
+    inputs = inputs if inputs is not None else getattr(obj, "inputs", None)
+    # a model fed token ids has a vocabulary; one whose inputs are declared may have none
+    vocab_size = _positive(obj, "vocab_size", vocab_size, build, required=inputs is None)
+    if inputs is not None:  # checked before it is fed to the layers
+        check_spec(inputs, "inputs")
     if boundary is None or output is None:
-        specs = _derived_specs(layers, context)
+        specs = _derived_specs(layers, inputs if inputs is not None else token_inputs(context),
+                               declared=inputs is not None)
         if boundary is None and len(layers) > 1:
             boundary = specs[:-1]
         output = output or specs[-1]
     return PipelineModel(layers=layers, boundary=boundary, context=context,
                          vocab_size=vocab_size, loss=loss or own_loss or next_token_loss,
-                         output=output, description=description or what)
+                         output=output, inputs=inputs, description=description or what)
 
 
 def is_model_object(obj: object) -> bool:

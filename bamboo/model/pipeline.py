@@ -1,5 +1,6 @@
 """The model type: `PipelineModel`, an ordered list of layer factories, the `TensorSpec`s of
-what travels between them, and a loss (`bamboo.model.api` is where a user imports them)."""
+what layer 0 takes and of what travels between the layers, and a loss (`bamboo.model.api`
+is where a user imports them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -10,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.structure import (BoundarySpec, StructuredSpec, StructureError, flatten)
+from bamboo.model.structure import (BoundarySpec, StructuredSpec, StructureError, flatten,
+                                    unflatten)
 
 __all__ = ["ModelError", "next_token_loss", "TensorSpec", "Boundary", "PipelineModel",
-           "boundary_spec"]
+           "boundary_spec", "token_inputs", "describe_spec", "zeros_of", "check_spec"]
 
 
 class ModelError(ValueError):
@@ -68,6 +70,18 @@ def _structure(spec: object, what: str, needs_float: bool) -> Boundary:
     return spec  # type: ignore[return-value]
 
 
+def check_spec(spec: object, what: str) -> Boundary:
+    """`spec` (a model's `inputs` or `output`) when it is a TensorSpec, or a tuple or dict
+    of them, of any dtypes; ModelError with one line else."""
+    if not isinstance(spec, (TensorSpec, tuple, dict)):
+        raise ModelError(f"PipelineModel {what} is {type(spec).__name__}, not a TensorSpec, "
+                         f"or a tuple or a dict of them")
+    if isinstance(spec, tuple) and spec and all(type(n) is int for n in spec):
+        raise ModelError(f"PipelineModel {what} {spec!r} is a shape, not a TensorSpec: write "
+                         f"TensorSpec({spec!r}), with its dtype unless torch.float32")
+    return _structure(spec, what, needs_float=False)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineModel:
     """A model bamboo can cut into pipeline stages between any two of its layers."""
@@ -78,13 +92,18 @@ class PipelineModel:
     """What travels between layers, per sample: a TensorSpec, or a tuple or dict of them
     (one structure for every boundary), or a list of them, one per boundary."""
     context: int
-    """Tokens per sample: layer 0 receives `[B, context]` int64 token ids."""
-    vocab_size: int
-    """Token ids are 0..vocab_size-1."""
+    """Positions per sample (tokens, patches): the default `inputs` and `output` are per
+    token, and the memory estimate counts activations per position."""
+    vocab_size: int | None = None
+    """Token ids are 0..vocab_size-1; needed for the default `output` (next-token logits),
+    and for bamboo's own byte-token data (the synthetic language, text files)."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
     """(last layer's output, `[B, context]` int64 targets) -> scalar mean loss."""
     output: Boundary | None = None
     """The last layer's output per sample; `[context, vocab_size]` float32 logits if None."""
+    inputs: Boundary | None = None
+    """What layer 0 receives per sample: a TensorSpec, or a tuple or dict of them (a
+    Dataset's inputs as its collate makes them); `[context]` int64 token ids if None."""
     description: str = ""
     boundaries: tuple[Boundary, ...] = field(init=False, repr=False)
     """The output of every layer (len(layers) specs, the last one `output`)."""
@@ -101,19 +120,25 @@ class PipelineModel:
                 raise ModelError(f"PipelineModel layers[{i}] is {type(make).__name__}, not a "
                                  f"zero-argument callable returning an nn.Module (e.g. "
                                  f"lambda: nn.Linear(d, d))")
-        for name in ("context", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"PipelineModel {name}={value!r} is not a positive integer")
+        _positive("context", self.context)
+        if self.vocab_size is not None or self.output is None:
+            _positive("vocab_size", self.vocab_size, " (the default output is "
+                      "[context, vocab_size] next-token logits: give vocab_size, or "
+                      "output=TensorSpec(...))" if self.vocab_size is None else "")
         if not callable(self.loss):
             raise ModelError(f"PipelineModel loss is {type(self.loss).__name__}, not a callable "
                              f"(output, targets) -> scalar mean loss")
         output = self.output or TensorSpec((self.context, self.vocab_size))
-        if not isinstance(output, (TensorSpec, tuple, dict)):
-            raise ModelError(f"PipelineModel output is {type(output).__name__}, not a TensorSpec")
-        _structure(output, "output", needs_float=False)
+        check_spec(output, "output")
+        if self.inputs is not None:
+            check_spec(self.inputs, "inputs")
         object.__setattr__(self, "layers", tuple(layers))
         object.__setattr__(self, "boundaries", (*self._inner_boundaries(), output))
+
+    @property
+    def input_spec(self) -> Boundary:
+        """What layer 0 receives per sample: `inputs`, or `[context]` int64 token ids."""
+        return self.inputs if self.inputs is not None else token_inputs(self.context)
 
     def _inner_boundaries(self) -> tuple[Boundary, ...]:
         n, spec = len(self.layers) - 1, self.boundary
@@ -130,6 +155,38 @@ class PipelineModel:
                              f"layers need {n}, one per boundary (or one TensorSpec for all)")
         return tuple(_structure(s, f"boundary {i}", needs_float=True)
                      for i, s in enumerate(spec))
+
+
+def _positive(name: str, value: object, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelError(f"PipelineModel {name}={value!r} is not a positive integer{why}")
+
+
+def token_inputs(context: int) -> TensorSpec:
+    """The default of `PipelineModel.inputs`: `[context]` int64 token ids per sample."""
+    return TensorSpec((context,), torch.int64)
+
+
+def describe_spec(spec: Any) -> str:
+    """A per-sample spec for a message: `int64 [64]`, `(int64 [16], bool [16])`,
+    `{'x': float32 [2]}`; a leaf is a TensorSpec, or a tensor (one sample's, as it is)."""
+    if isinstance(spec, (TensorSpec, torch.Tensor)):
+        return f"{str(spec.dtype).removeprefix('torch.')} [{', '.join(map(str, spec.shape))}]"
+    if isinstance(spec, dict):
+        return "{" + ", ".join(f"{k!r}: {describe_spec(v)}" for k, v in spec.items()) + "}"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(describe_spec(v) for v in spec) + ("," if len(spec) == 1
+                                                                    else "") + ")"
+    return type(spec).__name__
+
+
+def zeros_of(spec: Any, batch: int = 1) -> Any:
+    """A batch of `batch` samples of `spec` (a TensorSpec, or a tuple or dict of them):
+    zeros, True for a bool mask (every position real), as the start-up trace feeds layer 0."""
+    items, treedef = flatten(spec, leaf=TensorSpec)
+    tensors = [torch.ones if s.dtype == torch.bool else torch.zeros for s in items]
+    return unflatten(treedef, [make((batch, *s.shape), dtype=s.dtype)
+                               for make, s in zip(tensors, items)])
 
 
 def boundary_spec(spec: Any, batch: int) -> BoundarySpec | StructuredSpec:

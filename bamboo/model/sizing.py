@@ -15,16 +15,16 @@ __all__ = ["size_custom_model"]
 
 def size_custom_model(name: str, vocab: int | None = None) -> ModelPreset:
     """`name`'s model (`pkg.module:function` or `path/to/file.py:function`), built for
-    `vocab` tokens (the function's default when None), as a preset of family "custom"."""
+    `vocab` tokens (the function's default when None), as a preset of family "custom"; its
+    `vocab` is 0 when the model has no vocabulary (`vocab_size=None`: a classifier of a
+    Dataset's inputs). Whether the data's tokens fit the vocabulary is the job's check
+    (`JobConfig.validate`): a Dataset job needs none."""
     model = load_model(name, vocab)
     n, context, size = len(model.layers), model.context, model.vocab_size
-    if vocab is None and size < 256:
-        raise ValueError(f"model '{name}': vocab_size={size} is too small for byte tokens "
-                         f"0..255 (the synthetic data and text files): give vocab_size a "
-                         f"default of 256 or more")
     shapes = {getattr(spec, "shape", ()) for spec in model.boundaries[:-1]}  # () a structure
     shape = shapes.pop() if len(shapes) == 1 else ()
     d_model = shape[1] if len(shape) == 2 and shape[0] == context else 0  # [context, d] throughout
+    vocab_text = f", vocab {size}" if size is not None else ""
     return ModelPreset(name=name, family="custom", layers=n, d_model=d_model, context=context,
-                       vocab=size, description=model.description or
-                       f"your model {name}: {n} layers, context {context}, vocab {size}")
+                       vocab=size or 0, description=model.description or
+                       f"your model {name}: {n} layers, context {context}{vocab_text}")

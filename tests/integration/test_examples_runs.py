@@ -86,7 +86,7 @@ def test_a_bert_style_classifier_with_dropout_survives_its_kill(tmp_path: Path) 
 
 @pytest.mark.timeout(300)
 def test_a_vision_transformer_on_an_image_dataset_survives_its_kill(tmp_path: Path) -> None:
-    """Patch embedding and blocks with dropout on a user's image Dataset (8-bit pixels), a
+    """Patch embedding and blocks with dropout on a user's image Dataset (float pixels), a
     label-smoothing loss and an accuracy metric; killed in flight (no `--compare`, to keep
     the suite short), it ends with the failure-free single-process loop's losses, metrics
     and parameters on the same Dataset, loss and metric."""

@@ -217,6 +217,20 @@ def test_layer_specs_are_built_per_layer_with_their_loss() -> None:
     assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 4)), TensorSpec((3, 30)))
 
 
+def test_a_pipeline_module_and_a_layer_list_declare_what_layer_0_takes() -> None:
+    """DeepSpeed's PipelineModule by an `inputs` attribute, a list of LayerSpecs by the
+    keyword: the layers are traced on zeros of it (float features here), and a model whose
+    inputs are declared needs no vocabulary."""
+    specs = [LayerSpec(nn.Linear, 6, 4), nn.Tanh(), lambda x: x.sum(dim=1)]
+    module = PipelineModule(specs, loss_fn=_sum_loss)
+    module.context, module.inputs = 3, TensorSpec((3, 6))
+    model = pipeline_model(module)
+    assert model.inputs == TensorSpec((3, 6)) and model.vocab_size is None
+    assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 4)), TensorSpec((4,)))
+    listed = pipeline_model(specs, context=3, inputs=TensorSpec((3, 6)), loss=_sum_loss)
+    assert listed.boundaries == model.boundaries and listed.description == "list of LayerSpecs"
+
+
 def test_a_pipeline_module_gives_its_layer_list_and_its_loss_fn() -> None:
     module = PipelineModule([LayerSpec(nn.Embedding, 30, 4), nn.Tanh(),
                              lambda x: x.transpose(1, 2)], loss_fn=_sum_loss)
