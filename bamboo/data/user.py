@@ -176,14 +176,14 @@ def check_job_data(cfg: JobConfig) -> None:
 
 def _model_inputs(cfg: JobConfig) -> tuple[Any, bool] | None:
     """(what the job's model's layer 0 takes per sample, whether the model declares it), or
-    None where bamboo does not know (the CNN presets take images of their own)."""
+    None for bamboo's presets, which declare nothing (a GPT-2 takes token ids up to its
+    context, the CNN images of its own): only your model can be told what it takes."""
     from bamboo.model.api import load_model
-    from bamboo.model.pipeline import token_inputs
     p = cfg.model_preset()
-    if p.family == "custom":
-        model = load_model(p.name, p.vocab)
-        return model.input_spec, model.inputs is not None
-    return None if p.family == "cnn" else (token_inputs(p.context), False)
+    if p.family != "custom":
+        return None
+    model = load_model(p.name, p.vocab)
+    return model.input_spec, model.inputs is not None
 
 
 def _check_inputs(cfg: JobConfig, task: Task) -> None:
