@@ -234,8 +234,11 @@ class TrainingSection:
 class RedundancySection:
     """How a lost node's work goes on: redundant computation, or the baselines."""
 
-    mode: str = option("eager", key="redundancy", choices=REDUNDANCY_MODES, help="""eager |
-        lazy | off: how a node prepares to take over its successor's stage; reroute (D >= 2):
+    mode: str = option("lazy", key="redundancy", choices=REDUNDANCY_MODES, help="""lazy |
+        eager | off: how a node prepares to take over its successor's stage. lazy (the
+        default) keeps its successor's layers and optimizer state, and redoes that stage's
+        forwards only when it takes over; eager also runs them every step (free only where a
+        pipeline bubble and a processor of its own hold them: M <= 3(P-1)); reroute (D >= 2):
         no replicas, a lost stage's micro-batches go to its data-parallel peers; auto: chosen
         at every generation from the preemption rate and the costs measured in the run.""")
     frc_at: str = option("waits", choices=FRC_PLACES, help="""waits | slot: where eager FRC

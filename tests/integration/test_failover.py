@@ -51,7 +51,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
     flags, failovers, peer_restores = SCENARIOS[name]
-    cfg = config(flags)
+    cfg = config({"redundancy": "eager", **flags})  # the shadows' FRC, unless a scenario says
     summary = run_in_process(cfg, tmp_path / "run")
     assert_equals_failure_free(summary, cfg)
     assert summary["failovers"] == failovers and summary["peer_restores"] == peer_restores

@@ -84,7 +84,7 @@ def test_summary_and_events_follow_the_contract(bamboo) -> None:
     assert summary["config"] | {} == summary["config"]
     assert {k: summary["config"][k] for k in ("nodes", "stages", "pipelines", "micro_batches",
                                               "redundancy", "model", "seed")} == {
-        "nodes": 5, "stages": 4, "pipelines": 1, "micro_batches": 4, "redundancy": "eager",
+        "nodes": 5, "stages": 4, "pipelines": 1, "micro_batches": 4, "redundancy": "lazy",
         "model": "gpt2-tiny", "seed": 0}
     assert result.stdout.strip().startswith("{")  # --json: the summary on stdout
     events = result.events()
