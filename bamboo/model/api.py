@@ -91,9 +91,11 @@ Before anything starts, bamboo builds every layer on the meta device (no memory)
 batch of one sample of `inputs` through them (zeros; True for a bool mask), so a layer that
 raises, a declared shape that does not hold or a draw from Python's or numpy's global
 generator is one line on the command line, not a failure inside a worker or a run that
-silently ends elsewhere than its failure-free run. The loss is tried there on `[1, context]` token targets when the output is per token
-(`[B, context, ...]`); a classifier's output (`[B, classes]`) takes a Dataset's labels,
-which it first meets in the run.
+silently ends elsewhere than its failure-free run. The loss is tried there on `[1, context]`
+token targets when the inputs are token ids (not declared) and the output is per token
+(`[B, context, ...]`); a classifier's output (`[B, classes]`) and a model that declares its
+`inputs` take a Dataset's labels, which the loss first meets in the job's check
+(bamboo.data.user) and the run.
 """
 from __future__ import annotations
 
@@ -310,8 +312,8 @@ def _trace(model: PipelineModel) -> None:
         _refuse_unseeded(before, f"layer {i}'s forward")
         what = "output" if i == len(model.boundaries) - 1 else f"boundary {i}"
         _check_output(i, x, spec, what)
-    if not _per_token(x, model.context):
-        return  # a sequence's prediction: its labels are a Dataset's, not token targets
+    if model.inputs is not None or not _per_token(x, model.context):
+        return  # declared inputs, a sequence's prediction: the labels are a Dataset's
     targets = torch.zeros((1, model.context), dtype=torch.int64)
     try:
         loss = model.loss(float32(x), targets)

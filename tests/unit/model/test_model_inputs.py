@@ -90,6 +90,18 @@ def tokens_into_conv(vocab_size: int = 256):
                          vocab_size=vocab_size)
 
 
+def regression_loss(output, targets):
+    if not targets.dtype.is_floating_point:
+        raise TypeError(f"targets are float values, not {targets.dtype}")
+    return (output - targets).square().mean()
+
+
+def per_position(vocab_size: int = 256):
+    return PipelineModel(layers=[lambda: nn.Linear(1, 3)], inputs=TensorSpec((5, 1)),
+                         output=TensorSpec((5, 3)), context=5, vocab_size=vocab_size,
+                         loss=regression_loss)
+
+
 def sequential():
     model = nn.Sequential(Conv(), nn.Flatten(), nn.Linear(32, 3))
     model.context, model.inputs = 4, TensorSpec((3, 8, 8))
@@ -200,6 +212,13 @@ def test_what_the_trace_fed_is_in_the_line(models: str, function: str, expected:
     with pytest.raises(ModelError) as e:
         load_model(f"{models}:{function}")
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_loss_is_not_tried_on_token_targets_when_the_inputs_are_declared(models: str) -> None:
+    """Per-position outputs of a model with declared inputs take a Dataset's labels (float
+    ones here), not `[1, context]` token targets."""
+    model = load_model(f"{models}:per_position")
+    assert model.boundaries == (TensorSpec((5, 3)),) and model.loss.__name__ == "regression_loss"
 
 
 def test_forms_take_inputs_as_a_keyword_or_an_attribute(models: str) -> None:
