@@ -141,6 +141,10 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
         if out is not None:
             cfg = cfg.replace(out=str(out)).validate()
         from bamboo.model.fits import check_fits, check_step_length
+        from bamboo.model.layout_fit import resolve_stages
+        cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
+        if chosen is not None:
+            print(f"bamboo.train: {chosen}", file=sys.stderr)
         check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
         check_step_length(cfg)
         start = prepare(cfg, "bamboo.train",

@@ -63,11 +63,12 @@ def job_config(args: argparse.Namespace, argv: list[str],
     """The job the flags (and a --config file, which flags override) describe; `given` is
     the command's parser that leaves out what the user did not type."""
     keys = options_by_key()
-    if args.config is None:  # the same path as bamboo.Job's options
-        from bamboo.api.job import config_of
-        return config_of({k: v for k, v in vars(args).items() if k in keys}, where=None)
-    from bamboo.config.jobfile import load_job_config
     overrides = {k: v for k, v in vars(given.parse_args(argv)).items() if k in keys}
+    if args.config is None:  # the same path as bamboo.Job's options; a default not typed is
+        from bamboo.api.job import config_of  # left out (--global-batch-size then sets M)
+        return config_of({k: v for k, v in vars(args).items() if k in keys and (
+            k in overrides or v != keys[k].default)}, where=None)
+    from bamboo.config.jobfile import load_job_config
     if "kills" in overrides:
         overrides["kills"] = [parse_kill(k) for k in overrides["kills"]]
     return load_job_config(args.config, overrides)
@@ -158,6 +159,10 @@ def run(argv: list[str], command: JobCommand) -> int:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         cfg = job_config(args, argv, command.parser(given_only=True))
+        if cfg.layout.stages == "auto":
+            from bamboo.model.layout_fit import resolve_stages
+            cfg, line = resolve_stages(cfg, cfg.node_cap)
+            print(f"{prog}: {line}", file=sys.stderr)
         command.check(args, cfg)
         crash = _crash_faults(cfg, args.crash)
         from bamboo.api.start import prepare

@@ -80,6 +80,8 @@ class JobConfig:
             changes.setdefault(f.section, {})[f.name] = value
         sections = {name: dataclasses.replace(getattr(self, name), **fields)
                     for name, fields in changes.items()}
+        if "layout" in sections and "micro_batches" not in values:  # S / (D x B), S given
+            sections["layout"] = sections["layout"].following_global_batch()
         return dataclasses.replace(self, **sections)
 
     # -- derived ---------------------------------------------------------------------------
@@ -138,6 +140,9 @@ class JobConfig:
         options = all_options()
         for name in SECTIONS:
             check_section(getattr(self, name), [f for f in options if f.section == name])
+        if self.layout.stages == "auto":  # chosen, then checked whole: bamboo.model.layout_fit
+            self.layout.check(self)
+            return self
         if self.layout.stages > p.layers:
             raise ConfigError(f"--stages {self.layout.stages} is more than the {p.layers} "
                               f"layers of {self.model.name}: use --stages {p.layers} or fewer",
@@ -165,7 +170,8 @@ class JobConfig:
 
     def summary_fields(self) -> dict[str, Any]:
         """The `config` object of summary.json: every option its declaration puts there."""
-        return flat_values(self, list(all_options()), summary=True)
+        return {**flat_values(self, list(all_options()), summary=True),
+                "stages_auto": self.layout.stages_auto}
 
     def to_dict(self) -> dict[str, Any]:
         """Every option by its flat key (the run_start event, W&B's run config)."""

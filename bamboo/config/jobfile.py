@@ -68,6 +68,8 @@ def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
     if origin is list:
         return "a list of " + ("\"D:S@K\" strings" if args and args[0] is KillSpec
                                else _type_name(args[0]) if args else "values")
@@ -87,6 +89,14 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return coerce(value, inner[0], where)
+        for kind in inner:  # `int | Literal["auto"]`: the first kind that takes the value
+            try:
+                return coerce(value, kind, where)
+            except ConfigError:
+                pass
+    elif origin is typing.Literal:
+        if value in args and not isinstance(value, bool):
+            return value
     elif origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)}")

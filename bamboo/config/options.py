@@ -142,9 +142,23 @@ def add_flags(parser: argparse.ArgumentParser, fields: list[OptionField], *,
             kw["action"] = "append"
         elif tp in (int, float):
             kw["type"] = tp
+        elif int in typing.get_args(tp):
+            kw["type"] = _int_or_words(tp)
         kw["default"] = argparse.SUPPRESS if given_only else (
             [] if typing.get_origin(tp) is list else f.default)
         groups[f.section].add_argument(f.flag, **kw)
+
+
+def _int_or_words(tp: Any) -> Callable[[str], Any]:
+    """The argparse type of `int | Literal["auto", ...]`: one of the words, else an int
+    (argparse's one-line error names both: `invalid int or auto value: 'many'`)."""
+    words = [w for a in typing.get_args(tp) if typing.get_origin(a) is typing.Literal
+             for w in typing.get_args(a)]
+
+    def parse(text: str) -> Any:
+        return text if text in words else int(text)
+    parse.__name__ = " or ".join(["int", *words])
+    return parse
 
 
 def _help(f: OptionField) -> str:

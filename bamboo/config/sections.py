@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bamboo.config.calls import check_call
+from bamboo.config.layout import SCHEDULE_NAMES, LayoutSection
 from bamboo.config.metric_spec import check_metrics
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSection",
            "TrainingSection", "RedundancySection", "RuntimeSection", "ClusterSection",
            "CheckpointSection", "EvaluationSection", "LoggingSection", "HEARTBEAT_S",
-           "JobView", "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
+           "JobView", "SCHEDULE_NAMES", "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
 
 REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")
 COMM_MODES = ("strict", "tagged")
@@ -34,7 +35,6 @@ DEVICES = ("auto", "cpu", "cuda")
 RECOVERIES = ("redundancy", "checkpoint-restart")
 PIN_CPUS = ("off", "auto")
 FRC_PLACES = ("waits", "slot")
-SCHEDULE_NAMES = ("1f1b", "zb-h1")
 
 HEARTBEAT_S = 0.5
 """Seconds between two heartbeats of a worker; a --lease must be longer than this."""
@@ -141,45 +141,6 @@ class DataSection:
             if value is not None and self.dataset is None:
                 raise ConfigError(f"--{key.replace('_', '-')} goes with --dataset: give "
                                   f"--dataset too (bamboo's own data has its own)", key)
-
-
-@dataclass(kw_only=True, slots=True)
-class LayoutSection:
-    """How the nodes form pipelines, and how a step is cut into micro-batches."""
-
-    nodes: int = option(4, check=positive_int, help="""Worker processes to start; nodes beyond
-        pipelines x stages are standbys.""")
-    stages: int = option(4, check=positive_int, help="Pipeline stages P.")
-    pipelines: int | None = option(None, check=positive_int,
-                                   summary=lambda job: job.data_parallel, help="""Data-parallel pipelines D;
-        default nodes // stages.""")
-    micro_batches: int = option(4, check=positive_int, help="""Micro-batches per pipeline per
-        step at the start (M); the global batch is D x M.""")
-    micro_batch_size: int = option(8, check=positive_int, help="Samples per micro-batch (B).")
-    layer_costs: str | None = option(None, metavar="FILE", help="""A file of measured seconds
-        per layer (`bamboo profile --layers-only`): stages are cut by those instead of by
-        parameter counts.""")
-    schedule: str = option("1f1b", choices=SCHEDULE_NAMES, help="""1f1b | zb-h1: the pipeline
-        schedule. zb-h1 splits each backward into the input gradient and the weight gradient
-        and defers the weight gradients into what 1F1B leaves idle (Zero Bubble, ICLR'24),
-        with at most 1F1B's peak of micro-batches in flight on every stage; each linear
-        layer's input is kept until its weight gradient.""")
-
-    @property
-    def data_parallel(self) -> int:
-        return self.pipelines if self.pipelines is not None else self.nodes // self.stages
-
-    def check(self, job: JobView) -> None:
-        if self.data_parallel < 1:
-            raise ConfigError(f"--nodes {self.nodes} cannot hold one pipeline of "
-                              f"{self.stages} stages: use --nodes {self.stages} or more",
-                              "nodes", "stages")
-        if self.data_parallel * self.stages > self.nodes:
-            raise ConfigError(
-                f"--pipelines {self.data_parallel} x --stages {self.stages} needs "
-                f"{self.data_parallel * self.stages} nodes but --nodes is {self.nodes}: use "
-                f"--nodes {self.data_parallel * self.stages} or --pipelines "
-                f"{self.nodes // self.stages}", "pipelines", "stages", "nodes")
 
 
 def _lr(value: Any) -> str | None:

@@ -13,7 +13,8 @@ from support.cli import FLAG_CASES, RunStarted, assert_one_line_error
 BOOL_FLAGS = ("--frc-offload", "--exact", "--activation-checkpointing", "--no-report", "--check-replicas", "--json", "--quiet", "--debug")
 """Flags that take no value: giving one is the wrong value."""
 
-TYPED_FLAGS = {"--nodes": "int", "--stages": "int", "--pipelines": "int", "--micro-batches": "int",
+TYPED_FLAGS = {"--nodes": "int", "--pipelines": "int", "--micro-batches": "int",
+               "--global-batch-size": "int",
                "--micro-batch-size": "int", "--steps": "int", "--seed": "int", "--lr": "float",
                "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
                "--threads": "int", "--comm-timeout": "float", "--lease": "float",
