@@ -61,8 +61,8 @@ def resolve_stages(cfg: JobConfig, local_workers: int) -> tuple[JobConfig, str |
                            least_pipelines=2 if mode == "reroute" else 1, memory_source=source)
     chosen = dataclasses.replace(layout, stages=ChosenStages(choice.stages),
                                  pipelines=choice.pipelines, micro_batches=choice.micro_batches)
-    p, d = choice.stages, choice.pipelines
+    p, d, m = choice.stages, choice.pipelines, choice.micro_batches
     line = (f"--stages auto: {p} stage{'s' if p > 1 else ''} x {d} pipeline"
-            f"{'s' if d > 1 else ''}, {choice.micro_batches} micro-batches of "
+            f"{'s' if d > 1 else ''}, {m} micro-batch{'es' if m > 1 else ''} of "
             f"{layout.micro_batch_size} ({choice.why})")
     return dataclasses.replace(cfg, layout=chosen).validate(), line
