@@ -3,7 +3,8 @@
 Counted only what a node certainly holds, so a job that fits is never refused:
 
 - its largest stage's parameters with their gradients and AdamW's two moments (16 bytes a
-  parameter in fp32), and with redundancy its replica of the next stage (the same again);
+  parameter in fp32), and where the redundancy mode keeps one (eager, lazy, auto) its
+  replica of the next stage (the same again);
 - the activations 1F1B keeps in flight at stage 0: min(M, P) micro-batches, each at least
   the boundary tensor of every layer of the stage;
 - the step's instruction list (four instructions a micro-batch, a Python object each).
@@ -56,7 +57,8 @@ def node_memory_lower_bound(cfg: JobConfig) -> NodeMemory:
     stages, micro_batches = cfg.layout.stages, cfg.layout.micro_batches
     parts = partition(cfg.partition_costs(counts), stages)
     per_stage = [sum(counts[i] for i in part) for part in parts]
-    replica = cfg.redundancy.mode != "off" and stages > 1
+    from bamboo.plan.layout_choice import keeps_replica  # off and reroute keep none
+    replica = keeps_replica(cfg.redundancy.mode) and stages > 1
     state = max(per_stage[s] + (per_stage[(s + 1) % stages] if replica else 0)
                 for s in range(stages)) * 16
     boundaries = boundary_shapes(p, cfg.layout.micro_batch_size)

@@ -102,3 +102,36 @@ def test_a_kill_is_checked_against_the_chosen_layout() -> None:
                         kills=[parse_kill("3:0@2")]).validate()  # checked once P is chosen
     with pytest.raises(ConfigError, match="--kill 3:0@2 names no node: pipelines are 0..0"):
         resolve_stages(auto, 4)
+
+
+@pytest.mark.parametrize("mode,stages,micro_batches", [
+    ("eager", 2, 4), ("lazy", 4, 8), ("auto", 3, 2), ("off", 2, 1), ("reroute", 2, 3)])
+def test_the_planner_counts_a_node_as_the_fit_check_does(mode: str, stages: int,
+                                                         micro_batches: int) -> None:
+    """The planner's bound is the fit check's (`bamboo.model.fits`), so a layout it picks is
+    never one the check refuses; off and reroute count no replica."""
+    from bamboo.model.fits import node_memory_lower_bound
+    from bamboo.model.layout_fit import footprint
+    from bamboo.plan.layout_choice import keeps_replica, node_need
+    cfg = JobConfig.of(nodes=8, stages=stages, pipelines=2, micro_batches=micro_batches,
+                       redundancy=mode).validate()
+    need, bound = node_need(footprint(cfg), stages, micro_batches, keeps_replica(mode)), \
+        node_memory_lower_bound(cfg)
+    assert (bound.state_bytes > node_need(footprint(cfg), stages, micro_batches,
+                                          False).state_bytes) == keeps_replica(mode)
+    assert (need.state_bytes, need.activation_bytes, need.schedule_bytes) == \
+        (bound.state_bytes, bound.activation_bytes, bound.schedule_bytes)
+
+
+def test_auto_cuts_stages_by_the_layer_costs_given(tmp_path: Path) -> None:
+    from bamboo.model.layout_fit import footprint, resolve_stages
+    from support.costs import write_layer_costs
+    costs = write_layer_costs(tmp_path / "c.json", layer_s=[1.0] * 5 + [5.0] * 3)
+    auto = JobConfig.of(stages="auto", layer_costs=str(costs), memory_per_node="64MiB").validate()
+    assert footprint(auto).layer_costs == (1.0,) * 5 + (5.0,) * 3
+    by_params = footprint(auto.replace(layer_costs=None)).layer_costs
+    assert by_params[0] > by_params[1] > 0  # the embedding's layer holds the most parameters
+    assert resolve_stages(auto, 4)[0].layout.layer_costs == str(costs)
+    with pytest.raises(ConfigError, match="layer"):  # a file of another model is refused
+        footprint(auto.replace(layer_costs=str(write_layer_costs(tmp_path / "d.json",
+                                                                 layer_s=[1.0] * 3))))
