@@ -67,10 +67,10 @@ class LayoutSection:
 
     nodes: int = option(4, check=positive_int, help="""Worker processes to start; nodes beyond
         pipelines x stages are standbys.""")
-    stages: int | Literal["auto"] = option(4, check=_stages, help="""Pipeline stages P; auto:
-        the fewest whose stage fits a node's memory (with its replica where the redundancy
-        mode keeps one), with as many pipelines as the nodes and the global batch allow (the
-        choice and why on stderr).""")
+    stages: int | Literal["auto"] = option(4, check=_stages, metavar="P|auto", help="""Pipeline
+        stages P; auto: the fewest whose stage fits a node's memory (with its replica where
+        the redundancy mode keeps one), with as many pipelines as the nodes and the global
+        batch allow (the choice and why on stderr).""")
     pipelines: int | None = option(None, check=positive_int,
                                    summary=lambda job: job.data_parallel, help="""Data-parallel pipelines D;
         default nodes // stages.""")
