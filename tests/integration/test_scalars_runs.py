@@ -46,7 +46,7 @@ def test_tensorboard_holds_the_runs_scalars_through_a_kill(tmp_path: Path) -> No
     assert pause + shares == pytest.approx(summary["pause_s"][0], abs=2e-4)
     live = dict(tb["cluster/live_nodes"])
     assert live[0] == 3 and live[4] == 2  # the node killed in step 2 is gone after it
-    assert tb["cluster/redundancy_mode"] == [(0, 2.0)]  # eager
+    assert tb["cluster/redundancy_mode"] == [(0, 1.0)]  # lazy, the default
     for tag in ("train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s"):
         assert len(tb[tag]) == 5 and all(v > 0 for _, v in tb[tag])
 
