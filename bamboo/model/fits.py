@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 from bamboo.config import ConfigError, JobConfig
+from bamboo.plan.layout_choice import NodeNeed
 
-__all__ = ["NodeMemory", "node_memory_lower_bound", "machine_memory_bytes", "check_fits",
+__all__ = ["node_memory_lower_bound", "machine_memory_bytes", "check_fits",
            "step_seconds_lower_bound", "check_step_length", "OPTIMISTIC_FLOPS"]
 
 OPTIMISTIC_FLOPS = {"cpu": 1e12, "cuda": 1e15}
@@ -38,18 +38,7 @@ _BYTES_PER_INSTRUCTION = 56
 """The smallest a slotted dataclass instance with a few fields takes in CPython."""
 
 
-@dataclass(frozen=True, slots=True)
-class NodeMemory:
-    state_bytes: int
-    activation_bytes: int
-    schedule_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.schedule_bytes
-
-
-def node_memory_lower_bound(cfg: JobConfig) -> NodeMemory:
+def node_memory_lower_bound(cfg: JobConfig) -> NodeNeed:
     from bamboo.model import boundary_shapes, layer_param_counts
     from bamboo.plan.partition import partition
     p = cfg.model_preset()
@@ -66,7 +55,7 @@ def node_memory_lower_bound(cfg: JobConfig) -> NodeMemory:
                   for i in parts[0])
     activations = min(micro_batches, stages) * stage_0
     schedule = (4 * micro_batches + 8) * _BYTES_PER_INSTRUCTION
-    return NodeMemory(state, activations, schedule)
+    return NodeNeed(state, activations, schedule)
 
 
 def machine_memory_bytes() -> int | None:
