@@ -4,6 +4,7 @@ owner ends. Skipped only where labs cannot be built (not root, or no `ip`)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,3 +258,17 @@ def test_kill_host_kills_every_process_in_it(lab_factory):
     assert bystander.poll() is None and lab.pids("a2") == [bystander.pid]
     # the host itself stays: a new process can start there
     assert lab.call("a1", ["true"]).returncode == 0
+
+
+def test_close_kills_a_process_that_has_not_yet_entered_its_namespace(tmp_path):
+    """`ip netns exec` is outside the namespace until it has set it up, where `ip netns pids`
+    cannot see it; close() must kill it all the same (an `ip` that is slow to start)."""
+    if unsupported_reason() is not None:
+        pytest.skip(unsupported_reason())
+    slow_ip = tmp_path / "ip"
+    slow_ip.write_text(f"#!/bin/sh\nsleep 2\nexec {shutil.which('ip')} \"$@\"\n")
+    slow_ip.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    with Lab(2) as lab:
+        late = lab.run("a1", ["sleep", "60"], env=env)
+    assert late.wait(timeout=5) == -signal.SIGKILL, "close() kills the hosts' processes"

@@ -245,9 +245,12 @@ class Lab:
                     killed.append(pid)
                 except ProcessLookupError:
                     pass
+            # Our own children too, by process group: one started a moment ago may still be
+            # `ip netns exec` outside the namespace, where `ip netns pids` cannot see it.
+            killed += _kill_own(procs)
             for p in procs:  # reap our own children, which would otherwise stay zombies
                 p.poll()
-            if not pids:
+            if not pids and all(p.poll() is not None for p in procs):
                 break
             if time.monotonic() > deadline:
                 raise LabError(f"processes {pids} of {netns} survive SIGKILL after {timeout:g} s")
@@ -435,3 +438,21 @@ def _host_names(hosts: int | Sequence[str]) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"host names repeat: {names}")
     return names
+
+
+def _kill_own(procs: list[subprocess.Popen]) -> list[int]:
+    """SIGKILL each of `procs` still running, with its process group where it leads one."""
+    killed: list[int] = []
+    for p in procs:
+        if p.poll() is not None:
+            continue
+        try:
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                os.kill(p.pid, signal.SIGKILL)
+            killed.append(p.pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
