@@ -1,7 +1,10 @@
 """End to end: real worker processes, gloo, the real command line.
 
 The invariant every later feature keeps: any layout of the same global batch gives
-the losses and parameters of a plain single-process loop.
+the losses and parameters of a plain single-process loop. The layout and model runs go
+through the launcher in this process (`run_in_process`: the same `run_job` the command
+calls, its fork server kept warm between runs); the command line itself is checked by the
+contract, text-file, divergence and interrupt tests below.
 """
 from __future__ import annotations
 
@@ -13,18 +16,19 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig
-from support.runs import assert_close
+from support.runs import assert_close, config, run_in_process
 
 from support.reference import train_reference
+
+pytestmark = pytest.mark.procs  # every test here starts worker processes
 
 STEPS = 6
 # Same global batch everywhere: D x M = 4 micro-batches of 8 samples.
 LAYOUTS = {
-    "1 node": ["--nodes", "1", "--stages", "1", "--micro-batches", "4"],
-    "4 stages": ["--nodes", "4", "--stages", "4", "--micro-batches", "4"],
-    "2 pipelines x 2 stages": ["--nodes", "4", "--stages", "2", "--pipelines", "2",
-                               "--micro-batches", "2"],
-    "2 pipelines x 4 stages": ["--nodes", "8", "--stages", "4", "--micro-batches", "2"],
+    "1 node": dict(nodes=1, stages=1, micro_batches=4),
+    "4 stages": dict(nodes=4, stages=4, micro_batches=4),
+    "2 pipelines x 2 stages": dict(nodes=4, stages=2, pipelines=2, micro_batches=2),
+    "2 pipelines x 4 stages": dict(nodes=8, stages=4, micro_batches=2),
 }
 
 
@@ -35,37 +39,36 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_equals_the_single_process_loop(bamboo, reference, layout: str) -> None:
-    result = bamboo(["--steps", str(STEPS), "--json", "--quiet", *LAYOUTS[layout]])
-    assert result.code == 0, result.stderr
-    summary = result.summary
+def test_every_layout_equals_the_single_process_loop(tmp_path: Path, reference,
+                                                    layout: str) -> None:
+    summary = run_in_process(config(steps=STEPS, **LAYOUTS[layout]), tmp_path / "run")
+    assert summary["status"] == "completed", summary["error"]
     ref_losses, ref_params = reference
     assert summary["steps_completed"] == STEPS
     assert_close(summary["losses"], ref_losses, rel=1e-6)
     l2 = float(torch.sqrt(sum(t.double().square().sum() for t in ref_params.values())))
     assert_close(summary["param_l2"], l2, rel=1e-6)
-    params = torch.load(result.out / "model.pt", weights_only=True)
+    params = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert params.keys() == ref_params.keys()
     for name, tensor in ref_params.items():
         torch.testing.assert_close(params[name], tensor, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(240)
-def test_exact_layouts_are_bit_identical(bamboo) -> None:
+def test_exact_layouts_are_bit_identical(tmp_path: Path) -> None:
     """--exact: float64 sums in pipeline order, so one node, one pipeline of four stages and
     two pipelines give the same parameter bits and the same losses; the default (fp32 sums,
     one all-reduce) stays within 1e-6 of them."""
-    runs = {name: bamboo(["--steps", "3", "--json", "--quiet", "--exact", *LAYOUTS[name]], name)
-            for name in ("1 node", "4 stages", "2 pipelines x 2 stages")}
-    assert all(r.code == 0 for r in runs.values()), [r.stderr for r in runs.values()]
-    summaries = [r.summary for r in runs.values()]
+    summaries = [run_in_process(config(steps=3, exact=True, **LAYOUTS[name]), tmp_path / name)
+                 for name in ("1 node", "4 stages", "2 pipelines x 2 stages")]
+    assert all(s["status"] == "completed" for s in summaries), [s["error"] for s in summaries]
     assert len({s["param_sha256"] for s in summaries}) == 1
     assert all(s["losses"] == summaries[0]["losses"] for s in summaries)
     assert all(s["config"]["exact"] for s in summaries)
-    fp32 = bamboo(["--steps", "3", "--json", "--quiet", *LAYOUTS["2 pipelines x 2 stages"]], "fp32")
-    assert fp32.code == 0, fp32.stderr
-    assert_close(fp32.summary["losses"], summaries[0]["losses"], rel=1e-6)
-    assert_close(fp32.summary["param_l2"], summaries[0]["param_l2"], rel=1e-6)
+    fp32 = run_in_process(config(steps=3, **LAYOUTS["2 pipelines x 2 stages"]), tmp_path / "fp32")
+    assert fp32["status"] == "completed" and not fp32["config"]["exact"], fp32["error"]
+    assert_close(fp32["losses"], summaries[0]["losses"], rel=1e-6)
+    assert_close(fp32["param_l2"], summaries[0]["param_l2"], rel=1e-6)
 
 
 @pytest.mark.timeout(180)
@@ -103,13 +106,14 @@ def test_summary_and_events_follow_the_contract(bamboo) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("model,stages", [("bert-tiny", 2), ("cnn-tiny", 3)])
-def test_other_models_pipeline_equals_single_process(bamboo, model: str, stages: int) -> None:
-    args = ["--model", model, "--steps", "3", "--json", "--quiet", "--micro-batches", "3"]
-    one = bamboo([*args, "--nodes", "1", "--stages", "1"], "one")
-    many = bamboo([*args, "--nodes", str(stages), "--stages", str(stages)], "many")
-    assert one.code == 0 and many.code == 0, one.stderr + many.stderr
-    assert_close(many.summary["losses"], one.summary["losses"], rel=1e-6)
-    assert_close(many.summary["param_l2"], one.summary["param_l2"], rel=1e-6)
+def test_other_models_pipeline_equals_single_process(tmp_path: Path, model: str,
+                                                    stages: int) -> None:
+    job = dict(model=model, steps=3, micro_batches=3)
+    one = run_in_process(config(job, nodes=1, stages=1), tmp_path / "one")
+    many = run_in_process(config(job, nodes=stages, stages=stages), tmp_path / "many")
+    assert one["status"] == many["status"] == "completed", (one["error"], many["error"])
+    assert_close(many["losses"], one["losses"], rel=1e-6)
+    assert_close(many["param_l2"], one["param_l2"], rel=1e-6)
 
 
 @pytest.mark.timeout(180)
@@ -124,10 +128,10 @@ def test_trains_on_a_text_file(bamboo, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_the_demo_job_learns(bamboo) -> None:
-    result = bamboo(["--steps", "50", "--json", "--quiet"])
-    assert result.code == 0, result.stderr
-    losses = result.summary["losses"]
+def test_the_demo_job_learns(tmp_path: Path) -> None:
+    summary = run_in_process(config(steps=50), tmp_path / "run")
+    assert summary["status"] == "completed", summary["error"]
+    losses = summary["losses"]
     assert len(losses) == 50
     assert losses[-1] <= 0.7 * losses[0], losses
 
