@@ -13,7 +13,7 @@ import pytest
 
 from support.processes import start_training, wait_for_steps, wait_gone
 from support.procs import BAMBOO, REPO, mounted_tmpfs, run_bamboo, run_events
-from support.runs import assert_close, config, reference
+from support.runs import assert_close, config, reference, run_in_process
 
 
 def worker_pids(result) -> list[int]:
@@ -45,21 +45,21 @@ def test_debug_shows_the_workers_traceback(bamboo) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_lost_node_without_redundancy_restarts_from_the_initial_state(bamboo) -> None:
+def test_lost_node_without_redundancy_restarts_from_the_initial_state(tmp_path: Path) -> None:
     """No copy, checkpoints off: the run goes back to its seeded start instead of stopping,
-    and ends equal to the failure-free run."""
-    args = ["--steps", "6", "--quiet", "--json", "--redundancy", "off", "--checkpoint-every", "0"]
-    result = bamboo([*args, "--kill", "0:1@2"], "killed")
-    assert result.code == 0, result.stderr
-    s = result.summary
-    assert (s["checkpoint_restores"], s["redone_steps"], s["failovers"]) == (1, 2, 0)
+    and ends equal to the failure-free run (the launcher in this process, kept warm)."""
     cfg = config(steps=6, redundancy="off", checkpoint_every=0)  # what every clean run ends with
+    s = run_in_process(config(steps=6, redundancy="off", checkpoint_every=0, kills=["0:1@2"]),
+                       tmp_path / "killed")
+    assert s["status"] == "completed", s["error"]
+    assert (s["checkpoint_restores"], s["redone_steps"], s["failovers"]) == (1, 2, 0)
     losses, _ = reference(cfg.training.steps, cfg.global_micro_batches, cfg.layout.micro_batch_size)
     assert_close(s["losses"], losses, rel=1e-4)
-    lost = [e for e in result.events() if e["event"] == "node_lost"]
+    events = run_events(tmp_path / "killed")
+    lost = [e for e in events if e["event"] == "node_lost"]
     assert [(e["node"], e["step"], e["handled_as"]) for e in lost] == [
         ("n1", 2, "checkpoint_restore")]
-    assert wait_gone(worker_pids(result)) == []
+    assert wait_gone([e["pid"] for e in events if e["event"] == "node_up"]) == []
 
 
 @pytest.mark.procs
