@@ -44,6 +44,7 @@ def test_debug_shows_the_workers_traceback(bamboo) -> None:
     assert "Traceback" in result.stderr and "InjectedError" in result.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_lost_node_without_redundancy_restarts_from_the_initial_state(tmp_path: Path) -> None:
     """No copy, checkpoints off: the run goes back to its seeded start instead of stopping,
