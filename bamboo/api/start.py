@@ -39,6 +39,8 @@ class Start:
 def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start | None:
     """The checks of a job before it runs; None when `--resume auto` finds its run already
     complete (nothing to do). `run_dir`: the RunDir class to make the directory with."""
+    from bamboo.config import objects  # the run a resume continues holds its objects
+    objects.add_run_dirs(cfg.checkpoints.resume, cfg.logging.out)
     check_trace(cfg, prog)
     check_optimizer(cfg)
     from bamboo.data.user import check_job_data
@@ -64,11 +66,14 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
 def _save_objects(cfg: JobConfig, run_path: Path) -> None:
     """The job's objects sent by value written once into the run directory's objects/
     (`<sha256>.pkl`, the bytes every worker loads), where a later resume or report finds
-    them too."""
+    them too; and into this machine's directory, where its workers look (a resume on a
+    machine that never held them, the bytes checked against their hash on the way)."""
     from bamboo.config import objects
     refs = objects.references(cfg.to_dict())
     if refs:
         objects.save(refs, run_path / "objects")
+        for ref in refs:
+            objects.install(ref, objects.data_of(ref))
 
 
 def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,

@@ -158,6 +158,8 @@ def run(argv: list[str], command: JobCommand) -> int:
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        from bamboo.config import objects  # a resumed run's objects sent by value
+        objects.add_run_dirs(getattr(args, "resume", None), getattr(args, "out", None))
         cfg = job_config(args, argv, command.parser(given_only=True))
         if cfg.layout.stages == "auto":
             from bamboo.model.layout_fit import resolve_stages

@@ -44,7 +44,7 @@ from bamboo.config.options import ConfigError
 
 __all__ = ["PREFIX", "MAX_BYTES", "ObjectError", "is_reference", "send", "resolve", "data_of",
            "digest_of", "content_digest", "short", "references", "save", "install", "forget",
-           "add_dir", "machine_dir", "sign", "verify"]
+           "add_dir", "add_run_dirs", "machine_dir", "sign", "verify"]
 
 PREFIX = "bamboo.config.objects:sha256_"
 """A reference is PREFIX followed by the 64 hex digits of its bytes' SHA-256."""
@@ -277,6 +277,14 @@ def add_dir(directory: Path) -> None:
     directory = Path(directory)
     if directory not in _dirs:
         _dirs.append(directory)
+
+
+def add_run_dirs(*run_dirs: str | Path | None) -> None:
+    """Search the objects/ of each run directory given (None and "auto" skipped) that has
+    one: a resume finds its objects there on a machine whose own copy is gone."""
+    for d in run_dirs:
+        if d is not None and d != "auto" and (Path(d) / "objects").is_dir():
+            add_dir(Path(d) / "objects")
 
 
 def machine_dir() -> Path:

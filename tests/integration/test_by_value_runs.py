@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -124,3 +125,33 @@ def test_a_model_sent_by_value_reaches_an_agent_on_another_machine(
     summary = json.loads(stdout)
     assert summary["status"] == "completed" and summary["config"]["model"] == ref
     _equals_the_single_process_loop(bamboo.load_result(out), job)
+
+
+@pytest.mark.timeout(240)
+def test_the_command_resumes_a_by_value_run_where_the_machines_copy_is_gone(
+        tmp_path: Path) -> None:
+    """`bamboo train --model <reference> --resume DIR` on a machine that never held the
+    object (another temp directory): the bytes come from DIR/objects, and the resumed run
+    ends where an uninterrupted one does."""
+    mix = _mix_class()
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Embedding(256, D), mix(D), nn.Linear(D, 256))
+    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    shape = dict(SHAPE, nodes=2)
+    first = bamboo.train(bamboo.Job(model=model, **shape), out=tmp_path / "run")
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    here = bamboo.train(bamboo.Job(model=model, resume=str(tmp_path / "copy"),
+                                   **(shape | {"steps": 6})))  # resumed where it was made
+    ref = first.config["model"]
+    assert objects.is_reference(ref) and list((tmp_path / "run" / "objects").glob("*.pkl"))
+    other_machine = tmp_path / "elsewhere"
+    other_machine.mkdir()
+    flags = ["--nodes", "2", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "2"]
+    proc = _bamboo(["train", "--model", ref, *flags, "--steps", "6", "--resume",
+                    str(tmp_path / "run"), "--json", "--quiet", "--no-report"], other_machine)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["resumed_from_step"] == 4 and summary["steps_completed"] == 6
+    assert summary["losses"][:4] == first.losses
+    assert summary["losses"] == here.losses and summary["param_sha256"] == here.param_sha256
