@@ -339,6 +339,7 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
         coord.send_signal(signal.SIGKILL)
         coord.wait(timeout=30)
         killed_at = time.monotonic()
+        saved = [e["step"] for e in run_events(out) if e["event"] == "checkpoint"]
         time.sleep(1.0)
         coord = start_coordinator(out, port, *job)
         stdout, stderr = coord.communicate(timeout=200)
@@ -350,7 +351,11 @@ def test_a_killed_coordinator_restarted_with_resume_auto_ends_equal(tmp_path: Pa
             kill_machine(a)
     assert coord.returncode == 0, stderr
     summary = json.loads(stdout)
-    assert summary["resumed_from_step"] in (3, 6)
+    # The newest whole checkpoint when it was killed: the last one it reported, or the next
+    # one if the kill fell between its rename and its event (how far the run got by the
+    # kill depends on the machine's speed).
+    assert saved and max(saved) >= 3 and summary["resumed_from_step"] in (max(saved),
+                                                                         max(saved) + 3)
     assert_failure_free(summary, nodes=2, stages=2, steps=16)
     assert codes == [0, 0]
     assert resumed_s < 150
