@@ -455,4 +455,3 @@ def _kill_own(procs: list[subprocess.Popen]) -> list[int]:
         except ProcessLookupError:
             pass
     return killed
-
