@@ -70,10 +70,10 @@ def _save_objects(cfg: JobConfig, run_path: Path) -> None:
     machine that never held them, the bytes checked against their hash on the way)."""
     from bamboo.config import objects
     refs = objects.references(cfg.to_dict())
+    for ref in refs:  # read once, checked, and kept in this process for save()
+        objects.install(ref, objects.data_of(ref))
     if refs:
         objects.save(refs, run_path / "objects")
-        for ref in refs:
-            objects.install(ref, objects.data_of(ref))
 
 
 def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,
