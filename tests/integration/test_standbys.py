@@ -47,10 +47,17 @@ def test_replacements_that_start_as_the_last_nodes_go_restore_the_checkpoint(
     summary = run_in_process(cfg, tmp_path / "run", check_replicas=False)
     assert_equals_failure_free(summary, cfg, NEW_LAYOUT_REL)
     events = run_events(tmp_path / "run")
-    assert [e["trace_node"] for e in events if e["event"] == "node_up"][4:] == \
+    # the replacements boot at once and say hello in any order
+    assert sorted(e["trace_node"] for e in events if e["event"] == "node_up")[4:] == \
         ["b1", "b2", "b3", "b4"]
     restores = [e for e in events if e["event"] == "checkpoint_restore"]
-    assert restores and restores[0]["checkpoint"] is not None and restores[0]["step"] > 0
+    assert restores, events
+    # the newest checkpoint saved before the loss, or the initial state where a loaded
+    # machine had not finished two steps when the trace removed the first nodes
+    saved = [e["step"] for e in events
+             if e["event"] == "checkpoint" and e["t"] <= restores[0]["t"]]
+    assert restores[0]["step"] == max(saved, default=0), (restores[0], saved)
+    assert (restores[0]["checkpoint"] is None) == (not saved), restores[0]
     assert summary["preemptions"] == 4 and summary["stopped"] == 0
     assert summary["checkpoint_restores"] >= 1
 
