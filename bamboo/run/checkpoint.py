@@ -187,12 +187,17 @@ def _replace_dir(store: LocalStore | FsspecStore, d: str, tmp: str, name: str) -
 def remove_unfinished_writes(root: str | Path) -> list[str]:
     """After a run's workers are stopped: the temporaries their interrupted writes left in
     the checkpoint root, its step folders and its final folders (a writer of another
-    machine, whose processes cannot be seen from here, keeps its own)."""
+    machine, whose processes cannot be seen from here, keeps its own), and every step
+    folder without a manifest (a save whose other parts were still being written, or had
+    failed, when the run stopped: no one is left to make it whole)."""
     store, r = storage_for(root), str(root)
     removed = remove_stale_temporaries(store, r)
     for name in store.ls(r):
         if _STEP_DIR.match(name) or name.startswith("final-"):
             removed += remove_stale_temporaries(store, store.join(r, name))
+    for step, name in _steps(store, r):
+        if discard_unpublished(root, step):
+            removed.append(name)
     return removed
 
 

@@ -76,6 +76,18 @@ def test_pruning_spares_a_later_step_still_being_written(tmp_path):
                                                          "step-00000008"]
 
 
+def test_a_stopped_run_leaves_only_whole_checkpoints_and_final_folders(tmp_path):
+    """A run that stops while a step's parts were still being written (or after one failed)
+    removes that step's folder: no worker is left to make it whole."""
+    save(tmp_path, 4, states(4))
+    write_layers(step_dir(tmp_path, 5), {0: {"state": torch.ones(2)}})  # its other part: never
+    write_layers(ck.final_dir(tmp_path, 6), {0: {"param.w": torch.ones(2)}})
+    assert ck.remove_unfinished_writes(tmp_path) == ["step-00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "final-00000006",
+                                                         "step-00000004"]
+    assert load_latest(tmp_path).step == 4
+
+
 @pytest.mark.parametrize("damage", ["layer_missing", "truncated", "no_metadata", "no_sidecar",
                                     "no_manifest", "bad_manifest", "old_format"])
 def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, damage, caplog):
