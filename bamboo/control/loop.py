@@ -15,7 +15,6 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-import torch.distributed as dist
 
 from bamboo.run.checkpoint import Checkpoint
 from bamboo.control.core import CoordinatorCore
@@ -24,6 +23,7 @@ from bamboo.control.sources import LocalWorkers, NodeSource
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
 from bamboo.wire.protocol import SHUTDOWN_KEY, WorkerMessage
+from bamboo.wire.store import serve_store
 from bamboo.config import JobConfig
 from bamboo.plan.faults import Fault
 from bamboo.run.progress import ProgressDisplay
@@ -117,8 +117,7 @@ class Coordinator:
         timeout = timedelta(seconds=self.cfg.runtime.comm_timeout_s)
         bind_host, port, self.store_host = self.source.store_address()
         try:
-            self.store = dist.TCPStore(bind_host, port, is_master=True, wait_for_workers=False,
-                                       timeout=timeout)
+            self.store = serve_store(bind_host, port, timeout)
         except (RuntimeError, OSError) as e:
             if not port:
                 raise
