@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -135,6 +136,8 @@ class WorkerNode:
         """The step `holdings` are at (the first step not yet applied)."""
         self.faults = FaultPlan(list(spec.faults))
         self.param_counts = layer_param_counts(self.preset)
+        self.spare_stores: deque[dist.TCPStore] = deque()
+        """Store connections of formations that ended, for the next ones (`_former`)."""
 
     def _mark(self, step: int, phase: int) -> None:
         self.progress.mark(self.spec.slot, step, phase)
@@ -269,9 +272,10 @@ class WorkerNode:
         built on a helper thread and given up when the coordinator abandons the generation
         (a member was lost before it connected).
 
-        The group gets a store connection of its own: an abandoned formation keeps waiting
-        in the store until its timeout, and on a shared connection that wait would hold up
-        this node's every later store call (its next plan, its votes) for as long."""
+        The group gets a store connection no other call is using: an abandoned formation
+        keeps waiting in the store until its timeout, and on a shared connection that wait
+        would hold up this node's every later store call (its next plan, its votes) for as
+        long. A formation that ended hands its connection on (`_former`)."""
         try:
             return form_interruptibly(self._former(plan, rank), "all",
                                       range(len(plan.members)),
@@ -286,12 +290,19 @@ class WorkerNode:
     def _former(self, plan: GenerationPlan, rank: int) -> GroupFormer:
         """Forms a process group of generation `plan.gen` among some of its ranks (the
         generation's own, and under strict communication the survivors' group after a loss,
-        the gradient lane, a data-parallel group), each on a store connection of its own."""
+        the gradient lane, a data-parallel group), each on a store connection no other call
+        is using. A formation that ended leaves its connection to the next one; an abandoned
+        or failed one keeps its own."""
         def form(name: str, ranks: list[int]) -> dist.ProcessGroup:
-            own = dist.TCPStore(self.spec.store_host, self.spec.store_port, is_master=False,
-                                timeout=self.timeout)
-            return _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}/{name}", own),
-                                  ranks.index(rank), len(ranks), self.timeout, self.bind)
+            try:
+                own = self.spare_stores.popleft()
+            except IndexError:
+                own = dist.TCPStore(self.spec.store_host, self.spec.store_port,
+                                    is_master=False, timeout=self.timeout)
+            group = _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}/{name}", own),
+                                   ranks.index(rank), len(ranks), self.timeout, self.bind)
+            self.spare_stores.append(own)
+            return group
         return form
 
     def _failed(self, plan: GenerationPlan, error: Exception) -> str:
