@@ -15,7 +15,6 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-
 from bamboo.run.checkpoint import Checkpoint
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
