@@ -24,7 +24,9 @@ DEEPSPEED_CONFIG's settings map to the job's options: train_micro_batch_size_per
 micro_batch_size, gradient_accumulation_steps -> micro_batches, gradient_clipping ->
 grad_clip, the optimizer -> optimizer=. `num_stages` and `partition_method` are DeepSpeed's:
 bamboo plans the stages (`stages=`). The data is bamboo's synthetic language; each sample's
-labels are its next tokens, as `loss_fn(outputs, labels)` takes them.
+labels are its next tokens, as `loss_fn(outputs, labels)` takes them. The tied embedding and
+head land on different stages; each keeps a copy, and bamboo adds the copies' gradients
+before the optimizer steps, as DeepSpeed's ReduceTiedGrads does (docs/api.md).
 
 Every process of the run calls `build`, so the script's run starts under
 `if __name__ == "__main__":`. `--compare` runs the job without the kill too and checks that
@@ -71,11 +73,18 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def embedding_head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The output head: logits from the input embedding's weight (tied)."""
+    return F.linear(x, embedding.weight)
+
+
 def build_model(vocab_size: int = VOCAB) -> nn.Module:
-    """The DeepSpeed script's model, unchanged."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
-    layers = [LayerSpec(nn.Embedding, vocab_size, D), LayerSpec(Block, D), LayerSpec(Block, D),
-              LayerSpec(nn.Linear, D, vocab_size)]
+    """The DeepSpeed script's model, unchanged: the embedding and the head are one weight
+    (a TiedLayerSpec at each end, as DeepSpeed's GPT examples tie them)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    layers = [TiedLayerSpec("embed", nn.Embedding, vocab_size, D), LayerSpec(Block, D),
+              LayerSpec(Block, D), LayerSpec(nn.LayerNorm, D),
+              TiedLayerSpec("embed", nn.Embedding, vocab_size, D, forward_fn=embedding_head)]
     return PipelineModule(layers=layers, loss_fn=loss_fn, num_stages=2)
 
 

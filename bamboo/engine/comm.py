@@ -41,10 +41,10 @@ import torch.distributed as dist
 
 __all__ = ["PeerLost", "Interrupted", "P2P", "Key", "GroupFormer", "tag_for", "ACTIVATION",
            "GRADIENT", "DP_UP", "DP_DOWN", "REPLICA", "NORM_UP", "NORM_DOWN", "RESTORE",
-           "MANIFEST", "EVAL", "form_interruptibly", "needs_host_staging", "StagedWork"]
+           "MANIFEST", "EVAL", "TIE_UP", "TIE_DOWN", "form_interruptibly", "needs_host_staging", "StagedWork"]
 
 (ACTIVATION, GRADIENT, DP_UP, DP_DOWN, REPLICA, NORM_UP, NORM_DOWN, RESTORE, MANIFEST,
- EVAL) = range(10)
+ EVAL, TIE_UP, TIE_DOWN) = range(12)
 
 Key = tuple[int, int, int]
 """(kind, stage, micro-batch): what a transfer carries."""

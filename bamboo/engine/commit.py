@@ -11,8 +11,12 @@ holds gloo to), and two nodes sending to each other in one phase do so in one gr
      the same bits (a peer serving a re-routed slot sends that pipeline's sum apart from its
      own, so the order is kept);
    - otherwise: one all-reduce on the stage's data-parallel group, in the sums' dtype;
-2. REPLICA: each stage's reduced gradient (float32) to the node keeping its replica;
-3. NORM: per-layer squared norms to the root (UP), the global norm back to all (DOWN).
+2. TIE: tied weights on more than one stage (bamboo.model.ties): the first holder of
+   each of the tie's stages sends its slice of the reduced gradient to the first holder of
+   the tie's lowest stage (UP), which adds them in stage order and sends the sum to every
+   holder of those stages (DOWN), who put it in place of their own slice;
+3. REPLICA: each stage's reduced gradient (float32) to the node keeping its replica;
+4. NORM: per-layer squared norms to the root (UP), the global norm back to all (DOWN).
 
 Every message carries a status word and every node sends all it owes even when
 something failed (with status 0), so a failed round leaves no message between two live
@@ -26,12 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bamboo.engine.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, Interrupted,
-                                  Key, PeerLost)
+from bamboo.engine.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, TIE_DOWN,
+                                 TIE_UP, Interrupted, Key, PeerLost)
 from bamboo.engine.stage import StageState
 from bamboo.plan.roles import RoleMap
 
-__all__ = ["RoundResult", "commit_round"]
+__all__ = ["RoundResult", "commit_round", "TiedStages"]
+
+TiedStages = list[tuple[str, list[int]]]
+"""Each tie held by more than one stage: (key, its stages in order), by key."""
 
 
 @dataclass(slots=True)
@@ -56,8 +63,10 @@ _Message = tuple[torch.Tensor, int, Key]
 class _Round:
     def __init__(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState],
                  replica: StageState | None, p2p: P2P, num_layers: int, exact: bool,
-                 interrupt: Callable[[], bool], after_reduce: Callable[[], None]) -> None:
+                 interrupt: Callable[[], bool], after_reduce: Callable[[], None],
+                 ties: TiedStages) -> None:
         self.roles, self.rank, self.stages, self.replica = roles, rank, stages, replica
+        self.ties = ties
         self.after_reduce, self.exact, self.interrupt = after_reduce, exact, interrupt
         self.p2p, self.num_layers = p2p, num_layers
         self.pipeline = roles.pipeline_of(rank)
@@ -69,6 +78,8 @@ class _Round:
             self._reduce_in_pipeline_order()
         else:
             self._reduce_with_collectives()
+        if self.ties:
+            self._add_tied()
         self.after_reduce()
         self._feed_replicas()
         self._agree_on_norm()
@@ -201,7 +212,75 @@ class _Round:
             else:
                 self.result.ok = False
 
-    # -- 2. replicas -------------------------------------------------------------------------
+    # -- 2. tied weights ----------------------------------------------------------------------
+
+    def _tied_slice(self, stage: int, key: str) -> slice:
+        a, b = next((a, b) for k, a, b in self.stages[stage].tied if k == key)
+        return slice(a, b)
+
+    def _add_tied(self) -> None:
+        """Every tie's slices of its stages' reduced gradients, added in stage order at the
+        first holder of its lowest stage, and the sum put in place of each held stage's slice.
+        Any member of a stage has its reduced gradient; the first one's is sent."""
+        source = {s: self.roles.stage_members(s)[0] for _, stages in self.ties for s in stages}
+        sends, recvs, plans = [], [], []
+        for index, (key, stages) in enumerate(self.ties):
+            root = source[stages[0]]
+            plans.append((key, stages, root))
+            for s in stages[1:]:
+                if source[s] == self.rank and root != self.rank:
+                    part = self.result.reduced.get(s)
+                    payload = part[self._tied_slice(s, key)] if part is not None else None
+                    sends.append((_with_status(payload if payload is not None else
+                                               self._zeros(s, key), part is not None),
+                                  root, (TIE_UP, s, index)))
+                elif root == self.rank and source[s] != self.rank:
+                    recvs.append((self._zeros(stages[0], key, extra=1), source[s],
+                                  (TIE_UP, s, index)))
+        arrived = iter(zip(self._phase(sends, recvs), recvs))
+        sends, recvs, sums = [], [], {}
+        for index, (key, stages, root) in enumerate(plans):
+            if root == self.rank:
+                total, ok = None, True
+                for s in stages:
+                    if source[s] == self.rank:
+                        part = self.result.reduced.get(s)
+                        ok &= part is not None
+                        part = part[self._tied_slice(s, key)] if part is not None else None
+                    else:
+                        got, (buf, _, _) = next(arrived)
+                        ok &= got
+                        part = buf[:-1]
+                    if ok:
+                        total = part.clone() if total is None else total.__iadd__(part)
+                message = _with_status(total if ok else self._zeros(stages[0], key), ok)
+                sends += [(message, m, (TIE_DOWN, s, index)) for s in stages
+                          for m in self.roles.stage_members(s) if m != self.rank]
+                if ok:
+                    sums[key] = total
+            else:
+                recvs += [(self._zeros(stages[0], key, extra=1), root, (TIE_DOWN, s, index))
+                          for s in stages if s in self.stages and
+                          self.rank in self.roles.stage_members(s)]
+        for got, (buf, _, (_, s, index)) in zip(self._phase(sends, recvs), recvs):
+            if got:
+                sums[self.ties[index][0]] = buf[:-1]
+        for key, stages in self.ties:
+            for s in stages:
+                if s in self.stages and s in self.result.reduced and key in sums:
+                    reduced = self.result.reduced[s]
+                    if reduced is self.stages[s].grad_sum:  # a failed round runs again on it
+                        reduced = self.result.reduced[s] = reduced.clone()
+                    reduced[self._tied_slice(s, key)] = sums[key]
+
+    def _zeros(self, stage: int, key: str, extra: int = 0) -> torch.Tensor:
+        """Zeros of a tie's slice (its size is the same on every stage that holds it), with
+        `extra` more values, in the gradient sums' dtype."""
+        held = next(st for st in self.stages.values() if any(k == key for k, _, _ in st.tied))
+        a, b = next((a, b) for k, a, b in held.tied if k == key)
+        return held.grad_sum.new_zeros(b - a + extra)
+
+    # -- 3. replicas -------------------------------------------------------------------------
 
     def _feed_replicas(self) -> None:
         sends, recvs = [], []
@@ -225,7 +304,7 @@ class _Round:
         elif recvs:
             self.result.ok = False
 
-    # -- 3. the global norm ------------------------------------------------------------------
+    # -- 4. the global norm ------------------------------------------------------------------
 
     def _local_norms(self) -> torch.Tensor:
         vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=self.device)
@@ -265,11 +344,13 @@ class _Round:
 def commit_round(*, roles: RoleMap, rank: int, stages: dict[int, StageState],
                  replica: StageState | None, p2p: P2P, num_layers: int, exact: bool = True,
                  interrupt: Callable[[], bool] = lambda: False,
-                 after_reduce: Callable[[], None] = lambda: None) -> RoundResult:
+                 after_reduce: Callable[[], None] = lambda: None,
+                 ties: TiedStages | None = None) -> RoundResult:
     """Run the round; `ok` is False if any part failed anywhere this node could see.
 
-    `after_reduce` runs between the data-parallel sums and the rest (a fault hook).
+    `after_reduce` runs between the gradient sums (data-parallel and tied) and the rest (a
+    fault hook). `ties`: the ties on more than one stage.
     """
     return _Round(roles=roles, rank=rank, stages=stages, replica=replica, p2p=p2p,
                   num_layers=num_layers, exact=exact, interrupt=interrupt,
-                  after_reduce=after_reduce).run()
+                  after_reduce=after_reduce, ties=ties or []).run()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bamboo.data.datasets import Batch, Task, on_device
-from bamboo.model import boundary_shapes, loss_fn
+from bamboo.model import boundary_shapes, loss_fn, model_ties
 from bamboo.config.presets import ModelPreset
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
@@ -41,7 +41,7 @@ from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, RED
                                  ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
                                  NoHook, node_instructions)
 from bamboo.engine.comm import P2P, GroupFormer, Interrupted, PeerLost
-from bamboo.engine.commit import RoundResult, commit_round
+from bamboo.engine.commit import RoundResult, TiedStages, commit_round
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.evaluation import Losses, MetricRows, eval_pass
 from bamboo.engine.failover import GenerationEnded, Recovery, recover
@@ -82,6 +82,11 @@ class NodeEngine:
                  former: GroupFormer | None = None, hook: InstructionHook | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.preset, self.options, self.parts, self.layout = model, options, parts, layout
+        stage_of = {layer: stage for stage, r in enumerate(parts) for layer in r}
+        self.tied_stages: TiedStages = [
+            (tie.key, stages) for tie in model_ties(model)
+            if len(stages := sorted({stage_of[layer] for layer in tie.layers()})) > 1]
+        """The ties whose uses are on more than one stage (the commit round adds them)."""
         self.rank, self.roles, self.task, self.device = rank, roles, task, device
         self.link, self.hook, self.progress = link, hook or NoHook(), progress
         self.flags: set[BoundaryFlag] = set()
@@ -303,7 +308,8 @@ class NodeEngine:
                               replica=self.replica, p2p=self.p2p,
                               num_layers=self.preset.layers, exact=self.options.exact,
                               interrupt=self.interrupted,
-                              after_reduce=lambda: self._passed(s.step, length, REDUCED))
+                              after_reduce=lambda: self._passed(s.step, length, REDUCED),
+                              ties=self.tied_stages)
         s.report.reduce_s += time.perf_counter() - start
         s.report.bytes_replica = result.bytes_replica
         return result

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bamboo.model import build_layers
+from bamboo.model import build_layers, model_ties
+from bamboo.model.ties import get_param
 from bamboo.config.presets import ModelPreset
 from bamboo.engine.memory import state_dict_bytes, to_host
 from bamboo.engine.optim import MAX_STATE_TENSORS, make_optimizer, set_lr, state_keys
@@ -61,11 +62,34 @@ class StageState:
         self.taping: Any = None
         """Under zb-h1, the forward hooks that tape its linear layers (`split_backward.Taping`)."""
         self.layer_spans: list[tuple[int, int, int]] = []
-        offset = 0
+        """(layer index, start, end) of each layer's parameters in the flat gradient; a
+        parameter tied to an earlier layer of this stage is in that layer's span."""
+        self.layer_sizes: list[int] = []
+        """Each layer's parameter count, tied parameters included (its `layer_state`)."""
+        offset, seen, at = 0, set(), {}
         for layer_index, layer in zip(layer_indices, self.module):
-            size = sum(p.numel() for p in layer.parameters())
-            self.layer_spans.append((layer_index, offset, offset + size))
-            offset += size
+            own = [p for p in layer.parameters() if id(p) not in seen]
+            for p in own:
+                seen.add(id(p))
+                at[id(p)] = offset
+                offset += p.numel()
+            self.layer_spans.append((layer_index, offset - sum(p.numel() for p in own), offset))
+            self.layer_sizes.append(sum(p.numel() for p in layer.parameters()))
+        self.tied: list[tuple[str, int, int]] = []
+        """(key, start, end) in the flat gradient of each tied parameter this stage holds, by
+        key: the commit round adds these slices over the stages that hold the key."""
+        self._norm_skips: dict[int, list[tuple[int, int]]] = {}
+        """Layer -> the slices of its span that the gradient norm leaves out: a tied copy
+        whose first use is on another stage (the norm counts it there)."""
+        for tie in model_ties(preset):
+            held = [(i, path) for i, path in tie.uses if i in layer_indices]
+            if not held:
+                continue
+            layer, path = held[0]
+            p = get_param(self.module[layer_indices.index(layer)], path)
+            self.tied.append((tie.key, at[id(p)], at[id(p)] + p.numel()))
+            if tie.first[0] not in layer_indices:
+                self._norm_skips.setdefault(layer, []).append((at[id(p)], at[id(p)] + p.numel()))
 
     @property
     def grad_sum(self) -> torch.Tensor:
@@ -115,8 +139,21 @@ class StageState:
     def layer_sq_norms(self, reduced: torch.Tensor) -> list[tuple[int, float]]:
         """(layer index, sum of squares) of a reduced gradient of this stage, summed in
         float64 whatever the gradient's dtype."""
-        return [(i, float(reduced[a:b].to(torch.float64).square().sum()))
+        return [(i, float(self._counted(reduced, i, a, b).to(torch.float64).square().sum()))
                 for i, a, b in self.layer_spans]
+
+    def _counted(self, reduced: torch.Tensor, layer: int, a: int, b: int) -> torch.Tensor:
+        """Layer `layer`'s part of `reduced` that its norm counts: its span `[a, b)` less the
+        tied copies counted on another stage (the same values, in the same order, as the
+        span the layer has on a stage without that copy)."""
+        skips = sorted(self._norm_skips.get(layer, ()))
+        if not skips:
+            return reduced[a:b]
+        pieces, start = [], a
+        for lo, hi in skips:
+            pieces.append(reduced[start:lo])
+            start = hi
+        return torch.cat([*pieces, reduced[start:b]])
 
     def apply(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
         """One optimizer step with the reduced gradient `grad32` (float32) scaled by `coef`."""
@@ -215,12 +252,12 @@ class StageState:
         return torch.cat([self.layer_state(i).to(self.device) for i in self.layer_indices])
 
     def state_size(self) -> int:
-        return sum(3 * (b - a) + 1 for _, a, b in self.layer_spans)
+        return sum(3 * n + 1 for n in self.layer_sizes)
 
     def load_state_vector(self, vector: torch.Tensor) -> None:
         offset = 0
-        for i, a, b in self.layer_spans:
-            size = 3 * (b - a) + 1
+        for i, n in zip(self.layer_indices, self.layer_sizes):
+            size = 3 * n + 1
             self.load_layer_state(i, vector[offset:offset + size])
             offset += size
 

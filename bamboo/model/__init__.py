@@ -26,10 +26,12 @@ from bamboo.model.llama import llama_layer
 from bamboo.model.meta import shapes_only
 from bamboo.model.pipeline import boundary_spec
 from bamboo.model.structure import BoundarySpec, StructuredSpec
+from bamboo.model.ties import Tie, initial_copy, share_within, uses_at
 from bamboo.config.presets import ModelPreset
 
 __all__ = [
-    "build_layer", "build_layers", "layer_param_counts", "boundary_shapes", "loss_fn",
+    "build_layer", "build_layers", "model_ties", "layer_param_counts", "boundary_shapes",
+    "loss_fn",
     "derive_seed", "forward_seed", "seeded_randomness", "run_layers",
 ]
 
@@ -115,18 +117,36 @@ def run_layers(layers: Sequence[nn.Module], indices: Sequence[int], x: torch.Ten
     return x
 
 
-def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """Layer `index` of preset `p`, initialised from the stream (seed, index)."""
+def _seeded_layer(p: ModelPreset, index: int, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("layer", seed, index))
-        layer = _builder(p)(p, index)
+        return _builder(p)(p, index)
+
+
+def model_ties(p: ModelPreset) -> tuple[Tie, ...]:
+    """The tied weights of preset `p` (a model of your own may declare them)."""
+    return load_model(p.name, p.vocab).ties if p.family == "custom" else ()
+
+
+def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """Layer `index` of preset `p`, initialised from the stream (seed, index); a tied
+    parameter whose tie's first use is another layer starts as that layer's stream builds
+    it (bamboo.model.ties)."""
+    layer = _seeded_layer(p, index, seed)
+    for tie, path in uses_at(model_ties(p), index):
+        if tie.first[0] != index:
+            initial_copy(tie, _seeded_layer(p, tie.first[0], seed), index, layer, path)
     return layer.to(device)
 
 
 def build_layers(p: ModelPreset, indices: Iterable[int], seed: int,
                  device: str | torch.device = "cpu") -> list[nn.Module]:
-    """The layers `indices` of preset `p`."""
-    return [build_layer(p, i, seed, device) for i in indices]
+    """The layers `indices` of preset `p`, the uses of a tie among them sharing one
+    parameter."""
+    indices = list(indices)
+    layers = [build_layer(p, i, seed, device) for i in indices]
+    share_within(layers, indices, model_ties(p))
+    return layers
 
 
 def _meta_layer(p: ModelPreset, index: int) -> nn.Module:

@@ -119,6 +119,7 @@ from bamboo.model.meta import shapes_only
 from bamboo.model.pipeline import (ModelError, PipelineModel, TensorSpec, describe_spec,
                                    next_token_loss, zeros_of)
 from bamboo.model.structure import StructureError, Treedef, describe, flatten, float32
+from bamboo.model.ties import TieError, check_shapes, get_param, uses_at
 
 __all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
            "custom_layer", "import_object"]
@@ -299,10 +300,12 @@ def _refuse_unseeded(before: dict[str, bytes], what: str) -> None:
 
 def _trace(model: PipelineModel) -> None:
     x: object = zeros_of(model.input_spec)
+    firsts: dict[str, nn.Module] = {}
     for i, spec in enumerate(model.boundaries):
         before = _unseeded_states()
         layer = custom_layer(model, i)
         _refuse_unseeded(before, f"layer {i}'s factory")
+        _check_ties(model, i, layer, firsts)
         try:
             x = layer(x)
         except Exception as e:
@@ -323,6 +326,21 @@ def _trace(model: PipelineModel) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ModelError(f"loss returned {type(loss).__name__} "
                          f"{list(getattr(loss, 'shape', []))}, not a scalar tensor")
+
+
+def _check_ties(model: PipelineModel, i: int, layer: nn.Module,
+                firsts: dict[str, nn.Module]) -> None:
+    """ModelError when a tie's use at layer `i` names no parameter of it, or one of another
+    shape than the tie's first use (whose layer, in `firsts`, was built before)."""
+    try:
+        for tie, path in uses_at(model.ties, i):
+            if tie.first[0] == i:
+                get_param(layer, path)
+                firsts[tie.key] = layer
+            else:
+                check_shapes(tie, firsts[tie.key], i, layer, path)
+    except TieError as e:
+        raise ModelError(str(e)) from None
 
 
 def _declare(model: PipelineModel) -> str:

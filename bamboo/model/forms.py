@@ -14,6 +14,11 @@ their attributes, so the plain forms work without it installed.
   parameters (the run's `--seed` does not change them; factories and `LayerSpec`s are
   built under the stream of (seed, layer index) instead, like every other model).
 - Factories and `LayerSpec`s (`spec.build()`) are called for the layers a node holds.
+- A `TiedLayerSpec` ties its `tied_weight_attr` to the same attribute of every other
+  TiedLayerSpec of its key (bamboo.model.ties), and runs through its `forward_fn` when it
+  has one. Only those attributes are shared: where DeepSpeed gives the uses on one stage
+  one module, bamboo gives each use its own and ties the named parameters, which is the
+  same computation for a `forward_fn` that uses only them (the usual tied head).
 - A plain callable in a DeepSpeed layer list is a forward function (as in DeepSpeed);
   in a bamboo list it is a zero-argument factory.
 - The tensors between layers and the last layer's output are found by running a batch of
@@ -118,16 +123,55 @@ def _is_pipeline_module(obj: object) -> bool:
     return isinstance(obj, nn.Module) and _from_deepspeed(obj) and hasattr(obj, "_layer_specs")
 
 
-def _factories(items: Sequence[object], deepspeed: bool) -> list[Callable[[], nn.Module]]:
-    """One zero-argument factory per item of a layer list."""
+class _TiedForward(nn.Module):
+    """A TiedLayerSpec's module run through its `forward_fn(module, x)`."""
+
+    def __init__(self, module: nn.Module, forward_fn: Callable) -> None:
+        super().__init__()
+        self.module, self.forward_fn = module, forward_fn
+
+    def forward(self, x: object) -> object:
+        return self.forward_fn(self.module, x)
+
+
+class _TiedFactory:
+    def __init__(self, spec: object) -> None:
+        self.spec = spec
+
+    def __call__(self) -> nn.Module:
+        module = self.spec.build()  # type: ignore[attr-defined]
+        forward_fn = getattr(self.spec, "forward_fn", None)
+        return module if forward_fn is None else _TiedForward(module, forward_fn)
+
+
+Ties = dict[str, list[tuple[int, str]]]
+
+
+def _tie_uses(item: object, i: int, ties: Ties) -> None:
+    """Add TiedLayerSpec `item` (layer `i`) to `ties`: one tie per tied attribute (DeepSpeed
+    ties `tied_weight_attr`, a name or a list of them, by the spec's key)."""
+    attrs = getattr(item, "tied_weight_attr", None) or ["weight"]
+    attrs = [attrs] if isinstance(attrs, str) else list(attrs)
+    prefix = "" if getattr(item, "forward_fn", None) is None else "module."
+    key = str(getattr(item, "key", ""))
+    for attr in attrs:
+        ties.setdefault(key if len(attrs) == 1 else f"{key}.{attr}", []).append(
+            (i, prefix + attr))
+
+
+def _factories(items: Sequence[object], deepspeed: bool
+               ) -> tuple[list[Callable[[], nn.Module]], Ties]:
+    """One zero-argument factory per item of a layer list, and the ties of its
+    TiedLayerSpecs (a key used once ties nothing, as in DeepSpeed)."""
     factories: list[Callable[[], nn.Module]] = []
+    ties: Ties = {}
     for i, item in enumerate(items):
         if _is_layer_spec(item):
             if _is_tied(item):
-                raise ModelError(f"tied layers are not supported yet: layer {i} is a "
-                                 f"TiedLayerSpec (key {getattr(item, 'key', '?')!r}); give each "
-                                 f"layer its own weights (a LayerSpec)")
-            factories.append(item.build)  # type: ignore[attr-defined]
+                factories.append(_TiedFactory(item))
+                _tie_uses(item, i, ties)
+            else:
+                factories.append(item.build)  # type: ignore[attr-defined]
         elif isinstance(item, nn.Module):
             factories.append(_Copy(item))
         elif callable(item):
@@ -136,17 +180,17 @@ def _factories(items: Sequence[object], deepspeed: bool) -> list[Callable[[], nn
             raise ModelError(f"layer {i} is {type(item).__name__}: a layer list holds "
                              f"nn.Modules, zero-argument factories returning one, or "
                              f"DeepSpeed LayerSpecs")
-    return factories
+    return factories, {key: uses for key, uses in ties.items() if len(uses) > 1}
 
 
-def _layers(obj: object) -> tuple[list[Callable[[], nn.Module]], Loss | None, str]:
-    """(factories, the object's own loss, what it is) of a model form; ModelError if
+def _layers(obj: object) -> tuple[list[Callable[[], nn.Module]], Ties, Loss | None, str]:
+    """(factories, ties, the object's own loss, what it is) of a model form; ModelError if
     `obj` is none."""
     if _is_pipeline_module(obj):
-        return (_factories(list(obj._layer_specs), deepspeed=True),  # type: ignore[attr-defined]
+        return (*_factories(list(obj._layer_specs), deepspeed=True),  # type: ignore[attr-defined]
                 getattr(obj, "loss_fn", None), "DeepSpeed PipelineModule")
     if isinstance(obj, nn.Sequential):
-        return _factories(list(obj), deepspeed=False), None, "nn.Sequential"
+        return *_factories(list(obj), deepspeed=False), None, "nn.Sequential"
     if isinstance(obj, nn.Module):
         raise ModelError("one nn.Module, which bamboo cannot cut "
                          f"into layers: return nn.Sequential(...) of its layers, a list of "
@@ -155,7 +199,7 @@ def _layers(obj: object) -> tuple[list[Callable[[], nn.Module]], Loss | None, st
         if not obj:
             raise ModelError("the layer list is empty: give at least one layer")
         deepspeed = any(_is_layer_spec(item) for item in obj)
-        return (_factories(obj, deepspeed), None,
+        return (*_factories(obj, deepspeed), None,
                 "list of LayerSpecs" if deepspeed else "list of layers")
     raise ModelError("not a bamboo.model.api.PipelineModel, an nn.Sequential, a list of modules or of zero-argument "
                      f"factories, or a DeepSpeed PipelineModule or list of LayerSpecs")
@@ -277,7 +321,7 @@ def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Los
              boundary: Boundary | Sequence[Boundary] | None, output: Boundary | None,
              inputs: Boundary | None, description: str, build: Callable | None
              ) -> PipelineModel:
-    layers, own_loss, what = _layers(obj)
+    layers, ties, own_loss, what = _layers(obj)
     context = _positive(obj, "context", context, build)
     inputs = inputs if inputs is not None else getattr(obj, "inputs", None)
     # a model fed token ids has a vocabulary; one whose inputs are declared may have none
@@ -292,7 +336,8 @@ def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Los
         output = output or specs[-1]
     return PipelineModel(layers=layers, boundary=boundary, context=context,
                          vocab_size=vocab_size, loss=loss or own_loss or next_token_loss,
-                         output=output, inputs=inputs, description=description or what)
+                         output=output, inputs=inputs, description=description or what,
+                         ties=ties)
 
 
 def is_model_object(obj: object) -> bool:

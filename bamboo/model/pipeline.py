@@ -3,7 +3,7 @@ what layer 0 takes and of what travels between the layers, and a loss (`bamboo.m
 is where a user imports them)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.model.ties import TieError, check_ties
 from bamboo.model.structure import (BoundarySpec, StructuredSpec, StructureError, flatten,
                                     unflatten)
 
@@ -105,6 +106,10 @@ class PipelineModel:
     """What layer 0 receives per sample: a TensorSpec, or a tuple or dict of them (a
     Dataset's inputs as its collate makes them); `[context]` int64 token ids if None."""
     description: str = ""
+    ties: Mapping[str, Sequence[tuple[int, str]]] = field(default_factory=dict)
+    """Tied weights: key -> the (layer index, attribute path) of each use, e.g.
+    `{"embed": [(0, "weight"), (5, "weight")]}` for an embedding reused as the head
+    (bamboo.model.ties: the copies start equal and their gradients are added)."""
     boundaries: tuple[Boundary, ...] = field(init=False, repr=False)
     """The output of every layer (len(layers) specs, the last one `output`)."""
 
@@ -133,6 +138,10 @@ class PipelineModel:
         if self.inputs is not None:
             check_spec(self.inputs, "inputs")
         object.__setattr__(self, "layers", tuple(layers))
+        try:
+            object.__setattr__(self, "ties", check_ties(self.ties, len(layers)))
+        except TieError as e:
+            raise ModelError(f"PipelineModel {e}") from None
         object.__setattr__(self, "boundaries", (*self._inner_boundaries(), output))
 
     @property

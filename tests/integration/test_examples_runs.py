@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bamboo.config import JobConfig
 from support.reference import train_reference
@@ -56,13 +57,22 @@ def test_sgd_with_momentum_under_one_cycle_survives_its_kill(tmp_path: Path) -> 
                     reason="deepspeed is not installed (pip install 'bamboo-train[deepspeed]')")
 def test_a_deepspeed_pipeline_script_survives_its_kill(tmp_path: Path) -> None:
     """A real PipelineModule built in every process; its LayerSpecs are the layers and its
-    loss_fn the loss; DeepSpeed's config becomes the job's options."""
+    loss_fn the loss; DeepSpeed's config becomes the job's options. Its TiedLayerSpecs (the
+    embedding and the head, on two stages) end as one weight, and the killed run is the
+    single-process loop's, in which both uses share one parameter."""
     killed, _, _ = run_example("deepspeed_pipeline.py", tmp_path, steps=5)
     config = killed["config"]
     assert config["model"] == f"{EXAMPLES / 'deepspeed_pipeline.py'}:build"
     assert config["optimizer"] == "torch.optim.adamw:AdamW(lr=0.001)"
     assert (config["micro_batches"], config["micro_batch_size"], config["grad_clip"]) == \
         (2, 4, 1.0)
+    saved = torch.load(tmp_path / "run" / "killed" / "model.pt", weights_only=True)
+    assert torch.equal(saved["layers.0.weight"], saved["layers.4.module.weight"])
+    losses, params = train_reference(JobConfig.of(
+        model=config["model"], steps=5, seed=3, micro_batches=4, micro_batch_size=4,
+        grad_clip=1.0, optimizer=config["optimizer"]).validate())
+    assert_close(killed["losses"], losses, rel=1e-5)
+    assert_close(killed["param_l2"], param_l2(params), rel=1e-5)
 
 
 @pytest.mark.timeout(300)

@@ -42,6 +42,39 @@ def build(vocab_size: int = 256) -> PipelineModel:
         boundary=TensorSpec((CONTEXT, D)), context=CONTEXT, vocab_size=vocab_size)
 """
 
+TIED = HEADER + """
+CONTEXT, D = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class Head(nn.Module):
+    \"\"\"A LayerNorm, and logits from a weight that the model ties to the embedding.\"\"\"
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.weight = nn.Parameter(torch.randn(vocab, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x) @ self.weight.T
+
+
+def build(vocab_size: int = 256) -> PipelineModel:
+    \"\"\"The embedding (layer 0) and the head (layer 3) share one weight.\"\"\"
+    return PipelineModel(
+        layers=[lambda: nn.Embedding(vocab_size, D), Block, Block, lambda: Head(vocab_size)],
+        boundary=TensorSpec((CONTEXT, D)), context=CONTEXT, vocab_size=vocab_size,
+        ties={"embed": [(0, "weight"), (3, "weight")]})
+"""
+
 
 def write_module(directory: Path, name: str, source: str) -> Path:
     """`source` as the module `name`.py in `directory`."""

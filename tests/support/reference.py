@@ -71,7 +71,7 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
             metrics.append(step_metrics)
     if evals is not None and cfg.evaluates_at(cfg.training.steps):
         _evaluate_into(evals, eval_metrics, cfg.training.steps, model, task, criterion, cfg)
-    named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters()}
+    named = {f"layers.{name}": t.detach().clone() for name, t in model.named_parameters(remove_duplicate=False)}
     return losses, named
 
 

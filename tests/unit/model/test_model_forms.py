@@ -326,8 +326,6 @@ def test_a_classifier_s_loss_meets_its_labels_in_the_run_a_per_token_one_at_star
 
 
 @pytest.mark.parametrize("layers, expected", [
-    ([TiedLayerSpec("embed", nn.Embedding, 30, 4), LayerSpec(nn.Linear, 4, 30)],
-     "list, tied layers are not supported yet: layer 0 is a TiedLayerSpec (key 'embed')"),
     ([], "list, the layer list is empty"),
     ([nn.Embedding(30, 4), 3], "list, layer 1 is int: a layer list holds nn.Modules"),
     ([nn.Embedding(30, 4), ReturnsList(), nn.Linear(4, 30)],
@@ -379,13 +377,14 @@ def test_the_plain_forms_do_not_import_deepspeed(monkeypatch: pytest.MonkeyPatch
                    vocab_size=30)
     pipeline_model([LayerSpec(nn.Embedding, 30, 4), lambda x: x * 2], context=3,
                    vocab_size=30)
-    with pytest.raises(ModelError):
-        pipeline_model([TiedLayerSpec("e", nn.Embedding, 30, 4)], context=3, vocab_size=30)
+    tied = pipeline_model([TiedLayerSpec("e", nn.Embedding, 30, 4), LayerSpec(nn.Linear, 4, 4),
+                           TiedLayerSpec("e", nn.Linear, 4, 30)], context=3, vocab_size=30)
+    assert [(t.key, t.uses) for t in tied.ties] == [("e", ((0, "weight"), (2, "weight")))]
     assert not [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
-def test_deepspeed_layer_specs_convert_and_tied_ones_are_refused() -> None:
+def test_deepspeed_layer_specs_convert_and_tied_ones_tie_their_attributes() -> None:
     from deepspeed.pipe import LayerSpec as DSLayerSpec, TiedLayerSpec as DSTied
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -395,10 +394,25 @@ def test_deepspeed_layer_specs_convert_and_tied_ones_are_refused() -> None:
     model = pipeline_model(specs, context=3, vocab_size=30, loss=loss)
     assert model.boundaries == (TensorSpec((3, 4)), TensorSpec((3, 30))) and model.loss is loss
     assert isinstance(model.layers[1](), nn.Linear)
-    with pytest.raises(ModelError, match="tied layers are not supported yet: layer 0 is a "
-                                         "TiedLayerSpec"):
-        pipeline_model([DSTied("embed", nn.Embedding, 30, 4), *specs[1:]], context=3,
-                       vocab_size=30)
+    def head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, embedding.weight)
+
+    tied = pipeline_model([DSTied("embed", nn.Embedding, 30, 4), DSLayerSpec(nn.Linear, 4, 4),
+                           DSTied("embed", nn.Embedding, 30, 4, forward_fn=head)], context=3,
+                          vocab_size=30, loss=loss)
+    assert [(t.key, t.uses) for t in tied.ties] == [
+        ("embed", ((0, "weight"), (2, "module.weight")))]
+    assert tied.boundaries[-1] == TensorSpec((3, 30))  # the head ran through its forward_fn
+    alone = pipeline_model([DSTied("embed", nn.Embedding, 30, 4), *specs[1:]], context=3,
+                           vocab_size=30)
+    assert alone.ties == ()  # a key used once ties nothing
+    two_attrs = pipeline_model([DSTied("lin", nn.Linear, 4, 4, tied_weight_attr=["weight",
+                                                                                  "bias"]),
+                                DSTied("lin", nn.Linear, 4, 4, tied_weight_attr=["weight",
+                                                                                 "bias"])],
+                               context=3, inputs=TensorSpec((3, 4)))
+    assert [(t.key, t.uses) for t in two_attrs.ties] == [
+        ("lin.bias", ((0, "bias"), (1, "bias"))), ("lin.weight", ((0, "weight"), (1, "weight")))]
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
