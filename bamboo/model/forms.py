@@ -29,8 +29,9 @@ their attributes, so the plain forms work without it installed.
   is the same structure of `TensorSpec`s, as bamboo.model.api's start-up trace checks.
   Each holds at least one floating-point tensor (the gradient flows back through those;
   masks and ids travel without one). A list, None or any other value is refused.
-- `context` (tokens per sample) and `vocab_size` come from the keywords, else from the
-  object's attributes of that name, else from the build function's keyword defaults;
+- `context` (tokens per sample; a model whose `inputs` are declared may have none) and
+  `vocab_size` come from the keywords, else from the object's attributes of that name, else
+  from the build function's keyword defaults;
   `inputs` from the keyword, else the object's `inputs` attribute. A model fed token ids
   (no `inputs`) needs a `vocab_size`; one whose `inputs` are declared may have none.
 - Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these
@@ -322,8 +323,10 @@ def _convert(obj: object, context: int | None, vocab_size: int | None, loss: Los
              inputs: Boundary | None, description: str, build: Callable | None
              ) -> PipelineModel:
     layers, ties, own_loss, what = _layers(obj)
-    context = _positive(obj, "context", context, build)
     inputs = inputs if inputs is not None else getattr(obj, "inputs", None)
+    # positions per sample: what token ids need; a model whose inputs are declared may
+    # leave it out (an image classifier: 1)
+    context = _positive(obj, "context", context, build, required=inputs is None)
     # a model fed token ids has a vocabulary; one whose inputs are declared may have none
     vocab_size = _positive(obj, "vocab_size", vocab_size, build, required=inputs is None)
     if inputs is not None:  # checked before it is fed to the layers

@@ -92,9 +92,10 @@ class PipelineModel:
     boundary: Boundary | list[Boundary] | None = None
     """What travels between layers, per sample: a TensorSpec, or a tuple or dict of them
     (one structure for every boundary), or a list of them, one per boundary."""
-    context: int
+    context: int | None = None
     """Positions per sample (tokens, patches): the default `inputs` and `output` are per
-    token, and the memory estimate counts activations per position."""
+    token, and the memory estimate counts activations per position. A model that declares
+    both its `inputs` and its `output` (an image classifier) may leave it out: it is then 1."""
     vocab_size: int | None = None
     """Token ids are 0..vocab_size-1; needed for the default `output` (next-token logits),
     and for bamboo's own byte-token data (the synthetic language, text files)."""
@@ -125,7 +126,11 @@ class PipelineModel:
                 raise ModelError(f"PipelineModel layers[{i}] is {type(make).__name__}, not a "
                                  f"zero-argument callable returning an nn.Module (e.g. "
                                  f"lambda: nn.Linear(d, d))")
-        _positive("context", self.context)
+        if self.context is None and self.inputs is not None and self.output is not None:
+            object.__setattr__(self, "context", 1)
+        _positive("context", self.context, "" if self.context is not None else
+                  " (tokens per sample: give context=N, or declare both inputs=TensorSpec(...) "
+                  "and output=TensorSpec(...), as an image classifier does)")
         if self.vocab_size is not None or self.output is None:
             _positive("vocab_size", self.vocab_size, " (the default output is "
                       "[context, vocab_size] next-token logits: give vocab_size, or "

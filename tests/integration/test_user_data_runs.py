@@ -13,7 +13,7 @@ import pytest
 from bamboo.chaos.bits import differs
 from support.reference import train_reference
 from support.runs import REL, assert_close, config, param_l2, run_in_process
-from support.user_data import DATASET, EVAL_DATASET, LOSS, METRIC, MODEL
+from support.user_data import DATASET, EVAL_DATASET, IMAGE_MODEL, IMAGES, LOSS, METRIC, MODEL
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]  # every test here starts processes
 
@@ -58,3 +58,21 @@ def test_a_users_dataset_loss_and_metric_killed_in_flight_end_equal(tmp_path: Pa
         [(step, pytest.approx(m["accuracy"])) for step, m in enumerate(killed["metrics"])]
     assert [(e.step, e.value) for e in board.Scalars("eval/accuracy")] == \
         [(step, pytest.approx(m["accuracy"])) for step, m in killed["eval_metrics"]]
+
+
+@pytest.mark.timeout(300)
+def test_an_image_classifier_without_a_context_killed_in_flight_ends_equal(
+        tmp_path: Path) -> None:
+    """An nn.Sequential CNN that declares only its inputs (no `context`, no vocabulary), on
+    an image Dataset: killed in flight, the failure-free run's bits and the single-process
+    loop's losses."""
+    flags = dict(model=IMAGE_MODEL, dataset=IMAGES, nodes=4, stages=2, micro_batches=2,
+                 micro_batch_size=4, steps=4)
+    clean = run_in_process(config(flags), tmp_path / "clean")
+    killed = run_in_process(config(flags, kills=["0:1@2"]), tmp_path / "killed")
+    assert clean["status"] == killed["status"] == "completed", killed.get("error")
+    assert killed["failovers"] == 1
+    assert (killed["losses"], killed["param_sha256"]) == (clean["losses"], clean["param_sha256"])
+    losses, params = train_reference(config(flags))
+    assert_close(killed["losses"], losses, rel=REL)
+    assert_close(killed["param_l2"], param_l2(params), rel=REL)

@@ -78,3 +78,33 @@ def build(vocab_size: int = 256) -> PipelineModel:
                 lambda: nn.Sequential(Mix(), nn.Linear(D, CLASSES))],
         boundary=TensorSpec((CONTEXT, D)), output=TensorSpec((CONTEXT, CLASSES)),
         context=CONTEXT, vocab_size=vocab_size)
+
+
+IMAGE_MODEL = f"{_FILE}:build_cnn"
+IMAGES = f"{_FILE}:Images(n=24)"
+
+
+class Images(Dataset):
+    """`n` seeded [3, 8, 8] images; the label is the channel with the largest mean."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed = n, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        image = torch.randn(3, 8, 8, generator=g)
+        return image, image.mean(dim=(1, 2)).argmax()
+
+
+def build_cnn() -> nn.Sequential:
+    """A small CNN classifier with dropout and no `context`: it declares what layer 0
+    takes, and its tensors between layers and output are found by tracing it."""
+    model = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.1)),
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)))
+    model.inputs = TensorSpec((3, 8, 8))
+    return model

@@ -362,6 +362,25 @@ def test_where_context_and_vocabulary_are_missing_the_line_says_what_to_add() ->
         pipeline_model(nn.Linear(2, 2), context=3, vocab_size=30)
 
 
+def test_a_model_that_declares_its_inputs_needs_no_context() -> None:
+    """An image classifier: `inputs` declared, no context and no vocabulary (context 1);
+    a PipelineModel that declares no output still needs one, and the line says so."""
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1),
+                        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)))
+    model = pipeline_model(cnn, inputs=TensorSpec((3, 6, 6)))
+    assert (model.context, model.vocab_size) == (1, None)
+    assert model.boundaries == (TensorSpec((4, 6, 6)), TensorSpec((5,)))
+    direct = PipelineModel(layers=[lambda: nn.Linear(2, 3)], inputs=TensorSpec((2,)),
+                           output=TensorSpec((3,)))
+    assert direct.context == 1
+    with pytest.raises(ModelError, match=r"^PipelineModel context=None is not a positive "
+                                         r"integer \(tokens per sample: give context=N, or "
+                                         r"declare both inputs=TensorSpec\(...\) and "
+                                         r"output=TensorSpec\(...\), as an image classifier "
+                                         r"does\)$"):
+        PipelineModel(layers=[lambda: nn.Linear(2, 3)], inputs=TensorSpec((2,)), vocab_size=3)
+
+
 def test_a_build_function_returning_another_form_is_refused_in_one_line(tmp_path: Path) -> None:
     source = "from torch import nn\n\ndef build(vocab_size: int = 256):\n" \
              "    return [nn.Embedding(vocab_size, 4), nn.Linear(4, vocab_size)]\n"
