@@ -3,6 +3,7 @@
 
     bamboo profile --model gpt2-tiny --stages 4 --out costs.json
     bamboo profile --model gpt2-tiny --layers-only --out layers.json   # for train --layer-costs
+    bamboo profile --model cnn.py:build --dataset cnn.py:Images(n=64) --stages 2 --out costs.json
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="costs.json")
     parser.add_argument("--data", help="with --layers-only: a prepared token directory whose "
                         "vocabulary the model takes (as bamboo train --data)")
+    parser.add_argument("--dataset", metavar="MODULE:CALL", help="a map-style Dataset of "
+                        "(inputs, labels) samples, as bamboo train --dataset: what a model "
+                        "that takes other inputs than token ids is timed on")
+    parser.add_argument("--loss", metavar="MODULE:CALL", help="the loss of the model's "
+                        "output and the labels, as bamboo train --loss")
     parser.add_argument("--layers-only", action="store_true",
                         help="only time each layer alone and write a layer-costs file for "
                         "`bamboo train --layer-costs` (no engine runs)")
@@ -39,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     args = profile_parser().parse_args(argv)
     from bamboo.config import ConfigError, JobConfig
     try:
-        job = JobConfig.of(model=args.model, nodes=args.stages, stages=args.stages,
+        stages = 1 if args.layers_only else args.stages  # each layer alone: no stages
+        job = JobConfig.of(model=args.model, nodes=stages, stages=stages,
                            micro_batches=args.micro_batches,
                            micro_batch_size=args.micro_batch_size,
-                           steps=args.steps, data=args.data).validate()
+                           steps=args.steps, data=args.data, dataset=args.dataset,
+                           loss=args.loss).validate()
         if args.data is not None and not args.layers_only:
             raise ConfigError("--data goes with --layers-only (the step costs use synthetic data)")
         if args.repeats < 1 or args.steps < 4:
@@ -56,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     from bamboo.sim.profile import profile_costs, profile_layers
     if args.layers_only:
         profile_layers(args.model, job.model_preset().vocab, args.micro_batch_size,
-                       args.repeats, args.data, args.out)
+                       args.repeats, args.data, args.out, args.dataset, args.loss)
         return 0
     from bamboo.sim.costs import save_costs
     costs = profile_costs(args.model, args.stages, args.micro_batches, args.micro_batch_size,
-                          args.repeats, args.steps)
+                          args.repeats, args.steps, args.dataset, args.loss)
     save_costs(costs, args.out)
     print(f"forward ms per stage {[round(1000 * f, 2) for f in costs.forward_s]}, backward ms "
           f"{[round(1000 * b, 2) for b in costs.backward_s]}; eager RC overhead "

@@ -17,28 +17,45 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from bamboo.config.layer_costs import LayerCosts
 
-__all__ = ["measure_layer_costs"]
+__all__ = ["measure_layer_costs", "first_batch"]
+
+
+def first_batch(model: str, micro_batch_size: int, seed: int = 0, data: str | None = None,
+                dataset: str | None = None, loss: str | None = None) -> tuple[Any, Callable]:
+    """The first micro-batch of `model`'s job and the loss that takes its output: from the
+    `dataset` (MODULE:CALL, as `bamboo train --dataset`) with `loss` when given, else from
+    bamboo's data (the prepared directory `data`, or the synthetic language)."""
+    from bamboo.config import JobConfig
+    from bamboo.data.user import job_task
+    from bamboo.model import loss_fn
+
+    job = JobConfig.of(model=model, data=data, dataset=dataset, loss=loss, seed=seed,
+                       micro_batches=1, micro_batch_size=micro_batch_size)
+    p = job.model_preset()
+    task = job_task(job, p)
+    return task.batch(0, 0), task.loss or loss_fn(p)
 
 def measure_layer_costs(model: str, micro_batch_size: int, repeats: int, seed: int = 0,
-                        data: str | None = None) -> LayerCosts:
+                        data: str | None = None, dataset: str | None = None,
+                        loss: str | None = None) -> LayerCosts:
     """Time every layer of `model` alone (on the vocabulary of the prepared directory `data`
-    when given); one layer is built at a time, so a model larger than memory as a whole can
+    when given; on a `dataset`'s samples, with its `loss`, for a model that takes other
+    inputs); one layer is built at a time, so a model larger than memory as a whole can
     still be measured layer by layer."""
     import torch
 
     from bamboo.config import JobConfig
-    from bamboo.data.datasets import make_task
-    from bamboo.model import build_layer, loss_fn
+    from bamboo.model import build_layer
     from bamboo.model.structure import detach, float32, leaves, map_floats
 
     torch.set_num_threads(1)
-    p = JobConfig.of(model=model, data=data).model_preset()
-    batch = make_task(p, seed=seed, global_micro_batches=1, micro_batch_size=micro_batch_size,
-                      data_file=data).batch(0, 0)
-    criterion = loss_fn(p)
+    p = JobConfig.of(model=model, data=data, dataset=dataset).model_preset()
+    batch, criterion = first_batch(model, micro_batch_size, seed, data, dataset, loss)
     x, seconds = batch.inputs, []
     for index in range(p.layers):
         layer = build_layer(p, index, seed)

@@ -34,24 +34,24 @@ __all__ = ["profile_costs", "profile_layers", "stage_times"]
 
 
 def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
-                seed: int = 0) -> tuple[list[float], list[float]]:
-    """Median seconds of one micro-batch's forward and backward, per stage."""
+                seed: int = 0, dataset: str | None = None, loss: str | None = None
+                ) -> tuple[list[float], list[float]]:
+    """Median seconds of one micro-batch's forward and backward, per stage (on a
+    `dataset`'s samples, with its `loss`, when given)."""
     import torch
     from torch import nn
 
-    from bamboo.data.datasets import make_task
-    from bamboo.model import build_layers, layer_param_counts, loss_fn
-    from bamboo.config.presets import preset
+    from bamboo.config import JobConfig
+    from bamboo.engine.layer_costs import first_batch
+    from bamboo.model import build_layers, layer_param_counts
     from bamboo.model.structure import detach, float32, leaves, map_floats
     from bamboo.plan.partition import partition
 
     torch.set_num_threads(1)
-    p = preset(model)
+    p = JobConfig.of(model=model, dataset=dataset).model_preset()
     parts = partition(layer_param_counts(p), stages)
-    task = make_task(p, seed=seed, global_micro_batches=1, micro_batch_size=micro_batch_size)
-    batch = task.batch(0, 0)
+    batch, criterion = first_batch(model, micro_batch_size, seed, dataset=dataset, loss=loss)
     modules = [nn.Sequential(*build_layers(p, r, seed)) for r in parts]
-    criterion = loss_fn(p)
     forward, backward = [], []
     x = batch.inputs
     for s, module in enumerate(modules):
@@ -78,7 +78,7 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
 
 
 def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
-                 steps: int) -> dict[str, float]:
+                 steps: int, user_data: dict[str, str]) -> dict[str, float]:
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
     from bamboo.control import run_job
     from bamboo.config import JobConfig, parse_kill
@@ -88,7 +88,8 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
     def run(**kw: object) -> tuple[dict, Path]:
         kills = [parse_kill(k) for k in kw.pop("kills", [])]  # type: ignore[union-attr]
         cfg = JobConfig.of(model=model, stages=stages, micro_batch_size=micro_batch_size,
-                        steps=steps, kills=kills, **kw).validate()  # type: ignore[arg-type]
+                           steps=steps, kills=kills, **user_data,
+                           **kw).validate()  # type: ignore[arg-type]
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
         return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
 
@@ -126,19 +127,23 @@ def _restore_pause(summary: dict, run_dir: Path) -> float:
 
 
 def profile_costs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
-                  repeats: int, steps: int) -> StepCosts:
+                  repeats: int, steps: int, dataset: str | None = None,
+                  loss: str | None = None) -> StepCosts:
     """The costs file's figures for `model` cut into `stages`, measured here (progress lines
     on stderr): the stage times, the timeline model's eager RC overhead on them, and the
-    pauses and commit times of three real local runs."""
+    pauses and commit times of three real local runs; on a `dataset`'s samples with its
+    `loss` when given (a model that takes other inputs than tokens)."""
     from bamboo.plan.timeline import Costs, compare
 
     print(f"profiling {model}: {stages} stages, micro-batches of {micro_batch_size}",
           file=sys.stderr)
-    forward, backward = stage_times(model, stages, micro_batch_size, repeats)
+    forward, backward = stage_times(model, stages, micro_batch_size, repeats,
+                                    dataset=dataset, loss=loss)
     overhead = compare(stages, micro_batches,
                        Costs(forward=tuple(forward), backward=tuple(backward))).overhead("eager")
     print("running the engine: failure-free, one failover, one peer restore", file=sys.stderr)
-    engine = _engine_runs(model, stages, micro_batches, micro_batch_size, steps)
+    user_data = {k: v for k, v in (("dataset", dataset), ("loss", loss)) if v is not None}
+    engine = _engine_runs(model, stages, micro_batches, micro_batch_size, steps, user_data)
     return StepCosts(model=model, stages=stages, micro_batches=micro_batches,
                      samples_per_step=micro_batches * micro_batch_size,
                      forward_s=forward, backward_s=backward, rc_overhead=max(0.0, overhead),
@@ -148,14 +153,17 @@ def profile_costs(model: str, stages: int, micro_batches: int, micro_batch_size:
 
 
 def profile_layers(model: str, vocab: int, micro_batch_size: int, repeats: int,
-                   data: str | None, out: str) -> None:
+                   data: str | None, out: str, dataset: str | None = None,
+                   loss: str | None = None) -> None:
     """Time each layer of `model` alone and write the layer-costs file `out` for
     `bamboo train --layer-costs` (no engine runs)."""
     from bamboo.config.layer_costs import save_layer_costs
     from bamboo.engine.layer_costs import measure_layer_costs
-    print(f"timing each layer of {model} (vocabulary {vocab}) alone: micro-batches of "
+    on = f"on {dataset}" if dataset else f"(vocabulary {vocab})"
+    print(f"timing each layer of {model} {on} alone: micro-batches of "
           f"{micro_batch_size}, median of {repeats}", file=sys.stderr)
-    costs = measure_layer_costs(model, micro_batch_size, repeats, data=data)
+    costs = measure_layer_costs(model, micro_batch_size, repeats, data=data, dataset=dataset,
+                                loss=loss)
     save_layer_costs(costs, out)
     print(f"ms per layer {[round(1000 * t, 2) for t in costs.layer_s]}; wrote {out} "
           f"(bamboo train --model {model} --layer-costs {out})", file=sys.stderr)

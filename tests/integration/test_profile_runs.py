@@ -28,3 +28,16 @@ def test_profile_then_simulate(tmp_path: Path, capsys) -> None:
     assert simulate_main(["--trace", str(trace), "--costs", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["policies"]["bamboo"]["throughput"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_model_of_image_inputs_is_profiled_on_its_dataset(tmp_path: Path) -> None:
+    """Stage times and the engine's runs (a failover among them) on the --dataset's images."""
+    from support.user_data import IMAGE_MODEL, IMAGES
+    out = tmp_path / "costs.json"
+    assert profile_main(["--model", IMAGE_MODEL, "--dataset", IMAGES, "--stages", "2",
+                         "--micro-batches", "2", "--micro-batch-size", "4", "--steps", "4",
+                         "--repeats", "1", "--out", str(out)]) == 0
+    costs = load_costs(out)
+    assert costs.stages == 2 and all(f > 0 for f in costs.forward_s + costs.backward_s)
+    assert costs.failover_pause_s >= 0 and costs.allreduce_s > 0  # the engine ran

@@ -30,6 +30,21 @@ def test_profile_layers_only_writes_a_file_train_takes(tmp_path: Path, capsys) -
     assert "exists" in capsys.readouterr().err  # never overwritten
 
 
+def test_a_model_of_image_inputs_is_timed_on_its_dataset(tmp_path: Path, capsys) -> None:
+    """A model that takes images has no token data to time on: its --dataset gives the
+    samples (without one, the line says to train on a --dataset)."""
+    from support.user_data import IMAGE_MODEL, IMAGES
+    out = tmp_path / "layers.json"
+    assert main(["profile", "--model", IMAGE_MODEL, "--dataset", IMAGES, "--layers-only",
+                 "--repeats", "1", "--micro-batch-size", "2", "--out", str(out)]) == 0
+    costs = load_layer_costs(out)
+    assert len(costs.layer_s) == 3 and all(t > 0 for t in costs.layer_s)
+    capsys.readouterr()
+    assert main(["profile", "--model", IMAGE_MODEL, "--layers-only",
+                 "--out", str(tmp_path / "other.json")]) == 2
+    assert "or train on a --dataset" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fields,text", [
     (dict(model="llama-tiny"), "was measured for llama-tiny, not gpt2-tiny"),
     (dict(layer_s=[1.0] * 7), "has 7 layers; gpt2-tiny has 8"),
