@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 import traceback
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +41,7 @@ from bamboo.node import forkserver
 from bamboo.node import procmem
 from bamboo.node.devices import worker_device
 from bamboo.wire.link import CoordinatorLink
+from bamboo.wire.store import StoreConnections
 from bamboo.node.netif import collective_binding
 from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
@@ -136,8 +136,9 @@ class WorkerNode:
         """The step `holdings` are at (the first step not yet applied)."""
         self.faults = FaultPlan(list(spec.faults))
         self.param_counts = layer_param_counts(self.preset)
-        self.spare_stores: deque[dist.TCPStore] = deque()
-        """Store connections of formations that ended, for the next ones (`_former`)."""
+        self.store_connections = StoreConnections(spec.store_host, spec.store_port,
+                                                  self.timeout)
+        """The store connections of group formations (`_former`)."""
 
     def _mark(self, step: int, phase: int) -> None:
         self.progress.mark(self.spec.slot, step, phase)
@@ -294,14 +295,10 @@ class WorkerNode:
         is using. A formation that ended leaves its connection to the next one; an abandoned
         or failed one keeps its own."""
         def form(name: str, ranks: list[int]) -> dist.ProcessGroup:
-            try:
-                own = self.spare_stores.popleft()
-            except IndexError:
-                own = dist.TCPStore(self.spec.store_host, self.spec.store_port,
-                                    is_master=False, timeout=self.timeout)
+            own = self.store_connections.take()
             group = _process_group(self.backend, dist.PrefixStore(f"gen{plan.gen}/{name}", own),
                                    ranks.index(rank), len(ranks), self.timeout, self.bind)
-            self.spare_stores.append(own)
+            self.store_connections.give_back(own)
             return group
         return form
 

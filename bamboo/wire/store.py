@@ -13,11 +13,12 @@ loopback, and keeps a local run's store off the network.
 from __future__ import annotations
 
 import socket
+from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["serve_store"]
+__all__ = ["serve_store", "StoreConnections"]
 
 
 def serve_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
@@ -37,3 +38,27 @@ def serve_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
         raise
     listener.detach()  # the store closes the descriptor when it is destroyed
     return store
+
+
+class StoreConnections:
+    """Client connections to the run's store for process-group formations. A formation
+    takes a connection no other call is using (`take`: a spare one, or a new one) and gives
+    it back when it ends (`give_back`), so a node opens as many connections as it ever forms
+    groups at once instead of one per group. An abandoned or failed formation keeps its own:
+    a wait buried with it would otherwise hold a connection shared with the next one."""
+
+    def __init__(self, host: str, port: int, timeout: timedelta) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self.spare: deque[dist.TCPStore] = deque()
+        self.opened = 0
+        """Connections opened so far."""
+
+    def take(self) -> dist.TCPStore:
+        try:
+            return self.spare.popleft()
+        except IndexError:
+            self.opened += 1
+            return dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+
+    def give_back(self, store: dist.TCPStore) -> None:
+        self.spare.append(store)

@@ -9,7 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from bamboo.wire.store import serve_store
+import torch.distributed as dist
+
+from bamboo.wire.store import StoreConnections, serve_store
 
 TIMEOUT = timedelta(seconds=5)
 
@@ -51,3 +53,20 @@ def test_a_port_in_use_is_an_error_that_leaves_no_descriptor_open() -> None:
     assert len(os.listdir("/proc/self/fd")) == before
     store.set("still", "serving")
     assert store.get("still") == b"serving"
+
+
+def test_a_formation_that_ended_leaves_its_connection_to_the_next() -> None:
+    """Two formations at once take two connections; one that ended gives its own back, and
+    the next formation takes that one (no new connection); keys under another generation's
+    prefix on a reused connection stay apart."""
+    server = serve_store("127.0.0.1", 0, TIMEOUT)
+    pool = StoreConnections("127.0.0.1", server.port, TIMEOUT)
+    first, second = pool.take(), pool.take()
+    assert first is not second and pool.opened == 2
+    dist.PrefixStore("gen1/a", first).set("k", "1")
+    pool.give_back(first)
+    again = pool.take()
+    assert again is first and pool.opened == 2
+    dist.PrefixStore("gen2/a", again).set("k", "2")
+    assert server.get("gen1/a/k") == b"1" and server.get("gen2/a/k") == b"2"
+    assert pool.take() is not second and pool.opened == 3  # `second` was never given back
