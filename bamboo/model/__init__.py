@@ -132,20 +132,26 @@ def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.devic
     """Layer `index` of preset `p`, initialised from the stream (seed, index); a tied
     parameter whose tie's first use is another layer starts as that layer's stream builds
     it (bamboo.model.ties)."""
-    layer = _seeded_layer(p, index, seed)
-    for tie, path in uses_at(model_ties(p), index):
-        if tie.first[0] != index:
-            initial_copy(tie, _seeded_layer(p, tie.first[0], seed), index, layer, path)
-    return layer.to(device)
+    return build_layers(p, [index], seed, device)[0]
 
 
 def build_layers(p: ModelPreset, indices: Iterable[int], seed: int,
                  device: str | torch.device = "cpu") -> list[nn.Module]:
-    """The layers `indices` of preset `p`, the uses of a tie among them sharing one
-    parameter."""
+    """The layers `indices` of preset `p` (each as `build_layer` builds it), the uses of a
+    tie among them sharing one parameter."""
     indices = list(indices)
-    layers = [build_layer(p, i, seed, device) for i in indices]
-    share_within(layers, indices, model_ties(p))
+    layers = [_seeded_layer(p, i, seed) for i in indices]
+    ties = model_ties(p)
+    firsts: dict[int, nn.Module] = dict(zip(indices, layers))
+    for index, layer in zip(indices, layers):
+        for tie, path in uses_at(ties, index):
+            first = tie.first[0]
+            if first != index:
+                if first not in firsts:  # its stream, built once, for the copies here
+                    firsts[first] = _seeded_layer(p, first, seed)
+                initial_copy(tie, firsts[first], index, layer, path)
+    layers = [layer.to(device) for layer in layers]
+    share_within(layers, indices, ties)
     return layers
 
 

@@ -148,13 +148,17 @@ class _TiedFactory:
 Ties = dict[str, list[tuple[int, str]]]
 
 
-def _tie_uses(item: object, i: int, ties: Ties) -> None:
-    """Add TiedLayerSpec `item` (layer `i`) to `ties`: one tie per tied attribute (DeepSpeed
-    ties `tied_weight_attr`, a name or a list of them, by the spec's key)."""
-    attrs = getattr(item, "tied_weight_attr", None) or ["weight"]
-    attrs = [attrs] if isinstance(attrs, str) else list(attrs)
-    prefix = "" if getattr(item, "forward_fn", None) is None else "module."
+def _tie_uses(item: object, i: int, ties: Ties, attrs_of: dict[str, list[str]]) -> None:
+    """Add TiedLayerSpec `item` (layer `i`) to `ties`: one tie per tied attribute. As in
+    DeepSpeed, a key's attributes are its first spec's `tied_weight_attr` (a name or a list
+    of them; an empty list ties nothing), and each is read with getattr (a property that
+    returns a parameter will do)."""
     key = str(getattr(item, "key", ""))
+    if key not in attrs_of:
+        attrs = getattr(item, "tied_weight_attr", ["weight"])
+        attrs_of[key] = [attrs] if isinstance(attrs, str) else list(attrs)
+    attrs = attrs_of[key]
+    prefix = "" if getattr(item, "forward_fn", None) is None else "module."
     for attr in attrs:
         ties.setdefault(key if len(attrs) == 1 else f"{key}.{attr}", []).append(
             (i, prefix + attr))
@@ -166,11 +170,12 @@ def _factories(items: Sequence[object], deepspeed: bool
     TiedLayerSpecs (a key used once ties nothing, as in DeepSpeed)."""
     factories: list[Callable[[], nn.Module]] = []
     ties: Ties = {}
+    attrs_of: dict[str, list[str]] = {}
     for i, item in enumerate(items):
         if _is_layer_spec(item):
             if _is_tied(item):
                 factories.append(_TiedFactory(item))
-                _tie_uses(item, i, ties)
+                _tie_uses(item, i, ties, attrs_of)
             else:
                 factories.append(item.build)  # type: ignore[attr-defined]
         elif isinstance(item, nn.Module):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Tie", "TieError", "check_ties", "get_param", "set_param", "share_within",
-           "uses_at", "check_shapes", "initial_copy"]
+__all__ = ["Tie", "TieError", "check_ties", "param_path", "get_param", "set_param",
+           "share_within", "uses_at", "check_shapes", "initial_copy"]
 
 
 class TieError(ValueError):
@@ -51,15 +51,19 @@ class Tie:
 def check_ties(ties: Mapping[str, Sequence[tuple[int, str]]] | None, num_layers: int
                ) -> tuple[Tie, ...]:
     """`ties` (key -> its uses) as Ties sorted by key; TieError with one line when a use is
-    not a (layer index, attribute path) pair of a layer in range, a layer is named twice,
-    or a key has fewer than two uses."""
+    not a (layer index, attribute path) pair of a layer in range, a use belongs to two ties,
+    a tie names one layer twice, two keys read the same, or a key has fewer than two
+    uses."""
     if not ties:
         return ()
     if not isinstance(ties, Mapping):
         raise TieError(f"ties must be a dict of key -> [(layer index, attribute path), ...] "
                        f"(got {type(ties).__name__})")
-    out, seen = [], {}
+    out, seen, names = [], {}, set()
     for key in sorted(ties, key=str):
+        if str(key) in names:
+            raise TieError(f"two ties are named {str(key)!r}: give each tie its own key")
+        names.add(str(key))
         uses = ties[key]
         if isinstance(uses, (str, bytes)) or not isinstance(uses, Sequence):
             raise TieError(f"tie {key!r}: its uses must be a list of (layer index, attribute "
@@ -80,29 +84,45 @@ def check_ties(ties: Mapping[str, Sequence[tuple[int, str]]] | None, num_layers:
             seen[(layer, path)] = key
             pairs.append((layer, path))
         pairs.sort()
+        layers = [layer for layer, _ in pairs]
+        if len(set(layers)) != len(layers):
+            twice = next(layer for layer in layers if layers.count(layer) > 1)
+            raise TieError(f"tie {key!r} names layer {twice} twice: a tie joins parameters "
+                           f"of different layers")
         if len(pairs) < 2:
             raise TieError(f"tie {key!r} has {len(pairs)} use: a tie joins two uses or more")
         out.append(Tie(str(key), tuple(pairs)))
     return tuple(out)
 
 
+def param_path(module: nn.Module, path: str) -> str:
+    """Where the parameter that dotted `path` of `module` names is registered: `path`
+    itself, or for an attribute that returns a registered parameter (a property, as
+    DeepSpeed's `tied_weight_attr` may name: it reads it with getattr) that parameter's
+    own path. TieError when `path` names no parameter."""
+    value: object = module
+    try:
+        for name in path.split("."):
+            value = getattr(value, name)
+    except AttributeError:
+        value = None
+    if isinstance(value, nn.Parameter):
+        for registered, p in module.named_parameters(remove_duplicate=False):
+            if p is value:
+                return registered
+    raise TieError(f"{type(module).__name__} has no parameter {path!r} to tie")
+
+
 def get_param(module: nn.Module, path: str) -> nn.Parameter:
     """The parameter at dotted `path` of `module`; TieError when there is none."""
-    owner, _, name = path.rpartition(".")
-    try:
-        holder = module.get_submodule(owner) if owner else module
-    except AttributeError:
-        holder = None
-    param = None if holder is None else holder._parameters.get(name)
-    if param is None:
-        raise TieError(f"{type(module).__name__} has no parameter {path!r} to tie")
-    return param
+    owner, _, name = param_path(module, path).rpartition(".")
+    return (module.get_submodule(owner) if owner else module)._parameters[name]
 
 
 def set_param(module: nn.Module, path: str, param: nn.Parameter) -> None:
-    owner, _, name = path.rpartition(".")
-    holder = module.get_submodule(owner) if owner else module
-    holder._parameters[name] = param
+    """Register `param` where `path` of `module` names a parameter (see `param_path`)."""
+    owner, _, name = param_path(module, path).rpartition(".")
+    (module.get_submodule(owner) if owner else module)._parameters[name] = param
 
 
 def uses_at(ties: Iterable[Tie], layer: int) -> list[tuple[Tie, str]]:
@@ -112,10 +132,11 @@ def uses_at(ties: Iterable[Tie], layer: int) -> list[tuple[Tie, str]]:
 
 def check_shapes(tie: Tie, first: nn.Module, layer: int, module: nn.Module, path: str) -> None:
     want, got = get_param(first, tie.first[1]), get_param(module, path)
-    if want.shape != got.shape:
+    if want.shape != got.shape or want.dtype != got.dtype:
         raise TieError(f"tie {tie.key!r}: layer {layer}'s {path!r} is "
-                       f"{list(got.shape)}, but layer {tie.first[0]}'s {tie.first[1]!r} is "
-                       f"{list(want.shape)}: tied parameters have one shape")
+                       f"{list(got.shape)} {got.dtype}, but layer {tie.first[0]}'s "
+                       f"{tie.first[1]!r} is {list(want.shape)} {want.dtype}: tied parameters "
+                       f"have one shape and dtype")
 
 
 def initial_copy(tie: Tie, first: nn.Module, layer: int, module: nn.Module, path: str) -> None:
@@ -136,7 +157,8 @@ def share_within(layers: Sequence[nn.Module], indices: Sequence[int], ties: Iter
         for layer, path in held[1:]:
             owner_layer, owner_path = held[0]
             shared = get_param(layers[position[owner_layer]], owner_path)
-            if get_param(layers[position[layer]], path).shape != shared.shape:
+            mine = get_param(layers[position[layer]], path)
+            if (mine.shape, mine.dtype) != (shared.shape, shared.dtype):
                 raise TieError(f"tie {tie.key!r}: layer {layer}'s {path!r} and layer "
-                               f"{owner_layer}'s {owner_path!r} differ in shape")
+                               f"{owner_layer}'s {owner_path!r} differ in shape or dtype")
             set_param(layers[position[layer]], path, shared)

@@ -35,7 +35,7 @@ class CommitPoint:
 MICRO_BATCHES_DONE = CommitPoint("micro-batches done")
 """Every instruction of the list ran; the node is about to vote that."""
 REDUCED = CommitPoint("reduced")
-"""The commit round's data-parallel sums are done."""
+"""The commit round's data-parallel sums (and the tied weights' sums) are done."""
 ROUND_DONE = CommitPoint("round done")
 """The commit round is done; the node is about to vote its result."""
 APPLIED = CommitPoint("applied")

@@ -432,6 +432,15 @@ def test_deepspeed_layer_specs_convert_and_tied_ones_tie_their_attributes() -> N
                                context=3, inputs=TensorSpec((3, 4)))
     assert [(t.key, t.uses) for t in two_attrs.ties] == [
         ("lin.bias", ((0, "bias"), (1, "bias"))), ("lin.weight", ((0, "weight"), (1, "weight")))]
+    # as in DeepSpeed, the key's first spec says which attributes are tied; [] ties none
+    first_says = pipeline_model([DSTied("lin", nn.Linear, 4, 4, tied_weight_attr=["weight",
+                                                                                   "bias"]),
+                                 DSTied("lin", nn.Linear, 4, 4, tied_weight_attr="weight")],
+                                context=3, inputs=TensorSpec((3, 4)))
+    assert [t.key for t in first_says.ties] == ["lin.bias", "lin.weight"]
+    none = pipeline_model([DSTied("lin", nn.Linear, 4, 4, tied_weight_attr=[]),
+                           DSTied("lin", nn.Linear, 4, 4)], context=3, inputs=TensorSpec((3, 4)))
+    assert none.ties == ()
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)

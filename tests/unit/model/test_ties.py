@@ -14,6 +14,7 @@ from bamboo.config.presets import custom_preset
 from bamboo.engine.stage import StageState
 from bamboo.model import build_layer, build_layers, model_ties
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
+from bamboo.model.ties import Tie, TieError, param_path, share_within
 from support.models import TIED, write_module
 
 
@@ -29,6 +30,10 @@ def _layers() -> list:
     ({"e": [(0, "weight"), (2, "weight")], "f": [(2, "weight"), (1, "weight")]},
      "tie 'f': layer 2's 'weight' is already a use of tie 'e'"),
     ({"e": "weight"}, "tie 'e': its uses must be a list of (layer index, attribute path) pairs"),
+    ({"e": [(2, "weight"), (2, "bias")]}, "tie 'e' names layer 2 twice: a tie joins parameters "
+                                          "of different layers"),
+    ({1: [(0, "weight"), (2, "weight")], "1": [(1, "weight"), (2, "bias")]},
+     "two ties are named '1': give each tie its own key"),
     ([(0, "weight")], "ties must be a dict of key -> [(layer index, attribute path), ...]"),
 ])
 def test_a_tie_is_checked_when_the_model_is_made(ties: object, expected: str) -> None:
@@ -75,8 +80,9 @@ def test_a_use_of_another_shape_or_no_such_parameter_is_refused_in_one_line(
                          'ties={"embed": [(0, "weight"), (1, "fc.weight")]}')
     name = f"{write_module(tmp_path, 'tied_wrong_shape', wrong)}:build"
     with pytest.raises(ModelError, match=r"^model '.*': tie 'embed': layer 1's 'fc.weight' is "
-                                         r"\[8, 8\], but layer 0's 'weight' is \[256, 8\]: tied "
-                                         r"parameters have one shape$"):
+                                         r"\[8, 8\] torch.float32, but layer 0's 'weight' is "
+                                         r"\[256, 8\] torch.float32: tied parameters have one "
+                                         r"shape and dtype$"):
         load_model(name)
     missing = TIED.replace('(3, "weight")', '(3, "scale")')
     name = f"{write_module(tmp_path, 'tied_missing', missing)}:build"
@@ -126,3 +132,27 @@ def test_the_norm_counts_a_tied_weight_once_whatever_the_stages(tied: str) -> No
     assert torch.equal(_flat(second, grads)[a:b], grads[(0, "weight")].reshape(-1).double())
     assert one.numel == second.numel + first.numel - size
     assert one.state_size() == first.state_size() + second.state_size()
+
+
+class _Embedding(nn.Module):
+    """An embedding whose weight is also reachable as a property (Megatron-DeepSpeed's
+    `word_embeddings_weight`), the attribute a TiedLayerSpec may name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(10, 4)
+
+    @property
+    def word_embeddings_weight(self) -> nn.Parameter:
+        return self.word_embeddings.weight
+
+
+def test_a_property_that_returns_a_parameter_ties_that_parameter() -> None:
+    tie = Tie("embed", ((0, "word_embeddings_weight"), (1, "word_embeddings_weight")))
+    first, second = _Embedding(), _Embedding()
+    assert param_path(first, "word_embeddings_weight") == "word_embeddings.weight"
+    share_within([first, second], [0, 1], [tie])
+    assert second.word_embeddings.weight is first.word_embeddings.weight
+    assert second.word_embeddings_weight is first.word_embeddings_weight
+    with pytest.raises(TieError, match=r"^_Embedding has no parameter 'training' to tie$"):
+        param_path(first, "training")  # an attribute, not a parameter
