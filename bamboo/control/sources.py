@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 __all__ = ["NodeSource", "CoordinatorCore", "LocalWorkers", "Agents"]
 
+_HANG_UP_S = 3.0
+"""How long a finished run waits, at most and for all its agents at once, for each agent to
+read the run's end and hang up before its connection is closed."""
+
 
 class CoordinatorCore(Protocol):
     """What a node source uses of the coordinator (`bamboo.control.core.CoordinatorCore` is
@@ -197,6 +201,10 @@ class Agents:
                 agent.lost()
             else:
                 agent.finish(final_status)
+        if final_status is not None:  # each agent reads its end before its connection goes
+            deadline = time.monotonic() + _HANG_UP_S
+            for agent in self.remote:
+                agent.closed_by(deadline)
         # agents that rejoined but were not admitted yet (or finish their handshake now)
         # are told too: else they would try to rejoin a coordinator that is gone for good
         self.listener.close(final_status)

@@ -280,6 +280,8 @@ class RemoteAgent:
         """The by-value references this agent was sent (`Objects`), each once."""
         self.gone = False
         self._stop = threading.Event()
+        self._relay_done = threading.Event()
+        """The relay thread read the connection's end (or failed): closing now resets nothing."""
         threading.Thread(target=self._relay, daemon=True, name=f"relay-{self.machine}").start()
         threading.Thread(target=self._ping, daemon=True, name=f"ping-{self.machine}").start()
 
@@ -332,6 +334,8 @@ class RemoteAgent:
                             self.spares += 1
         except Exception:  # noqa: BLE001 - EOF, a reset, garbage: the machine is lost
             pass
+        finally:
+            self._relay_done.set()
         self.lost()
 
     def lost(self) -> None:
@@ -345,7 +349,8 @@ class RemoteAgent:
             w.ended(-signal.SIGKILL)
 
     def finish(self, status: str) -> None:
-        """The run is over: the agent stops its workers and exits without rejoining."""
+        """The run is over: the agent stops its workers and exits without rejoining. The
+        connection is closed by `closed_by`, once the agent has read this and hung up."""
         if not self.gone:
             try:
                 self.channel.send(Finished(status=status))
@@ -353,6 +358,12 @@ class RemoteAgent:
                 pass
         self._stop.set()
         self.gone = True
+        self.channel.end_sending()
+
+    def closed_by(self, deadline: float) -> None:
+        """Close the connection once the agent hung up (after `finish`), or at `deadline`
+        (time.monotonic()) for one that does not."""
+        self._relay_done.wait(max(0.0, deadline - time.monotonic()))
         self.channel.close()
 
 

@@ -165,6 +165,17 @@ class Channel:
             raise WireError("a frame that is not JSON") from None
         return decode(data)
 
+    def end_sending(self) -> None:
+        """No more sends: the peer reads what was sent, then the end (a FIN). Reading goes
+        on: closing while the peer's messages arrive unread would reset the connection and
+        drop what is still queued to send (the last message among it)."""
+        with self._send_lock:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         with self._send_lock:
             self.closed = True

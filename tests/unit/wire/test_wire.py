@@ -101,3 +101,22 @@ def test_a_silent_client_times_out_of_the_handshake() -> None:
     a, _b = _pair()
     with pytest.raises(TimeoutError):
         serve_handshake(a, "s" * 32, timeout=0.3)
+
+
+def test_a_channel_that_ends_sending_still_reads_and_its_peer_reads_the_last_message() -> None:
+    """`end_sending` (how a finished run lets an agent go): the peer reads the last message,
+    then the end; what the peer still sends is read, not left to reset the connection."""
+    coordinator, agent = _pair()
+    coordinator.send(KillOrder(worker=1))
+    coordinator.end_sending()
+    with pytest.raises(OSError, match="channel closed"):
+        coordinator.send(KillOrder(worker=2))
+    agent.send(Beat(slots=[[0, 0.1, 4, 1]]))  # a beat already on its way
+    assert isinstance(agent.recv(timeout=5), KillOrder)
+    with pytest.raises(EOFError):
+        agent.recv(timeout=5)
+    assert isinstance(coordinator.recv(timeout=5), Beat)
+    agent.close()
+    with pytest.raises(EOFError):
+        coordinator.recv(timeout=5)
+    coordinator.close()
