@@ -52,12 +52,30 @@ class RoundResult:
     bytes_replica: int = 0
 
 
+def _sum_in_order(parts: list[tuple[bool, torch.Tensor | None]]
+                  ) -> tuple[torch.Tensor | None, bool]:
+    """The sum of `parts` ((arrived, tensor), a fixed order: the same bits on every layout)
+    in a fresh tensor, and whether every part arrived (None once one did not)."""
+    total, ok = None, True
+    for got, part in parts:
+        ok &= got and part is not None
+        if ok:
+            total = part.clone() if total is None else total.__iadd__(part)
+    return (total if ok else None), ok
+
+
 def _with_status(payload: torch.Tensor, ok: bool) -> torch.Tensor:
     status = torch.full((1,), 1.0 if ok else 0.0, dtype=payload.dtype, device=payload.device)
     return torch.cat([payload.reshape(-1), status])
 
 
 _Message = tuple[torch.Tensor, int, Key]
+
+
+def _payload(received: tuple[bool, _Message]) -> tuple[bool, torch.Tensor]:
+    """(arrived, the payload without its status word) of a phase's receive."""
+    got, (buf, _, _) = received
+    return got, buf[:-1]
 
 
 class _Round:
@@ -173,16 +191,8 @@ class _Round:
         for stage, st, members in shared:
             parts = plans[stage]
             if parts[0][1] == self.rank:
-                total, ok = None, True
-                for d, rank in parts:
-                    if rank == self.rank:
-                        part = self._partial(st, d)
-                    else:
-                        got, (buf, _, _) = next(arrived)
-                        ok &= got
-                        part = buf[:-1]
-                    if ok:
-                        total = part.clone() if total is None else total.__iadd__(part)
+                total, ok = _sum_in_order([(True, self._partial(st, d)) if rank == self.rank
+                                           else _payload(next(arrived)) for d, rank in parts])
                 if total is None:
                     total = torch.zeros_like(st.grad_sum)
                 members = [m for m in members if m != self.rank]
@@ -214,9 +224,10 @@ class _Round:
 
     # -- 2. tied weights ----------------------------------------------------------------------
 
-    def _tied_slice(self, stage: int, key: str) -> slice:
-        a, b = next((a, b) for k, a, b in self.stages[stage].tied if k == key)
-        return slice(a, b)
+    def _tied_part(self, stage: int, key: str) -> torch.Tensor | None:
+        """This node's slice of tie `key` in `stage`'s reduced gradient (None: not reduced)."""
+        reduced = self.result.reduced.get(stage)
+        return None if reduced is None else reduced[self.stages[stage].tied[key]]
 
     def _add_tied(self) -> None:
         """Every tie's slices of its stages' reduced gradients, added in stage order at the
@@ -229,9 +240,8 @@ class _Round:
             plans.append((key, stages, root))
             for s in stages[1:]:
                 if source[s] == self.rank and root != self.rank:
-                    part = self.result.reduced.get(s)
-                    payload = part[self._tied_slice(s, key)] if part is not None else None
-                    sends.append((_with_status(payload if payload is not None else
+                    part = self._tied_part(s, key)
+                    sends.append((_with_status(part if part is not None else
                                                self._zeros(s, key), part is not None),
                                   root, (TIE_UP, s, index)))
                 elif root == self.rank and source[s] != self.rank:
@@ -241,18 +251,9 @@ class _Round:
         sends, recvs, sums = [], [], {}
         for index, (key, stages, root) in enumerate(plans):
             if root == self.rank:
-                total, ok = None, True
-                for s in stages:
-                    if source[s] == self.rank:
-                        part = self.result.reduced.get(s)
-                        ok &= part is not None
-                        part = part[self._tied_slice(s, key)] if part is not None else None
-                    else:
-                        got, (buf, _, _) = next(arrived)
-                        ok &= got
-                        part = buf[:-1]
-                    if ok:
-                        total = part.clone() if total is None else total.__iadd__(part)
+                total, ok = _sum_in_order([(True, self._tied_part(s, key))
+                                           if source[s] == self.rank
+                                           else _payload(next(arrived)) for s in stages])
                 message = _with_status(total if ok else self._zeros(stages[0], key), ok)
                 sends += [(message, m, (TIE_DOWN, s, index)) for s in stages
                           for m in self.roles.stage_members(s) if m != self.rank]
@@ -271,14 +272,14 @@ class _Round:
                     reduced = self.result.reduced[s]
                     if reduced is self.stages[s].grad_sum:  # a failed round runs again on it
                         reduced = self.result.reduced[s] = reduced.clone()
-                    reduced[self._tied_slice(s, key)] = sums[key]
+                    reduced[self.stages[s].tied[key]] = sums[key]
 
     def _zeros(self, stage: int, key: str, extra: int = 0) -> torch.Tensor:
         """Zeros of a tie's slice (its size is the same on every stage that holds it), with
         `extra` more values, in the gradient sums' dtype."""
-        held = next(st for st in self.stages.values() if any(k == key for k, _, _ in st.tied))
-        a, b = next((a, b) for k, a, b in held.tied if k == key)
-        return held.grad_sum.new_zeros(b - a + extra)
+        held = next(st for st in self.stages.values() if key in st.tied)
+        where = held.tied[key]
+        return held.grad_sum.new_zeros(where.stop - where.start + extra)
 
     # -- 3. replicas -------------------------------------------------------------------------
 

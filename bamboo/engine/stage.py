@@ -75,9 +75,9 @@ class StageState:
                 offset += p.numel()
             self.layer_spans.append((layer_index, offset - sum(p.numel() for p in own), offset))
             self.layer_sizes.append(sum(p.numel() for p in layer.parameters()))
-        self.tied: list[tuple[str, int, int]] = []
-        """(key, start, end) in the flat gradient of each tied parameter this stage holds, by
-        key: the commit round adds these slices over the stages that hold the key."""
+        self.tied: dict[str, slice] = {}
+        """Key -> where the tied parameter this stage holds lies in the flat gradient: the
+        commit round adds these slices over the stages that hold the key."""
         self._norm_skips: dict[int, list[tuple[int, int]]] = {}
         """Layer -> the slices of its span that the gradient norm leaves out: a tied copy
         whose first use is on another stage (the norm counts it there)."""
@@ -87,7 +87,7 @@ class StageState:
                 continue
             layer, path = held[0]
             p = get_param(self.module[layer_indices.index(layer)], path)
-            self.tied.append((tie.key, at[id(p)], at[id(p)] + p.numel()))
+            self.tied[tie.key] = slice(at[id(p)], at[id(p)] + p.numel())
             if tie.first[0] not in layer_indices:
                 self._norm_skips.setdefault(layer, []).append((at[id(p)], at[id(p)] + p.numel()))
 

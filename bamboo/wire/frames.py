@@ -165,24 +165,22 @@ class Channel:
             raise WireError("a frame that is not JSON") from None
         return decode(data)
 
+    def _shut(self, how: int) -> None:
+        with self._send_lock:
+            self.closed = True
+        try:
+            self.sock.shutdown(how)
+        except OSError:
+            pass
+
     def end_sending(self) -> None:
         """No more sends: the peer reads what was sent, then the end (a FIN). Reading goes
         on: closing while the peer's messages arrive unread would reset the connection and
         drop what is still queued to send (the last message among it)."""
-        with self._send_lock:
-            self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
+        self._shut(socket.SHUT_WR)
 
     def close(self) -> None:
-        with self._send_lock:
-            self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self._shut(socket.SHUT_RDWR)
         self.sock.close()
 
 

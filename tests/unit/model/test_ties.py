@@ -127,9 +127,9 @@ def test_the_norm_counts_a_tied_weight_once_whatever_the_stages(tied: str) -> No
                    for n in ("ln.weight", "ln.bias"))
     assert by_layer[3] == pytest.approx(head_own, rel=1e-12)
     size = 256 * 8
-    assert [(k, b - a) for k, a, b in one.tied] == [("embed", size)]
-    key, a, b = second.tied[0]
-    assert torch.equal(_flat(second, grads)[a:b], grads[(0, "weight")].reshape(-1).double())
+    assert [(k, w.stop - w.start) for k, w in one.tied.items()] == [("embed", size)]
+    assert torch.equal(_flat(second, grads)[second.tied["embed"]],
+                       grads[(0, "weight")].reshape(-1).double())
     assert one.numel == second.numel + first.numel - size
     assert one.state_size() == first.state_size() + second.state_size()
 
