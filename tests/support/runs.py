@@ -7,6 +7,7 @@ computed once per shape and process; `assert_equals_failure_free` (same layout, 
 run's summary with it."""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -68,8 +69,10 @@ def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> t
 
 
 def param_l2(params: dict[str, torch.Tensor]) -> float:
-    """The L2 norm of every parameter together, summed in float64."""
-    return float(torch.sqrt(sum(t.double().square().sum() for t in params.values())))
+    """The L2 norm of every parameter together, as summary.json's `param_l2` takes it (each
+    tensor's squares summed in float64, the tensors' sums added exactly): equal parameters
+    give equal bits, in any order."""
+    return math.sqrt(math.fsum(float(t.double().square().sum()) for t in params.values()))
 
 
 def assert_equals_failure_free(summary: dict, cfg: JobConfig, rel: float = REL) -> None:
