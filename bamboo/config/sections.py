@@ -228,6 +228,11 @@ class RedundancySection:
                               "recovery", "redundancy", "checkpoint_every")
 
 
+def _bucket_mb(value: Any) -> str | None:
+    return None if 0 <= value <= 1e6 else \
+        f"must be megabytes between 0 (one bucket per stage) and 1000000 (got {value})"
+
+
 def _comm_timeout(value: Any) -> str | None:
     return None if 0 < value <= 86400 else \
         f"must be positive seconds, at most 86400 (a day) (got {value})"
@@ -249,6 +254,11 @@ class RuntimeSection:
         every loss handled by dropping the process group and forming a new one among the
         survivors. tagged (gloo only) keeps transfers apart by tags on a group that outlives
         lost peers.""")
+    bucket_mb: float = option(25.0, flag="--bucket-mb", metavar="MB", check=_bucket_mb,
+                              help="""The data-parallel gradient sums go in buckets of about
+        this many MB (DDP's bucket_cap_mb), a stage's last layers first, each launched as
+        soon as the backward has produced it (overlapping the rest of the backward); 0: one
+        bucket per stage, launched at the commit round.""")
     comm_timeout_s: float = option(60.0, flag="--comm-timeout", metavar="S", check=_comm_timeout,
                                    help="Timeout of every point-to-point and collective call.")
     lease_s: float = option(10.0, flag="--lease", metavar="S",

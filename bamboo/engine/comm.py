@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 __all__ = ["PeerLost", "Interrupted", "P2P", "Key", "GroupFormer", "tag_for", "ACTIVATION",
            "GRADIENT", "DP_UP", "DP_DOWN", "REPLICA", "NORM_UP", "NORM_DOWN", "RESTORE",
-           "MANIFEST", "EVAL", "TIE_UP", "TIE_DOWN", "form_interruptibly", "needs_host_staging", "StagedWork"]
+           "MANIFEST", "EVAL", "TIE_UP", "TIE_DOWN", "bury", "form_interruptibly", "needs_host_staging", "StagedWork"]
 
 (ACTIVATION, GRADIENT, DP_UP, DP_DOWN, REPLICA, NORM_UP, NORM_DOWN, RESTORE, MANIFEST,
  EVAL, TIE_UP, TIE_DOWN) = range(12)
@@ -64,6 +64,12 @@ def _bury(entry: Any, timeout_s: float) -> None:
     now = time.monotonic()
     _GRAVEYARD[:] = [e for e in _GRAVEYARD if e[0] > now]
     _GRAVEYARD.append((now + 2 * timeout_s + 5, entry))
+
+
+def bury(entry: Any, p2p: P2P) -> None:
+    """Keep `entry` (transfers that cannot be cancelled, and their buffers) alive until the
+    timeout of `p2p`'s group has surely passed."""
+    _bury(entry, _timeout_s(p2p.group))
 
 
 def _timeout_s(group: Any) -> float:
@@ -361,17 +367,33 @@ class P2P:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, members: Sequence[int], name: str,
-                   interrupt: Callable[[], bool]) -> None:
-        """Sum `tensor` in place over `members` (node ranks, this node among them) with one
-        collective on their own group, formed at first use under `name` (which every member
-        must give alike; a new set of members needs a new name)."""
+    def subgroup(self, name: str, members: Sequence[int],
+                 interrupt: Callable[[], bool]) -> dist.ProcessGroup:
+        """The group of `members` (node ranks, this node among them) named `name`, formed at
+        first use (every member must give the name alike; a new set of members needs a new
+        name)."""
         group = self._subgroups.get(name)
         if group is None:
             if self.former is None:
                 raise RuntimeError("this P2P cannot form groups (no former given)")
             group = form_interruptibly(self.former, f"{self.name}.{name}", members, interrupt)
             self._subgroups[name] = group
+        return group
+
+    def subgroup_if_formed(self, name: str) -> dist.ProcessGroup | None:
+        """The group `name` if it was formed already (forming one waits for every member)."""
+        return None if self.abandoned else self._subgroups.get(name)
+
+    def host_staged(self, device: torch.device) -> bool:
+        """Whether tensors on `device` travel through host memory here."""
+        return self.staged if self.staged is not None else \
+            needs_host_staging(self.backend, device)
+
+    def all_reduce(self, tensor: torch.Tensor, members: Sequence[int], name: str,
+                   interrupt: Callable[[], bool]) -> None:
+        """Sum `tensor` in place over `members` with one collective on their group `name`
+        (`subgroup`)."""
+        group = self.subgroup(name, members, interrupt)
         try:
             if self._staged(tensor):
                 host = tensor.to("cpu", copy=True)

@@ -5,12 +5,15 @@ and finished before the next begins: so between any two nodes the messages of a 
 come in one fixed order (what NCCL's in-order matching needs, and what `--comm strict`
 holds gloo to), and two nodes sending to each other in one phase do so in one group call.
 
-1. data-parallel sums of every stage held by more than one pipeline:
-   - `exact`: members send their float64 sums to the stage's holder in pipeline 0 (UP),
-     which adds them in pipeline order and sends the total back (DOWN): any layout gives
-     the same bits (a peer serving a re-routed slot sends that pipeline's sum apart from its
-     own, so the order is kept);
-   - otherwise: one all-reduce on the stage's data-parallel group, in the sums' dtype;
+1. data-parallel sums of every stage held by more than one pipeline, in buckets on the
+   stage's data-parallel group (`buckets.py`: begun during the backward where they can be,
+   launched here otherwise), in stage order:
+   - `exact`: an all-gather of every member's float64 buckets, which each adds in pipeline
+     order: any layout gives the same bits. Where a slot is re-routed, members send their
+     sums to the stage's holder in pipeline 0 (UP) instead, which adds them in pipeline order
+     and sends the total back (DOWN) (a peer serving a re-routed slot sends that pipeline's
+     sum apart from its own, so the order is kept);
+   - otherwise: all-reduces, in the sums' dtype;
 2. TIE: tied weights on more than one stage (bamboo.model.ties): the first holder of
    each of the tie's stages sends its slice of the reduced gradient to the first holder of
    the tie's lowest stage (UP), which adds them in stage order and sends the sum to every
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bamboo.engine.buckets import BucketReducer
 from bamboo.engine.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, TIE_DOWN,
                                  TIE_UP, Interrupted, Key, PeerLost)
 from bamboo.engine.stage import StageState
@@ -82,9 +86,9 @@ class _Round:
     def __init__(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState],
                  replica: StageState | None, p2p: P2P, num_layers: int, exact: bool,
                  interrupt: Callable[[], bool], after_reduce: Callable[[], None],
-                 ties: TiedStages) -> None:
+                 ties: TiedStages, reducer: BucketReducer) -> None:
         self.roles, self.rank, self.stages, self.replica = roles, rank, stages, replica
-        self.ties = ties
+        self.ties, self.reducer = ties, reducer
         self.after_reduce, self.exact, self.interrupt = after_reduce, exact, interrupt
         self.p2p, self.num_layers = p2p, num_layers
         self.pipeline = roles.pipeline_of(rank)
@@ -171,10 +175,39 @@ class _Round:
         served = st.served_sums().get(pipeline)
         return served if served is not None else torch.zeros_like(st.grad_sum)
 
+    def _bucketed(self, st: StageState, members: list[int], local: torch.Tensor) -> None:
+        """`st`'s sum over `members` (in pipeline order) in buckets: those begun during the
+        backward, or launched now."""
+        try:
+            buckets = self.reducer.take(st.stage, self.roles.epoch, self.p2p) or \
+                self.reducer.start(st=st, members=members, rank=self.rank, p2p=self.p2p,
+                                   epoch=self.roles.epoch, local=lambda: local,
+                                   interrupt=self.interrupt)
+        except (PeerLost, Interrupted):
+            self.result.ok = False
+            return
+        total = buckets.finish(list(range(len(members))), self.interrupt)
+        if total is None:
+            self.result.ok = False
+        else:
+            self.result.reduced[st.stage] = total
+
+    def _one_per_pipeline(self, stage: int, members: list[int]) -> bool:
+        """Whether every pipeline's sum of `stage` is one member's own (no re-routed slot)."""
+        return 1 < len(members) == self.roles.pipelines and \
+            all(self.roles.route(d, stage) is None for d in range(self.roles.pipelines))
+
     def _reduce_in_pipeline_order(self) -> None:
-        """Every partial sum goes to the first contributor (the stage's holder in the
-        lowest pipeline), which adds them in pipeline order and sends the total back."""
-        shared = self._shared_stages()
+        """Stages with one member per pipeline: all-gathered buckets, added in pipeline
+        order by every member. The others: every partial sum goes to the first contributor
+        (the stage's holder in the lowest pipeline), which adds them in pipeline order and
+        sends the total back."""
+        shared = []
+        for stage, st, members in self._shared_stages():
+            if self._one_per_pipeline(stage, members):
+                self._bucketed(st, members, st.grad_sum)
+            else:
+                shared.append((stage, st, members))
         plans = {stage: self._contributions(stage) for stage, _, _ in shared}
         sends, recvs = [], []
         for stage, st, _ in shared:
@@ -208,19 +241,10 @@ class _Round:
                 self.result.reduced[stage] = buf[:-1]
 
     def _reduce_with_collectives(self) -> None:
-        """One all-reduce per shared stage, in stage order (a global order: no two nodes wait
-        on each other's groups), on the group of its members under these roles."""
-        for stage, st, members in self._shared_stages():
-            buf = _with_status(self._local_sum(st), True)
-            try:
-                self.p2p.all_reduce(buf, members, f"e{self.roles.epoch}.dp{stage}", self.interrupt)
-            except (PeerLost, Interrupted):
-                self.result.ok = False
-                continue
-            if bool(buf[-1] == len(members)):
-                self.result.reduced[stage] = buf[:-1]
-            else:
-                self.result.ok = False
+        """Each shared stage's buckets all-reduced, in stage order (a global order: no two
+        nodes wait on each other's groups), on the group of its members under these roles."""
+        for _, st, members in self._shared_stages():
+            self._bucketed(st, members, self._local_sum(st))
 
     # -- 2. tied weights ----------------------------------------------------------------------
 
@@ -346,12 +370,15 @@ def commit_round(*, roles: RoleMap, rank: int, stages: dict[int, StageState],
                  replica: StageState | None, p2p: P2P, num_layers: int, exact: bool = True,
                  interrupt: Callable[[], bool] = lambda: False,
                  after_reduce: Callable[[], None] = lambda: None,
-                 ties: TiedStages | None = None) -> RoundResult:
+                 ties: TiedStages | None = None,
+                 reducer: BucketReducer | None = None) -> RoundResult:
     """Run the round; `ok` is False if any part failed anywhere this node could see.
 
     `after_reduce` runs between the gradient sums (data-parallel and tied) and the rest (a
-    fault hook). `ties`: the ties on more than one stage.
+    fault hook). `ties`: the ties on more than one stage. `reducer`: the node's bucketed sums
+    (default: one bucket a stage, none begun early).
     """
     return _Round(roles=roles, rank=rank, stages=stages, replica=replica, p2p=p2p,
                   num_layers=num_layers, exact=exact, interrupt=interrupt,
-                  after_reduce=after_reduce, ties=ties or []).run()
+                  after_reduce=after_reduce, ties=ties or [],
+                  reducer=reducer or BucketReducer(bucket_bytes=0, exact=exact)).run()

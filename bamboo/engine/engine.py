@@ -40,6 +40,7 @@ from bamboo.plan.faults import EVAL_FAULT_INDEX
 from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,
                                  ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
                                  NoHook, node_instructions)
+from bamboo.engine.buckets import BucketReducer
 from bamboo.engine.comm import P2P, GroupFormer, Interrupted, PeerLost
 from bamboo.engine.commit import RoundResult, TiedStages, commit_round
 from bamboo.engine.context import Held, NodeContext
@@ -118,6 +119,7 @@ class NodeEngine:
                                      specs=self.specs, loss=self.loss, weight=self.weight,
                                      metrics=task.metrics)
         link.on_epoch = self.p2p.wake.set
+        self.reducer = BucketReducer(bucket_bytes=int(options.bucket_mb * 2**20), exact=options.exact)
         self._dispatch: dict[type, Callable[[StepState, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
             S.BackwardInput: self._backward_input, S.BackwardWeight: self._backward_weight,
@@ -148,6 +150,7 @@ class NodeEngine:
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
         self.hook.begin(step, self._holds)
+        self.reducer.new_step()
         while True:
             wait, outcome = False, _REDO
             try:
@@ -216,6 +219,7 @@ class NodeEngine:
     def _recover(self, s: StepState, wait: bool) -> None:
         """Catch up with the roles the coordinator published (`failover.recover`) and hold
         what they give this node; GenerationEnded when it abandoned the generation."""
+        self.reducer.drop()  # the step goes on under new roles: their groups are new
         recovery = Recovery(transport=self.transport, build=self.build,
                             frc_results_complete=self.forwards.frc_results_complete)
         try:
@@ -279,12 +283,15 @@ class NodeEngine:
         """Phase A: the remaining instructions of this node's list; the list's length."""
         self.transport.prepare(self.roles)
         schedule = self.instructions()
+        self.reducer.plan(roles=self.roles, rank=self.rank, stages=self.stages, p2p=self.p2p,
+                          schedule=schedule, done=s.done, report=s.report)
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue
             self._mark(s.step, _BACKWARD if isinstance(instr, (*S.BACKWARDS, S.SendGrad, S.RecvGrad))
                        else _FORWARD)
-            self._dispatch[type(instr)](s, instr)
+            with self.reducer.around(instr):  # a stage's sum complete: its buckets go out
+                self._dispatch[type(instr)](s, instr)
             s.done.add(instr)
             self.hook.on_instruction(s.step, index, instr)
         while self._frc_at_wait(s, in_wait=False):  # what no wait took, before the commit round
@@ -309,7 +316,8 @@ class NodeEngine:
                               num_layers=self.preset.layers, exact=self.options.exact,
                               interrupt=self.interrupted,
                               after_reduce=lambda: self._passed(s.step, length, REDUCED),
-                              ties=self.tied_stages)
+                              ties=self.tied_stages, reducer=self.reducer)
+        self.reducer.drop()
         s.report.reduce_s += time.perf_counter() - start
         s.report.bytes_replica = result.bytes_replica
         return result

@@ -39,6 +39,9 @@ class EngineOptions:
     """Eager FRC keeps what it saves, and the replica its AdamW moments, in host memory."""
     frc_at: str = "waits"
     """waits | slot: where eager FRC runs."""
+    bucket_mb: float = 25.0
+    """The data-parallel sums' buckets, begun during the backward (`buckets.py`); 0: one
+    bucket a stage, launched at the commit round."""
     optimizer: str | None = None
     """The job's own optimizer, `MODULE:NAME(ARGS)` (`optim.make_optimizer`); None: AdamW."""
     lr_schedule: str | None = None
@@ -57,6 +60,7 @@ class EngineOptions:
         return cls(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                    weight_decay=t.weight_decay, grad_clip=t.grad_clip, seed=t.seed,
                    schedule=cfg.layout.schedule, comm=cfg.runtime.comm,
+                   bucket_mb=cfg.runtime.bucket_mb,
                    precision=cfg.model.precision, exact=t.exact,
                    activation_checkpointing=cfg.model.activation_checkpointing,
                    check_replicas=cfg.redundancy.check_replicas,

@@ -117,6 +117,14 @@ class StageState:
             offset += p.numel()
         return views
 
+    def param_slices(self) -> list[tuple[nn.Parameter, int, int]]:
+        """Each parameter with its [start, end) in the flat gradient sum, in order."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append((p, offset, offset + p.numel()))
+            offset += p.numel()
+        return out
+
     def served_sums(self) -> dict[int, torch.Tensor]:
         """Pipeline -> the gradient sum of its re-routed micro-batches this node ran."""
         return {d: flat for d, (flat, _) in sorted(self._served.items())}

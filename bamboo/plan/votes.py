@@ -83,6 +83,8 @@ class StepReport:
     """Eager FRC forwards run in this step (one per micro-batch, unless a failover came)."""
     frc_in_waits: int = 0
     """Of those, how many ran while the node waited for a transfer (`--frc-at waits`)."""
+    buckets_early: int = 0
+    """Buckets of the data-parallel sums launched before the commit round (`buckets.py`)."""
     frc_reused: int = 0
     brc: int = 0
     resent_grads: int = 0

@@ -71,6 +71,8 @@ FLAG_CASES: dict[str, list[tuple]] = {
     "--metric": [(["--metric", "accuracy"], "'accuracy' is not NAME=MODULE:FUNCTION"),
                  (["--metric", "loss=torch:mean"], "'loss' is a name the reports use")],
     "--threads": [(["--threads", "0"], "must be a positive integer")],
+    "--bucket-mb": [(["--bucket-mb", "-1"], "must be megabytes between 0"),
+                    (["--bucket-mb", "nan"], "must be megabytes between 0")],
     "--comm-timeout": [(["--comm-timeout", "-1"], "must be positive seconds"),
                        (["--comm-timeout", "inf"], "at most 86400")],
     "--lease": [(["--lease", "0"], "must be in (0, 10]"), (["--lease", "11"], "(got 11.0)"),

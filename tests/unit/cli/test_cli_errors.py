@@ -17,7 +17,7 @@ TYPED_FLAGS = {"--nodes": "int", "--pipelines": "int", "--micro-batches": "int",
                "--global-batch-size": "int",
                "--micro-batch-size": "int", "--steps": "int", "--seed": "int", "--lr": "float",
                "--warmup-steps": "int", "--weight-decay": "float", "--grad-clip": "float",
-               "--threads": "int", "--comm-timeout": "float", "--lease": "float",
+               "--threads": "int", "--comm-timeout": "float", "--bucket-mb": "float", "--lease": "float",
                "--time-scale": "float", "--boot-s": "float", "--max-nodes": "int", "--notice-s": "float",
                "--checkpoint-every": "int", "--keep-checkpoints": "int", "--eval-every": "int",
                "--eval-batches": "int"}

@@ -243,6 +243,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
                 (["a=m:f", "a=m:g"], "names the metric 'a' twice")],
     "threads": [(0, "--threads must be a positive integer")],
     "comm_timeout_s": [(0, "--comm-timeout must be positive seconds")],
+    "bucket_mb": [(-1, "--bucket-mb must be megabytes between 0")],
     "lease_s": [(11, "--lease must be in (0, 10]"), (0.25, "heartbeat interval (0.5 s)")],
     "device": [("tpu", "'tpu' is not one of auto, cpu, cuda")],
     "kills": [(["0:7@1"], "names no node"), (["0:1"], "is malformed"), ("0:1@2", "expected a list")],
