@@ -256,9 +256,10 @@ class RuntimeSection:
         lost peers.""")
     bucket_mb: float = option(25.0, flag="--bucket-mb", metavar="MB", check=_bucket_mb,
                               help="""The data-parallel gradient sums go in buckets of about
-        this many MB (DDP's bucket_cap_mb), a stage's last layers first, each launched as
-        soon as the backward has produced it (overlapping the rest of the backward); 0: one
-        bucket per stage, launched at the commit round.""")
+        this many MB (DDP's bucket_cap_mb), a stage's last layers first; in steady steps each
+        is launched as soon as the stage's last backward of the step has produced it,
+        overlapping the rest of that backward (zb-h1: after the last weight gradient; a
+        re-routed stage: at the commit round); 0: one bucket per stage, at the round.""")
     comm_timeout_s: float = option(60.0, flag="--comm-timeout", metavar="S", check=_comm_timeout,
                                    help="Timeout of every point-to-point and collective call.")
     lease_s: float = option(10.0, flag="--lease", metavar="S",

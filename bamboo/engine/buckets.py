@@ -18,9 +18,17 @@ Buckets go out in one fixed order (0, 1, ...), whatever order the hooks fire in:
 member must issue a group's collectives alike. Whether a node begins early or at the round
 does not matter to its peers (the same collectives, in the same order), so each node
 decides alone. It begins early only in a step's first attempt (a failover or a redo drops
-what was launched: the next attempt has new roles, hence a new group), on the group of
-the current roles already formed (by an earlier step's round: forming one waits for every
+what was launched under the old roles: the next attempt has new roles, hence a new group;
+what was launched under roles a recovery kept stays for the round), on the group of the
+current roles already formed (by an earlier step's round: forming one waits for every
 member), and at a stage where it serves no re-routed slot (its sum is then all it adds).
+Under ZB-H1 the weight gradients come from `torch.autograd.grad` (no hook fires): the
+buckets go out after the stage's last weight-gradient instruction. A parameter that gets no
+gradient holds its bucket, and those after it, until the instruction has run.
+
+A bucket's collective is bounded by `--comm-timeout` from its launch, as a posted send is.
+Under `--exact` every member holds every member's float64 copy of a bucket from the launch
+to the round (D copies, where the round's ordered sum held them at the root only).
 """
 from __future__ import annotations
 
@@ -207,15 +215,13 @@ class BucketReducer:
 
     def __init__(self, *, bucket_bytes: int, exact: bool) -> None:
         self.bucket_bytes, self.exact = bucket_bytes, exact
-        self.early_allowed = False
+        self.early_allowed = bucket_bytes > 0
+        """Whether this attempt may begin early: a step's first, after a round."""
         self.pending: dict[int, StageBuckets] = {}
         """Stage -> its buckets begun early in this attempt."""
         self._last: dict[S.Instruction, StageBuckets] = {}
         """The instruction after which a stage's sum is complete -> its buckets."""
         self.report: StepReport | None = None
-
-    def new_step(self) -> None:
-        self.early_allowed = self.bucket_bytes > 0
 
     def plan(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState], p2p: P2P,
              schedule: Sequence[S.Instruction], done: set, report: StepReport) -> None:
@@ -276,10 +282,24 @@ class BucketReducer:
         buckets.launch_rest()
         return buckets
 
-    def drop(self) -> None:
-        """The step goes on under new roles: what was begun is dropped, and nothing more
-        begins early in this step."""
+    def settle(self, epoch: int, p2p: P2P) -> None:
+        """The step goes on after a recovery: nothing more begins early in it; buckets
+        launched under other roles (or on another group) are dropped, those of these roles
+        are kept for the round (their peers matched them: launching them again would put
+        one collective twice on the group)."""
+        for buckets in self._last.values():
+            buckets.disarm()
+        self._last = {}
+        for stage, buckets in list(self.pending.items()):
+            if buckets.epoch != epoch or buckets.p2p is not p2p:
+                buckets.abandon()
+                del self.pending[stage]
+        self.early_allowed = False
+
+    def round_over(self) -> None:
+        """The commit round ran: anything it did not take is dropped (it took all it could),
+        and the next step may begin early again (a redo of this one comes through `settle`)."""
         for buckets in [*self.pending.values(), *self._last.values()]:
             buckets.abandon()
         self.pending, self._last = {}, {}
-        self.early_allowed = False
+        self.early_allowed = self.bucket_bytes > 0

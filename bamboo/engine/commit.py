@@ -105,6 +105,7 @@ class _Round:
         self.after_reduce()
         self._feed_replicas()
         self._agree_on_norm()
+        self.reducer.round_over()
         return self.result
 
     # -- transport: one batch per phase ----------------------------------------------------

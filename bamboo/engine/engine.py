@@ -119,7 +119,7 @@ class NodeEngine:
                                      specs=self.specs, loss=self.loss, weight=self.weight,
                                      metrics=task.metrics)
         link.on_epoch = self.p2p.wake.set
-        self.reducer = BucketReducer(bucket_bytes=int(options.bucket_mb * 2**20), exact=options.exact)
+        self.reducer = BucketReducer(bucket_bytes=options.bucket_bytes, exact=options.exact)
         self._dispatch: dict[type, Callable[[StepState, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
             S.BackwardInput: self._backward_input, S.BackwardWeight: self._backward_weight,
@@ -150,7 +150,6 @@ class NodeEngine:
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
         self.hook.begin(step, self._holds)
-        self.reducer.new_step()
         while True:
             wait, outcome = False, _REDO
             try:
@@ -218,8 +217,8 @@ class NodeEngine:
 
     def _recover(self, s: StepState, wait: bool) -> None:
         """Catch up with the roles the coordinator published (`failover.recover`) and hold
-        what they give this node; GenerationEnded when it abandoned the generation."""
-        self.reducer.drop()  # the step goes on under new roles: their groups are new
+        what they give this node (buckets of older roles dropped); GenerationEnded when it
+        abandoned the generation."""
         recovery = Recovery(transport=self.transport, build=self.build,
                             frc_results_complete=self.forwards.frc_results_complete)
         try:
@@ -227,6 +226,8 @@ class NodeEngine:
         except GenerationEnded as end:
             self._install(end.held)
             raise
+        finally:
+            self.reducer.settle(self.roles.epoch, self.p2p)
 
     def _held(self) -> Held:
         return Held(self.roles, dict(self.stages), self.replica)
@@ -317,7 +318,6 @@ class NodeEngine:
                               interrupt=self.interrupted,
                               after_reduce=lambda: self._passed(s.step, length, REDUCED),
                               ties=self.tied_stages, reducer=self.reducer)
-        self.reducer.drop()
         s.report.reduce_s += time.perf_counter() - start
         s.report.bytes_replica = result.bytes_replica
         return result

@@ -2,6 +2,7 @@
 frozen section built in one place (`EngineOptions.from_config`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bamboo.config import JobConfig
@@ -46,6 +47,11 @@ class EngineOptions:
     """The job's own optimizer, `MODULE:NAME(ARGS)` (`optim.make_optimizer`); None: AdamW."""
     lr_schedule: str | None = None
     """The job's own learning-rate schedule (`optim.step_lr`); None: warm-up, cosine decay."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """`bucket_mb` in bytes (a positive size is at least one byte)."""
+        return math.ceil(self.bucket_mb * 2**20)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of `step` (`optim.step_lr`)."""

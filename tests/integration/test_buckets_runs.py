@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bamboo.plan import schedule as S
+from bamboo.plan.faults import Fault
+from bamboo.plan.program import COMMIT_POINTS, MICRO_BATCHES_DONE
 from support.procs import run_events
 from support.runs import config, run_in_process
 
@@ -56,7 +59,19 @@ def test_buckets_on_two_pipelines_survive_kills_under_both_transports(tmp_path: 
     clean = run_in_process(config(common), tmp_path / "clean")
     strict = run_in_process(config(common, kills=["0:1@2", "1:0@3"]), tmp_path / "strict")
     tagged = run_in_process(config(common, comm="tagged", kills=["1:1@2"]), tmp_path / "tagged")
-    _same(clean, strict)
-    _same(clean, tagged)
-    assert strict["preemptions"] == 2 and tagged["preemptions"] == 1
-    assert all(n > 2 * 3 for n in _early(tmp_path / "clean")[1:])
+    # pipeline 1's stage 0 killed once its micro-batches are done: its buckets and its peer's
+    # went out during the backward; the peer drops them and sums again under the new roles
+    cfg = config(common)
+    frc = 1 if cfg.redundancy.mode == "eager" else None
+    done = len(S.node_schedule([0], 2, cfg.layout.micro_batches, frc_stage=frc,
+                               schedule=cfg.layout.schedule)) + COMMIT_POINTS.index(MICRO_BATCHES_DONE)
+    launched = run_in_process(cfg, tmp_path / "launched", {2: [Fault("kill", 2, done)]})
+    for run in (strict, tagged, launched):
+        _same(clean, run)
+    assert (strict["preemptions"], tagged["preemptions"], launched["preemptions"]) == (2, 1, 1)
+    early = _early(tmp_path / "clean")
+    assert all(n > 2 * 3 for n in early[1:])
+    # the step of the kill: stage 0's surviving holder (n0) had launched its buckets
+    [n0] = [n["buckets_early"] for e in run_events(tmp_path / "launched")
+            if e["event"] == "step_done" and e["step"] == 2 for n in e["nodes"] if n["node"] == "n0"]
+    assert n0 > 3, n0

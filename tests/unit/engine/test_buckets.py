@@ -59,8 +59,9 @@ def _backward(st: StageState, seed: int, before_last: Callable[[], None]) -> Non
         st.accumulate()
 
 
-def _on_two_members(body: Callable[[int, P2P], object]) -> list[object]:
-    """`body(rank, p2p)` on a 2-member gloo group, one thread each; each's result."""
+def _on_two_members(body: Callable[[int, P2P], object], staged: bool) -> list[object]:
+    """`body(rank, p2p)` on a 2-member gloo group, one thread each; each's result. `staged`:
+    tensors go through host copies, as an accelerator's do on gloo."""
     store, results, errors = dist.HashStore(), [None, None], []
 
     def member(rank: int) -> None:
@@ -68,7 +69,7 @@ def _on_two_members(body: Callable[[int, P2P], object]) -> list[object]:
             return dist.ProcessGroupGloo(dist.PrefixStore(name, store), ranks.index(rank),
                                          len(ranks), gloo_options())
         p2p = P2P(dist.ProcessGroupGloo(dist.PrefixStore("main", store), rank, 2,
-                                        gloo_options()), former=former)
+                                        gloo_options()), former=former, staged=staged)
         try:
             results[rank] = body(rank, p2p)
         except Exception as e:  # noqa: BLE001 - re-raised by the test below
@@ -87,8 +88,10 @@ def _on_two_members(body: Callable[[int, P2P], object]) -> list[object]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("exact", [False, True])
-def test_buckets_launched_from_hooks_sum_to_the_whole_stages_bits(exact: bool) -> None:
+def test_buckets_launched_from_hooks_sum_to_the_whole_stages_bits(exact: bool,
+                                                                  staged: bool) -> None:
     never = lambda: False  # noqa: E731
 
     # built here: a stage's seeded initialisation uses the process's generator, which two
@@ -109,7 +112,7 @@ def test_buckets_launched_from_hooks_sum_to_the_whole_stages_bits(exact: bool) -
             out[f"{mode}_own"] = st.grad_sum.clone()
         return out
 
-    a, b = _on_two_members(body)
+    a, b = _on_two_members(body, staged)
     for side in (a, b):
         assert side["early_buckets"] > 3 and side["whole_buckets"] == 1
         # every bucket went out from the hooks, before the backward returned
