@@ -39,10 +39,11 @@ class Job:
     def from_env() -> "Job":
         return Job(**json.loads(os.environ[ENV]))
 
-    def bamboo_flags(self) -> list[str]:
-        """`bamboo train`'s flags for this job: P=1, one pipeline a worker."""
-        per_pipeline = self.micro_batches // self.workers
-        return ["--model", self.model, "--nodes", str(self.workers), "--stages", "1",
+    def bamboo_flags(self, stages: int = 1) -> list[str]:
+        """`bamboo train`'s flags for this job in pipelines of `stages` (P=1: one pipeline a
+        worker), the global batch kept."""
+        per_pipeline = self.micro_batches // (self.workers // stages)
+        return ["--model", self.model, "--nodes", str(self.workers), "--stages", str(stages),
                 "--micro-batches", str(per_pipeline), "--micro-batch-size",
                 str(self.micro_batch_size), "--steps", str(self.steps), "--seed", str(self.seed)]
 

@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--boot-s", type=float, default=5.0, help="seconds before capacity comes back")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's DCP interval in steps")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--bamboo-stages", type=int, default=1, help="Bamboo's pipeline depth P "
+                    "(the global batch kept; the peers run P=1)")
     ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
     ap.add_argument("--out", type=Path, default=Path("runs/peers"))
     a = ap.parse_args(argv)
@@ -50,13 +52,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.system_list.remove("torchft")
     if a.workers < 2 or a.micro_batches % a.workers:
         ap.error("--micro-batches must be a multiple of --workers (>= 2)")
+    if a.bamboo_stages < 1 or a.workers % a.bamboo_stages:
+        ap.error("--bamboo-stages must divide --workers")
     return a
 
 
 def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out: Path) -> dict:
     """The system's record of one run: its summary plus wall_s (first step to end)."""
     if system == "bamboo":
-        return systems.run_bamboo(job, out, kills, a.boot_s, shlex.split(a.bamboo_flags))
+        return systems.run_bamboo(job, out, kills, a.boot_s, shlex.split(a.bamboo_flags),
+                                  a.bamboo_stages)
     if system == "torchrun":
         return systems.run_torchrun(job, out, kills, a.boot_s, a.checkpoint_every)
     return systems.run_torchft(job, out, kills, a.boot_s)

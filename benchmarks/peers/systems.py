@@ -56,18 +56,23 @@ def drive_kills(kills: list[Kill], progress: Callable[[], dict | None],
     return t0, sent
 
 
-def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: list[str]) -> dict:
-    """`bamboo train --json`: its summary, its seconds from the first step (when its first
-    generation is ready, trace time 0) to the last step's end as `wall_s`, the whole
-    process's as `launch_s`."""
+def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: list[str],
+               stages: int = 1) -> dict:
+    """`bamboo train --json` in pipelines of `stages`: its summary, its seconds from the first
+    step (when its first generation is ready, trace time 0) to the last step's end as
+    `wall_s`, the whole process's as `launch_s`. A kill of worker w in steps is `--kill`
+    of pipeline w // stages, stage w % stages."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(BIN / "bamboo"), "train", *job.bamboo_flags(), "--json", "--out", str(out / "run"), *extra]
+    cmd = [str(BIN / "bamboo"), "train", *job.bamboo_flags(stages), "--json", "--out",
+           str(out / "run"), *extra]
     if kills and kills[0].unit == "s":
         (out / "trace.csv").write_text(bamboo_trace(kills, job.workers, boot_s))
         cmd += ["--trace", str(out / "trace.csv"), "--time-scale", "1", "--boot-s", "0",
                 "--max-nodes", str(job.workers)]
     else:
-        cmd += [a for i, k in enumerate(kills) for a in ("--kill", f"{victim(i, job.workers)}:0@{int(k.at)}")]
+        for i, k in enumerate(kills):
+            w = victim(i, job.workers)
+            cmd += ["--kill", f"{w // stages}:{w % stages}@{int(k.at)}"]
     start = time.time()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     (out / "stderr.txt").write_text(done.stderr)
