@@ -389,21 +389,6 @@ class P2P:
         return self.staged if self.staged is not None else \
             needs_host_staging(self.backend, device)
 
-    def all_reduce(self, tensor: torch.Tensor, members: Sequence[int], name: str,
-                   interrupt: Callable[[], bool]) -> None:
-        """Sum `tensor` in place over `members` with one collective on their group `name`
-        (`subgroup`)."""
-        group = self.subgroup(name, members, interrupt)
-        try:
-            if self._staged(tensor):
-                host = tensor.to("cpu", copy=True)
-                work = StagedWork(group.allreduce([host]), host, tensor)
-            else:
-                work = group.allreduce([tensor])
-        except RuntimeError as e:
-            raise PeerLost(f"all-reduce among {list(members)} failed: {e}") from e
-        self.wait_interruptible(work, -1, interrupt)
-
     # -- endings -------------------------------------------------------------------------------
 
     def abandon(self) -> None:

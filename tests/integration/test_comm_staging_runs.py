@@ -1,7 +1,8 @@
 """Transfers staged through host memory (gloo with accelerator tensors: several workers on
 one GPU), on a real 2-process gloo group with staging forced on, CPU tensors standing in for
 device ones. (The staging decision and the backend choice alone:
-tests/unit/engine/test_comm_staging.py.)"""
+tests/unit/engine/test_comm_staging.py; the data-parallel buckets staged:
+tests/unit/engine/test_buckets.py.)"""
 from __future__ import annotations
 
 import os
@@ -62,11 +63,6 @@ def side(rank: int, port: int) -> None:
             assert got.tolist() == [5, -3, 2**40], got
             p2p.send(torch.tensor([0.5, -2.0, 3.0], dtype=torch.bfloat16), 0, (GRADIENT, 1, 0))
             p2p.flush()
-
-        # An all-reduce, staged: the sum lands in the caller's tensor.
-        total = torch.full((4,), float(rank + 1))
-        p2p.all_reduce(total, [0, 1], "dp", never)
-        assert torch.equal(total, torch.full((4,), 3.0)), total
 
         # The default on the CPU: no staging, the caller's buffer is the wire's.
         plain = P2P(group, strict=True)
