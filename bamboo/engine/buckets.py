@@ -45,12 +45,7 @@ from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap
 from bamboo.plan.votes import StepReport
 
-__all__ = ["DEFAULT_BUCKET_MB", "plan_buckets", "StageBuckets", "BucketReducer", "group_name"]
-
-DEFAULT_BUCKET_MB = 25.0
-"""DDP's default bucket size."""
-
-_ADDS_TO_SUM = (S.Backward, S.BackwardInput, S.BackwardWeight)
+__all__ = ["plan_buckets", "StageBuckets", "BucketReducer", "group_name"]
 
 
 def group_name(epoch: int, stage: int) -> str:
@@ -93,13 +88,13 @@ class _Bucket:
 class StageBuckets:
     """One stage's bucketed sum over its data-parallel `members` in one attempt of a step."""
 
-    def __init__(self, *, st: StageState, members: list[int], rank: int, p2p: P2P,
-                 epoch: int, exact: bool, bucket_bytes: int,
-                 local: Callable[[], torch.Tensor]) -> None:
-        self.st, self.members, self.rank, self.p2p, self.exact = st, members, rank, p2p, exact
+    def __init__(self, *, st: StageState, members: list[int], p2p: P2P, epoch: int,
+                 exact: bool, bucket_bytes: int, local: torch.Tensor) -> None:
+        self.st, self.members, self.p2p, self.exact = st, members, p2p, exact
         self.epoch = epoch
         self.local = local
-        """This node's sum for the stage (its own pipeline's, and any served slot's)."""
+        """This node's sum for the stage (its own pipeline's, and any served slot's; begun
+        early: the stage's gradient sum itself, complete by the time a bucket goes out)."""
         sizes = [p.numel() for p, _, _ in st.param_slices()]
         self.buckets = [_Bucket(a, b) for a, b in
                         plan_buckets(sizes, st.grad_sum.element_size(), bucket_bytes)]
@@ -153,7 +148,7 @@ class StageBuckets:
         if self.total is None:
             self.total = torch.empty(self.st.numel, dtype=self.st.grad_sum.dtype,
                                      device=self.st.device)
-        mine = self.local()[bucket.start:bucket.end]
+        mine = self.local[bucket.start:bucket.end]
         if not self.exact:  # summed in place: into the total, not the local sum
             mine = self.total[bucket.start:bucket.end].copy_(mine)
         bucket.payload = mine.to("cpu", copy=True) if self.on_host else mine
@@ -171,10 +166,10 @@ class StageBuckets:
 
     # -- the round ---------------------------------------------------------------------------
 
-    def finish(self, order: list[int], interrupt: Callable[[], bool]) -> torch.Tensor | None:
+    def finish(self, interrupt: Callable[[], bool]) -> torch.Tensor | None:
         """Wait for every bucket; the stage's sum over its members (None: a transfer failed,
-        and what was launched is dropped). `order`: the members' indices in pipeline order
-        (--exact adds their buckets so)."""
+        and what was launched is dropped). --exact adds the members' buckets in their order,
+        which is pipeline order (`RoleMap.stage_members`)."""
         self.launch_rest()
         for bucket in self.buckets:
             try:
@@ -184,10 +179,10 @@ class StageBuckets:
             except (PeerLost, Interrupted):
                 self.abandon()
                 return None
-            self._add(bucket, order)
+            self._add(bucket)
         return self.total
 
-    def _add(self, bucket: _Bucket, order: list[int]) -> None:
+    def _add(self, bucket: _Bucket) -> None:
         """Bucket `bucket`'s sum into the total."""
         assert self.total is not None and bucket.payload is not None
         into = self.total[bucket.start:bucket.end]
@@ -195,9 +190,9 @@ class StageBuckets:
             if self.on_host:
                 into.copy_(bucket.payload)
             return
-        parts = [bucket.gathered[i] for i in order]
-        into.copy_(parts[0])  # the ordered sum of commit._sum_in_order
-        for part in parts[1:]:
+        first, *rest = bucket.gathered
+        into.copy_(first)  # the ordered sum of commit._sum_in_order
+        for part in rest:
             into += part.to(into.device)
 
     def abandon(self) -> None:
@@ -223,7 +218,7 @@ class BucketReducer:
         """The instruction after which a stage's sum is complete -> its buckets."""
         self.report: StepReport | None = None
 
-    def plan(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState], p2p: P2P,
+    def plan(self, *, roles: RoleMap, stages: dict[int, StageState], p2p: P2P,
              schedule: Sequence[S.Instruction], done: set, report: StepReport) -> None:
         """At the start of an attempt's micro-batch work: the stages this node begins early,
         and the instruction after which each one's sum is complete (`report` counts the
@@ -233,25 +228,24 @@ class BucketReducer:
             return
         last: dict[int, S.Instruction] = {}
         for instr in schedule:
-            if isinstance(instr, _ADDS_TO_SUM) and instr.stage in stages:
+            if isinstance(instr, S.BACKWARDS) and instr.stage in stages:
                 last[instr.stage] = instr
         for stage, instr in last.items():
             members = roles.stage_members(stage)
-            if len(members) < 2 or instr in done or stage in self.pending or \
+            if len(members) < 2 or instr in done or \
                     any(roles.route(d, stage) is not None for d in range(roles.pipelines)) or \
                     p2p.subgroup_if_formed(group_name(roles.epoch, stage)) is None:
                 continue
             st = stages[stage]
-            self._last[instr] = StageBuckets(st=st, members=members, rank=rank, p2p=p2p,
+            self._last[instr] = StageBuckets(st=st, members=members, p2p=p2p,
                                              epoch=roles.epoch, exact=self.exact,
-                                             bucket_bytes=self.bucket_bytes,
-                                             local=lambda st=st: st.grad_sum)
+                                             bucket_bytes=self.bucket_bytes, local=st.grad_sum)
 
     @contextmanager
     def around(self, instr: S.Instruction) -> Iterator[None]:
         """Run `instr` inside: if it completes a stage's sum, a 1F1B backward launches the
         stage's buckets as their gradients come (hooks), and every bucket not launched by
-        then goes out once it ran. If it fails, the buckets stay for `drop`."""
+        then goes out once it ran. If it fails, the recovery's `settle` disarms them."""
         buckets = self._last.get(instr)
         if buckets is None:
             yield
@@ -273,11 +267,11 @@ class BucketReducer:
             return None
         return buckets
 
-    def start(self, *, st: StageState, members: list[int], rank: int, p2p: P2P, epoch: int,
-              local: Callable[[], torch.Tensor], interrupt: Callable[[], bool]) -> StageBuckets:
+    def start(self, *, st: StageState, members: list[int], p2p: P2P, epoch: int,
+              local: torch.Tensor, interrupt: Callable[[], bool]) -> StageBuckets:
         """The round's: `st`'s buckets, launched now (its group formed first if need be)."""
         p2p.subgroup(group_name(epoch, st.stage), members, interrupt)
-        buckets = StageBuckets(st=st, members=members, rank=rank, p2p=p2p, epoch=epoch,
+        buckets = StageBuckets(st=st, members=members, p2p=p2p, epoch=epoch,
                                exact=self.exact, bucket_bytes=self.bucket_bytes, local=local)
         buckets.launch_rest()
         return buckets

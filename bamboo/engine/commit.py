@@ -181,13 +181,12 @@ class _Round:
         backward, or launched now."""
         try:
             buckets = self.reducer.take(st.stage, self.roles.epoch, self.p2p) or \
-                self.reducer.start(st=st, members=members, rank=self.rank, p2p=self.p2p,
-                                   epoch=self.roles.epoch, local=lambda: local,
-                                   interrupt=self.interrupt)
+                self.reducer.start(st=st, members=members, p2p=self.p2p, epoch=self.roles.epoch,
+                                   local=local, interrupt=self.interrupt)
         except (PeerLost, Interrupted):
             self.result.ok = False
             return
-        total = buckets.finish(list(range(len(members))), self.interrupt)
+        total = buckets.finish(self.interrupt)
         if total is None:
             self.result.ok = False
         else:

@@ -284,8 +284,8 @@ class NodeEngine:
         """Phase A: the remaining instructions of this node's list; the list's length."""
         self.transport.prepare(self.roles)
         schedule = self.instructions()
-        self.reducer.plan(roles=self.roles, rank=self.rank, stages=self.stages, p2p=self.p2p,
-                          schedule=schedule, done=s.done, report=s.report)
+        self.reducer.plan(roles=self.roles, stages=self.stages, p2p=self.p2p, schedule=schedule,
+                          done=s.done, report=s.report)
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue

@@ -103,12 +103,12 @@ def test_buckets_launched_from_hooks_sum_to_the_whole_stages_bits(exact: bool,
         for epoch, (mode, cap) in enumerate((("whole", 0), ("early", 4096))):
             st = stages[(rank, mode)]
             p2p.subgroup(group_name(epoch, st.stage), [0, 1], never)
-            buckets = StageBuckets(st=st, members=[0, 1], rank=rank, p2p=p2p, epoch=epoch,
-                                   exact=exact, bucket_bytes=cap, local=lambda st=st: st.grad_sum)
+            buckets = StageBuckets(st=st, members=[0, 1], p2p=p2p, epoch=epoch, exact=exact,
+                                   bucket_bytes=cap, local=st.grad_sum)
             _backward(st, 10 + rank, buckets.arm if mode == "early" else lambda: None)
             out[f"{mode}_launched_in_backward"] = buckets.next
             out[f"{mode}_buckets"] = len(buckets.buckets)
-            out[mode] = buckets.finish([0, 1], never)
+            out[mode] = buckets.finish(never)
             out[f"{mode}_own"] = st.grad_sum.clone()
         return out
 
