@@ -2,7 +2,8 @@
 the table. No processes, no torch: tests/unit/benchmarks_peers checks them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from statistics import mean
 
 
@@ -13,6 +14,7 @@ class Kill:
 
     at: float
     unit: str
+    worker: int | None = None  # the worker it hits, once `assign_workers` chose it
 
 
 def parse_schedule(text: str) -> list[Kill]:
@@ -37,17 +39,82 @@ def parse_schedule(text: str) -> list[Kill]:
 
 
 def victim(i: int, workers: int) -> int:
-    """The worker kill i hits: 1 + i % (W-1), never worker 0, whose record stays whole."""
+    """The worker kill i hits in a rotation that never includes worker 0: 1 + i % (W-1)."""
     return 1 + i % (workers - 1)
 
 
+def assign_workers(kills: list[Kill], workers: int, boot_s: float) -> list[Kill]:
+    """Each kill with the worker it hits: the next in the rotation 1..W-1 (worker 0 never
+    dies, so its record stays whole) whose replacement has booted (a kill in seconds within
+    `boot_s` of the last one to hit a worker goes to another). A kill that finds every
+    worker but 0 still booting is dropped: the trace removed an instance this job did not
+    hold. Kills in steps keep the plain rotation."""
+    if any(k.unit == "step" for k in kills):
+        return [replace(k, worker=victim(i, workers)) for i, k in enumerate(kills)]
+    up_at = dict.fromkeys(range(1, workers), float("-inf"))
+    out: list[Kill] = []
+    turn = 0
+    for k in kills:
+        for j in range(workers - 1):
+            w = 1 + (turn + j) % (workers - 1)
+            if up_at[w] <= k.at:
+                out.append(replace(k, worker=w))
+                up_at[w] = k.at + boot_s
+                turn += j + 1
+                break
+    return out
+
+
+def trace_removals(text: str) -> list[float]:
+    """The seconds of each `remove` row of a trace (`ms,add|remove,node` rows)."""
+    return [int(row.split(",")[0]) / 1000 for row in text.splitlines()
+            if row.count(",") == 2 and row.split(",")[1].strip() == "remove"]
+
+
+def trace_window(removals: list[float], which: str, window_s: float) -> tuple[float, list[float]]:
+    """The start of the `window_s` window (aligned to multiples of it) with the most
+    (`dense`) or the fewest but at least one (`quiet`) removals, and its removals' seconds
+    from that start; ties go to the earliest."""
+    counts = Counter(int(t // window_s) for t in removals)
+    pick = max if which == "dense" else min
+    index = pick(sorted(counts), key=lambda i: counts[i])
+    start = index * window_s
+    return start, [t - start for t in removals if start <= t < start + window_s]
+
+
+def named_schedule(spec: str, trace_text: str, scale: float, window_s: float = 1800.0,
+                   horizon_s: float = 3600.0) -> tuple[list[Kill], str]:
+    """A schedule and a line saying what it is: `p3-dense` / `p3-quiet` (the trace's densest
+    or quietest `window_s` window, its removals `scale` times faster, each removal a kill of
+    one worker), `every:S` (a kill every S seconds up to `horizon_s`) or a literal
+    schedule for `parse_schedule`."""
+    if spec in ("p3-dense", "p3-quiet"):
+        which = spec.split("-")[1]
+        start, times = trace_window(trace_removals(trace_text), which, window_s)
+        kills = [Kill(round(t / scale, 3), "s") for t in times]
+        word = {"dense": "densest", "quiet": "quietest"}[which]
+        return kills, (f"{spec}: the p3 trace's {word} {window_s / 60:.0f} min "
+                       f"(from {start / 3600:.1f} h: {len(times)} removals) at {scale:g}x")
+    if spec.startswith("every:"):
+        try:
+            every = float(spec.removeprefix("every:"))
+        except ValueError:
+            every = 0.0
+        if every <= 0:
+            raise ValueError(f"bad schedule {spec!r}: write every:S with S seconds > 0")
+        n = int(horizon_s // every)
+        return [Kill(every * (i + 1), "s") for i in range(n)], f"{spec}: a kill every {every:g} s"
+    return parse_schedule(spec), spec or "none"
+
+
 def bamboo_trace(kills: list[Kill], workers: int, boot_s: float) -> str:
-    """A trace (ms,add|remove,node) that kills worker 1 + i % (W-1) at each time and adds
-    a replacement `boot_s` later."""
+    """A trace (ms,add|remove,node) that kills each kill's worker at its time and adds a
+    replacement `boot_s` later (kills without a worker: `assign_workers` first)."""
     live = [f"n{i}" for i in range(workers)]
     rows = [f"0,add,{n}" for n in live]
-    for i, k in enumerate(kills):
-        slot, new = victim(i, workers), f"n{workers + i}"
+    for i, k in enumerate(assign_workers(kills, workers, boot_s) if kills and kills[0].worker is None
+                          else kills):
+        slot, new = k.worker, f"n{workers + i}"
         rows += [f"{int(k.at * 1000)},remove,{live[slot]}", f"{int((k.at + boot_s) * 1000)},add,{new}"]
         live[slot] = new
     return "\n".join(rows) + "\n"

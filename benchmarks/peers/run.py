@@ -1,8 +1,9 @@
 """The driver: one job under Bamboo, torchrun elastic + DCP and torchft, failure-free and
-under one kill schedule, repetitions interleaved; a table (table.md), a plot (peers.png) and
-every run's record (results.json) in --out.
+under each kill schedule, repetitions interleaved; a table per schedule (table.md), a plot
+(peers.png) and every run's record (results.json) in --out.
 
     python -m benchmarks.peers.run --kills 8,20 --boot-s 5 --reps 1 --out runs/peers
+    python -m benchmarks.peers.run --kills p3-quiet --kills p3-dense --kills every:60 ...
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from pathlib import Path
 
 from benchmarks.peers import systems
 from benchmarks.peers.job import Job
-from benchmarks.peers.report import Kill, Outcome, markdown_table, parse_schedule, summarize
+from benchmarks.peers.report import (Kill, Outcome, assign_workers, markdown_table, named_schedule,
+                                     summarize)
 
 SYSTEMS = ("bamboo", "torchrun", "torchft")
+P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro-batches", type=int, default=8, help="global, of all workers")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--kills", default="8,20", help="seconds after the first step (8 or 8s) or steps (@15)")
+    ap.add_argument("--kills", action="append", help="a schedule (repeatable; default 8,20): "
+                    "seconds after the first step (8 or 8s), steps (@15), every:S (a kill every "
+                    "S seconds), p3-dense or p3-quiet (the p3 trace's densest or quietest "
+                    "--trace-window, --trace-scale times faster)")
+    ap.add_argument("--trace-scale", type=float, default=15.0)
+    ap.add_argument("--trace-window", type=float, default=1800.0, help="seconds of trace")
+    ap.add_argument("--stall-s", type=float, default=systems.STALL_S,
+                    help="a torchft run not finished by then has hung: recorded as failed")
     ap.add_argument("--boot-s", type=float, default=5.0, help="seconds before capacity comes back")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's DCP interval in steps")
     ap.add_argument("--reps", type=int, default=1)
@@ -39,8 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
     ap.add_argument("--out", type=Path, default=Path("runs/peers"))
     a = ap.parse_args(argv)
+    a.schedules = []  # (name, what it is, kills with their workers)
     try:
-        a.kill_list = parse_schedule(a.kills)
+        for spec in a.kills or ["8,20"]:
+            kills, what = named_schedule(spec, P3.read_text(), a.trace_scale, a.trace_window)
+            a.schedules.append((spec, what, assign_workers(kills, a.workers, a.boot_s)))
     except ValueError as e:
         ap.error(str(e))
     a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -64,7 +77,7 @@ def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out
                                   a.bamboo_stages)
     if system == "torchrun":
         return systems.run_torchrun(job, out, kills, a.boot_s, a.checkpoint_every)
-    return systems.run_torchft(job, out, kills, a.boot_s)
+    return systems.run_torchft(job, out, kills, a.boot_s, a.stall_s)
 
 
 def outcome(system: str, record: dict, kills: int, free: dict | None) -> Outcome:
@@ -77,19 +90,25 @@ def outcome(system: str, record: dict, kills: int, free: dict | None) -> Outcome
                    {k: record.get(k) for k in ("launch_s", "param_l2", "participants", "preemptions", "kills_sent")})
 
 
-def plot(rows: list, path: Path) -> None:
+def plot(tables: dict[str, list], path: Path) -> None:
+    """Bars per system: failure-free, then goodput under each schedule."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from statistics import mean
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [mean(r.free_rate) if r.free_rate else 0 for r in rows], 0.4,
-           label="failure-free")
-    ax.bar([i + 0.2 for i in x], [mean(r.goodput) if r.goodput else 0 for r in rows], 0.4,
-           label="goodput under kills")
-    ax.set_xticks(list(x), [r.system for r in rows])
+    names = list(tables)
+    first = tables[names[0]]
+    width = 0.8 / (len(names) + 1)
+    fig, ax = plt.subplots(figsize=(6 + len(names), 3.5))
+    x = range(len(first))
+    ax.bar([i - 0.4 for i in x], [mean(r.free_rate) if r.free_rate else 0 for r in first], width,
+           label="failure-free", align="edge")
+    for j, name in enumerate(names, 1):
+        ax.bar([i - 0.4 + j * width for i in x],
+               [mean(r.goodput) if r.goodput else 0 for r in tables[name]], width,
+               label=f"goodput, {name}", align="edge")
+    ax.set_xticks(list(x), [r.system for r in first])
     ax.set_ylabel("samples/s")
     ax.legend()
     fig.tight_layout()
@@ -103,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     free: list[Outcome] = []
-    killed: list[Outcome] = []
+    killed: dict[str, list[Outcome]] = {name: [] for name, _, _ in a.schedules}
     first_free: dict[str, dict] = {}
     for rep in range(a.reps):
-        for kills in ([], a.kill_list):
+        for name, _, kills in [("free", "", [])] + a.schedules:
             for system in a.system_list:  # interleaved: each system once, then again
-                tag = f"{system}-{'kills' if kills else 'free'}-{rep}"
+                label = "free" if not kills else f"kills-{name}".replace(":", "").replace(",", "_")
+                tag = f"{system}-{label}-{rep}"
                 print(f"{time.strftime('%H:%M:%S')} {tag}", file=sys.stderr, flush=True)
                 try:
                     rec = one_run(a, job, system, kills, a.out / tag)
@@ -116,20 +136,24 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{tag}: {e}", file=sys.stderr, flush=True)
                     records.append({"run": tag, "error": str(e)})
                     continue
-                records.append({"run": tag, **{k: v for k, v in rec.items() if k != "config"}})
+                records.append({"run": tag, "schedule": name,
+                                **{k: v for k, v in rec.items() if k != "config"}})
                 (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
                 if not kills:
                     first_free.setdefault(system, rec)
                     free.append(outcome(system, rec, 0, None))
                 else:
                     sent = rec.get("kills_sent", rec.get("preemptions", len(kills)))
-                    killed.append(outcome(system, rec, sent, first_free.get(system)))
-    rows = summarize(free, killed)
-    table = markdown_table(rows, baseline="torchrun" if "torchrun" in a.system_list else None)
+                    killed[name].append(outcome(system, rec, sent, first_free.get(system)))
+    baseline = "torchrun" if "torchrun" in a.system_list else None
+    tables = {name: summarize(free, killed[name]) for name, _, _ in a.schedules}
+    text = "\n\n".join(f"Kills: {what} ({len(kills)} sent at most)\n\n"
+                        + markdown_table(tables[name], baseline=baseline)
+                        for name, what, kills in a.schedules)
     (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
-    (a.out / "table.md").write_text(table + "\n")
-    plot(rows, a.out / "peers.png")
-    print(table)
+    (a.out / "table.md").write_text(text + "\n")
+    plot(tables, a.out / "peers.png")
+    print(text)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Each system run once on the job, failure-free or under the kill schedule, measured from
 outside: Bamboo (`bamboo train --json`, its kills from a generated trace replayed at the
 same wall times), torchrun elastic + DCP, and torchft with the driver's Lighthouse.
-Kill i always hits worker 1 + i % (W-1): worker 0 never dies, so its record is whole."""
+Each kill hits the worker `report.assign_workers` gave it, never worker 0, whose record is
+whole."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.peers.job import ENV, Job
-from benchmarks.peers.report import Kill, bamboo_trace, victim
+from benchmarks.peers.report import Kill, bamboo_trace
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-STALL_S = 240.0  # a torchft replica 0 that has not finished by then has hung: the run failed
+STALL_S = 240.0  # default: a torchft replica 0 not finished by then has hung, the run failed
 
 
 def _read(path: Path) -> dict | None:
@@ -70,9 +71,8 @@ def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: lis
         cmd += ["--trace", str(out / "trace.csv"), "--time-scale", "1", "--boot-s", "0",
                 "--max-nodes", str(job.workers)]
     else:
-        for i, k in enumerate(kills):
-            w = victim(i, job.workers)
-            cmd += ["--kill", f"{w // stages}:{w % stages}@{int(k.at)}"]
+        for k in kills:
+            cmd += ["--kill", f"{k.worker // stages}:{k.worker % stages}@{int(k.at)}"]
     start = time.time()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     (out / "stderr.txt").write_text(done.stderr)
@@ -99,7 +99,7 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def kill(i: int) -> None:
-        pid = int((out / f"pid.{victim(i, job.workers)}").read_text())
+        pid = int((out / f"pid.{kills[i].worker}").read_text())
         os.kill(pid, signal.SIGKILL)
 
     first: list = [None]
@@ -123,7 +123,8 @@ def _first_step(path: Path, first: list) -> dict | None:
     return p | {"t0": first[0]}
 
 
-def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float) -> dict:
+def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float,
+                stall_s: float = STALL_S) -> dict:
     """W replica groups of one process with the driver's Lighthouse; a killed replica is
     started again `boot_s` later and heals from a peer. Replica 0's record is the run's."""
     from torchft.coordination import LighthouseServer
@@ -143,7 +144,7 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float) -> dict:
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def kill(i: int) -> None:
-        replica = victim(i, job.workers)
+        replica = kills[i].worker
         if procs[replica].poll() is not None:
             raise ProcessLookupError(replica)
         procs[replica].send_signal(signal.SIGKILL)
@@ -154,7 +155,7 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float) -> dict:
         start(r)
     first: list = [None]
     t0, sent = drive_kills(kills, lambda: _first_step(out / "progress.0.json", first), kill,
-                     lambda: procs[0].poll() is None and time.time() < t_launch + STALL_S)
+                     lambda: procs[0].poll() is None and time.time() < t_launch + stall_s)
     end = time.time()
     time.sleep(boot_s + 1)  # a replica started late finishes or is ended here
     for p in procs.values():

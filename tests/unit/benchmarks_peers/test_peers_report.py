@@ -72,3 +72,38 @@ def test_the_table_has_a_row_per_system_and_the_multiples_of_the_baseline() -> N
     assert table[2] == "| torchrun | 64.0, 64.0 (1.00x) | 32.0 (1.00x) | 5.0 | yes |"
     assert table[3] == "| bamboo | 32.0 (0.50x) | 32.0 (1.00x) | 0.0 | no (L2 off by 2.5e-09) |"
     assert R.markdown_table(rows).splitlines()[3] == "| bamboo | 32.0 | 32.0 | 0.0 | no (L2 off by 2.5e-09) |"
+
+
+def test_each_kill_hits_a_worker_that_has_booted_and_never_worker_zero() -> None:
+    kills = R.parse_schedule("1,1,1,1,2,5")
+    hit = R.assign_workers(kills, 4, boot_s=3.0)
+    # four at once: three workers, the fourth finds all booting and is dropped; at 2 s still
+    # all booting; at 5 s the rotation goes on from worker 1
+    assert [(k.at, k.worker) for k in hit] == [(1.0, 1), (1.0, 2), (1.0, 3), (5.0, 1)]
+    spaced = R.assign_workers(R.parse_schedule("1,10,20,30"), 4, boot_s=3.0)
+    assert [k.worker for k in spaced] == [1, 2, 3, 1]
+    steps = R.assign_workers(R.parse_schedule("@3,@3"), 3, boot_s=3.0)
+    assert [k.worker for k in steps] == [1, 2]
+
+
+def test_a_trace_window_is_the_densest_or_the_quietest_with_a_removal() -> None:
+    text = "\n".join(["0,add,a", "0,add,b", "0,add,c", "100000,remove,a", "4000000,remove,b",
+                      "4100000,remove,c", "4100000,add,d", "7300000,remove,d"])
+    removals = R.trace_removals(text)
+    assert removals == [100.0, 4000.0, 4100.0, 7300.0]
+    assert R.trace_window(removals, "dense", 3600) == (3600, [400.0, 500.0])
+    assert R.trace_window(removals, "quiet", 3600) == (0, [100.0])  # the empty window is not quiet
+    kills, what = R.named_schedule("p3-dense", text, scale=10, window_s=3600)
+    assert kills == [R.Kill(40.0, "s"), R.Kill(50.0, "s")] and "2 removals" in what
+    every, _ = R.named_schedule("every:60", text, scale=10, horizon_s=200)
+    assert [k.at for k in every] == [60, 120, 180]
+    with pytest.raises(ValueError, match="every:S"):
+        R.named_schedule("every:x", text, scale=10)
+
+
+def test_the_trace_bamboo_replays_has_the_kills_own_workers() -> None:
+    kills = R.assign_workers(R.parse_schedule("2,2,9"), 3, boot_s=4.0)
+    assert [k.worker for k in kills] == [1, 2, 1]
+    assert R.bamboo_trace(kills, 3, 4.0).splitlines()[3:] == [
+        "2000,remove,n1", "6000,add,n3", "2000,remove,n2", "6000,add,n4",
+        "9000,remove,n3", "13000,add,n5"]
