@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=48, help="synthetic traces: instances requested (default 48)")
     p.add_argument("--hours", type=float, default=12.0, help="synthetic traces: length in hours (default 12)")
     p.add_argument("--checkpoint-every", type=float, default=10.0, metavar="MIN",
-                   help="checkpoint policy: minutes between checkpoints (default 10)")
-    p.add_argument("--restart-s", type=float, help="checkpoint policy: seconds to restart from a checkpoint")
+                   help="checkpoint and torchrun policies: minutes between checkpoints (default 10)")
+    p.add_argument("--restart-s", type=float, help="checkpoint and torchrun policies: seconds to restart from a checkpoint")
     p.add_argument("--ckpt-save-s", type=float, help="seconds to write one checkpoint")
     p.add_argument("--fallback-every", type=float, default=30.0, metavar="MIN",
                    help="bamboo/adaptive: minutes between durable fallback checkpoints (0: none; default 30)")

@@ -68,6 +68,13 @@ class SimConfig:
     durable checkpoint (False: the authors' simulator, which restarts without losing steps)."""
     placement: str = "ordered"
     """How nodes are placed on (pipeline, stage): 'ordered' (join order) or 'random' (seeded)."""
+    checkpoint_every_steps: int = 0
+    """torchrun policy: steps between two checkpoints (0: checkpoint_every_s in whole steps)."""
+    torchrun_min_nodes: int = 0
+    """torchrun policy: workers it needs to (re)start (its --nnodes minimum; 0: one pipeline)."""
+    shared_cores: int = 0
+    """0: a processor (GPU) per worker, as in a cluster. C > 0: the workers share C processors
+    (a local run), so a torchft step with fewer groups is faster (their work on C cores)."""
     on_demand: str = "matched"
     """on-demand cluster: 'matched' (layout of the spot job's mean size, no RC), 'ref'
     (the authors' reference cluster) or a node count."""
@@ -153,6 +160,8 @@ class ClusterPolicy(Policy):
         self.counters: dict[str, float] = {}
         self.observe = False
         self.events = 0
+        self.first_run_t: float | None = None
+        """When training first ran (start-up before it is not a step's time)."""
 
     # -- hooks for subclasses
     def accept(self, node: int) -> bool:
@@ -314,6 +323,8 @@ class ClusterPolicy(Policy):
             self.tau_useful = tau_useful
 
     def start_running(self, tau: float, tau_useful: float) -> None:
+        if self.first_run_t is None:
+            self.first_run_t = self.t
         self.mode = RUN
         self.tau = tau
         self.tau_useful = tau_useful

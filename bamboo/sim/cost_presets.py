@@ -45,6 +45,11 @@ class SimModel:
     """Seconds to write one durable checkpoint (training paused)."""
     ckpt_restart_s: float = 71.5
     """Seconds to restart every worker from a checkpoint (rendezvous + load)."""
+    heal_s: float = 45.0
+    """torchft: seconds from a replacement's readiness until its group is back in the quorum
+    (start-up, joining, the state sent from a peer)."""
+    quorum_s: float = 2.0
+    """torchft: extra seconds a step loses when a group fails in it (error, a new quorum)."""
     on_demand_nodes: int = 32
     """The authors' on-demand reference cluster size."""
     on_demand_step_s: float = 3.37

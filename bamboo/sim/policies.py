@@ -1,5 +1,9 @@
 """Policies: how a job runs on the trace's instances, each a class behind one interface.
 
+``bamboo train``'s redundancy modes are policies of the same names: ``eager`` (the paper's
+system, also ``bamboo``), ``lazy``, ``off``, ``reroute`` and ``auto`` (also ``adaptive``); the
+peers ``torchrun`` and ``torchft`` are in :mod:`bamboo.sim.peers`.
+
 * ``bamboo``: redundant computation as in the paper. A lost node's predecessor
   becomes its shadow (step slowed while it carries two stages); losing a shadow, or
   a node whose predecessor is already a shadow (two adjacent stages of one pipeline
@@ -29,11 +33,18 @@ from bamboo.sim.checkpoint_policy import CheckpointPolicy
 from bamboo.sim.core import CKPT, IDLE, REBALANCE, RESTART, RUN, Policy, RunResult, SimConfig
 from bamboo.sim.cost_presets import SimModel
 from bamboo.sim.on_demand import OnDemandPolicy, on_demand_layout
+from bamboo.sim.peers import TorchftPolicy, TorchrunPolicy
 from bamboo.sim.restarting import (RDV, RUNNING, STOPPED, T_DECIDE, T_FALLBACK, T_RDV_DONE,
                                    T_RESUME, RestartingPolicy)
 
 __all__ = [
     "BambooPolicy",
+    "EagerPolicy",
+    "LazyPolicy",
+    "OffPolicy",
+    "AutoPolicy",
+    "TorchrunPolicy",
+    "TorchftPolicy",
     "CheckpointPolicy",
     "OnDemandPolicy",
     "AdaptivePolicy",
@@ -358,12 +369,55 @@ class AdaptivePolicy(BambooPolicy):
         return res
 
 
+class LazyPolicy(BambooPolicy):
+    """`--redundancy lazy`: the replica kept in sync (lazy_overhead); a failover recomputes the
+    step's forwards before the backward (the failover pause plus the step's progress)."""
+
+    name = "lazy"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.rc_mode = "lazy"
+
+
+class OffPolicy(BambooPolicy):
+    """`--redundancy off`: no replica; a loss restores the stage from a peer pipeline (a
+    global restart), or from the last durable checkpoint where no peer holds it."""
+
+    name = "off"
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.rc_mode = "off"
+
+
+class EagerPolicy(BambooPolicy):
+    """`--redundancy eager`: the paper's system (also named `bamboo`)."""
+
+    name = "eager"
+
+
+class AutoPolicy(AdaptivePolicy):
+    """`--redundancy auto` (also named `adaptive`)."""
+
+    name = "auto"
+
+
 POLICIES: dict[str, type[Policy]] = {
-    "bamboo": BambooPolicy,
-    "checkpoint": CheckpointPolicy,
-    "on-demand": OnDemandPolicy,
-    "adaptive": AdaptivePolicy,
+    # bamboo train's --redundancy modes
+    "eager": EagerPolicy,
+    "lazy": LazyPolicy,
+    "off": OffPolicy,
     "reroute": ReroutePolicy,
+    "auto": AutoPolicy,
+    # the peers
+    "checkpoint": CheckpointPolicy,
+    "torchrun": TorchrunPolicy,
+    "torchft": TorchftPolicy,
+    "on-demand": OnDemandPolicy,
+    # earlier names
+    "bamboo": BambooPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 

@@ -56,6 +56,9 @@ def main(out: Path, every: int, boot_s: float) -> None:
     if ckpt is not None:
         load(ckpt, parts)
     model = DistributedDataParallel(parts.model)
+    if rank == 0:  # when each attempt began training, and from which step (the simulator's calibration)
+        with (out / "attempts.jsonl").open("a") as log:
+            log.write(json.dumps({"from_step": start, "t": time.time()}) + "\n")
     for step in range(start, job.steps):
         if rank == 0:
             write_json(out / "progress.json", {"step": step, "t": time.time()})

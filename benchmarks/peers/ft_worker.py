@@ -77,7 +77,7 @@ def main(out: Path, replica: int, store_port: int, restarted: bool) -> None:
         if manager.current_step() > step:  # committed
             losses.append(mean)
             log.write(json.dumps({"step": step, "participants": manager.num_participants(),
-                                  "loss": mean}) + "\n")
+                                  "loss": mean, "t": time.time()}) + "\n")
             log.flush()
     write_json(out / f"result.{replica}.json", {"losses": losses, "steps_completed": job.steps,
                                                 "t_end": time.time(),

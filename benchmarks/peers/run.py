@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         for spec in a.kills or ["8,20"]:
             kills, what = named_schedule(spec, P3.read_text(), a.trace_scale, a.trace_window)
-            a.schedules.append((spec, what, assign_workers(kills, a.workers, a.boot_s)))
+            if kills:  # `--kills ""`: failure-free runs only
+                a.schedules.append((spec, what, assign_workers(kills, a.workers, a.boot_s)))
     except ValueError as e:
         ap.error(str(e))
     a.system_list = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                     killed[name].append(outcome(system, rec, sent, first_free.get(system)))
     baseline = "torchrun" if "torchrun" in a.system_list else None
     tables = {name: summarize(free, killed[name]) for name, _, _ in a.schedules}
-    text = "\n\n".join(f"Kills: {what} ({len(kills)} sent at most)\n\n"
-                        + markdown_table(tables[name], baseline=baseline)
-                        for name, what, kills in a.schedules)
+    titles = {name: f"Kills: {what} ({len(kills)} at most)" for name, what, kills in a.schedules}
+    if not tables:
+        tables, titles = {"free": summarize(free, [])}, {"free": "Failure-free only"}
+    text = "\n\n".join(f"{titles[n]}\n\n{markdown_table(rows, baseline=baseline)}"
+                        for n, rows in tables.items())
     (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
     (a.out / "table.md").write_text(text + "\n")
     plot(tables, a.out / "peers.png")

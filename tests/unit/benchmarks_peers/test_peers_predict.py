@@ -1,0 +1,77 @@
+"""The simulator's prediction of a peers run (benchmarks/peers/predict.py): the costs read from
+each system's own logs, the kills as the simulator's trace, and the prediction of a run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bamboo.sim.core import SimConfig
+from benchmarks.peers import predict as P
+from benchmarks.peers.job import Job
+from benchmarks.peers.report import Kill, assign_workers
+
+
+def write_lines(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_bamboo_costs_come_from_its_events(tmp_path: Path) -> None:
+    step = lambda t, wall: {"t": t, "event": "step_done", "wall_s": wall, "attempts": 1}  # noqa: E731
+    write_lines(tmp_path / "r" / "run" / "events.jsonl", [
+        step(1.0, 0.2), step(1.2, 0.2),
+        {"t": 1.3, "event": "fault_detected", "handled_as": "failover"},
+        step(1.8, 0.3), step(2.1, 0.3),
+        {"t": 2.2, "event": "reconfigured"},
+        {"t": 2.5, "event": "loss_cost", "handled_as": "failover", "pause_s": 0.4, "added_s": 0.25},
+        step(2.7, 0.2),
+        {"t": 3.0, "event": "fault_detected", "handled_as": "reconfiguration"},
+        {"t": 4.5, "event": "generation_ready"},
+        {"t": 5.0, "event": "checkpoint_interval", "every": 50, "write_s": 0.1},
+    ])
+    costs = P.bamboo_costs([tmp_path / "r"])
+    assert costs["failover_pause_s"] == 0.4 and costs["rebalance_s"] == 0.25
+    assert costs["restart_s"] == pytest.approx(1.5)  # the fault to the next generation
+    assert costs["shadow_slowdown"] == pytest.approx(1.5)  # 0.3 s against 0.2 s
+    assert costs["checkpoint_every"] == 50 and costs["ckpt_save_s"] == 0.1
+
+
+def test_torchrun_restart_is_from_the_kill_before_each_attempt_less_the_boot(tmp_path: Path) -> None:
+    write_lines(tmp_path / "attempts.jsonl", [{"from_step": 0, "t": 100.0},
+                                              {"from_step": 10, "t": 115.0},
+                                              {"from_step": 20, "t": 140.0}])
+    kills = [Kill(5.0, "s", 1), Kill(30.0, "s", 2), Kill(90.0, "s", 3)]
+    # kills at 105 and 130 (the third was never sent); restarts 10 s each, less 3 s of boot
+    assert P.torchrun_costs([(tmp_path, kills, 2)], boot_s=3.0) == {"ckpt_restart_s": 7.0}
+
+
+def test_torchft_quorum_and_heal_from_replica_zeros_commits(tmp_path: Path) -> None:
+    # 1 s steps, 4 groups on 4 processors; a kill at 10.5 (first commit at 1.0: step 0 began
+    # at 0); the next commit with 3 groups at 12.0, every group back at 20.0
+    commits = [{"t": float(t), "participants": 4} for t in range(1, 11)]
+    commits += [{"t": 12.0 + i, "participants": 3} for i in range(8)] + [{"t": 20.0, "participants": 4}]
+    write_lines(tmp_path / "steps.0.jsonl", commits)
+    costs = P.torchft_costs([(tmp_path, [Kill(10.5, "s", 1)], 1)], boot_s=3.0, step_s=1.0,
+                            workers=4, cores=4)
+    assert costs == {"quorum_s": pytest.approx(0.5), "heal_s": pytest.approx(6.5)}
+
+
+def test_the_simulated_trace_removes_each_kills_worker_and_adds_its_replacement() -> None:
+    kills = assign_workers([Kill(2.0, "s"), Kill(2.0, "s")], 3, 1.0)
+    assert P.sim_trace(kills, 3, offset=10.0).splitlines() == [
+        "0,add,n0", "0,add,n1", "0,add,n2", "12000,remove,n1", "12000,add,n3",
+        "12000,remove,n2", "12000,add,n4"]
+
+
+def test_a_prediction_counts_the_samples_done_in_the_runs_window() -> None:
+    job = Job(model="gpt2-tiny", steps=100, seed=0, micro_batches=4, micro_batch_size=4, workers=2)
+    model, used = P.model_for("torchrun", job, 1, 0.5, {"ckpt_restart_s": 4.0})
+    config = SimConfig(alloc_delay_s=1.0, checkpoint_every_steps=10, torchrun_min_nodes=2)
+    assert used == 2
+    assert P.predict("torchrun", model, config, used, [], 50.0) == pytest.approx(16 / 0.5)
+    # a kill at 10.2 s: steps 20 (checkpoint) .. 20.4 lost, 1 s boot + 4 s restart, 5.2 s lost
+    # and the 0.2 s of the step in flight: 100 - 10.4 = 89.6 s of steps in the window's 50 s
+    killed = P.predict("torchrun", model, config, used, [Kill(10.2, "s", 1)], 50.0)
+    assert killed == pytest.approx(16 * int((50.0 - 10.2 - 5.0) / 0.5 + 20) / 50.0)
