@@ -33,6 +33,8 @@ class Cell:
     kills: int
     measured: float
     predicted: float
+    step_s: float
+    """The step time the prediction took: the failure-free run's, or the run's own pace."""
 
     @property
     def error(self) -> float:
@@ -79,6 +81,11 @@ def bamboo_costs(runs: list[Path]) -> dict:
             "checkpoint_every": median(every) if every else 0, "ckpt_save_s": median(write) if write else 0.0}
 
 
+def sent_of(record: dict, kills: list[Kill]) -> int:
+    """How many of the schedule's kills reached the run (Bamboo counts its preemptions)."""
+    return int(record.get("kills_sent", record.get("preemptions", len(kills))))
+
+
 def kill_times(first_t: float, kills: list[Kill], sent: int) -> list[float]:
     return [first_t + k.at for k in kills[:sent]]
 
@@ -101,26 +108,50 @@ def torchrun_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float) -> d
 
 def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_s: float,
                   workers: int, cores: int) -> dict:
-    """From replica 0's commits (steps.0.jsonl): the wait a kill adds to the next commit
-    (quorum_s) and, for a kill with no other before the group is back, the seconds from its
-    replacement's boot to a commit with every group again (heal_s)."""
+    """From replica 0's commits (steps.0.jsonl), for each kill the longest wait between two
+    commits after it: what it added to a step (quorum_s), and the seconds from the
+    replacement's boot to the first commit with every group again (heal_s)."""
     quorum, heal = [], []
     for run, kills, sent in runs:
         commits = [c for c in _lines(run / "steps.0.jsonl") if "t" in c]
-        if not commits:
+        if len(commits) < 2:
             continue
         times = kill_times(commits[0]["t"] - step_s, kills, sent)
-        for i, tk in enumerate(times):
-            after = [c for c in commits if c["t"] > tk]
-            if not after:
+        pairs = list(zip(commits, commits[1:]))
+        for tk in times:
+            near = [(a, b) for a, b in pairs if b["t"] > tk and a["t"] < tk + 120.0]
+            if not near:
                 continue
-            k = after[0]["participants"]
-            quorum.append(max(0.0, after[0]["t"] - tk - step_s * max(k, cores) / max(workers, cores)))
-            whole = next((c for c in after if c["participants"] == workers), None)
-            later = times[i + 1] if i + 1 < len(times) else float("inf")
-            if whole is not None and whole["t"] < later:
+            a, b = max(near, key=lambda ab: ab[1]["t"] - ab[0]["t"])
+            k = b["participants"]
+            quorum.append(max(0.0, b["t"] - max(a["t"], tk) - step_s * max(k, cores) / max(workers, cores)))
+            whole = next((c for c in commits if c["t"] >= b["t"] and c["participants"] == workers), None)
+            if whole is not None:
                 heal.append(max(0.0, whole["t"] - tk - boot_s))
     return {"quorum_s": median(quorum) if quorum else 0.0, "heal_s": median(heal) if heal else 0.0}
+
+
+def pace(system: str, run: Path, kills: list[Kill], sent: int, steps: int) -> float | None:
+    """Seconds a step in a run under kills while no kill touched it: Bamboo's steps before
+    its first preemption, torchft's commits before the first kill, torchrun's steps after
+    its last restart (the machine's speed drifts between runs; this is the run's own)."""
+    if system == "bamboo":
+        events = _lines(run / "run" / "events.jsonl")
+        first = next((e["t"] for e in events if e["event"] == "preempt"), float("inf"))
+        done = [e["t"] for e in events if e["event"] == "step_done" and e["t"] < first]
+        return (done[-1] - done[0]) / (len(done) - 1) if len(done) > 10 else None
+    if system == "torchft":
+        commits = [c["t"] for c in _lines(run / "steps.0.jsonl") if "t" in c]
+        if len(commits) < 10:
+            return None
+        first = commits[0] + (kills[0].at if sent else float("inf"))
+        done = [t for t in commits if t < first]
+        return (done[-1] - done[0]) / (len(done) - 1) if len(done) > 10 else None
+    attempts = _lines(run / "attempts.jsonl")
+    result = json.loads((run / "result.json").read_text()) if (run / "result.json").exists() else None
+    if not attempts or result is None or steps - attempts[-1]["from_step"] < 10:
+        return None
+    return (result["t_end"] - attempts[-1]["t"]) / (steps - attempts[-1]["from_step"])
 
 
 def model_for(system: str, job: Job, stages: int, step_s: float, costs: dict) -> tuple[SimModel, int]:
@@ -184,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             if tag in records:
                 rec = records[tag]
                 killed.append((name, a.out / tag, kills, rec))
-        runs = [(path, kills, rec.get("kills_sent", len(kills))) for _, path, kills, rec in killed]
+        runs = [(path, kills, sent_of(rec, kills)) for _, path, kills, rec in killed]
         if system == "bamboo":
             costs = bamboo_costs([path for _, path, _, _ in killed])
             flags = a.bamboo_flags.split()
@@ -201,15 +232,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{system} ({policy}): step {step_s * 1000:.1f} ms, costs "
               + ", ".join(f"{k} {v:.3g}" for k, v in costs.items()), file=sys.stderr)
         cells.append(Cell(system, "failure-free", 0, free["samples"] / free["wall_s"],
-                          predict(policy, model, config, used, [], free["wall_s"])))
-        for name, _, kills, rec in killed:
-            sent = rec.get("kills_sent", len(kills))
+                          predict(policy, model, config, used, [], free["wall_s"]), step_s))
+        for name, path, kills, rec in killed:
+            sent = sent_of(rec, kills)
+            own = pace(system, path, kills, sent, job.steps) or step_s
+            paced, _ = model_for(system, job, a.bamboo_stages, own, costs)
             cells.append(Cell(system, name, sent, rec["samples"] / rec["wall_s"],
-                              predict(policy, model, config, used, kills[:sent], rec["wall_s"])))
-    lines = ["| kills | system | kills sent | measured samples/s | predicted | error |",
-             "|---|---|---|---|---|---|"]
+                              predict(policy, paced, config, used, kills[:sent], rec["wall_s"]), own))
+    lines = ["| kills | system | kills sent | step s (input) | measured samples/s | predicted | error |",
+             "|---|---|---|---|---|---|---|"]
     for c in sorted(cells, key=lambda c: (c.schedule != "failure-free", c.schedule)):
-        lines.append(f"| {c.schedule} | {c.system} | {c.kills} | {c.measured:.1f} | "
+        lines.append(f"| {c.schedule} | {c.system} | {c.kills} | {c.step_s:.4f} | {c.measured:.1f} | "
                      f"{c.predicted:.1f} | {c.error * 100:+.1f}% |")
     text = "\n".join(lines)
     (a.out / "predicted.md").write_text(text + "\n")

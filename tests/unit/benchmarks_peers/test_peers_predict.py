@@ -75,3 +75,18 @@ def test_a_prediction_counts_the_samples_done_in_the_runs_window() -> None:
     # and the 0.2 s of the step in flight: 100 - 10.4 = 89.6 s of steps in the window's 50 s
     killed = P.predict("torchrun", model, config, used, [Kill(10.2, "s", 1)], 50.0)
     assert killed == pytest.approx(16 * int((50.0 - 10.2 - 5.0) / 0.5 + 20) / 50.0)
+
+
+def test_a_runs_own_pace_is_taken_where_no_kill_touched_it(tmp_path: Path) -> None:
+    # Bamboo: steps 0.25 s apart until its first preemption at 10 s
+    rows = [{"t": 1.0 + 0.25 * i, "event": "step_done"} for i in range(30)]
+    write_lines(tmp_path / "b" / "run" / "events.jsonl", rows + [{"t": 10.0, "event": "preempt"}]
+                + [{"t": 10.5 + i, "event": "step_done"} for i in range(5)])
+    assert P.pace("bamboo", tmp_path / "b", [Kill(9.0, "s", 1)], 1, 100) == pytest.approx(0.25)
+    # torchrun: after its last restart (from step 60 at t=50) to its end (t=70): 20 s, 40 steps
+    write_lines(tmp_path / "r" / "attempts.jsonl", [{"from_step": 0, "t": 0.0},
+                                                   {"from_step": 60, "t": 50.0}])
+    (tmp_path / "r" / "result.json").write_text(json.dumps({"t_end": 70.0}))
+    assert P.pace("torchrun", tmp_path / "r", [], 0, 100) == pytest.approx(0.5)
+    assert P.sent_of({"preemptions": 3}, [Kill(1.0, "s")] * 5) == 3
+    assert P.sent_of({"kills_sent": 2, "preemptions": 9}, []) == 2
