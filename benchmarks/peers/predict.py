@@ -7,9 +7,13 @@ commits), never fitted to the goodput.
 
     python -m benchmarks.peers.predict --out runs/peers-density --steps 800 --bamboo-stages 2 \\
         --kills p3-quiet --kills p3-dense --kills every:60 --boot-s 3   # the run's own flags
+
+`--calibrate-on SCHEDULE` reads the recovery costs from that schedule's runs only, so the
+other schedules' cells are predictions of runs the costs did not come from.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -198,7 +202,13 @@ def predict(policy: str, model: SimModel, config: SimConfig, workers: int, kills
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--calibrate-on", help="a schedule whose runs alone give the costs")
+    mine, rest = own.parse_known_args(argv)
+    a = parse_args(rest)
+    if mine.calibrate_on and mine.calibrate_on not in [n for n, _, _ in a.schedules]:
+        print(f"--calibrate-on {mine.calibrate_on}: not one of the run's --kills", file=sys.stderr)
+        return 2
     job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
               micro_batch_size=a.micro_batch_size, workers=a.workers)
     records = {r["run"]: r for r in json.loads((a.out / "results.json").read_text()) if "wall_s" in r}
@@ -215,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             if tag in records:
                 rec = records[tag]
                 killed.append((name, a.out / tag, kills, rec))
-        runs = [(path, kills, sent_of(rec, kills)) for _, path, kills, rec in killed]
+        source = [k for k in killed if mine.calibrate_on in (None, k[0])]
+        runs = [(path, kills, sent_of(rec, kills)) for _, path, kills, rec in source]
         if system == "bamboo":
-            costs = bamboo_costs([path for _, path, _, _ in killed])
+            costs = bamboo_costs([path for path, _, _ in runs])
             flags = a.bamboo_flags.split()
             policy = flags[flags.index("--redundancy") + 1] if "--redundancy" in flags else "lazy"
         elif system == "torchrun":
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             sent = sent_of(rec, kills)
             own = pace(system, path, kills, sent, job.steps) or step_s
             paced, _ = model_for(system, job, a.bamboo_stages, own, costs)
-            cells.append(Cell(system, name, sent, rec["samples"] / rec["wall_s"],
+            label = f"{name} (calibration)" if name == mine.calibrate_on else name
+            cells.append(Cell(system, label, sent, rec["samples"] / rec["wall_s"],
                               predict(policy, paced, config, used, kills[:sent], rec["wall_s"]), own))
     lines = ["| kills | system | kills sent | step s (input) | measured samples/s | predicted | error |",
              "|---|---|---|---|---|---|---|"]
@@ -245,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {c.schedule} | {c.system} | {c.kills} | {c.step_s:.4f} | {c.measured:.1f} | "
                      f"{c.predicted:.1f} | {c.error * 100:+.1f}% |")
     text = "\n".join(lines)
-    (a.out / "predicted.md").write_text(text + "\n")
+    suffix = f"-{mine.calibrate_on.replace(':', '')}" if mine.calibrate_on else ""
+    (a.out / f"predicted{suffix}.md").write_text(text + "\n")
     print(text)
     return 0
 
