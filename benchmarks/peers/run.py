@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--bamboo-stages", type=int, default=1, help="Bamboo's pipeline depth P "
                     "(the global batch kept; the peers run P=1)")
+    ap.add_argument("--torchft-stages", type=int, default=1, help="P of each torchft replica "
+                    "group: >= 2 runs a torch.distributed.pipelining pipeline in each group")
     ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
     ap.add_argument("--out", type=Path, default=Path("runs/peers"))
     a = ap.parse_args(argv)
@@ -66,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.system_list.remove("torchft")
     if a.workers < 2 or a.micro_batches % a.workers:
         ap.error("--micro-batches must be a multiple of --workers (>= 2)")
-    if a.bamboo_stages < 1 or a.workers % a.bamboo_stages:
-        ap.error("--bamboo-stages must divide --workers")
+    for flag, stages in (("--bamboo-stages", a.bamboo_stages), ("--torchft-stages", a.torchft_stages)):
+        if stages < 1 or a.workers % stages or a.micro_batches % (a.workers // stages):
+            ap.error(f"{flag} must divide --workers, leaving pipelines that divide --micro-batches")
     return a
 
 
@@ -78,6 +81,9 @@ def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out
                                   a.bamboo_stages)
     if system == "torchrun":
         return systems.run_torchrun(job, out, kills, a.boot_s, a.checkpoint_every)
+    if a.torchft_stages > 1:
+        from benchmarks.peers.ft_pipelines import run_torchft_pipelines
+        return run_torchft_pipelines(job, out, kills, a.boot_s, a.stall_s, a.torchft_stages)
     return systems.run_torchft(job, out, kills, a.boot_s, a.stall_s)
 
 

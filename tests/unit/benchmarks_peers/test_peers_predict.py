@@ -97,3 +97,17 @@ def test_calibrating_on_a_schedule_the_run_lacks_is_one_line_and_exit_2(
     assert P.main(["--calibrate-on", "p3-dense", "--kills", "every:60", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["--calibrate-on p3-dense: not one of the run's --kills"]
+
+
+def test_torchft_pipelines_record_is_the_lineage_that_finished() -> None:
+    from benchmarks.peers.ft_pipelines import lineage
+
+    # two groups commit steps 0-2; both lost at once, training starts again at step 0
+    first = [{"step": k, "t": float(k), "g": g} for k in range(3) for g in (0, 1)]
+    again = [{"step": k, "t": 10.0 + k, "g": 0} for k in range(4)]
+    ordered, restarts = lineage(first + again, 4)
+    assert [c["t"] for c in ordered] == [10.0, 11.0, 12.0, 13.0] and restarts == 1
+    # a group healing in keeps the lineage: the same step committed by both is no restart
+    ordered, restarts = lineage(first + [{"step": 3, "t": 3.5, "g": 1}], 4)
+    assert [c["step"] for c in ordered] == [0, 1, 2, 3] and restarts == 0
+    assert lineage(first, 4) == (None, 0)  # step 3 never committed
