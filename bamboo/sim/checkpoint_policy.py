@@ -23,9 +23,8 @@ class CheckpointPolicy(RestartingPolicy):
         self.layout: set[int] = set()
         self.morph_pending = False
         self.then_restart = False
-        c = self.cfg
-        self.save_s = c.ckpt_save_s if c.ckpt_save_s is not None else self.preset.ckpt_save_s
-        self.restart_s = c.restart_s if c.restart_s is not None else self.preset.ckpt_restart_s
+        self.save_s = self.ckpt_save_s()
+        self.restart_s = self.ckpt_restart_s()
 
     def on_ready(self, t: float, node: int) -> None:
         st = self.status

@@ -163,6 +163,15 @@ class ClusterPolicy(Policy):
         self.first_run_t: float | None = None
         """When training first ran (start-up before it is not a step's time)."""
 
+    # -- checkpoint costs: the config's figure, else the model's
+    def ckpt_save_s(self) -> float:
+        """Seconds to write one checkpoint."""
+        return self.cfg.ckpt_save_s if self.cfg.ckpt_save_s is not None else self.preset.ckpt_save_s
+
+    def ckpt_restart_s(self) -> float:
+        """Seconds to restart every worker from a checkpoint."""
+        return self.cfg.restart_s if self.cfg.restart_s is not None else self.preset.ckpt_restart_s
+
     # -- hooks for subclasses
     def accept(self, node: int) -> bool:
         """Whether to take an instance the trace offers (and pay for it)."""

@@ -40,9 +40,8 @@ class TorchrunPolicy(ClusterPolicy):
         self.layout: set[int] = set()
         self.restarting = False
         self.started = False
-        c = self.cfg
-        self.save_s = c.ckpt_save_s if c.ckpt_save_s is not None else self.preset.ckpt_save_s
-        self.restart_s = c.restart_s if c.restart_s is not None else self.preset.ckpt_restart_s
+        self.save_s = self.ckpt_save_s()
+        self.restart_s = self.ckpt_restart_s()
 
     def on_ready(self, t: float, node: int) -> None:
         if self.layout and self.D < self.max_d and len(self.ready) // self.P > self.D:
@@ -182,8 +181,10 @@ class TorchftPolicy(ClusterPolicy):
             self._place(t, self.standby.pop(0))
 
     def on_timer(self, t: float, kind: int, payload: object) -> None:
+        if kind != T_HEALED:
+            return
         g, token = payload
-        if kind == T_HEALED and self.healing.get(g) == token:
+        if self.healing.get(g) == token:
             del self.healing[g]
             self.live.add(g)
             self.bump("heals")

@@ -215,9 +215,6 @@ class BambooPolicy(RestartingPolicy):
                     self.push(self.next_boundary(t), T_DECIDE)
                 self.push(t + self.cfg.fallback_every_s, T_FALLBACK)
 
-    def ckpt_save_s(self) -> float:
-        return self.cfg.ckpt_save_s if self.cfg.ckpt_save_s is not None else self.preset.ckpt_save_s
-
     def placement_order(self) -> list[int]:
         nodes = list(self.ready)
         if self.cfg.placement == "random":

@@ -23,7 +23,7 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
 from bamboo.engine.optim import make_optimizer
-from benchmarks.peers.ft_worker import wait_for_all
+from benchmarks.peers.ft_worker import reduce_gradients, wait_for_all
 from benchmarks.peers.job import Job, Parts, write_json
 
 
@@ -33,6 +33,12 @@ def stage_layers(parts: Parts, stage: int, stages: int) -> nn.Sequential:
     layers = list(parts.model)
     n = len(layers)
     return nn.Sequential(*layers[stage * n // stages:(stage + 1) * n // stages])
+
+
+def pipeline_lost(group: int, stage: int, error: Exception) -> None:
+    """A pipeline peer is gone: this stage ends, and the driver restarts the whole group."""
+    print(f"group {group} stage {stage}: pipeline lost ({error})", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def main(out: Path, group: int, stage: int, stages: int, store_port: int, restarted: bool) -> None:
@@ -81,27 +87,16 @@ def main(out: Path, group: int, stage: int, stages: int, store_port: int, restar
                 schedule.step(target=torch.cat([b.targets for b in mine]), losses=out_losses)
             else:
                 schedule.step()
-        except Exception as e:  # the pipeline peer is gone: the whole group restarts
-            print(f"group {group} stage {stage}: pipeline lost ({e})", file=sys.stderr, flush=True)
-            os._exit(3)
-        params = [q for q in module.parameters()]
-        for q in params:
-            if q.grad is None:
-                q.grad = torch.zeros_like(q)
-        loss = torch.stack(out_losses).mean() if last else torch.zeros(())
-        flat = torch.cat([q.grad.reshape(-1) for q in params] + [loss.reshape(1).detach()])
-        manager.allreduce(flat).wait()
-        at = 0
-        for q in params:
-            q.grad.copy_(flat[at:at + q.numel()].view_as(q))
-            at += q.numel()
+        except Exception as e:
+            pipeline_lost(group, stage, e)
+        loss = reduce_gradients(manager, module, float(torch.stack(out_losses).mean()) if last else 0.0)
+        params = list(module.parameters())
         if parts.grad_clip > 0:  # the global norm over the group's stages
             sq = torch.stack([q.grad.double().square().sum() for q in params]).sum().reshape(1)
             try:
                 dist.all_reduce(sq)
             except Exception as e:
-                print(f"group {group} stage {stage}: pipeline lost ({e})", file=sys.stderr, flush=True)
-                os._exit(3)
+                pipeline_lost(group, stage, e)
             scale = min(1.0, parts.grad_clip / (float(sq.sqrt()) + 1e-6))
             for q in params:
                 q.grad.mul_(scale)
@@ -110,7 +105,7 @@ def main(out: Path, group: int, stage: int, stages: int, store_port: int, restar
         wrapped.step()
         if manager.current_step() > step and log is not None:
             log.write(json.dumps({"step": step, "participants": manager.num_participants(),
-                                  "loss": float(flat[-1]), "t": time.time()}) + "\n")
+                                  "loss": loss, "t": time.time()}) + "\n")
             log.flush()
     torch.save([q.detach().clone() for q in module.parameters()], out / f"params.{group}.{stage}.pt")
     if last:

@@ -21,16 +21,9 @@ import torch
 
 from benchmarks.peers.job import ENV, Job, param_digest
 from benchmarks.peers.report import Kill
+from benchmarks.peers.systems import REPO, drive_kills, read_json
 
-REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 30.0  # after the first group finishes, the others have this long to finish
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def lineage(commits: list[dict], steps: int) -> tuple[list[dict] | None, int]:
@@ -48,8 +41,6 @@ def lineage(commits: list[dict], steps: int) -> tuple[list[dict] | None, int]:
 def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float, stall_s: float,
                           stages: int) -> dict:
     from torchft.coordination import LighthouseServer
-
-    from benchmarks.peers.systems import drive_kills
 
     out.mkdir(parents=True, exist_ok=True)
     groups = job.workers // stages
@@ -91,7 +82,7 @@ def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float,
         threading.Timer(boot_s, start, args=(group,)).start()
 
     def progress() -> dict | None:
-        seen = [p for g in range(groups) if (p := _read(out / f"progress.{g}.json")) is not None]
+        seen = [p for g in range(groups) if (p := read_json(out / f"progress.{g}.json")) is not None]
         if not seen:
             return None
         return {"step": max(p["step"] for p in seen), "t": min(p["t"] for p in seen)}
@@ -131,7 +122,7 @@ def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float,
     if not finished:
         raise RuntimeError(f"torchft (pipelines) failed or hung: see {out / 'log.txt'}")
     g = finished[0]
-    result = _read(out / f"result.{g}.json")
+    result = read_json(out / f"result.{g}.json")
     commits = []
     for h in range(groups):
         path = out / f"steps.{h}.jsonl"

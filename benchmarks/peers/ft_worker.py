@@ -20,9 +20,10 @@ from torchft.optim import OptimizerWrapper
 from benchmarks.peers.job import Job, Parts, param_digest, write_json
 
 
-def reduce_gradients(manager: Manager, parts: Parts, loss: float) -> float:
-    """Every gradient and the loss averaged over the step's participants, in one buffer."""
-    params = [q for q in parts.model.parameters()]
+def reduce_gradients(manager: Manager, module: torch.nn.Module, loss: float) -> float:
+    """Every gradient of `module` and the loss averaged over the step's participants, in one
+    buffer; the mean loss."""
+    params = [q for q in module.parameters()]
     for q in params:
         if q.grad is None:
             q.grad = torch.zeros_like(q)
@@ -69,7 +70,7 @@ def main(out: Path, replica: int, store_port: int, restarted: bool) -> None:
         step = manager.current_step()
         write_json(out / f"progress.{replica}.json", {"step": step, "t": time.time()})
         loss = parts.share_loss(parts.model, step, replica, job.workers)
-        mean = reduce_gradients(manager, parts, loss)
+        mean = reduce_gradients(manager, parts.model, loss)
         parts.clip()
         for group in parts.optimizer.param_groups:
             group["lr"] = parts.lr_at(step)

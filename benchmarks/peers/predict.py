@@ -26,7 +26,7 @@ from bamboo.sim.cost_presets import SimModel
 from bamboo.sim.policies import make_policy
 from bamboo.traces.trace import parse_trace_text
 from benchmarks.peers.job import Job
-from benchmarks.peers.report import Kill
+from benchmarks.peers.report import Kill, kills_sent, run_tag
 from benchmarks.peers.run import parse_args
 
 
@@ -83,11 +83,6 @@ def bamboo_costs(runs: list[Path]) -> dict:
             "restart_s": median(restarts) if restarts else (median(added) if added else 0.0),
             "shadow_slowdown": median(shadow) / median(clean) if shadow and clean else 1.0,
             "checkpoint_every": median(every) if every else 0, "ckpt_save_s": median(write) if write else 0.0}
-
-
-def sent_of(record: dict, kills: list[Kill]) -> int:
-    """How many of the schedule's kills reached the run (Bamboo counts its preemptions)."""
-    return int(record.get("kills_sent", record.get("preemptions", len(kills))))
 
 
 def kill_times(first_t: float, kills: list[Kill], sent: int) -> list[float]:
@@ -211,22 +206,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
               micro_batch_size=a.micro_batch_size, workers=a.workers)
+    if not (a.out / "results.json").exists():
+        print(f"no results.json in {a.out}: run benchmarks.peers.run with this --out first",
+              file=sys.stderr)
+        return 2
     records = {r["run"]: r for r in json.loads((a.out / "results.json").read_text()) if "wall_s" in r}
     cores = os.cpu_count() or 1
     cells: list[Cell] = []
     for system in a.system_list:
-        free = records.get(f"{system}-free-0")
+        free = records.get(run_tag(system, None, 0))
         if free is None:
             continue
         step_s = free["wall_s"] / job.steps
         killed = []
         for name, _, kills in a.schedules:
-            tag = f"{system}-kills-{name}".replace(":", "").replace(",", "_") + "-0"
+            tag = run_tag(system, name, 0)
             if tag in records:
                 rec = records[tag]
                 killed.append((name, a.out / tag, kills, rec))
         source = [k for k in killed if mine.calibrate_on in (None, k[0])]
-        runs = [(path, kills, sent_of(rec, kills)) for _, path, kills, rec in source]
+        runs = [(path, kills, kills_sent(rec, kills)) for _, path, kills, rec in source]
         if system == "bamboo":
             costs = bamboo_costs([path for path, _, _ in runs])
             flags = a.bamboo_flags.split()
@@ -245,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(Cell(system, "failure-free", 0, free["samples"] / free["wall_s"],
                           predict(policy, model, config, used, [], free["wall_s"]), step_s))
         for name, path, kills, rec in killed:
-            sent = sent_of(rec, kills)
+            sent = kills_sent(rec, kills)
             own = pace(system, path, kills, sent, job.steps) or step_s
             paced, _ = model_for(system, job, a.bamboo_stages, own, costs)
             label = f"{name} (calibration)" if name == mine.calibrate_on else name

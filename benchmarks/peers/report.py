@@ -43,6 +43,18 @@ def victim(i: int, workers: int) -> int:
     return 1 + i % (workers - 1)
 
 
+def run_tag(system: str, schedule: str | None, rep: int) -> str:
+    """The name of one run (its folder in --out, its `run` in results.json): failure-free
+    where `schedule` is None."""
+    label = "free" if schedule is None else f"kills-{schedule}".replace(":", "").replace(",", "_")
+    return f"{system}-{label}-{rep}"
+
+
+def kills_sent(record: dict, kills: list[Kill]) -> int:
+    """How many of the schedule's kills reached a run (Bamboo's record counts preemptions)."""
+    return int(record.get("kills_sent", record.get("preemptions", len(kills))))
+
+
 def assign_workers(kills: list[Kill], workers: int, boot_s: float) -> list[Kill]:
     """Each kill with the worker it hits: the next in the rotation 1..W-1 (worker 0 never
     dies, so its record stays whole) whose replacement has booted (a kill in seconds within

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from benchmarks.peers import systems
 from benchmarks.peers.job import Job
-from benchmarks.peers.report import (Kill, Outcome, assign_workers, markdown_table, named_schedule,
-                                     summarize)
+from benchmarks.peers.report import (Kill, Outcome, assign_workers, kills_sent, markdown_table,
+                                     named_schedule, run_tag, summarize)
 
 SYSTEMS = ("bamboo", "torchrun", "torchft")
 P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(a.reps):
         for name, _, kills in [("free", "", [])] + a.schedules:
             for system in a.system_list:  # interleaved: each system once, then again
-                label = "free" if not kills else f"kills-{name}".replace(":", "").replace(",", "_")
-                tag = f"{system}-{label}-{rep}"
+                tag = run_tag(system, name if kills else None, rep)
                 print(f"{time.strftime('%H:%M:%S')} {tag}", file=sys.stderr, flush=True)
                 try:
                     rec = one_run(a, job, system, kills, a.out / tag)
@@ -150,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     first_free.setdefault(system, rec)
                     free.append(outcome(system, rec, 0, None))
                 else:
-                    sent = rec.get("kills_sent", rec.get("preemptions", len(kills)))
-                    killed[name].append(outcome(system, rec, sent, first_free.get(system)))
+                    killed[name].append(outcome(system, rec, kills_sent(rec, kills),
+                                                first_free.get(system)))
     baseline = "torchrun" if "torchrun" in a.system_list else None
     tables = {name: summarize(free, killed[name]) for name, _, _ in a.schedules}
     titles = {name: f"Kills: {what} ({len(kills)} at most)" for name, what, kills in a.schedules}

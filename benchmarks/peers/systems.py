@@ -23,7 +23,8 @@ BIN = Path(sys.executable).parent
 STALL_S = 240.0  # default: a torchft replica 0 not finished by then has hung, the run failed
 
 
-def _read(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None while it is not (yet) there whole."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -106,7 +107,7 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
     t0, sent = drive_kills(kills, lambda: _first_step(out / "progress.json", first), kill,
                      lambda: proc.poll() is None)
     end = time.time()
-    result = _read(out / "result.json")
+    result = read_json(out / "result.json")
     if proc.returncode != 0 or result is None:
         raise RuntimeError(f"torchrun failed ({proc.returncode}): see {out / 'log.txt'}")
     return result | {"wall_s": result["t_end"] - (t0 or start), "launch_s": end - start, "kills_sent": sent,
@@ -115,7 +116,7 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
 
 def _first_step(path: Path, first: list) -> dict | None:
     """The progress file with `t0`, the time step 0 began (kept from its first reading)."""
-    p = _read(path)
+    p = read_json(path)
     if p is None:
         return None
     if first[0] is None:
@@ -163,7 +164,7 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float,
             p.kill()
         p.wait()
     lighthouse.shutdown()
-    result = _read(out / "result.0.json")
+    result = read_json(out / "result.0.json")
     if procs[0].returncode != 0 or result is None:
         raise RuntimeError(f"torchft failed or hung ({procs[0].returncode}): see {out / 'log.txt'}")
     share = job.global_batch / job.workers

@@ -88,8 +88,11 @@ def test_a_runs_own_pace_is_taken_where_no_kill_touched_it(tmp_path: Path) -> No
                                                    {"from_step": 60, "t": 50.0}])
     (tmp_path / "r" / "result.json").write_text(json.dumps({"t_end": 70.0}))
     assert P.pace("torchrun", tmp_path / "r", [], 0, 100) == pytest.approx(0.5)
-    assert P.sent_of({"preemptions": 3}, [Kill(1.0, "s")] * 5) == 3
-    assert P.sent_of({"kills_sent": 2, "preemptions": 9}, []) == 2
+    assert P.kills_sent({"preemptions": 3}, [Kill(1.0, "s")] * 5) == 3
+    assert P.kills_sent({"kills_sent": 2, "preemptions": 9}, []) == 2
+    assert [P.run_tag("bamboo", None, 0), P.run_tag("torchft", "every:60", 1),
+            P.run_tag("torchrun", "@15,@32", 0)] == ["bamboo-free-0", "torchft-kills-every60-1",
+                                                     "torchrun-kills-@15_@32-0"]
 
 
 def test_calibrating_on_a_schedule_the_run_lacks_is_one_line_and_exit_2(
@@ -112,3 +115,11 @@ def test_torchft_pipelines_record_is_the_lineage_that_finished() -> None:
     ordered, restarts = lineage(first + [{"step": 3, "t": 3.5, "g": 1}], 4)
     assert [c["step"] for c in ordered] == [0, 1, 2, 3] and restarts == 0
     assert lineage(first, 4) == (None, 0)  # step 3 never committed
+
+
+def test_a_folder_without_a_run_is_one_line_and_exit_2(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    assert P.main(["--kills", "every:60", "--systems", "bamboo", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"no results.json in {tmp_path}: run benchmarks.peers.run with this --out first"]
+    assert list(tmp_path.iterdir()) == []  # nothing written
