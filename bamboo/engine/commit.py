@@ -331,10 +331,13 @@ class _Round:
 
     # -- 4. the global norm ------------------------------------------------------------------
 
-    def _local_norms(self) -> torch.Tensor:
+    def _local_norms(self, every_stage_held: bool = False) -> torch.Tensor:
+        """Per-layer squared norms of the reduced gradients this node counts (pipeline 0's
+        stages; `every_stage_held`: every stage it holds), then 1.0 if its round was ok."""
         vec = torch.zeros(self.num_layers + 1, dtype=torch.float64, device=self.device)
         for stage, st in self.stages.items():
-            if self.roles.holders[0][stage] != self.rank or stage not in self.result.reduced:
+            counted = every_stage_held or self.roles.holders[0][stage] == self.rank
+            if not counted or stage not in self.result.reduced:
                 continue
             for layer, sq in st.layer_sq_norms(self.result.reduced[stage]):
                 vec[layer] = sq
@@ -342,6 +345,14 @@ class _Round:
         return vec
 
     def _agree_on_norm(self) -> None:
+        if self.roles.stages == 1:
+            # Each active node holds the whole model's reduced gradient, the same bits as
+            # every other's (the data-parallel sum gives them all one result), so the norm
+            # the root would send is the one computed here; a failed round anywhere still
+            # stops the commit through that node's vote.
+            vec = self._local_norms(every_stage_held=True)
+            self.result.norm = math.sqrt(float(vec[:-1].sum()))
+            return
         root = min(self.roles.active_ranks())
         contributors = sorted({self.roles.holders[0][s] for s in range(self.roles.stages)})
         f64 = dict(dtype=torch.float64, device=self.device)

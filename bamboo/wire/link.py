@@ -47,6 +47,7 @@ class CoordinatorLink:
                  watch_store: dist.Store | None = None) -> None:
         self.rank, self.conn, self.store = rank, conn, store
         self.timeout = timedelta(seconds=timeout_s)
+        store.set_timeout(self.timeout)
         self.lock = threading.Lock()
         self.latest_epoch = 0
         self.on_epoch: Callable[[], None] = lambda: None
@@ -83,12 +84,13 @@ class CoordinatorLink:
         self.send(kind(rank=self.rank, **values))
 
     def _get(self, key: str) -> str:
+        # get waits for the key itself (one round trip, not wait's and then get's): the
+        # store's timeout is the link's (set in __init__)
         try:
-            self.store.wait([key], self.timeout)
+            return self.store.get(key).decode()
         except dist.DistStoreError as e:
             raise CoordinatorGone(f"no answer from the coordinator for '{key}' within "
                                   f"{self.timeout.total_seconds():.0f} s: {e}") from e
-        return self.store.get(key).decode()
 
     def _vote_answer(self, key: str, epoch: int, moot: str) -> str:
         self._vote = _PendingVote(key, epoch, moot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from statistics import mean
+from statistics import mean, median
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,15 @@ def _equal(values: list[bool | None], gaps: list[float | None]) -> str:
     return ", ".join(words)
 
 
+def pair_ratios(values: list[float], ref: list[float]) -> list[float]:
+    """Repetition i of one system over repetition i of the other: the runs were interleaved,
+    so each pair saw the machine at about the same speed (a ratio that holds while the
+    machine drifts). Empty unless both have the same number of runs."""
+    if len(values) != len(ref) or any(r == 0 for r in ref):
+        return []
+    return [v / r for v, r in zip(values, ref)]
+
+
 def markdown_table(rows: list[Row], baseline: str | None = None) -> str:
     """The table as markdown; with `baseline` (a system's name), each failure-free and
     goodput mean also as a multiple of that system's."""
@@ -209,7 +218,10 @@ def markdown_table(rows: list[Row], baseline: str | None = None) -> str:
     def ratio(values: list[float], ref: list[float]) -> str:
         if base is None or not values or not ref or mean(ref) == 0:
             return ""
-        return f" ({mean(values) / mean(ref):.2f}x)"
+        pairs = pair_ratios(values, ref)
+        paired = f"; pairs: median {median(pairs):.2f}x, {min(pairs):.2f}-{max(pairs):.2f}" \
+            if len(pairs) > 1 else ""
+        return f" ({mean(values) / mean(ref):.2f}x{paired})"
 
     lines = ["| system | failure-free samples/s | goodput under kills, samples/s "
              "| s lost per preemption | ends equal to its failure-free run |",

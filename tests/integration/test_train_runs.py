@@ -29,6 +29,7 @@ LAYOUTS = {
     "4 stages": dict(nodes=4, stages=4, micro_batches=4),
     "2 pipelines x 2 stages": dict(nodes=4, stages=2, pipelines=2, micro_batches=2),
     "2 pipelines x 4 stages": dict(nodes=8, stages=4, micro_batches=2),
+    "4 pipelines x 1 stage": dict(nodes=4, stages=1, micro_batches=1),
 }
 
 
@@ -57,10 +58,12 @@ def test_every_layout_equals_the_single_process_loop(tmp_path: Path, reference,
 @pytest.mark.timeout(240)
 def test_exact_layouts_are_bit_identical(tmp_path: Path) -> None:
     """--exact: float64 sums in pipeline order, so one node, one pipeline of four stages and
-    two pipelines give the same parameter bits and the same losses; the default (fp32 sums,
-    one all-reduce) stays within 1e-6 of them."""
+    two or four pipelines give the same parameter bits and the same losses (at one stage
+    each node computes the clipping norm from its own reduced gradient, with no exchange);
+    the default (fp32 sums, one all-reduce) stays within 1e-6 of them."""
     summaries = [run_in_process(config(steps=3, exact=True, **LAYOUTS[name]), tmp_path / name)
-                 for name in ("1 node", "4 stages", "2 pipelines x 2 stages")]
+                 for name in ("1 node", "4 stages", "2 pipelines x 2 stages",
+                              "4 pipelines x 1 stage")]
     assert all(s["status"] == "completed" for s in summaries), [s["error"] for s in summaries]
     assert len({s["param_sha256"] for s in summaries}) == 1
     assert all(s["losses"] == summaries[0]["losses"] for s in summaries)

@@ -69,9 +69,16 @@ def test_the_table_has_a_row_per_system_and_the_multiples_of_the_baseline() -> N
     assert rows[1].lost_s == [0.0]
     table = R.markdown_table(rows, baseline="torchrun").splitlines()
     assert len(table) == 4 and table[0].startswith("| system | failure-free samples/s")
-    assert table[2] == "| torchrun | 64.0, 64.0 (1.00x) | 32.0 (1.00x) | 5.0 | yes |"
+    assert table[2] == ("| torchrun | 64.0, 64.0 (1.00x; pairs: median 1.00x, 1.00-1.00) "
+                        "| 32.0 (1.00x) | 5.0 | yes |")
     assert table[3] == "| bamboo | 32.0 (0.50x) | 32.0 (1.00x) | 0.0 | no (L2 off by 2.5e-09) |"
     assert R.markdown_table(rows).splitlines()[3] == "| bamboo | 32.0 | 32.0 | 0.0 | no (L2 off by 2.5e-09) |"
+
+
+def test_pair_ratios_match_interleaved_repetitions_one_to_one() -> None:
+    assert R.pair_ratios([90.0, 100.0, 120.0], [100.0, 100.0, 100.0]) == pytest.approx([0.9, 1.0, 1.2])
+    assert R.pair_ratios([90.0, 100.0], [100.0]) == []  # unequal counts: no pairs
+    assert R.pair_ratios([90.0], [0.0]) == []
 
 
 def test_each_kill_hits_a_worker_that_has_booted_and_never_worker_zero() -> None:
