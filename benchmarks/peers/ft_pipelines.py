@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.peers.job import ENV, Job, param_digest
 from benchmarks.peers.report import Kill
-from benchmarks.peers.systems import REPO, drive_kills, read_json
+from benchmarks.peers.systems import REPO, drive_kills, read_json, with_t0
 
 GRACE_S = 30.0  # after the first group finishes, the others have this long to finish
 
@@ -89,12 +89,6 @@ def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float,
 
     first: list = [None]
 
-    def progress_t0() -> dict | None:
-        p = progress()
-        if p is not None and first[0] is None:
-            first[0] = p["t"]
-        return None if p is None else p | {"t0": first[0]}
-
     done_at: list = [None]
 
     def running() -> bool:
@@ -108,7 +102,7 @@ def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float,
     t_launch = time.time()
     for g in range(groups):
         start(g)
-    t0, sent = drive_kills(kills, progress_t0, kill, running)
+    t0, sent = drive_kills(kills, lambda: with_t0(progress, first), kill, running)
     end = time.time()
     time.sleep(boot_s + 1)  # a group started late finishes or is ended here
     with lock:

@@ -104,7 +104,7 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
         os.kill(pid, signal.SIGKILL)
 
     first: list = [None]
-    t0, sent = drive_kills(kills, lambda: _first_step(out / "progress.json", first), kill,
+    t0, sent = drive_kills(kills, lambda: with_t0(lambda: read_json(out / "progress.json"), first), kill,
                      lambda: proc.poll() is None)
     end = time.time()
     result = read_json(out / "result.json")
@@ -114,9 +114,9 @@ def run_torchrun(job: Job, out: Path, kills: list[Kill], boot_s: float, every: i
                      "samples": job.steps * job.global_batch}
 
 
-def _first_step(path: Path, first: list) -> dict | None:
-    """The progress file with `t0`, the time step 0 began (kept from its first reading)."""
-    p = read_json(path)
+def with_t0(read: Callable[[], dict | None], first: list) -> dict | None:
+    """`read()`'s progress with `t0`, the time step 0 began (kept from its first reading)."""
+    p = read()
     if p is None:
         return None
     if first[0] is None:
@@ -155,7 +155,7 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float,
     for r in range(job.workers):
         start(r)
     first: list = [None]
-    t0, sent = drive_kills(kills, lambda: _first_step(out / "progress.0.json", first), kill,
+    t0, sent = drive_kills(kills, lambda: with_t0(lambda: read_json(out / "progress.0.json"), first), kill,
                      lambda: procs[0].poll() is None and time.time() < t_launch + stall_s)
     end = time.time()
     time.sleep(boot_s + 1)  # a replica started late finishes or is ended here
