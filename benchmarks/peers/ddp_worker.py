@@ -46,6 +46,7 @@ def load(path: Path, parts: Parts) -> None:
 
 def main(out: Path, every: int, boot_s: float) -> None:
     rank = int(os.environ["RANK"])
+    Job.from_env().pin_worker(rank)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         time.sleep(boot_s)  # the lost machine's replacement boots
     (out / f"pid.{rank}").write_text(str(os.getpid()))

@@ -43,6 +43,7 @@ def pipeline_lost(group: int, stage: int, error: Exception) -> None:
 
 def main(out: Path, group: int, stage: int, stages: int, store_port: int, restarted: bool) -> None:
     job = Job.from_env()
+    job.pin_worker(group * stages + stage)
     groups = job.workers // stages
     parts = Parts(job)
     module = stage_layers(parts, stage, stages)

@@ -46,6 +46,7 @@ def wait_for_all(out: Path, replica: int, workers: int) -> None:
 
 def main(out: Path, replica: int, store_port: int, restarted: bool) -> None:
     job = Job.from_env()
+    job.pin_worker(replica)
     parts = Parts(job)
     if not restarted:
         wait_for_all(out, replica, job.workers)

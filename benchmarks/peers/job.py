@@ -27,6 +27,8 @@ class Job:
     micro_batches: int = 8
     micro_batch_size: int = 4
     workers: int = 4
+    pin: bool = False
+    """Each worker on a core of its own (`--pin`), as each node has its own accelerator."""
 
     @property
     def global_batch(self) -> int:
@@ -45,7 +47,16 @@ class Job:
         per_pipeline = self.micro_batches // (self.workers // stages)
         return ["--model", self.model, "--nodes", str(self.workers), "--stages", str(stages),
                 "--micro-batches", str(per_pipeline), "--micro-batch-size",
-                str(self.micro_batch_size), "--steps", str(self.steps), "--seed", str(self.seed)]
+                str(self.micro_batch_size), "--steps", str(self.steps), "--seed", str(self.seed),
+                *(["--pin-cpus", "auto"] if self.pin else [])]
+
+    def pin_worker(self, slot: int) -> None:
+        """Under `pin`, the calling worker onto the cores of `slot`, as Bamboo's
+        `--pin-cpus auto` pins its own (`bamboo.node.pinning`)."""
+        if self.pin:
+            from bamboo.node.pinning import pin_this_process
+            if pin_this_process("auto", slot, self.workers) is None:
+                raise SystemExit(f"--pin: {self.workers} workers need a core each")
 
 
 class Parts:
@@ -59,7 +70,8 @@ class Parts:
         from bamboo.engine.options import EngineOptions
         from bamboo.model import build_layers, loss_fn
 
-        torch.set_num_threads(1)
+        if not job.pin:  # pinned, the worker has its cores' threads (`Job.pin_worker`)
+            torch.set_num_threads(1)
         cfg = JobConfig.of(model=job.model, nodes=job.workers, stages=1,
                            micro_batches=job.micro_batches // job.workers,
                            micro_batch_size=job.micro_batch_size, steps=job.steps,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
 import sys
 import time
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(the global batch kept; the peers run P=1)")
     ap.add_argument("--torchft-stages", type=int, default=1, help="P of each torchft replica "
                     "group: >= 2 runs a torch.distributed.pipelining pipeline in each group")
+    ap.add_argument("--pin", action="store_true", help="each worker of every system on a core of "
+                    "its own (Bamboo's --pin-cpus auto), as each node has its own accelerator: a "
+                    "lost worker's capacity is lost; needs a core per worker")
     ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
     ap.add_argument("--out", type=Path, default=Path("runs/peers"))
     a = ap.parse_args(argv)
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.system_list.remove("torchft")
     if a.workers < 2 or a.micro_batches % a.workers:
         ap.error("--micro-batches must be a multiple of --workers (>= 2)")
+    if a.pin and a.workers > len(os.sched_getaffinity(0)):
+        ap.error(f"--pin needs a core per worker: {a.workers} workers, "
+                 f"{len(os.sched_getaffinity(0))} cores (lower --workers)")
     for flag, stages in (("--bamboo-stages", a.bamboo_stages), ("--torchft-stages", a.torchft_stages)):
         if stages < 1 or a.workers % stages or a.micro_batches % (a.workers // stages):
             ap.error(f"{flag} must divide --workers, leaving pipelines that divide --micro-batches")
@@ -125,7 +132,7 @@ def plot(tables: dict[str, list], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
-              micro_batch_size=a.micro_batch_size, workers=a.workers)
+              micro_batch_size=a.micro_batch_size, workers=a.workers, pin=a.pin)
     a.out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
     free: list[Outcome] = []
