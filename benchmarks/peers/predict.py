@@ -123,7 +123,8 @@ def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_
                 continue
             a, b = max(near, key=lambda ab: ab[1]["t"] - ab[0]["t"])
             k = b["participants"]
-            quorum.append(max(0.0, b["t"] - max(a["t"], tk) - step_s * max(k, cores) / max(workers, cores)))
+            share = max(k, cores) / max(workers, cores) if cores else 1.0  # pinned: each its own
+            quorum.append(max(0.0, b["t"] - max(a["t"], tk) - step_s * share))
             whole = next((c for c in commits if c["t"] >= b["t"] and c["participants"] == workers), None)
             if whole is not None:
                 heal.append(max(0.0, whole["t"] - tk - boot_s))
@@ -154,11 +155,15 @@ def pace(system: str, run: Path, kills: list[Kill], sent: int, steps: int) -> fl
 
 
 def model_for(system: str, job: Job, stages: int, step_s: float, costs: dict) -> tuple[SimModel, int]:
-    """The simulator's model of this job under `system` (P, pipelines) on this machine: the
-    workers share its processors, so a step keeps its time with fewer pipelines."""
+    """The simulator's model of this job under `system` (P, pipelines) on this machine: where
+    the workers share its processors a step keeps its time with fewer pipelines; pinned
+    (`job.pin`, a processor each) Bamboo's d pipelines take D/d times as long for the global
+    batch (the peers' steps are modelled in their policies: torchrun's world is whole,
+    torchft's groups each do their own share)."""
     P = stages if system == "bamboo" else 1
     D = job.workers // P
-    model = SimModel(name=job.model, stages=P, step_s={d: step_s for d in range(1, D + 1)},
+    model = SimModel(name=job.model, stages=P,
+                     step_s={d: step_s * (D / d if job.pin and system == "bamboo" else 1.0) for d in range(1, D + 1)},
                      samples_per_step=job.global_batch, rc_overhead=0.0, lazy_overhead=0.0,
                      failover_pause_s=costs.get("failover_pause_s", 0.0),
                      rebalance_s=costs.get("rebalance_s", 0.0), restart_s=costs.get("restart_s", 0.0),
@@ -205,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--calibrate-on {mine.calibrate_on}: not one of the run's --kills", file=sys.stderr)
         return 2
     job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
-              micro_batch_size=a.micro_batch_size, workers=a.workers)
+              micro_batch_size=a.micro_batch_size, workers=a.workers, pin=a.pin)
     if not (a.out / "results.json").exists():
         print(f"no results.json in {a.out}: run benchmarks.peers.run with this --out first",
               file=sys.stderr)
         return 2
     records = {r["run"]: r for r in json.loads((a.out / "results.json").read_text()) if "wall_s" in r}
-    cores = os.cpu_count() or 1
+    cores = 0 if a.pin else os.cpu_count() or 1  # 0: a processor each (bamboo.sim's SimConfig)
     cells: list[Cell] = []
     for system in a.system_list:
         free = records.get(run_tag(system, None, 0))

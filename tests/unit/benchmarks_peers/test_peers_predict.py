@@ -123,3 +123,13 @@ def test_a_folder_without_a_run_is_one_line_and_exit_2(tmp_path: Path,
     assert capsys.readouterr().err.strip().splitlines() == [
         f"no results.json in {tmp_path}: run benchmarks.peers.run with this --out first"]
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_pinned_workers_make_fewer_pipelines_slower_for_bamboo_only() -> None:
+    shared, _ = P.model_for("bamboo", Job(workers=4), 1, 0.1, {})
+    assert shared.step_s == {d: 0.1 for d in range(1, 5)}
+    pinned, used = P.model_for("bamboo", Job(workers=4, pin=True), 1, 0.1, {})
+    assert used == 4
+    assert pinned.step_s == pytest.approx({4: 0.1, 3: 0.4 / 3, 2: 0.2, 1: 0.4})
+    ft, _ = P.model_for("torchft", Job(workers=4, pin=True), 1, 0.1, {})
+    assert ft.step_s == {d: 0.1 for d in range(1, 5)}
