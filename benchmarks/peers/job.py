@@ -41,12 +41,16 @@ class Job:
     def from_env() -> "Job":
         return Job(**json.loads(os.environ[ENV]))
 
-    def bamboo_flags(self, stages: int = 1) -> list[str]:
+    def bamboo_flags(self, stages: int | str = 1) -> list[str]:
         """`bamboo train`'s flags for this job in pipelines of `stages` (P=1: one pipeline a
-        worker), the global batch kept."""
-        per_pipeline = self.micro_batches // (self.workers // stages)
-        return ["--model", self.model, "--nodes", str(self.workers), "--stages", str(stages),
-                "--micro-batches", str(per_pipeline), "--micro-batch-size",
+        worker; "auto": Bamboo's planner picks the layout for the global batch), the global
+        batch kept."""
+        if stages == "auto":
+            layout = ["--stages", "auto", "--global-batch-size", str(self.global_batch)]
+        else:
+            layout = ["--stages", str(stages),
+                      "--micro-batches", str(self.micro_batches // (self.workers // int(stages)))]
+        return ["--model", self.model, "--nodes", str(self.workers), *layout, "--micro-batch-size",
                 str(self.micro_batch_size), "--steps", str(self.steps), "--seed", str(self.seed),
                 *(["--pin-cpus", "auto"] if self.pin else [])]
 

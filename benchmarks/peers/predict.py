@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             costs = torchft_costs(runs, a.boot_s, step_s, job.workers, cores)
             policy = "torchft"
-        model, used = model_for(system, job, a.bamboo_stages, step_s, costs)
+        # the depth Bamboo ran at: under --bamboo-stages auto, the one its planner chose
+        stages = free.get("config", {}).get("stages", 1) if a.bamboo_stages == "auto" else a.bamboo_stages
+        model, used = model_for(system, job, stages, step_s, costs)
         config = SimConfig(alloc_delay_s=a.boot_s, checkpoint_every_steps=a.checkpoint_every,
                            torchrun_min_nodes=job.workers, shared_cores=cores,
                            fallback_every_s=costs.get("checkpoint_every", 0) * step_s)
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, path, kills, rec in killed:
             sent = kills_sent(rec, kills)
             own = pace(system, path, kills, sent, job.steps) or step_s
-            paced, _ = model_for(system, job, a.bamboo_stages, own, costs)
+            paced, _ = model_for(system, job, stages, own, costs)
             label = f"{name} (calibration)" if name == mine.calibrate_on else name
             cells.append(Cell(system, label, sent, rec["samples"] / rec["wall_s"],
                               predict(policy, paced, config, used, kills[:sent], rec["wall_s"]), own))

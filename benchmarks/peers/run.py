@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--boot-s", type=float, default=5.0, help="seconds before capacity comes back")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's DCP interval in steps")
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--bamboo-stages", type=int, default=1, help="Bamboo's pipeline depth P "
-                    "(the global batch kept; the peers run P=1)")
+    ap.add_argument("--bamboo-stages", type=_stages, default=1, help="Bamboo's pipeline depth P, "
+                    "or auto (`bamboo train --stages auto --global-batch-size`: Bamboo picks P, D "
+                    "and M; seconds schedules only); the global batch kept; the peers run P=1")
     ap.add_argument("--torchft-stages", type=int, default=1, help="P of each torchft replica "
                     "group: >= 2 runs a torch.distributed.pipelining pipeline in each group")
     ap.add_argument("--pin", action="store_true", help="each worker of every system on a core of "
@@ -75,10 +76,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.pin and a.workers > len(os.sched_getaffinity(0)):
         ap.error(f"--pin needs a core per worker: {a.workers} workers, "
                  f"{len(os.sched_getaffinity(0))} cores (lower --workers)")
+    if a.bamboo_stages == "auto" and any(k.unit != "s" for _, _, ks in a.schedules for k in ks):
+        ap.error("--bamboo-stages auto takes kills in seconds only: a kill by step (@K) names a "
+                 "pipeline and a stage, so give --bamboo-stages P")
     for flag, stages in (("--bamboo-stages", a.bamboo_stages), ("--torchft-stages", a.torchft_stages)):
+        if stages == "auto":
+            continue
         if stages < 1 or a.workers % stages or a.micro_batches % (a.workers // stages):
             ap.error(f"{flag} must divide --workers, leaving pipelines that divide --micro-batches")
     return a
+
+
+def _stages(text: str) -> int | str:
+    """`--bamboo-stages`: a pipeline depth, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of stages or auto") from None
 
 
 def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out: Path) -> dict:

@@ -59,7 +59,7 @@ def drive_kills(kills: list[Kill], progress: Callable[[], dict | None],
 
 
 def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: list[str],
-               stages: int = 1) -> dict:
+               stages: int | str = 1) -> dict:
     """`bamboo train --json` in pipelines of `stages`: its summary, its seconds from the first
     step (when its first generation is ready, trace time 0) to the last step's end as
     `wall_s`, the whole process's as `launch_s`. A kill of worker w in steps is `--kill`
@@ -72,8 +72,10 @@ def run_bamboo(job: Job, out: Path, kills: list[Kill], boot_s: float, extra: lis
         cmd += ["--trace", str(out / "trace.csv"), "--time-scale", "1", "--boot-s", "0",
                 "--max-nodes", str(job.workers)]
     else:
+        if kills and stages == "auto":
+            raise ValueError("kills by step need a fixed number of stages")
         for k in kills:
-            cmd += ["--kill", f"{k.worker // stages}:{k.worker % stages}@{int(k.at)}"]
+            cmd += ["--kill", f"{k.worker // int(stages)}:{k.worker % int(stages)}@{int(k.at)}"]
     start = time.time()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     (out / "stderr.txt").write_text(done.stderr)

@@ -54,3 +54,23 @@ def test_pin_with_more_workers_than_cores_is_refused(capsys: pytest.CaptureFixtu
                         "--kills", ""])
     assert stop.value.code == 2
     assert "--pin needs a core per worker" in capsys.readouterr().err
+
+
+def test_bamboo_auto_gives_the_planner_the_global_batch() -> None:
+    flags = Job(micro_batches=8, micro_batch_size=4).bamboo_flags("auto")
+    assert flags[flags.index("--stages") + 1] == "auto"
+    assert flags[flags.index("--global-batch-size") + 1] == "32"
+    assert "--micro-batches" not in flags
+    fixed = Job(micro_batches=8, workers=4).bamboo_flags(2)
+    assert fixed[fixed.index("--micro-batches") + 1] == "4"  # 2 pipelines of 4: the same 32
+
+
+def test_bamboo_auto_takes_seconds_schedules_only(capsys: pytest.CaptureFixture) -> None:
+    assert run.parse_args(["--bamboo-stages", "auto", "--kills", "8,20"]).bamboo_stages == "auto"
+    with pytest.raises(SystemExit) as stop:
+        run.parse_args(["--bamboo-stages", "auto", "--kills", "@15,@32"])
+    assert stop.value.code == 2
+    assert "kills in seconds only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.parse_args(["--bamboo-stages", "two"])
+    assert "give a number of stages or auto" in capsys.readouterr().err
