@@ -27,6 +27,7 @@ def test_bamboo_is_pinned_only_when_the_job_is() -> None:
     assert flags[flags.index("--pin-cpus") + 1] == "auto"
 
 
+@pytest.mark.procs
 def test_pin_puts_a_worker_on_the_cores_of_its_slot() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -39,6 +40,7 @@ def test_pin_puts_a_worker_on_the_cores_of_its_slot() -> None:
     assert out.stdout.strip() == str(cores[share:2 * share]), out.stderr
 
 
+@pytest.mark.procs
 def test_an_unpinned_job_leaves_the_worker_where_it_was() -> None:
     code = ("from benchmarks.peers.job import Job; import os; "
             "Job(workers=2).pin_worker(1); print(sorted(os.sched_getaffinity(0)))")
