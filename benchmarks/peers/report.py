@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from math import isfinite
 from statistics import mean, median
+
+from bamboo.chaos.bits import L2_REL, LOSS_REL
 
 
 @dataclass(frozen=True)
@@ -141,13 +144,28 @@ class Outcome:
     useful_samples: float
     train_s: float
     kills: int = 0
-    equal: bool | None = None  # final losses and parameters equal the failure-free run's
-    gap: float | None = None  # |param_l2 - the failure-free run's|, where not equal
+    equal: bool | None = None  # losses and param_l2 within the contract's tolerances
+    gap: float | None = None  # |param_l2 - the failure-free run's|, where the bits differ
     detail: dict = field(default_factory=dict)
+    bits: bool | None = None  # the same param_sha256 and losses, bit for bit
 
     @property
     def goodput(self) -> float:
         return self.useful_samples / self.train_s if self.train_s > 0 else 0.0
+
+
+def judge(record: dict, free: dict) -> tuple[bool, bool, float | None]:
+    """(bits, equal, gap) of a run's record against its system's failure-free record, by the
+    rule every Bamboo run is held to (bamboo.chaos.bits): losses within LOSS_REL relative and
+    param_l2 within L2_REL; bits equal where param_sha256 and every loss are identical."""
+    bits = record["param_sha256"] == free["param_sha256"] and record["losses"] == free["losses"]
+    if bits:
+        return True, True, None
+    got, want = record.get("losses") or [], free.get("losses") or []
+    losses_ok = len(got) == len(want) and all(
+        isfinite(a) and abs(a - b) <= LOSS_REL * abs(b) for a, b in zip(got, want))
+    gap = abs(record["param_l2"] - free["param_l2"])
+    return False, losses_ok and gap <= L2_REL * abs(free["param_l2"]), gap
 
 
 def seconds_lost(run: Outcome, failure_free_rate: float) -> float | None:
@@ -168,6 +186,7 @@ class Row:
     lost_s: list[float]
     equal: list[bool | None]
     gap: list[float | None] = field(default_factory=list)
+    bits: list[bool | None] = field(default_factory=list)
 
 
 def summarize(free: list[Outcome], killed: list[Outcome]) -> list[Row]:
@@ -181,6 +200,7 @@ def summarize(free: list[Outcome], killed: list[Outcome]) -> list[Row]:
         row.goodput.append(o.goodput)
         row.equal.append(o.equal)
         row.gap.append(o.gap)
+        row.bits.append(o.bits)
         lost = seconds_lost(o, mean(row.free_rate) if row.free_rate else 0.0)
         if lost is not None:
             row.lost_s.append(lost)
@@ -191,13 +211,19 @@ def _cell(values: list[float], digits: int = 1) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values) if values else "-"
 
 
-def _equal(values: list[bool | None], gaps: list[float | None]) -> str:
-    """yes / no, a "no" with its parameters' L2 distance from the failure-free run's."""
+def _equal(values: list[bool | None], gaps: list[float | None],
+           bits: list[bool | None] | None = None) -> str:
+    """Per run: bit-equal; yes, within the tolerances, with its parameters' L2 distance from
+    the failure-free run's; or no, with that distance."""
     if not values or all(v is None for v in values):
         return "-"
     gaps = gaps + [None] * (len(values) - len(gaps))
-    words = ["yes" if v else "-" if v is None else "no" if g is None else f"no (L2 off by {g:.1e})"
-             for v, g in zip(values, gaps)]
+    bits = (bits or []) + [None] * (len(values) - len(bits or []))
+    words = []
+    for v, g, b in zip(values, gaps, bits):
+        off = "" if g is None else f" (L2 off by {g:.1e})"
+        words.append("-" if v is None else "bit-equal" if b else
+                     f"yes{off}" if v else f"no{off}")
     return ", ".join(words)
 
 
@@ -229,5 +255,5 @@ def markdown_table(rows: list[Row], baseline: str | None = None) -> str:
     for r in rows:
         lines.append(f"| {r.system} | {_cell(r.free_rate)}{ratio(r.free_rate, base.free_rate if base else [])} "
                      f"| {_cell(r.goodput)}{ratio(r.goodput, base.goodput if base else [])} "
-                     f"| {_cell(r.lost_s)} | {_equal(r.equal, r.gap)} |")
+                     f"| {_cell(r.lost_s)} | {_equal(r.equal, r.gap, r.bits)} |")
     return "\n".join(lines)

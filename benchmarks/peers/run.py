@@ -18,8 +18,8 @@ from pathlib import Path
 
 from benchmarks.peers import systems
 from benchmarks.peers.job import Job
-from benchmarks.peers.report import (Kill, Outcome, assign_workers, kills_sent, markdown_table,
-                                     named_schedule, run_tag, summarize)
+from benchmarks.peers.report import (Kill, Outcome, assign_workers, judge, kills_sent,
+                                     markdown_table, named_schedule, run_tag, summarize)
 
 SYSTEMS = ("bamboo", "torchrun", "torchft")
 P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "lost worker's capacity is lost; needs a core per worker")
     ap.add_argument("--bamboo-flags", default="", help="more `bamboo train` flags, e.g. '--redundancy off'")
     ap.add_argument("--out", type=Path, default=Path("runs/peers"))
+    ap.add_argument("--report-only", action="store_true", help="rebuild table.md and the plot "
+                    "from --out's results.json (the same --kills and --systems) without running")
     a = ap.parse_args(argv)
     a.schedules = []  # (name, what it is, kills with their workers)
     try:
@@ -68,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in a.system_list if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system {unknown[0]!r}: choose from {', '.join(SYSTEMS)}")
-    if "torchft" in a.system_list and importlib.util.find_spec("torchft") is None:
+    if not a.report_only and "torchft" in a.system_list and importlib.util.find_spec("torchft") is None:
         print("torchft is not installed (pip install -e '.[peers]'): left out", file=sys.stderr)
         a.system_list.remove("torchft")
     if a.workers < 2 or a.micro_batches % a.workers:
@@ -111,13 +113,12 @@ def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out
 
 
 def outcome(system: str, record: dict, kills: int, free: dict | None) -> Outcome:
-    equal = gap = None
+    bits = equal = gap = None
     if free is not None:
-        equal = (record["param_sha256"] == free["param_sha256"]
-                 and record["losses"] == free["losses"])
-        gap = None if equal else abs(record["param_l2"] - free["param_l2"])
+        bits, equal, gap = judge(record, free)
     return Outcome(system, record["samples"], record["wall_s"], kills, equal, gap,
-                   {k: record.get(k) for k in ("launch_s", "param_l2", "participants", "preemptions", "kills_sent")})
+                   {k: record.get(k) for k in ("launch_s", "param_l2", "participants",
+                                               "preemptions", "kills_sent")}, bits)
 
 
 def plot(tables: dict[str, list], path: Path) -> None:
@@ -145,15 +146,11 @@ def plot(tables: dict[str, list], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def run_all(a: argparse.Namespace) -> list[dict]:
+    """Every run, repetitions interleaved; results.json rewritten after each."""
     job = Job(model=a.model, steps=a.steps, seed=a.seed, micro_batches=a.micro_batches,
               micro_batch_size=a.micro_batch_size, workers=a.workers, pin=a.pin)
-    a.out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
-    free: list[Outcome] = []
-    killed: dict[str, list[Outcome]] = {name: [] for name, _, _ in a.schedules}
-    first_free: dict[str, dict] = {}
     for rep in range(a.reps):
         for name, _, kills in [("free", "", [])] + a.schedules:
             for system in a.system_list:  # interleaved: each system once, then again
@@ -165,23 +162,53 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{tag}: {e}", file=sys.stderr, flush=True)
                     records.append({"run": tag, "error": str(e)})
                     continue
-                records.append({"run": tag, "schedule": name,
+                records.append({"run": tag, "schedule": name, "system": system,
                                 **{k: v for k, v in rec.items() if k != "config"}})
                 (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
-                if not kills:
-                    first_free.setdefault(system, rec)
-                    free.append(outcome(system, rec, 0, None))
-                else:
-                    killed[name].append(outcome(system, rec, kills_sent(rec, kills),
-                                                first_free.get(system)))
-    baseline = "torchrun" if "torchrun" in a.system_list else None
+    return records
+
+
+def tables_of(a: argparse.Namespace, records: list[dict]) -> tuple[dict[str, list], dict[str, str]]:
+    """The rows of each schedule's table from the runs' records, each run under kills judged
+    against its system's first failure-free run."""
+    free: list[Outcome] = []
+    killed: dict[str, list[Outcome]] = {name: [] for name, _, _ in a.schedules}
+    kills_of = {name: kills for name, _, kills in a.schedules}
+    first_free: dict[str, dict] = {}
+    for rec in records:
+        system = rec.get("system") or rec["run"].split("-")[0]
+        if "error" in rec and rec["error"] or system not in a.system_list:
+            continue
+        if rec["schedule"] == "free":
+            first_free.setdefault(system, rec)
+            free.append(outcome(system, rec, 0, None))
+        elif rec["schedule"] in killed:
+            kills = kills_of[rec["schedule"]]
+            killed[rec["schedule"]].append(outcome(system, rec, kills_sent(rec, kills),
+                                                   first_free.get(system)))
     tables = {name: summarize(free, killed[name]) for name, _, _ in a.schedules}
     titles = {name: f"Kills: {what} ({len(kills)} at most)" for name, what, kills in a.schedules}
     if not tables:
         tables, titles = {"free": summarize(free, [])}, {"free": "Failure-free only"}
+    return tables, titles
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.report_only:
+        try:
+            records = json.loads((a.out / "results.json").read_text())
+        except (OSError, ValueError) as e:
+            print(f"--report-only: cannot read {a.out / 'results.json'} ({e}): run the "
+                  "command without --report-only first", file=sys.stderr)
+            return 2
+    else:
+        a.out.mkdir(parents=True, exist_ok=True)
+        records = run_all(a)
+    tables, titles = tables_of(a, records)
+    baseline = "torchrun" if "torchrun" in a.system_list else None
     text = "\n\n".join(f"{titles[n]}\n\n{markdown_table(rows, baseline=baseline)}"
                         for n, rows in tables.items())
-    (a.out / "results.json").write_text(json.dumps(records, indent=1, default=str))
     (a.out / "table.md").write_text(text + "\n")
     plot(tables, a.out / "peers.png")
     print(text)

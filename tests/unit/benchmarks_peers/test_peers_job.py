@@ -2,6 +2,7 @@
 `--pin` travels to every system's workers and to Bamboo's `--pin-cpus auto`."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,21 @@ def test_bamboo_auto_takes_seconds_schedules_only(capsys: pytest.CaptureFixture)
     with pytest.raises(SystemExit):
         run.parse_args(["--bamboo-stages", "two"])
     assert "give a number of stages or auto" in capsys.readouterr().err
+
+
+def test_report_only_rebuilds_the_table_from_the_records(tmp_path: Path) -> None:
+    free = {"run": "torchrun-free-0", "schedule": "free", "losses": [2.0], "samples": 64,
+            "wall_s": 1.0, "param_l2": 60.0, "param_sha256": "a"}
+    killed = {**free, "run": "torchrun-kills-9-0", "schedule": "9", "wall_s": 2.0,
+              "param_l2": 60.001, "param_sha256": "b", "kills_sent": 1}
+    (tmp_path / "results.json").write_text(json.dumps([free, killed]))
+    args = ["--report-only", "--systems", "torchrun", "--kills", "9", "--out", str(tmp_path)]
+    assert run.main(args) == 0
+    table = (tmp_path / "table.md").read_text()
+    assert "| torchrun | 64.0 (1.00x) | 32.0 (1.00x) | 1.0 | no (L2 off by 1.0e-03) |" in table
+
+
+def test_report_only_without_records_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run.main(["--report-only", "--kills", "", "--out", str(tmp_path / "none")]) == 2
+    assert "run the command without --report-only first" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

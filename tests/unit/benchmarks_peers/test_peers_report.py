@@ -114,3 +114,26 @@ def test_the_trace_bamboo_replays_has_the_kills_own_workers() -> None:
     assert R.bamboo_trace(kills, 3, 4.0).splitlines()[3:] == [
         "2000,remove,n1", "6000,add,n3", "2000,remove,n2", "6000,add,n4",
         "9000,remove,n3", "13000,add,n5"]
+
+
+def test_a_run_is_judged_by_the_contracts_tolerances_and_its_bits_told_apart() -> None:
+    free = {"param_sha256": "a", "losses": [2.0, 1.0], "param_l2": 60.0}
+    assert R.judge(dict(free), free) == (True, True, None)
+    reordered = {"param_sha256": "b", "losses": [2.0, 1.000001], "param_l2": 60.000003}
+    bits, equal, gap = R.judge(reordered, free)
+    assert (bits, equal) == (False, True) and gap == pytest.approx(3e-6)
+    drifted = {"param_sha256": "c", "losses": [2.0, 1.0], "param_l2": 60.4}
+    assert R.judge(drifted, free)[:2] == (False, False)
+    loss_off = {"param_sha256": "d", "losses": [2.0, 1.001], "param_l2": 60.0}
+    assert R.judge(loss_off, free)[:2] == (False, False)
+    short = {"param_sha256": "e", "losses": [2.0], "param_l2": 60.0}
+    assert R.judge(short, free)[:2] == (False, False)
+
+
+def test_the_equality_column_says_bit_equal_within_tolerance_or_no() -> None:
+    killed = [R.Outcome("b", 64, 1.0, kills=1, equal=True, bits=True),
+              R.Outcome("b", 64, 1.0, kills=1, equal=True, gap=3e-6, bits=False),
+              R.Outcome("b", 64, 1.0, kills=1, equal=False, gap=0.4, bits=False)]
+    row = R.summarize([], killed)[0]
+    cell = R.markdown_table([row]).splitlines()[2].split("|")[-2].strip()
+    assert cell == "bit-equal, yes (L2 off by 3.0e-06), no (L2 off by 4.0e-01)"
