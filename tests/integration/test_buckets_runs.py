@@ -65,13 +65,22 @@ def test_buckets_on_two_pipelines_survive_kills_under_both_transports(tmp_path: 
     frc = 1 if cfg.redundancy.mode == "eager" else None
     done = len(S.node_schedule([0], 2, cfg.layout.micro_batches, frc_stage=frc,
                                schedule=cfg.layout.schedule)) + COMMIT_POINTS.index(MICRO_BATCHES_DONE)
-    launched = run_in_process(cfg, tmp_path / "launched", {2: [Fault("kill", 2, done)]})
-    for run in (strict, tagged, launched):
+    for run in (strict, tagged):
         _same(clean, run)
-    assert (strict["preemptions"], tagged["preemptions"], launched["preemptions"]) == (2, 1, 1)
+    assert (strict["preemptions"], tagged["preemptions"]) == (2, 1)
     early = _early(tmp_path / "clean")
     assert all(n > 2 * 3 for n in early[1:])
-    # the step of the kill: stage 0's surviving holder (n0) had launched its buckets
-    [n0] = [n["buckets_early"] for e in run_events(tmp_path / "launched")
-            if e["event"] == "step_done" and e["step"] == 2 for n in e["nodes"] if n["node"] == "n0"]
-    assert n0 > 3, n0
+    # The case meant: stage 0's surviving holder (n0) had launched its buckets when the kill
+    # came. Under load n0 may still be in its last backward when it learns of the loss (its
+    # buckets are then disarmed, not launched), so up to three tries for that case; every
+    # try must end equal.
+    for attempt in range(3):
+        out = tmp_path / f"launched-{attempt}"
+        launched = run_in_process(cfg, out, {2: [Fault("kill", 2, done)]})
+        _same(clean, launched)
+        assert launched["preemptions"] == 1
+        [n0] = [n["buckets_early"] for e in run_events(out) if e["event"] == "step_done"
+                and e["step"] == 2 for n in e["nodes"] if n["node"] == "n0"]
+        if n0 > 3:
+            break
+    assert n0 > 3, f"n0 never had its buckets out when the kill came (last try: {n0})"
