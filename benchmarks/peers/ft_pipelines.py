@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.peers.job import ENV, Job, param_digest
 from benchmarks.peers.report import Kill
-from benchmarks.peers.systems import REPO, drive_kills, read_json, with_t0
+from benchmarks.peers.systems import REPO, drive_kills, lighthouse_server, read_json, with_t0
 
 GRACE_S = 30.0  # after the first group finishes, the others have this long to finish
 
@@ -40,11 +40,9 @@ def lineage(commits: list[dict], steps: int) -> tuple[list[dict] | None, int]:
 
 def run_torchft_pipelines(job: Job, out: Path, kills: list[Kill], boot_s: float, stall_s: float,
                           stages: int) -> dict:
-    from torchft.coordination import LighthouseServer
-
     out.mkdir(parents=True, exist_ok=True)
     groups = job.workers // stages
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000)
+    lighthouse = lighthouse_server()
     env = dict(os.environ, **{ENV: job.to_env(), "TORCHFT_LIGHTHOUSE": lighthouse.address()})
     procs: dict[tuple[int, int], subprocess.Popen] = {}
     started: set[int] = set()

@@ -23,6 +23,16 @@ BIN = Path(sys.executable).parent
 STALL_S = 240.0  # default: a torchft replica 0 not finished by then has hung, the run failed
 
 
+def lighthouse_server():
+    """torchft's Lighthouse for one run, in this process. Its per-quorum INFO lines would fill
+    the driver's terminal: warnings only, unless RUST_LOG says otherwise (the workers
+    inherit it; their logs go to each run's log.txt)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000)
+
+
 def read_json(path: Path) -> dict | None:
     """The JSON object in `path`, or None while it is not (yet) there whole."""
     try:
@@ -130,10 +140,8 @@ def run_torchft(job: Job, out: Path, kills: list[Kill], boot_s: float,
                 stall_s: float = STALL_S) -> dict:
     """W replica groups of one process with the driver's Lighthouse; a killed replica is
     started again `boot_s` later and heals from a peer. Replica 0's record is the run's."""
-    from torchft.coordination import LighthouseServer
-
     out.mkdir(parents=True, exist_ok=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000)
+    lighthouse = lighthouse_server()
     env = dict(os.environ, **{ENV: job.to_env(), "TORCHFT_LIGHTHOUSE": lighthouse.address()})
     procs: dict[int, subprocess.Popen] = {}
     log = (out / "log.txt").open("w")

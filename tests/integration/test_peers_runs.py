@@ -1,0 +1,111 @@
+"""benchmarks/peers end to end: one small job under Bamboo, torchrun + DCP and torchft, failure-free
+and under one SIGKILL sent from outside, to its table, plot and judgements."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.peers.report import judge
+
+pytestmark = pytest.mark.procs  # every test here starts processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def drive(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """The driver's run into `out`: the finished process and its records by run name."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.peers.run", "--reps", "1",
+                           "--boot-s", "1", "--stall-s", "150", "--out", str(out), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = {r["run"]: r for r in json.loads((out / "results.json").read_text())}
+    return done, records
+
+
+def table_rows(out: Path) -> dict[str, list[str]]:
+    """table.md's rows by system: the cells after the system's name."""
+    rows = {}
+    for line in (out / "table.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in ("bamboo", "torchrun", "torchft"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def first_number(cell: str) -> float:
+    return float(cell.split()[0])
+
+
+@pytest.mark.timeout(300)
+def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is the peers extra: pip install -e '.[peers]'")
+    steps = 40
+    done, records = drive(tmp_path, "--systems", "bamboo,torchrun,torchft", "--workers", "2",
+                          "--steps", str(steps), "--micro-batches", "4", "--kills", "@15",
+                          "--bamboo-stages", "1", "--checkpoint-every", "10")
+    assert sorted(records) == sorted(f"{s}-{k}-0" for s in ("bamboo", "torchrun", "torchft")
+                                     for k in ("free", "kills-@15"))
+    for name, record in records.items():
+        assert record["steps_completed"] == steps, name
+        assert record.get("status", "completed") == "completed", name
+
+    # the kill reached every system: Bamboo counts its preemption, the driver its SIGKILL
+    assert records["bamboo-kills-@15-0"]["preemptions"] == 1
+    assert records["torchrun-kills-@15-0"]["kills_sent"] == 1
+    assert records["torchft-kills-@15-0"]["kills_sent"] == 1
+    assert records["bamboo-free-0"]["preemptions"] == 0
+
+    # Bamboo's invariant through the kill; torchrun replays the steps since its checkpoint
+    # from the same data, so it ends with the same bits
+    _, bamboo_equal, _ = judge(records["bamboo-kills-@15-0"], records["bamboo-free-0"])
+    assert bamboo_equal
+    torchrun_bits, _, _ = judge(records["torchrun-kills-@15-0"], records["torchrun-free-0"])
+    assert torchrun_bits
+
+    rows = table_rows(tmp_path)
+    assert sorted(rows) == ["bamboo", "torchft", "torchrun"]
+    for system, (free, goodput, lost, equal) in rows.items():
+        assert first_number(free) > 0 and first_number(goodput) > 0, system
+        assert equal.startswith(("bit-equal", "yes", "no")), system
+    assert rows["torchrun"][3] == "bit-equal"
+    assert rows["bamboo"][3].startswith(("bit-equal", "yes"))
+    assert first_number(rows["torchrun"][2]) > 0  # a restart from the checkpoint costs time
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    # the Lighthouse's per-quorum lines stay out of the driver's terminal
+    assert "torchft::lighthouse" not in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_job_of_two_stages_against_torchft_pipelines(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is the peers extra: pip install -e '.[peers]'")
+    steps = 30
+    _, records = drive(tmp_path, "--systems", "bamboo,torchft", "--workers", "4",
+                       "--steps", str(steps), "--micro-batches", "8", "--kills", "@12",
+                       "--bamboo-stages", "2", "--torchft-stages", "2")
+    for name, record in records.items():
+        assert record["steps_completed"] == steps, name
+    assert records["bamboo-kills-@12-0"]["preemptions"] == 1
+    assert records["torchft-kills-@12-0"]["kills_sent"] == 1
+    _, bamboo_equal, _ = judge(records["bamboo-kills-@12-0"], records["bamboo-free-0"])
+    assert bamboo_equal
+    rows = table_rows(tmp_path)
+    assert sorted(rows) == ["bamboo", "torchft"]
+    assert rows["bamboo"][3].startswith(("bit-equal", "yes"))
+
+
+@pytest.mark.timeout(300)
+def test_report_only_rebuilds_the_same_table_from_results(tmp_path: Path) -> None:
+    flags = ["--systems", "bamboo,torchrun", "--workers", "2", "--steps", "12",
+             "--micro-batches", "4", "--kills", "@5", "--bamboo-stages", "1",
+             "--checkpoint-every", "4"]
+    drive(tmp_path, *flags)
+    table = (tmp_path / "table.md").read_text()
+    (tmp_path / "table.md").unlink()
+    (tmp_path / "peers.png").unlink()
+    drive(tmp_path, *flags, "--report-only")
+    assert (tmp_path / "table.md").read_text() == table
+    assert (tmp_path / "peers.png").stat().st_size > 0
