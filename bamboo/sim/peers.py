@@ -12,7 +12,11 @@ trace and costs as bamboo's modes.
   discarded for every group (the failed all-reduce) and costs ``quorum_s`` more, and the
   others go on, each step committing only the participants' shares. A ready node (a standby,
   or the next to be ready) takes the vacancy; when the group is whole again it heals from a
-  peer (``heal_s``) and rejoins. Training starts when the first group is whole.
+  peer (``heal_s``) and rejoins. Training starts when the first group is whole. torchft keeps
+  no checkpoint here: when the last group in the quorum drops out, a group healing takes over
+  at once (its heal copied the model when it began; the rest of ``heal_s`` is waiting for a
+  quorum); with none, no peer holds the model, every step done is lost, and training begins
+  again at step 0 with the next group to be whole.
 
 Useful time is counted in whole global batches: a torchft step with k of D groups takes
 k / D of a global batch, so it counts as a global step of D / k times its length (the
@@ -120,11 +124,11 @@ class TorchftPolicy(ClusterPolicy):
 
     def step_time(self, k: int) -> float:
         """Seconds of one step with k groups in the quorum: the same work per group on a
-        processor each; on `shared_cores` processors, the k groups' work shared among them."""
+        processor each; on `shared_cores` processors, the k groups' P workers each share them."""
         cores = self.cfg.shared_cores
         if not cores:
             return self.base
-        return self.base * max(k, cores) / max(self.D, cores)
+        return self.base * max(k * self.P, cores) / max(self.D * self.P, cores)
 
     def _set_quorum(self, t: float) -> None:
         k = len(self.live)
@@ -153,8 +157,8 @@ class TorchftPolicy(ClusterPolicy):
         self.group_of[node] = g
         if None in members:
             return
-        if self.first_run_t is None or t == self.first_run_t:
-            self.live.add(g)
+        if self.first_run_t is None or t == self.first_run_t or not self.live:
+            self.live.add(g)  # before training began, or from step 0 again: nothing to heal from
             self._set_quorum(t)
         else:
             self.healing[g] = token = self.seq
@@ -174,11 +178,24 @@ class TorchftPolicy(ClusterPolicy):
             self.live.discard(g)
             self.bump("groups_dropped")
             self.drop_partial()  # the failed all-reduce voids the step for every group
+            if not self.live:
+                self._lose_the_model()
             self._set_quorum(t)
             if self.mode == RUN and self.preset.quorum_s > 0:
                 self.stall(self.preset.quorum_s)
         if self.standby:
             self._place(t, self.standby.pop(0))
+
+    def _lose_the_model(self) -> None:
+        """No group is left in the quorum: the groups healing hold the model and go on; with
+        none, every step is lost."""
+        if not self.healing:
+            self.rollback()
+            self.bump("restarts_from_zero")
+        for g in list(self.healing):
+            del self.healing[g]
+            self.live.add(g)
+            self.bump("heals")
 
     def on_timer(self, t: float, kind: int, payload: object) -> None:
         if kind != T_HEALED:

@@ -106,10 +106,12 @@ def torchrun_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float) -> d
 
 
 def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_s: float,
-                  workers: int, cores: int) -> dict:
+                  workers: int, cores: int, stages: int = 1) -> dict:
     """From replica 0's commits (steps.0.jsonl), for each kill the longest wait between two
     commits after it: what it added to a step (quorum_s), and the seconds from the
-    replacement's boot to the first commit with every group again (heal_s)."""
+    replacement's boot to the first commit with every group again (heal_s). A group is
+    `stages` workers (a pipeline under --torchft-stages); participants count groups."""
+    groups = workers // stages
     quorum, heal = [], []
     for run, kills, sent in runs:
         commits = [c for c in _lines(run / "steps.0.jsonl") if "t" in c]
@@ -123,9 +125,9 @@ def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_
                 continue
             a, b = max(near, key=lambda ab: ab[1]["t"] - ab[0]["t"])
             k = b["participants"]
-            share = max(k, cores) / max(workers, cores) if cores else 1.0  # pinned: each its own
+            share = max(k * stages, cores) / max(workers, cores) if cores else 1.0  # pinned: each its own
             quorum.append(max(0.0, b["t"] - max(a["t"], tk) - step_s * share))
-            whole = next((c for c in commits if c["t"] >= b["t"] and c["participants"] == workers), None)
+            whole = next((c for c in commits if c["t"] >= b["t"] and c["participants"] == groups), None)
             if whole is not None:
                 heal.append(max(0.0, whole["t"] - tk - boot_s))
     return {"quorum_s": median(quorum) if quorum else 0.0, "heal_s": median(heal) if heal else 0.0}
@@ -154,13 +156,14 @@ def pace(system: str, run: Path, kills: list[Kill], sent: int, steps: int) -> fl
     return (result["t_end"] - attempts[-1]["t"]) / (steps - attempts[-1]["from_step"])
 
 
-def model_for(system: str, job: Job, stages: int, step_s: float, costs: dict) -> tuple[SimModel, int]:
+def model_for(system: str, job: Job, stages: int, step_s: float, costs: dict,
+              ft_stages: int = 1) -> tuple[SimModel, int]:
     """The simulator's model of this job under `system` (P, pipelines) on this machine: where
     the workers share its processors a step keeps its time with fewer pipelines; pinned
     (`job.pin`, a processor each) Bamboo's d pipelines take D/d times as long for the global
     batch (the peers' steps are modelled in their policies: torchrun's world is whole,
-    torchft's groups each do their own share)."""
-    P = stages if system == "bamboo" else 1
+    torchft's groups, of `ft_stages` workers each, each do their own share)."""
+    P = stages if system == "bamboo" else ft_stages if system == "torchft" else 1
     D = job.workers // P
     model = SimModel(name=job.model, stages=P,
                      step_s={d: step_s * (D / d if job.pin and system == "bamboo" else 1.0) for d in range(1, D + 1)},
@@ -238,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         elif system == "torchrun":
             costs, policy = torchrun_costs(runs, a.boot_s), "torchrun"
         else:
-            costs = torchft_costs(runs, a.boot_s, step_s, job.workers, cores)
+            costs = torchft_costs(runs, a.boot_s, step_s, job.workers, cores, a.torchft_stages)
             policy = "torchft"
         # the depth Bamboo ran at: under --bamboo-stages auto, the one its planner chose
         stages = free.get("config", {}).get("stages", 1) if a.bamboo_stages == "auto" else a.bamboo_stages
-        model, used = model_for(system, job, stages, step_s, costs)
+        model, used = model_for(system, job, stages, step_s, costs, a.torchft_stages)
         config = SimConfig(alloc_delay_s=a.boot_s, checkpoint_every_steps=a.checkpoint_every,
                            torchrun_min_nodes=job.workers, shared_cores=cores,
                            fallback_every_s=costs.get("checkpoint_every", 0) * step_s)
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, path, kills, rec in killed:
             sent = kills_sent(rec, kills)
             own = pace(system, path, kills, sent, job.steps) or step_s
-            paced, _ = model_for(system, job, stages, own, costs)
+            paced, _ = model_for(system, job, stages, own, costs, a.torchft_stages)
             label = f"{name} (calibration)" if name == mine.calibrate_on else name
             cells.append(Cell(system, label, sent, rec["samples"] / rec["wall_s"],
                               predict(policy, paced, config, used, kills[:sent], rec["wall_s"]), own))

@@ -19,11 +19,23 @@ REPO = Path(__file__).resolve().parents[2]
 def drive(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
     """The driver's run into `out`: the finished process and its records by run name."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.peers.run", "--reps", "1",
-                           "--boot-s", "1", "--stall-s", "150", "--out", str(out), *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+                           "--boot-s", "1", "--stall-s", "60", "--out", str(out), *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = {r["run"]: r for r in json.loads((out / "results.json").read_text())}
     return done, records
+
+
+def drive_peers(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict[str, dict], Path]:
+    """`drive` for runs with torchft: torchft 0.2.0 hangs now and then after a kill (seen once in
+    hundreds of benchmark runs; the driver records such a run as failed), so a run of the driver
+    where only torchft failed is tried once more, into a directory of its own."""
+    done, records = drive(out / "try1", *flags)
+    failed = [name for name, r in records.items() if "error" in r]
+    if failed and all(name.startswith("torchft-") for name in failed):
+        done, records = drive(out / "try2", *flags)
+        return done, records, out / "try2"
+    return done, records, out / "try1"
 
 
 def table_rows(out: Path) -> dict[str, list[str]]:
@@ -40,16 +52,17 @@ def first_number(cell: str) -> float:
     return float(cell.split()[0])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) -> None:
     pytest.importorskip("torchft", reason="torchft is the peers extra: pip install -e '.[peers]'")
     steps = 40
-    done, records = drive(tmp_path, "--systems", "bamboo,torchrun,torchft", "--workers", "2",
-                          "--steps", str(steps), "--micro-batches", "4", "--kills", "@15",
-                          "--bamboo-stages", "1", "--checkpoint-every", "10")
+    done, records, out = drive_peers(
+        tmp_path, "--systems", "bamboo,torchrun,torchft", "--workers", "2", "--steps", str(steps),
+        "--micro-batches", "4", "--kills", "@15", "--bamboo-stages", "1", "--checkpoint-every", "10")
     assert sorted(records) == sorted(f"{s}-{k}-0" for s in ("bamboo", "torchrun", "torchft")
                                      for k in ("free", "kills-@15"))
     for name, record in records.items():
+        assert "error" not in record, record
         assert record["steps_completed"] == steps, name
         assert record.get("status", "completed") == "completed", name
 
@@ -66,7 +79,7 @@ def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) ->
     torchrun_bits, _, _ = judge(records["torchrun-kills-@15-0"], records["torchrun-free-0"])
     assert torchrun_bits
 
-    rows = table_rows(tmp_path)
+    rows = table_rows(out)
     assert sorted(rows) == ["bamboo", "torchft", "torchrun"]
     for system, (free, goodput, lost, equal) in rows.items():
         assert first_number(free) > 0 and first_number(goodput) > 0, system
@@ -74,30 +87,31 @@ def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) ->
     assert rows["torchrun"][3] == "bit-equal"
     assert rows["bamboo"][3].startswith(("bit-equal", "yes"))
     assert first_number(rows["torchrun"][2]) > 0  # a restart from the checkpoint costs time
-    assert (tmp_path / "peers.png").stat().st_size > 0
+    assert (out / "peers.png").stat().st_size > 0
     # the Lighthouse's per-quorum lines stay out of the driver's terminal
     assert "torchft::lighthouse" not in done.stdout + done.stderr
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_job_of_two_stages_against_torchft_pipelines(tmp_path: Path) -> None:
     pytest.importorskip("torchft", reason="torchft is the peers extra: pip install -e '.[peers]'")
     steps = 30
-    _, records = drive(tmp_path, "--systems", "bamboo,torchft", "--workers", "4",
-                       "--steps", str(steps), "--micro-batches", "8", "--kills", "@12",
-                       "--bamboo-stages", "2", "--torchft-stages", "2")
+    _, records, out = drive_peers(
+        tmp_path, "--systems", "bamboo,torchft", "--workers", "4", "--steps", str(steps),
+        "--micro-batches", "8", "--kills", "@12", "--bamboo-stages", "2", "--torchft-stages", "2")
     for name, record in records.items():
+        assert "error" not in record, record
         assert record["steps_completed"] == steps, name
     assert records["bamboo-kills-@12-0"]["preemptions"] == 1
     assert records["torchft-kills-@12-0"]["kills_sent"] == 1
     _, bamboo_equal, _ = judge(records["bamboo-kills-@12-0"], records["bamboo-free-0"])
     assert bamboo_equal
-    rows = table_rows(tmp_path)
+    rows = table_rows(out)
     assert sorted(rows) == ["bamboo", "torchft"]
     assert rows["bamboo"][3].startswith(("bit-equal", "yes"))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_report_only_rebuilds_the_same_table_from_results(tmp_path: Path) -> None:
     flags = ["--systems", "bamboo,torchrun", "--workers", "2", "--steps", "12",
              "--micro-batches", "4", "--kills", "@5", "--bamboo-stages", "1",

@@ -71,6 +71,35 @@ def test_a_group_lost_while_healing_heals_again_from_its_next_replacement() -> N
     assert result.extra.get("heals", 0) == 0 and result.extra["groups_dropped"] == 1
 
 
+def test_torchft_with_every_group_lost_begins_again_at_step_0() -> None:
+    cfg = SimConfig(alloc_delay_s=0.0)
+    policy = make_policy("torchft", ONE_STAGE, cfg)
+    # two groups of one node, 1 s a step: 4 steps by 4.0; node 1 lost at 4.5, node 0 at 4.6:
+    # no group holds the model, the 4 steps are lost. Replacement 2 (ready at 6) makes group 0
+    # whole and it starts from step 0 at once, alone: half a batch a second, a global step at
+    # 8.0; replacement 3 heals from it until 10.0
+    result = policy.run(trace([(4.5, REMOVE, 1), (4.6, REMOVE, 0), (6.0, ADD, 2), (6.0, ADD, 3)],
+                              duration=9.5))
+    assert result.samples == 10
+    assert result.extra["restarts_from_zero"] == 1 and result.extra["rolled_back_steps"] == 4
+    assert result.extra["groups_dropped"] == 2 and result.extra.get("heals", 0) == 0
+    # the same losses with group 0 kept: nothing rolled back
+    kept = make_policy("torchft", ONE_STAGE, cfg).run(
+        trace([(4.5, REMOVE, 1), (6.0, ADD, 3)], duration=9.5))
+    assert "restarts_from_zero" not in kept.extra and kept.samples > 40
+
+
+def test_torchft_with_its_last_group_lost_goes_on_from_a_group_healing() -> None:
+    cfg = SimConfig(alloc_delay_s=0.0)
+    policy = make_policy("torchft", ONE_STAGE, cfg)
+    # node 1 lost at 2.5 (2 steps), its replacement 2 heals from 2.5 (until 6.5); node 0 lost
+    # at 3.0: group 1 holds the model from its heal and goes on alone at once, half a batch a
+    # second after the new quorum's 0.5 s: global steps at 5.5 and 7.5; nothing is rolled back
+    result = policy.run(trace([(2.5, REMOVE, 1), (2.5, ADD, 2), (3.0, REMOVE, 0)], duration=7.6))
+    assert "restarts_from_zero" not in result.extra and "rolled_back_steps" not in result.extra
+    assert result.extra["heals"] == 1 and result.samples == 40
+
+
 def test_every_redundancy_mode_and_peer_has_a_policy_of_its_name() -> None:
     for name in ("eager", "lazy", "off", "reroute", "auto", "checkpoint", "torchrun", "torchft"):
         assert POLICIES[name].name == name
