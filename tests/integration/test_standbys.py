@@ -41,7 +41,9 @@ def test_replacements_that_start_as_the_last_nodes_go_restore_the_checkpoint(
     rows = [(0, "add", f"a{i}") for i in range(1, 5)] + \
         [(500, "add", f"b{i}") for i in range(1, 5)] + \
         [(4000, "remove", f"a{i}") for i in range(1, 5)]
-    cfg = JobConfig.of(nodes=4, stages=2, micro_batches=4, steps=20, max_nodes=4,
+    # 60 steps: the run must still be training when the trace removes the first nodes at 4 s
+    # (20 steps once took 3.4 s on a quiet machine, and the run ended before any removal)
+    cfg = JobConfig.of(nodes=4, stages=2, micro_batches=4, steps=60, max_nodes=4,
                        time_scale=1.0, boot_s=1.0, checkpoint_every=2,
                        trace=_trace(tmp_path / "t.csv", rows)).validate()
     summary = run_in_process(cfg, tmp_path / "run", check_replicas=False)
