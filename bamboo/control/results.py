@@ -33,7 +33,7 @@ from bamboo.plan.redundancy_choice import NodeWork, redundant_work_floor
 
 __all__ = ["Results"]
 
-_TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "rebuild_s")
+_TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "vote_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
              "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "frc_forwards", "frc_in_waits",
              "restarts", "page_faults", "buckets_early")

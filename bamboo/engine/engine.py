@@ -148,7 +148,7 @@ class NodeEngine:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         s = StepState(step)
         s.report = StepReport(step=step, rank=self.rank, stages=[])
-        self.p2p.wait_s, self.p2p.bytes_sent = 0.0, 0
+        self.p2p.wait_s, self.p2p.bytes_sent, self.link.vote_s = 0.0, 0, 0.0
         self.hook.begin(step, self._holds)
         while True:
             wait, outcome = False, _REDO
@@ -195,7 +195,7 @@ class NodeEngine:
         r.losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
         r.step_s = time.perf_counter() - start
         r.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        r.wait_s = self.p2p.wait_s
+        r.wait_s, r.vote_s = self.p2p.wait_s, self.link.vote_s
         r.bytes_sent = self.p2p.bytes_sent
         r.state_bytes = sum(3 * 4 * st.numel for st in self.held())  # fp32 params + two AdamW moments
         r.device_bytes, r.host_bytes = s.memory.node_peak(self.held(), list(self.stages.values()))

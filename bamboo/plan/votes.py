@@ -76,6 +76,9 @@ class StepReport:
     wait_s: float = 0.0
     reduce_s: float = 0.0
     optim_s: float = 0.0
+    vote_s: float = 0.0
+    """Seconds waiting for the answers to this step's go and commit votes:
+    the slowest node's lag behind this one plus the round trips through the coordinator."""
     step_s: float = 0.0
     bytes_sent: int = 0
     bytes_replica: int = 0
@@ -133,6 +136,8 @@ class Votes(Protocol):
     """The newest role-map epoch known (kept current by a background watcher)."""
     on_epoch: Callable[[], None]
     """Called (from the watcher's thread) whenever a newer epoch appears."""
+    vote_s: float
+    """Seconds spent waiting for answers since the engine last set it to 0."""
 
     def phase_a_done(self, step: int, epoch: int) -> Go: ...
 

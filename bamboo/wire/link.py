@@ -52,6 +52,8 @@ class CoordinatorLink:
         self.latest_epoch = 0
         self.on_epoch: Callable[[], None] = lambda: None
         self._vote: _PendingVote | None = None
+        self.vote_s = 0.0
+        """Seconds spent waiting for vote answers (the engine resets it each step)."""
         self._watch_store = watch_store
         if watch_store is not None:
             threading.Thread(target=self._watch_epochs, args=(watch_store,), daemon=True,
@@ -94,12 +96,14 @@ class CoordinatorLink:
 
     def _vote_answer(self, key: str, epoch: int, moot: str) -> str:
         self._vote = _PendingVote(key, epoch, moot)
+        start = time.perf_counter()
         try:
             if self.latest_epoch > epoch:  # the watcher may have looked before _vote was set
                 self.store.compare_set(key, "", moot)
             return self._get(key)
         finally:
             self._vote = None
+            self.vote_s += time.perf_counter() - start
 
     def phase_a_done(self, step: int, epoch: int) -> Go:
         self.report(MicroBatchesDone, step=step, epoch=epoch)

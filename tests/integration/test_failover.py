@@ -182,6 +182,9 @@ def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
         numel = sum(counts[i] for i in parts[stage])
         # float32 gradient plus a status word; parameters + two AdamW moments would be 12 B.
         assert node["bytes_replica"] == 4 * (numel + 1)
+        # the wait for the go and commit answers is part of the step, and every node waits
+        # for at least the coordinator's two answers
+        assert 0 < node["vote_s"] < node["step_s"]
 
 
 # -- the property test: a random node killed at a random instruction of a random step -------
