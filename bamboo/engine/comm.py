@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 __all__ = ["PeerLost", "Interrupted", "P2P", "Key", "GroupFormer", "tag_for", "ACTIVATION",
            "GRADIENT", "DP_UP", "DP_DOWN", "REPLICA", "NORM_UP", "NORM_DOWN", "RESTORE",
-           "MANIFEST", "EVAL", "TIE_UP", "TIE_DOWN", "bury", "form_interruptibly", "needs_host_staging", "StagedWork"]
+           "MANIFEST", "EVAL", "TIE_UP", "TIE_DOWN", "bury", "form_interruptibly",
+           "needs_host_staging", "StagedWork", "BatchedWork", "coalescing"]
 
 (ACTIVATION, GRADIENT, DP_UP, DP_DOWN, REPLICA, NORM_UP, NORM_DOWN, RESTORE, MANIFEST,
  EVAL, TIE_UP, TIE_DOWN) = range(12)
@@ -140,6 +141,37 @@ class StagedWork:
         if name == "work":  # not set yet (a copy being built): no recursion
             raise AttributeError(name)
         return getattr(self.work, name)
+
+
+def coalescing(group: Any, device: torch.device, begin: bool) -> Any:
+    """Begin (`begin`) or end a batch of NCCL operations on `group`; the end gives the batch's
+    Work. A `dist.ProcessGroup` takes the device; a backend built directly (the workers'
+    `dist.ProcessGroupNCCL`) takes none."""
+    if isinstance(group, dist.ProcessGroup):
+        return group._start_coalescing(device) if begin else group._end_coalescing(device)
+    return group._start_coalescing() if begin else group._end_coalescing()
+
+
+class BatchedWork:
+    """One operation of a coalesced batch: NCCL returns no Work for an operation inside a
+    batch (None), only one for the whole batch at its end, so waiting for the operation is
+    waiting for the batch. A distinct object per operation, as each is waited on once."""
+
+    def __init__(self, batch: dist.Work) -> None:
+        self.batch = batch
+
+    @classmethod
+    def of(cls, work: Any, batch: dist.Work) -> Any:
+        """`work` itself where the operation has one, else the batch's stand-in."""
+        return work if work is not None else cls(batch)
+
+    def wait(self, timeout: Any = None) -> bool:
+        return self.batch.wait() if timeout is None else self.batch.wait(timeout)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, exception, ...: the batch's
+        if name == "batch":
+            raise AttributeError(name)
+        return getattr(self.batch, name)
 
 
 def form_interruptibly(former: GroupFormer, name: str, ranks: Sequence[int],
@@ -259,16 +291,20 @@ class P2P:
         The sends complete with `flush`."""
         coalesce = self.backend == "nccl"
         if coalesce:  # what dist.batch_isend_irecv does, on a group outside the default world
-            self.group._start_coalescing(self.device)
+            coalescing(self.group, self.device, begin=True)
+        first, works, batch = len(self.pending), [], None
         try:
-            works = []
             for tensor, dst, key in sends:
                 self.send(tensor, dst, key)
             for buffer, src, key in recvs:
                 works.append((self.post_recv(buffer, src, key), src))
         finally:
             if coalesce:
-                self.group._end_coalescing(self.device)
+                batch = coalescing(self.group, self.device, begin=False)
+        if batch is not None:  # an op inside a batch may have no Work of its own
+            self.pending[first:] = [(BatchedWork.of(w, batch), t, d)
+                                    for w, t, d in self.pending[first:]]
+            works = [(BatchedWork.of(w, batch), src) for w, src in works]
         return works
 
     def wait(self, work: dist.Work, peer: int) -> None:

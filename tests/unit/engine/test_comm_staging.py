@@ -14,7 +14,8 @@ import torch.distributed as dist
 from bamboo.node.devices import choose_backend
 from bamboo.node.devices import worker_device as _device
 from bamboo.config import JobConfig
-from bamboo.engine.comm import P2P, StagedWork, needs_host_staging
+from bamboo.engine.comm import (ACTIVATION, P2P, BatchedWork, StagedWork, coalescing,
+                                needs_host_staging)
 from support.gloo import gloo_options
 
 
@@ -113,3 +114,60 @@ def test_device_takes_the_backend_from_the_environment(monkeypatch: pytest.Monke
         assert _device(JobConfig.of(device="cpu"), 0, 0)[1] == "gloo"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# -- NCCL's batches (no NCCL here: a stand-in backend; the real one ran in gpu_check) ------------
+
+class _NcclLikeBackend:
+    """Behaves as a `dist.ProcessGroupNCCL` built directly (a backend, not a ProcessGroup):
+    its coalescing calls take no device, and an operation inside a batch returns no Work."""
+
+    def __init__(self) -> None:
+        self.batching, self.calls, self.batch = False, [], _Work()
+
+    def size(self) -> int:
+        return 2
+
+    def _start_coalescing(self, *args) -> None:
+        self.calls.append(("start", args))
+        self.batching = True
+
+    def _end_coalescing(self, *args) -> _Work:
+        self.calls.append(("end", args))
+        self.batching = False
+        return self.batch
+
+    def send(self, tensors, peer, tag):
+        self.calls.append(("send", peer))
+        return None if self.batching else _Work()
+
+    def recv(self, tensors, peer, tag):
+        self.calls.append(("recv", peer))
+        return None if self.batching else _Work()
+
+
+def test_an_nccl_exchange_is_one_batch_and_each_operation_waits_for_the_batch() -> None:
+    group = _NcclLikeBackend()
+    p2p = P2P(group, device=torch.device("cpu"))
+    p2p.backend = "nccl"  # what _backend_of says of a real ProcessGroupNCCL
+    works = p2p.exchange([(torch.ones(2), 1, (ACTIVATION, 0, 0))],
+                         [(torch.empty(2), 1, (ACTIVATION, 0, 1)),
+                          (torch.empty(2), 1, (ACTIVATION, 0, 2))])
+    assert group.calls == [("start", ()), ("send", 1), ("recv", 1), ("recv", 1), ("end", ())]
+    assert len(works) == 2 and works[0][0] is not works[1][0]  # each is waited on once
+    assert all(isinstance(w, BatchedWork) and w.batch is group.batch for w, _ in works)
+    for work, peer in works:
+        p2p.wait(work, peer)
+    p2p.flush()
+    assert group.batch.waits == 3 and not p2p.pending
+    p2p.close()
+
+
+def test_coalescing_passes_the_device_only_to_a_process_group() -> None:
+    backend = _NcclLikeBackend()
+    assert coalescing(backend, torch.device("cpu"), begin=True) is None
+    assert coalescing(backend, torch.device("cpu"), begin=False) is backend.batch
+    assert backend.calls == [("start", ()), ("end", ())]
+    assert BatchedWork.of(None, backend.batch).batch is backend.batch
+    real = _Work()
+    assert BatchedWork.of(real, backend.batch) is real
