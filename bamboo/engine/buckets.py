@@ -115,12 +115,13 @@ class StageBuckets:
     def arm(self) -> None:
         """Hook every parameter that takes a gradient: the next backward adds it to the sum
         as it comes and launches each bucket once complete (in order)."""
-        for p, a, b in self.st.param_slices():
+        index = len(self.buckets) - 1  # the buckets run from the last parameters backwards
+        for (p, a, b), view in zip(self.st.param_slices(), self.st.sum_views()):
             if not p.requires_grad or a == b:  # StageState.accumulate takes these
                 continue
-            index = next(i for i, bk in enumerate(self.buckets) if bk.start <= a < bk.end)
+            while not self.buckets[index].start <= a < self.buckets[index].end:
+                index -= 1
             self.buckets[index].waiting += 1
-            view = self.st.grad_sum[a:b].view_as(p)
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 lambda p, view=view, index=index: self._ready(p, view, index)))
 

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from bamboo.data.datasets import on_device
 from bamboo.model import forward_seed, run_layers
 from bamboo.model.structure import detach, float32, leaves
-from bamboo.engine.memory import SavedTensors
+from bamboo.engine.memory import SavedCounts, SavedTensors, signature
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
 from bamboo.engine.stage import StageState
@@ -48,6 +48,8 @@ class StageForward:
         """The job's metrics (`--metric`), taken on the last stage's output under no_grad."""
         self._side_stream: Any = None
         """CUDA: the stream eager FRC runs on (`frc_stream`)."""
+        self.saved_counts = SavedCounts()
+        """What each stage's forward saves, by input signature (counted once, reused)."""
 
     def autocast(self) -> Any:
         """The context forwards run under: bf16 autocast for --precision bf16 (parameters,
@@ -88,20 +90,26 @@ class StageForward:
         Runs under the precision's autocast; a stage's output leaves in its boundary
         spec's dtype (what the successor's receive buffers are), the loss is taken in fp32.
         Counts the bytes autograd keeps for the backward (parameters and the input leaf
-        excluded: they are held anyway), the activation memory of this forward, into the
-        report and the step's meter (held until the backward releases it); eager FRC's go
+        excluded: they are held anyway; counted once per input signature, `SavedCounts`),
+        the activation memory of this forward, into the report and the step's meter (held until the backward releases it); eager FRC's go
         to host memory under --frc-offload. Under zb-h1 the forward's tape (what the weight
         gradient needs) goes to `s.tapes` (an FRC forward's to `s.frc_tapes`).
         """
         stage = st.stage
-        saved = SavedTensors(offload=frc and self.options.frc_offload,
+        offload = frc and self.options.frc_offload
+        key = None if offload else (stage, signature(x))
+        known = None if key is None else self.saved_counts.known(key)
+        saved = SavedTensors(offload=offload,
                              held=() if isinstance(x, torch.Tensor) else leaves(x))
+        if known is not None:
+            saved.device_bytes = known
         # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
         # failover adopts it, its backward runs whole in the input half.
-        taped = st.taping is not None and not (frc and self.options.frc_offload)
+        taped = st.taping is not None and not offload
         tape = Tape() if taped else None
         taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
-        with saved.hooks(), taping:
+        hooks = saved.hooks() if known is None else contextlib.nullcontext()
+        with hooks, taping:
             with self.autocast():
                 out = self._layers(st, x, s.step, mb)
             if stage != self.P - 1:
@@ -112,6 +120,8 @@ class StageForward:
                 loss = self.loss(float32(out), labels)
                 if self.metrics:
                     s.metrics[mb] = metric_values(self.metrics, out, labels)
+        if key is not None and known is None:
+            self.saved_counts.counted(key, saved.device_bytes)
         if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape

@@ -30,7 +30,7 @@ import torch
 
 from bamboo.model.structure import leaves
 
-__all__ = ["SavedTensors", "StepMemory", "storage_bytes", "state_dict_bytes", "to_host", "can_pin"]
+__all__ = ["SavedTensors", "SavedCounts", "signature", "StepMemory", "storage_bytes", "state_dict_bytes", "to_host", "can_pin"]
 
 
 def can_pin(t: torch.Tensor) -> bool:
@@ -124,6 +124,50 @@ class SavedTensors:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def signature(x: Any) -> tuple:
+    """What decides the bytes a stage's forward saves, besides the stage: the shape, dtype
+    and `requires_grad` of each of its input's tensors."""
+    return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves(x))
+
+
+@dataclass(slots=True)
+class _Count:
+    device_bytes: int
+    uses: int = 0
+    varies: bool = False
+
+
+class SavedCounts:
+    """The bytes a forward saves, counted once per (stage, input signature) and reused.
+
+    Counting runs a Python hook on every tensor autograd saves, a cost a plain training loop
+    does not pay; for a model whose forward saves the same tensors for the same input
+    shapes (every preset, most models), one count says it for every later forward. A count
+    is taken again every `recount_every`-th use; where it differs (a model whose saved
+    tensors depend on the data, such as a mixture of experts' routing), that signature is
+    counted on every forward from then on."""
+
+    def __init__(self, recount_every: int = 64) -> None:
+        self.recount_every = recount_every
+        self._counts: dict[Hashable, _Count] = {}
+
+    def known(self, key: Hashable) -> int | None:
+        """The device bytes a forward of `key` saves, when this one need not be counted;
+        None: count it (and give the count to `counted`)."""
+        count = self._counts.get(key)
+        if count is None or count.varies:
+            return None
+        count.uses += 1
+        return None if count.uses % self.recount_every == 0 else count.device_bytes
+
+    def counted(self, key: Hashable, device_bytes: int) -> None:
+        count = self._counts.get(key)
+        if count is None:
+            self._counts[key] = _Count(device_bytes)
+        elif count.device_bytes != device_bytes:
+            count.varies, count.device_bytes = True, device_bytes
 
 
 @dataclass(slots=True)

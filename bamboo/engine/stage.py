@@ -95,13 +95,13 @@ class StageState:
     def grad_sum(self) -> torch.Tensor:
         """The sum of this step's micro-batch gradients, flat in parameter order
         (`accumulate_dtype`; allocated, zeroed, on first use)."""
-        self._sum_views()
+        self.sum_views()
         assert self._grad_sum is not None
         return self._grad_sum
 
-    def _sum_views(self) -> list[torch.Tensor]:
-        """Views of the gradient sum shaped like the parameters (allocating the sum, zeroed,
-        the first time)."""
+    def sum_views(self) -> list[torch.Tensor]:
+        """Views of the gradient sum shaped like the parameters, in order (allocating the
+        sum, zeroed, the first time)."""
         if self._grad_sum is None:
             self._grad_sum = torch.zeros(self.numel, dtype=self.accumulate_dtype,
                                          device=self.device)
@@ -133,16 +133,20 @@ class StageState:
         """Add this micro-batch's parameter gradients to the gradient sum (with `served_for`,
         to the sum of that pipeline's re-routed micro-batches)."""
         if served_for is None:
-            views = self._sum_views()
+            views = self.sum_views()
         else:
             if served_for not in self._served:
                 flat = torch.zeros(self.numel, dtype=self.accumulate_dtype, device=self.device)
                 self._served[served_for] = (flat, self._split(flat))
             views = self._served[served_for][1]
+        into, grads = [], []
         for view, p in zip(views, self.params):
             if p.grad is not None:
-                view.add_(p.grad)
+                into.append(view)
+                grads.append(p.grad)
                 p.grad = None
+        if into:  # one fused add (one launch on CUDA): the bits of an add_ per parameter
+            torch._foreach_add_(into, grads)
 
     def layer_sq_norms(self, reduced: torch.Tensor) -> list[tuple[int, float]]:
         """(layer index, sum of squares) of a reduced gradient of this stage, summed in

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bamboo.config.presets import preset
-from bamboo.engine.memory import SavedTensors, StepMemory
+from bamboo.engine.memory import SavedCounts, SavedTensors, StepMemory, signature
 from bamboo.engine.stage import StageState
 
 
@@ -73,3 +73,48 @@ def test_saved_tensor_hooks_count_each_storage_once_and_offload() -> None:
     assert meter.release("a") and not meter.release("a")
     meter.hold("c", 3)
     assert (meter.device, meter.host, meter.peak_device, meter.peak_host) == (8, 7, 15, 7)
+
+
+def test_saved_counts_reuse_a_count_recount_and_give_up_on_a_signature_that_varies() -> None:
+    counts = SavedCounts(recount_every=3)
+    key = (0, signature(torch.ones(2, 4)))
+    assert counts.known(key) is None  # never counted
+    counts.counted(key, 100)
+    assert [counts.known(key) for _ in range(5)] == [100, 100, None, 100, 100]
+    counts.counted(key, 100)  # the recount agreed: still reused
+    assert counts.known(key) is None  # the 6th use: a recount again
+    counts.counted(key, 120)  # it differed: counted on every forward from now on
+    assert [counts.known(key) for _ in range(4)] == [None] * 4
+    other = (0, signature(torch.ones(3, 4)))  # another shape: a signature of its own
+    assert other != key and counts.known(other) is None
+    structured = signature((torch.ones(2), torch.zeros(2, dtype=torch.long)))
+    assert structured == (((2,), torch.float32, False), ((2,), torch.int64, False))
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_forward_reports_the_same_saved_bytes_counted_or_reused() -> None:
+    from bamboo.engine.forward import StageForward
+    from bamboo.engine.options import EngineOptions
+    from bamboo.engine.step import StepState
+    from bamboo.plan.votes import StepReport
+
+    st = _stage()  # stage 1 of 4 (gpt2-tiny's layers 2 and 3: d_model 64)
+    options = EngineOptions(lr=1e-2, warmup_steps=0, total_steps=4, weight_decay=0.0,
+                            grad_clip=0.0, seed=3)
+    fwd = StageForward(options=options, device=torch.device("cpu"), P=4,
+                       parts=[range(0, 2), range(2, 4), range(4, 6), range(6, 8)],
+                       specs=[_Spec()] * 8, loss=lambda a, b: a.sum(), weight=1.0)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    reports = []
+    for step in range(4):
+        s = StepState(step=step, report=StepReport(step=step, rank=0, stages=[1]))
+        out, _ = fwd.run(st, 0, x, s, targets=lambda: None)
+        out.sum().backward()
+        reports.append(s.report.saved_bytes)
+    assert reports[0] > 0 and reports == [reports[0]] * 4
+    assert fwd.saved_counts.known((1, signature(x))) == reports[0]  # reused, not recounted
+
+
+class _Spec:
+    def cast(self, out):
+        return out
