@@ -151,8 +151,11 @@ class StageState:
     def layer_sq_norms(self, reduced: torch.Tensor) -> list[tuple[int, float]]:
         """(layer index, sum of squares) of a reduced gradient of this stage, summed in
         float64 whatever the gradient's dtype."""
-        return [(i, float(self._counted(reduced, i, a, b).to(torch.float64).square().sum()))
-                for i, a, b in self.layer_spans]
+        if not self.layer_spans:
+            return []
+        sums = torch.stack([self._counted(reduced, i, a, b).to(torch.float64).square().sum()
+                            for i, a, b in self.layer_spans])
+        return list(zip((i for i, _, _ in self.layer_spans), sums.tolist()))  # one sync
 
     def _counted(self, reduced: torch.Tensor, layer: int, a: int, b: int) -> torch.Tensor:
         """Layer `layer`'s part of `reduced` that its norm counts: its span `[a, b)` less the
