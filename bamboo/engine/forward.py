@@ -91,9 +91,10 @@ class StageForward:
         spec's dtype (what the successor's receive buffers are), the loss is taken in fp32.
         Counts the bytes autograd keeps for the backward (parameters and the input leaf
         excluded: they are held anyway; counted once per input signature, `SavedCounts`),
-        the activation memory of this forward, into the report and the step's meter (held until the backward releases it); eager FRC's go
-        to host memory under --frc-offload. Under zb-h1 the forward's tape (what the weight
-        gradient needs) goes to `s.tapes` (an FRC forward's to `s.frc_tapes`).
+        the activation memory of this forward, into the report and the step's meter (held
+        until the backward releases it); eager FRC's go to host memory under --frc-offload.
+        Under zb-h1 the forward's tape (what the weight gradient needs) goes to `s.tapes`
+        (an FRC forward's to `s.frc_tapes`).
         """
         stage = st.stage
         offload = frc and self.options.frc_offload

@@ -15,7 +15,9 @@ saves (each storage once; parameters and the stage's input leaf are held elsewhe
 not counted) and, for an offloaded forward, move it to host memory (pinned, with
 non-blocking copies, where an accelerator is present; a plain copy on a CPU-only machine).
 Counting keeps nothing alive: the hooks keep storage keys, never tensors, and what they
-hand autograd holds no reference back to the graph (see `SavedTensors.pack`).
+hand autograd holds no reference back to the graph (see `SavedTensors.pack`). A forward
+that is not offloaded runs them only when its count is not known yet (`SavedCounts`: once
+per stage and input signature, again every so often, always where the count varies).
 
 What the process really holds (resident memory, the CUDA allocator's figures) is measured
 apart, by `bamboo.node.procmem`.
@@ -30,7 +32,8 @@ import torch
 
 from bamboo.model.structure import leaves
 
-__all__ = ["SavedTensors", "SavedCounts", "signature", "StepMemory", "storage_bytes", "state_dict_bytes", "to_host", "can_pin"]
+__all__ = ["SavedTensors", "SavedCounts", "signature", "StepMemory", "storage_bytes",
+           "state_dict_bytes", "to_host", "can_pin"]
 
 
 def can_pin(t: torch.Tensor) -> bool:
