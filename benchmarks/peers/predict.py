@@ -109,7 +109,8 @@ def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_
                   workers: int, cores: int, stages: int = 1) -> dict:
     """From replica 0's commits (steps.0.jsonl), for each kill the longest wait between two
     commits after it: what it added to a step (quorum_s), and the seconds from the
-    replacement's boot to the first commit with every group again (heal_s). A group is
+    replacement's boot to the first commit with every group again, where that comes before
+    the next kill (else the heal time would hold the next kill's too) (heal_s). A group is
     `stages` workers (a pipeline under --torchft-stages); participants count groups."""
     groups = workers // stages
     quorum, heal = [], []
@@ -120,6 +121,7 @@ def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_
         times = kill_times(commits[0]["t"] - step_s, kills, sent)
         pairs = list(zip(commits, commits[1:]))
         for tk in times:
+            after = min((t for t in times if t > tk), default=float("inf"))  # the next kill
             near = [(a, b) for a, b in pairs if b["t"] > tk and a["t"] < tk + 120.0]
             if not near:
                 continue
@@ -128,7 +130,7 @@ def torchft_costs(runs: list[tuple[Path, list[Kill], int]], boot_s: float, step_
             share = max(k * stages, cores) / max(workers, cores) if cores else 1.0  # pinned: each its own
             quorum.append(max(0.0, b["t"] - max(a["t"], tk) - step_s * share))
             whole = next((c for c in commits if c["t"] >= b["t"] and c["participants"] == groups), None)
-            if whole is not None:
+            if whole is not None and whole["t"] < after:  # healed before the next kill
                 heal.append(max(0.0, whole["t"] - tk - boot_s))
     return {"quorum_s": median(quorum) if quorum else 0.0, "heal_s": median(heal) if heal else 0.0}
 

@@ -58,6 +58,18 @@ def test_torchft_quorum_and_heal_from_replica_zeros_commits(tmp_path: Path) -> N
     assert costs == {"quorum_s": pytest.approx(0.5), "heal_s": pytest.approx(6.5)}
 
 
+def test_torchft_heal_leaves_out_a_kill_whose_heal_a_later_kill_overtook(tmp_path: Path) -> None:
+    # as above, but a second kill at 15.5 s, before every group was back (at 25.0): the first
+    # kill's whole commit comes after the second kill, so only the second gives a heal time
+    # (25.0 - 15.5 - 3 s of boot; counting the first too would give the median of 11.5 and 6.5)
+    commits = [{"t": float(t), "participants": 4} for t in range(1, 11)]
+    commits += [{"t": 12.0 + i, "participants": 3} for i in range(13)] + [{"t": 25.0, "participants": 4}]
+    write_lines(tmp_path / "steps.0.jsonl", commits)
+    costs = P.torchft_costs([(tmp_path, [Kill(10.5, "s", 1), Kill(15.5, "s", 2)], 2)],
+                            boot_s=3.0, step_s=1.0, workers=4, cores=4)
+    assert costs["heal_s"] == pytest.approx(6.5)
+
+
 def test_the_simulated_trace_removes_each_kills_worker_and_adds_its_replacement() -> None:
     kills = assign_workers([Kill(2.0, "s"), Kill(2.0, "s")], 3, 1.0)
     assert P.sim_trace(kills, 3, offset=10.0).splitlines() == [
