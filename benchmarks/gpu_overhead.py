@@ -46,12 +46,7 @@ def plain_steps(args: argparse.Namespace) -> list[float]:
     for step in range(args.steps):
         sync()
         start = time.perf_counter()
-        for g in range(args.micro_batches):
-            batch = parts.task.batch(step, g)
-            out = model(batch.inputs.to(device, non_blocking=True))
-            loss = parts.criterion(out, batch.targets.to(device, non_blocking=True))
-            (loss / args.micro_batches).backward()
-            float(loss.detach())  # the step's loss is reported, as Bamboo reports it
+        parts.share_loss(model, step, 0, 1, device)  # every micro-batch, each loss read back
         parts.clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -67,7 +62,11 @@ def bamboo_steps(args: argparse.Namespace, out: Path) -> tuple[list[float], dict
            "--stages", "1", "--micro-batches", str(args.micro_batches), "--micro-batch-size",
            str(args.micro_batch_size), "--steps", str(args.steps), "--device", args.device,
            "--json", "--quiet", "--no-report", "--out", str(out), *args.bamboo_flags]
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=args.timeout)
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"gpu_overhead: bamboo train failed (exit {proc.returncode}): {last}")
     walls, timers = [], {}
     for line in (out / "events.jsonl").read_text().splitlines():
         event = json.loads(line)

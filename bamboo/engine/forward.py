@@ -100,16 +100,14 @@ class StageForward:
         offload = frc and self.options.frc_offload
         key = None if offload else (stage, signature(x))
         known = None if key is None else self.saved_counts.known(key)
-        saved = SavedTensors(offload=offload,
-                             held=() if isinstance(x, torch.Tensor) else leaves(x))
-        if known is not None:
-            saved.device_bytes = known
+        saved = None if known is not None else \
+            SavedTensors(offload=offload, held=() if isinstance(x, torch.Tensor) else leaves(x))
         # Under --frc-offload an FRC forward keeps nothing on the device for a tape: if a
         # failover adopts it, its backward runs whole in the input half.
         taped = st.taping is not None and not offload
         tape = Tape() if taped else None
         taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
-        hooks = saved.hooks() if known is None else contextlib.nullcontext()
+        hooks = saved.hooks() if saved is not None else contextlib.nullcontext()
         with hooks, taping:
             with self.autocast():
                 out = self._layers(st, x, s.step, mb)
@@ -121,18 +119,20 @@ class StageForward:
                 loss = self.loss(float32(out), labels)
                 if self.metrics:
                     s.metrics[mb] = metric_values(self.metrics, out, labels)
-        if key is not None and known is None:
-            self.saved_counts.counted(key, saved.device_bytes)
+        device_bytes, host_bytes = (known, 0) if saved is None else \
+            (saved.device_bytes, saved.host_bytes)
+        if key is not None and saved is not None:
+            self.saved_counts.counted(key, device_bytes)
         if tape is not None:
             if frc:
                 s.frc_tapes[mb] = tape
             else:
                 s.tapes[(stage, mb)] = tape
         if frc:
-            s.report.frc_saved_bytes += saved.device_bytes + saved.host_bytes
+            s.report.frc_saved_bytes += device_bytes + host_bytes
         else:
-            s.report.saved_bytes += saved.device_bytes
-        s.memory.hold(("frc" if frc else "fwd", stage, mb), saved.device_bytes, saved.host_bytes)
+            s.report.saved_bytes += device_bytes
+        s.memory.hold(("frc" if frc else "fwd", stage, mb), device_bytes, host_bytes)
         if loss is None:
             return out, None
         return loss * self.weight, float(loss.detach())

@@ -94,9 +94,11 @@ class Parts:
     def lr_at(self, step: int) -> float:
         return float(self._options.lr_at(step))
 
-    def share_loss(self, model: nn.Module, step: int, share: int, shares: int) -> float:
+    def share_loss(self, model: nn.Module, step: int, share: int, shares: int,
+                   device: torch.device | None = None) -> float:
         """Forward and backward of this share's micro-batches of `step` (micro-batch g goes
-        to share g % shares), each loss scaled so the mean over shares is the global mean."""
+        to share g % shares), each loss scaled so the mean over shares is the global mean;
+        each micro-batch moved to `device` first when given."""
         G = self.job.micro_batches
         total, mine = 0.0, list(range(share, G, shares))
         for g in mine:
@@ -105,7 +107,10 @@ class Parts:
             torch.manual_seed(hash((self.job.seed, step, g)) & 0x7FFFFFFF)
             batch = self.task.batch(step, g)
             with quiet:
-                loss = self.criterion(model(batch.inputs), batch.targets)
+                inputs, targets = batch.inputs, batch.targets
+                if device is not None:
+                    inputs, targets = inputs.to(device), targets.to(device)
+                loss = self.criterion(model(inputs), targets)
                 (loss * (shares / G)).backward()
             total += float(loss.detach()) * shares / G
         return total

@@ -45,3 +45,15 @@ def test_gpu_overhead_without_a_gpu_says_so_and_exits_0() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("gpu_overhead: no CUDA device here")
+
+
+@pytest.mark.timeout(120)
+def test_gpu_overhead_says_in_one_line_why_the_bamboo_run_failed() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_overhead.py", "--device", "cpu",
+                           "--model", "gpt2-tiny", "--steps", "2", "--warmup", "0",
+                           "--bamboo-flags=--redundancy=bogus"], cwd=REPO, capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_overhead: bamboo train failed (exit 2)")
+    assert "--redundancy" in lines[0], lines
