@@ -126,15 +126,14 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     for i in range(args.ckpt_reps):
         t0 = time.perf_counter()  # every holder's write, one after another, then the manifest
         for st in stages:
-            write_layers(step_dir(root, i), {j: {"state": st.layer_state(j)}
-                                             for j in st.layer_indices})
+            write_layers(step_dir(root, i), {j: st.layer_state(j) for j in st.layer_indices})
         publish(root, i, layers, keep=args.ckpt_reps)
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ck = load_latest(root)
         for st in stages:
-            for j, vector in load_layers(ck.path, st.layer_indices).items():
-                st.load_layer_state(j, vector)
+            for j, state in load_layers(ck.path, st.layer_indices).items():
+                st.load_layer_state(j, state)
         loads.append(time.perf_counter() - t0)
     size = sum(f.stat().st_size for f in (root / f"step-{args.ckpt_reps - 1:08d}").rglob("*")
                if f.is_file())

@@ -18,6 +18,7 @@ from bamboo.control.interval import CheckpointInterval
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.restore import RestorePoints
+from bamboo.engine.optim import bytes_per_parameter
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
                                      plan_key)
@@ -404,7 +405,8 @@ class Generations:
                 loss.handled_as = handled
         self.reconfigurations += 1
         decided = ctx.clock()
-        moved = sum(3 * ctx.param_counts[layer] + 1 for layer, _, _ in plan.transfers) * 4
+        per_param = bytes_per_parameter(ctx.cfg.training.optimizer, ctx.cfg.training.lr)
+        moved = round(sum(ctx.param_counts[layer] for layer, _, _ in plan.transfers) * per_param)
         ctx.reconf = None
         self.enter(plan)
         self.times.append({"gen": plan.gen, "t": r.started, "decision_s": decided - r.started,

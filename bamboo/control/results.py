@@ -35,7 +35,7 @@ __all__ = ["Results"]
 
 _TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "vote_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
-             "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "frc_forwards", "frc_in_waits",
+             "params_held", "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "frc_forwards", "frc_in_waits",
              "restarts", "page_faults", "buckets_early")
 _CUDA_COUNTERS = ("cuda_peak_bytes", "cuda_reserved_bytes")
 """Recorded only when a node measured them (it runs on CUDA)."""
@@ -177,9 +177,10 @@ class Results:
         where = self.final_dir()
         params = {}
         for i in range(len(self.ctx.param_counts)):
-            tensors = load_layer_tensors(where, i)
-            if not tensors or not all(n.startswith("param.") for n, _ in tensors):
-                raise CheckpointError(f"{where}: layer-{i:04d} holds no parameters")
+            tensors = load_layer_tensors(where, i)  # none for a layer without parameters
+            if not all(n.startswith("param.") for n, _ in tensors):
+                raise CheckpointError(f"{where}: layer-{i:04d} holds other tensors than "
+                                      f"parameters")
             params[i] = [(n.removeprefix("param."), t) for n, t in tensors]
         return params
 

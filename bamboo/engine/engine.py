@@ -197,7 +197,8 @@ class NodeEngine:
         r.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         r.wait_s, r.vote_s = self.p2p.wait_s, self.link.vote_s
         r.bytes_sent = self.p2p.bytes_sent
-        r.state_bytes = sum(3 * 4 * st.numel for st in self.held())  # fp32 params + two AdamW moments
+        r.state_bytes = sum(st.state_size() for st in self.held())  # parameters, optimizer state
+        r.params_held = sum(st.numel for st in self.held())
         r.device_bytes, r.host_bytes = s.memory.node_peak(self.held(), list(self.stages.values()))
         if self.options.check_replicas:
             r.digests = {f"stage{k}": st.digest() for k, st in self.stages.items()}

@@ -92,7 +92,7 @@ class _CatchUp:
         while s.restores:
             _, t = s.restores[0]
             st = self.r.build(t.stage)
-            buf = torch.empty(st.state_size(), dtype=torch.float32, device=ctx.device)
+            buf = torch.empty(st.state_size(), dtype=torch.uint8, device=ctx.device)
             # A lost source raises PeerLost: the coordinator, seeing the source gone
             # mid-restore, abandons the generation (and this node never claims the stage).
             work = p2p.post_recv(buf, t.source, (RESTORE, t.stage, 0))
@@ -129,7 +129,7 @@ class _CatchUp:
             st = self.held.replica
             assert st is not None and st.stage == t.stage
             self.held = replace(self.held, replica=None)
-            st.to_device_optimizer()  # --frc-offload kept its AdamW moments in host memory
+            st.to_device_optimizer()  # --frc-offload kept its optimizer state in host memory
             self.r.frc_results_complete()
             self._install(t, st)
         else:

@@ -33,7 +33,7 @@ import torch
 from bamboo.model.structure import leaves
 
 __all__ = ["SavedTensors", "SavedCounts", "signature", "StepMemory", "storage_bytes",
-           "state_dict_bytes", "to_host", "can_pin"]
+           "to_host", "can_pin"]
 
 
 def can_pin(t: torch.Tensor) -> bool:
@@ -224,8 +224,3 @@ class StepMemory:
         return (sum(d for d, _ in states) + grads + self.peak_device,
                 sum(h for _, h in states) + self.peak_host)
 
-
-def state_dict_bytes(state: dict[Any, dict[str, Any]], keys: tuple[str, ...]) -> int:
-    """Bytes of the tensors `keys` in an optimizer's per-parameter state."""
-    return sum(v.numel() * v.element_size() for per in state.values()
-               for k, v in per.items() if k in keys and isinstance(v, torch.Tensor))

@@ -34,16 +34,8 @@ from bamboo.config.calls import parse_call
 from bamboo.model.api import import_object
 
 __all__ = ["learning_rate", "make_optimizer", "adamw_options", "clip_coefficient",
-           "steps_on_param_device", "step_lr", "set_lr", "state_keys", "check_optimizer",
-           "MOMENTS", "StepRate", "schedule_momenta"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""AdamW's per-parameter state tensors (its `step` count is a scalar)."""
-
-MAX_STATE_TENSORS = 2
-"""Per-parameter state tensors (each the parameter's shape) a layer's state vector carries
-to a peer or a checkpoint (`StageState.layer_state`): AdamW's two moments, SGD's momentum."""
-
+           "steps_on_param_device", "step_lr", "set_lr", "check_optimizer", "StepRate",
+           "schedule_momenta"]
 
 def learning_rate(step: int, *, peak: float, warmup: int, total: int) -> float:
     """Warm-up to `peak` over `warmup` steps, then cosine decay to peak / 10 at `total`."""
@@ -230,38 +222,31 @@ def _scheduled(schedule: str, optimizer: str | None, lr: float,
     return tuple(rates), tuple(float(m) for m in momenta)  # type: ignore[arg-type]
 
 
-def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    """The per-parameter state tensors a layer's state vector carries for `optimizer`:
-    AdamW's moments, else those one step of the same optimizer on a probe parameter makes
-    (ValueError when they do not fit the vector: more than two, or not shaped like it)."""
-    if type(optimizer) is torch.optim.AdamW:
-        return MOMENTS
-    param = nn.Parameter(torch.zeros(2, 3))
-    try:
-        probe = type(optimizer)([param], **optimizer.defaults)
-    except TypeError as e:
-        raise ValueError(f"{type(optimizer).__name__} cannot be rebuilt from its defaults "
-                         f"({e}): a peer restore needs to know its state") from None
-    param.grad = torch.ones_like(param)
-    probe.step()
-    state = probe.state[param]
-    keys = tuple(k for k in state if k != "step")
-    shaped = [k for k in keys if isinstance(state[k], torch.Tensor)
-              and state[k].shape == param.shape]
-    if len(shaped) != len(keys) or len(keys) > MAX_STATE_TENSORS:
-        raise ValueError(f"{type(optimizer).__name__} keeps per-parameter state "
-                         f"{', '.join(keys)}: a peer restore or a checkpoint carries at most "
-                         f"{MAX_STATE_TENSORS} tensors shaped like the parameter (AdamW's "
-                         f"moments, SGD's momentum)")
-    return keys
+@functools.lru_cache(maxsize=8)
+def bytes_per_parameter(optimizer: str | None, lr: float) -> float:
+    """About the bytes a parameter's packed state takes under the job's optimizer (None:
+    the default AdamW): its own and its state tensors' for a 16 x 16 float32 weight (an
+    elementwise optimizer keeps as much per element at any size, a factored one such as
+    Adafactor less at larger sizes). For estimates made before any layer is built: the
+    bytes a reconfiguration plans to move."""
+    from bamboo.engine.layer_state import Kind, group_options, layer_layout
+    weight = nn.Linear(16, 16, bias=False)
+    built = make_optimizer(weight, lr=lr, weight_decay=0.0, spec=optimizer)
+    layout = layer_layout(list(weight.named_parameters()), built, group_options(built))
+    return sum(e.nbytes for e in layout.entries
+               if e.kind in (Kind.PARAM, Kind.TENSOR)) / weight.weight.numel()
 
 
 def check_optimizer(optimizer: str | None, schedule: str | None, lr: float, total: int) -> None:
     """Build the job's optimizer and schedule once here, so a wrong one is one line before
-    any worker starts (ValueError)."""
+    any worker starts (ValueError): among them an optimizer whose per-parameter state
+    cannot be learned from a probe step or carried (`bamboo.engine.layer_state`), tried on
+    parameters of one, two and four dimensions."""
     if optimizer is not None:
-        probe = make_optimizer(nn.Linear(2, 2), lr=lr, weight_decay=0.0, spec=optimizer)
-        state_keys(probe)
+        from bamboo.engine.layer_state import group_options, layer_layout
+        probe = nn.ModuleDict({"linear": nn.Linear(2, 2), "conv": nn.Conv2d(1, 2, 1)})
+        built = make_optimizer(probe, lr=lr, weight_decay=0.0, spec=optimizer)
+        layer_layout(list(probe.named_parameters()), built, group_options(built))
     if schedule is not None:
         user_schedule(schedule, optimizer, lr, total)
 

@@ -9,13 +9,19 @@ float32 otherwise; it is allocated on first use, so a replica, which is handed i
 stage's reduced gradient and never sums one, holds none until it is adopted.
 
 A replica's optimizer state may live in host memory (`offload_optimizer`, under
-`--frc-offload`): its AdamW step then brings one parameter's moments to the device at a
+`--frc-offload`): its step then brings one parameter's state tensors to the device at a
 time, runs the very step the primary runs (same kernels, same device: the same bits) and
 puts them back. `to_device_optimizer` moves the state to the device for good, when the
 replica is adopted as a primary.
+
+A stage may hold only layers without parameters (activations, dropout, reshapes, pooling):
+it has no optimizer, its gradient sum is empty, and its layers' state is their layout's
+header alone. A layer's state moves and is stored in the form `bamboo.engine.layer_state`
+derives from the optimizer's own per-parameter state.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,14 +30,18 @@ from torch import nn
 from bamboo.model import build_layers, model_ties
 from bamboo.model.ties import get_param
 from bamboo.config.presets import ModelPreset
-from bamboo.engine.memory import state_dict_bytes, to_host
-from bamboo.engine.optim import MAX_STATE_TENSORS, make_optimizer, set_lr, state_keys
+from bamboo.engine.layer_state import (LayerLayout, LayerState, group_options, layer_layout,
+                                       read_state, snapshot, write_state)
+from bamboo.engine.memory import to_host
+from bamboo.engine.optim import make_optimizer, set_lr
 
 __all__ = ["StageState"]
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-"""The AdamW state tensors of a parameter (its `step` count is a host scalar); a job's own
-optimizer has its own (`StageState.moments`, `optim.state_keys`)."""
+
+def _offloadable(value: Any) -> bool:
+    """A per-parameter state tensor `--frc-offload` keeps in host memory: any of one or more
+    dimensions (a step count of no dimension stays where the optimizer keeps it)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 class StageState:
@@ -45,11 +55,13 @@ class StageState:
         self.accumulate_dtype = accumulate_dtype
         self.module = nn.Sequential(*build_layers(preset, layer_indices, seed, device))
         self.module.train()
-        self.optimizer = make_optimizer(self.module, lr=lr, weight_decay=weight_decay,
-                                        spec=optimizer)
-        self.moments = state_keys(self.optimizer)
-        """The optimizer's per-parameter state tensors (AdamW's `MOMENTS`)."""
         self.params = list(self.module.parameters())
+        self.optimizer: torch.optim.Optimizer | None = make_optimizer(
+            self.module, lr=lr, weight_decay=weight_decay, spec=optimizer) if self.params else None
+        """None when the stage's layers have no parameters (nothing to step)."""
+        self._options = group_options(self.optimizer) if self.optimizer is not None else {}
+        """Each parameter's group options as built: what its state's layout is probed with."""
+        self._layouts: dict[int, LayerLayout] = {}
         self.numel = sum(p.numel() for p in self.params)
         self._grad_sum: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
@@ -58,7 +70,7 @@ class StageState:
         this node serves at this stage, one per pipeline (summed apart, so that `--exact`
         adds every pipeline's sum in pipeline order as a failure-free step does)."""
         self.optimizer_on_host = False
-        """The AdamW moments live in host memory (see `offload_optimizer`)."""
+        """The optimizer's state tensors live in host memory (see `offload_optimizer`)."""
         self.taping: Any = None
         """Under zb-h1, the forward hooks that tape its linear layers (`split_backward.Taping`)."""
         self.layer_spans: list[tuple[int, int, int]] = []
@@ -172,6 +184,8 @@ class StageState:
 
     def apply(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
         """One optimizer step with the reduced gradient `grad32` (float32) scaled by `coef`."""
+        if self.optimizer is None:  # layers without parameters: nothing to step
+            return
         grad = grad32 * coef if coef != 1.0 else grad32
         set_lr(self.optimizer, lr)
         if self.optimizer_on_host:
@@ -184,25 +198,27 @@ class StageState:
             p.grad = None
 
     def _step_streamed(self, grad: torch.Tensor) -> None:
-        """The AdamW step with host-resident moments, one parameter at a time: its moments
-        go to the device, the optimizer steps that parameter alone (AdamW skips parameters
-        without a gradient, and its arithmetic for one parameter does not depend on which
-        others step with it, loop or foreach (tests/test_devices.py), so the bits are
-        the all-at-once step's) and the moments go back to their host buffers."""
+        """The step with host-resident optimizer state, one parameter at a time: its state
+        tensors go to the device, the optimizer steps that parameter alone (an elementwise
+        optimizer skips parameters without a gradient, and its arithmetic for one parameter
+        does not depend on which others step with it, loop or foreach
+        (tests/test_devices.py), so the bits are the all-at-once step's) and the tensors go
+        back to their host buffers."""
+        assert self.optimizer is not None
         state = self.optimizer.state
         for view, p in zip(self._split(grad), self.params):
-            host = {k: state[p][k] for k in self.moments} if p in state else None
-            if host is not None:
-                for k in self.moments:
-                    state[p][k] = host[k].to(self.device, non_blocking=True)
+            host = {k: v for k, v in state[p].items() if _offloadable(v)} if p in state else None
+            for k, v in (host or {}).items():
+                state[p][k] = v.to(self.device, non_blocking=True)
             p.grad = view
             try:
                 self.optimizer.step()
             finally:
                 p.grad = None
-            for k in self.moments:
-                on_device = state[p][k]
-                if host is None:
+            for k, on_device in list(state[p].items()):
+                if not _offloadable(on_device):
+                    continue
+                if host is None or k not in host:
                     state[p][k] = on_device if on_device.device.type == "cpu" else to_host(on_device)
                 else:
                     if host[k] is not on_device:
@@ -218,37 +234,42 @@ class StageState:
     # -- where the optimizer state lives -----------------------------------------------------
 
     def offload_optimizer(self) -> None:
-        """Keep the AdamW moments in host memory from now on (pinned where an accelerator
-        is present); the step streams them through the device (see `_step_streamed`)."""
+        """Keep the optimizer's state tensors in host memory from now on (pinned where an
+        accelerator is present); the step streams them through the device (see
+        `_step_streamed`)."""
         if self.optimizer_on_host:
             return
-        for per in self.optimizer.state.values():
-            for k in self.moments:
-                if k in per and per[k].device.type != "cpu":
-                    per[k] = to_host(per[k])
+        for per in self._per_param_states():
+            for k, v in per.items():
+                if _offloadable(v) and v.device.type != "cpu":
+                    per[k] = to_host(v)
         self._sync()
         self.optimizer_on_host = True
 
     def to_device_optimizer(self) -> None:
-        """Bring host-resident AdamW moments to the device for good (a replica adopted as
+        """Bring host-resident optimizer state to the device for good (a replica adopted as
         a primary); a no-op for a stage whose optimizer state is on the device."""
         if not self.optimizer_on_host:
             return
-        for per in self.optimizer.state.values():
-            for k in self.moments:
-                if k in per:
-                    per[k] = per[k].to(self.device)
+        for per in self._per_param_states():
+            for k, v in per.items():
+                if _offloadable(v):
+                    per[k] = v.to(self.device)
         self.optimizer_on_host = False
+
+    def _per_param_states(self) -> list[dict[str, Any]]:
+        return [] if self.optimizer is None else list(self.optimizer.state.values())
 
     def memory(self) -> tuple[int, int]:
         """(device bytes, host bytes) this stage holds between steps by tensor accounting:
-        parameters, the gradient sum (once allocated) and the AdamW moments (on the host
-        when offloaded, even where host and device are the same memory)."""
+        parameters, the gradient sum (once allocated) and the optimizer's state tensors (on
+        the host when offloaded, even where host and device are the same memory)."""
         params = sum(p.numel() * p.element_size() for p in self.params)
         grads = 0 if self._grad_sum is None else \
             self._grad_sum.numel() * self._grad_sum.element_size()
         grads += sum(flat.numel() * flat.element_size() for flat, _ in self._served.values())
-        moments = state_dict_bytes(self.optimizer.state, self.moments)
+        moments = sum(v.numel() * v.element_size() for per in self._per_param_states()
+                      for v in per.values() if _offloadable(v))
         if self.optimizer_on_host:
             return params + grads, moments
         return params + grads + moments, 0
@@ -263,59 +284,65 @@ class StageState:
     # -- state transfer (peer restore, reconfiguration, checkpoints) -------------------------
 
     def state_vector(self) -> torch.Tensor:
-        """The whole stage's state: its layers' `layer_state` vectors, in layer order."""
-        return torch.cat([self.layer_state(i).to(self.device) for i in self.layer_indices])
+        """The whole stage's state packed (uint8, on the device): its layers' packed states
+        in layer order (`state_size` bytes)."""
+        return torch.cat([self.packed_layer(i) for i in self.layer_indices])
 
     def state_size(self) -> int:
-        return sum(3 * n + 1 for n in self.layer_sizes)
+        """Bytes of `state_vector`: what a peer restoring this stage posts to receive."""
+        return sum(self.layer_layout(i).nbytes for i in self.layer_indices)
 
     def load_state_vector(self, vector: torch.Tensor) -> None:
         offset = 0
-        for i, n in zip(self.layer_indices, self.layer_sizes):
-            size = 3 * n + 1
+        for i in self.layer_indices:
+            size = self.layer_layout(i).nbytes
             self.load_layer_state(i, vector[offset:offset + size])
             offset += size
 
-    def _layer_params(self, layer_index: int) -> list[torch.nn.Parameter]:
+    def _layer_named(self, layer_index: int) -> list[tuple[str, nn.Parameter]]:
         position = self.layer_indices.index(layer_index)
-        return list(self.module[position].parameters())
+        return list(self.module[position].named_parameters())
 
-    def layer_state(self, layer_index: int) -> torch.Tensor:
-        """One layer's parameters, AdamW moments and step count as a float32 CPU vector
-        (the unit a reconfiguration moves and a checkpoint stores: layers, not stages,
-        since the partition may change)."""
-        params = self._layer_params(layer_index)
-        state = self.optimizer.state
-        parts = [torch.cat([p.detach().reshape(-1) for p in params]).to("cpu", torch.float32)]
-        for slot in range(MAX_STATE_TENSORS):  # on the device, or on the host when offloaded
-            key = self.moments[slot] if slot < len(self.moments) else None
-            parts.append(torch.cat([state[p][key].reshape(-1).to("cpu", torch.float32)
-                                    if p in state and key in state[p] else torch.zeros(p.numel())
-                                    for p in params]))
-        steps = float(state[params[0]].get("step", 1.0)) if params[0] in state else 0.0
-        parts.append(torch.tensor([steps], dtype=torch.float32))
-        return torch.cat(parts)
+    def layer_layout(self, layer_index: int) -> LayerLayout:
+        """The layout of one layer's state (`bamboo.engine.layer_state`), the same on every
+        node that builds this layer with this optimizer."""
+        if layer_index not in self._layouts:
+            self._layouts[layer_index] = layer_layout(self._layer_named(layer_index),
+                                                      self.optimizer, self._options)
+        return self._layouts[layer_index]
 
-    def load_layer_state(self, layer_index: int, vector: torch.Tensor) -> None:
-        """Set one layer's parameters and optimizer state from a `layer_state` vector."""
-        params = self._layer_params(layer_index)
-        n = sum(p.numel() for p in params)
-        if vector.numel() != 3 * n + 1:
-            raise ValueError(f"layer {layer_index}: state of {vector.numel()} values, expected "
-                             f"{3 * n + 1} (a different model or layer)")
-        vector = vector.to(self.device, torch.float32)
-        with torch.no_grad():
-            for view, p in zip(self._split(vector[:n], params), params):
-                p.copy_(view)
-        steps = float(vector[3 * n])
-        for p, a, b in zip(params, self._split(vector[n:2 * n], params),
-                           self._split(vector[2 * n:3 * n], params)):
-            if steps == 0:
-                self.optimizer.state.pop(p, None)
-            else:
-                place = to_host if self.optimizer_on_host else torch.clone
-                self.optimizer.state[p] = {"step": torch.tensor(steps, dtype=torch.float32)} | {
-                    key: place(t) for key, t in zip(self.moments, (a, b))}
+    def _live(self, layer_index: int) -> LayerState:
+        params = [p for _, p in self._layer_named(layer_index)]
+        return read_state(self.layer_layout(layer_index), params, self.optimizer,
+                          f"layer {layer_index}")
+
+    def layer_state(self, layer_index: int) -> LayerState:
+        """One layer's parameters and optimizer state as named CPU copies (the unit a
+        checkpoint stores and a node keeps between generations: layers, not stages, since
+        the partition may change)."""
+        return snapshot(self._live(layer_index))
+
+    def packed_layer(self, layer_index: int) -> torch.Tensor:
+        """One layer's state packed into one uint8 buffer on the device (what a peer sends)."""
+        return self.layer_layout(layer_index).pack(self._live(layer_index), self.device)
+
+    def load_layer_state(self, layer_index: int,
+                         state: Mapping[str, torch.Tensor] | torch.Tensor) -> None:
+        """Set one layer's parameters and optimizer state from its named tensors (a
+        checkpoint's, a `layer_state`) or its packed buffer (a peer's); ValueError (one
+        line) when they are of another model or optimizer."""
+        layout, where = self.layer_layout(layer_index), f"layer {layer_index}"
+        if isinstance(state, torch.Tensor):
+            state = layout.unpack(state, where)
+        else:
+            layout.check(state, where)
+        params = [p for _, p in self._layer_named(layer_index)]
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            if self.optimizer_on_host and t.dim() > 0:  # pinned where an accelerator is
+                return to_host(t.to(self.device))
+            return t.to(self.device, copy=True)
+        write_state(layout, params, self.optimizer, state, place)
         self._sync()
 
     def digest(self) -> str:

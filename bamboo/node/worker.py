@@ -51,7 +51,6 @@ from bamboo.node.pinning import pin_this_process
 from bamboo.config import JobConfig
 from bamboo.data.user import job_task
 from bamboo.plan.faults import Fault, FaultPlan
-from bamboo.model import layer_param_counts
 from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
                                   form_interruptibly)
 from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
@@ -131,11 +130,11 @@ class WorkerNode:
         self.options = EngineOptions.from_config(cfg)
         self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
         self.holdings: dict[int, torch.Tensor] = {}
-        """Layer -> state vector at the last generation's end (what this node can give)."""
+        """Layer -> its packed state (`StageState.packed_layer`, on the CPU) at the last
+        generation's end (what this node can give)."""
         self.holdings_step = -1
         """The step `holdings` are at (the first step not yet applied)."""
         self.faults = FaultPlan(list(spec.faults))
-        self.param_counts = layer_param_counts(self.preset)
         self.store_connections = StoreConnections(spec.store_host, spec.store_port,
                                                   self.timeout)
         """The store connections of group formations (`_former`)."""
@@ -219,7 +218,8 @@ class WorkerNode:
             self._serve_final_requests(engine)  # returns at shutdown
             return "finished"
         engine.p2p.close()
-        self.holdings = {i: st.layer_state(i) for st in engine.held() for i in st.layer_indices}
+        self.holdings = {i: st.packed_layer(i).cpu()  # a packed copy: what a transfer sends
+                         for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
         return "next"
@@ -319,8 +319,10 @@ class WorkerNode:
                 for i in st.layer_indices:
                     st.load_layer_state(i, states[i])
             return {"state_from": "checkpoint", "state_s": round(time.perf_counter() - start, 4),
-                    "state_bytes": sum(v.numel() * v.element_size() for v in states.values())}
-        received = self._transfer(plan, rank, group, {i for st in held for i in st.layer_indices})
+                    "state_bytes": sum(t.numel() * t.element_size()
+                                       for v in states.values() for t in v.values())}
+        received = self._transfer(plan, rank, group, {i: st.layer_layout(i).nbytes
+                                                      for st in held for i in st.layer_indices})
         for st in held:
             for i in st.layer_indices:
                 vector = received.get(i, self.holdings.get(i))
@@ -331,8 +333,9 @@ class WorkerNode:
                 "state_s": round(time.perf_counter() - start, 4) if got else 0.0}
 
     def _transfer(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
-                  needed: set[int]) -> dict[int, torch.Tensor]:
-        """Post this node's sends and receives of the plan; wait for all of them."""
+                  needed: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Post this node's sends and receives of the plan (`needed`: the bytes of each
+        layer's packed state this node takes); wait for all of them."""
         sends, recvs, received = [], [], {}
         p2p = P2P(group, strict=self.cfg.runtime.comm == "strict", device=self.device)
         engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
@@ -344,8 +347,7 @@ class WorkerNode:
                 if src == rank:
                     sends.append((self.holdings[layer].to(self.device), dst, key))
                 elif dst == rank:
-                    buf = torch.empty(3 * self.param_counts[layer] + 1, dtype=torch.float32,
-                                      device=self.device)
+                    buf = torch.empty(needed[layer], dtype=torch.uint8, device=self.device)
                     recvs.append((buf, src, key))
                     received[layer] = buf
             works = p2p.exchange(sends, recvs) + [(w, dst) for w, _, dst in p2p.pending]
@@ -369,13 +371,13 @@ class WorkerNode:
         first live holder (lowest pipeline) it is. Their state is copied now; the write runs
         on this node's writer thread, so the next step does not wait for storage, and the
         coordinator hears of the layers (`CheckpointPart`) once they are durable."""
-        states = {i: {"state": st.layer_state(i)}  # a CPU copy: training goes on meanwhile
+        states = {i: st.layer_state(i)  # CPU copies: training goes on meanwhile
                   for st in _first_holder_stages(engine) for i in st.layer_indices}
         if not states:
             return
         cfg, link = self.cfg, self.link
 
-        size = sum(v["state"].numel() * v["state"].element_size() for v in states.values())
+        size = sum(t.numel() * t.element_size() for v in states.values() for t in v.values())
 
         def write() -> None:
             start = time.perf_counter()

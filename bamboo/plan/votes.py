@@ -108,7 +108,10 @@ class StepReport:
     """The same, for the eager FRC forwards of the replica stage (kept the whole step; on
     the host under --frc-offload)."""
     state_bytes: int = 0
-    """Parameters and optimizer state held: every stage and the replica."""
+    """Parameters and optimizer state held, as their layer states pack them
+    (`bamboo.engine.layer_state`): every stage and the replica."""
+    params_held: int = 0
+    """Parameters held: every stage and the replica."""
     device_bytes: int = 0
     """Peak device-resident bytes of the step, by tensor accounting: every held stage's
     parameters, gradient sum and optimizer state (the replica's unless offloaded), one

@@ -5,17 +5,31 @@ Layout under a checkpoint root: a local directory, or an fsspec URL (file:///mnt
 s3://bucket/run/checkpoints, ...) that every machine reaches at the same address:
 
     ROOT/step-00000120/layer-0003/       one torch.distributed.checkpoint (DCP) folder per
-        .metadata  __0_0.distcp          layer, key `layer.3.state`: the layer's parameters,
-        layer.json                       AdamW moments and step count (3n+1 floats); and
+        .metadata  __0_0.distcp          layer, one key per entry of the layer's state
+        layer.json                       (`bamboo.engine.layer_state`), each in its own
+                                         shape and dtype, exact bits:
+                                           layer.3.param.<name>       each parameter
+                                           layer.3.held.<name>        uint8 0/1: the
+                                             optimizer holds state for it (0 before a step)
+                                           layer.3.optim.<name>.<key> each entry of that
+                                             state: a tensor (AdamW's exp_avg, exp_avg_sq,
+                                             step; amsgrad's max_exp_avg_sq; Adafactor's
+                                             row_var and col_var), or a Python number as a
+                                             float64, int64 or bool tensor of no dimension
+                                         (a layer without parameters: no key at all); and
                                          layer.json: the keys in order with shape, dtype
                                          and sha256, the size and sha256 of every file
-    ROOT/step-00000120/manifest.json     {"format": 3, "step": 120, "layers": [0, .., 11],
+    ROOT/step-00000120/manifest.json     {"format": 4, "step": 120, "layers": [0, .., 11],
                                           "meta": {...}, "sidecars": {layer: sha256},
                                           "checksum": sha256 of the rest}, written last, by
                                           the coordinator (`bamboo.run.checkpoint_integrity`)
     ROOT/LATEST                          "step-00000120"
     ROOT/final-00000200/layer-0003/      the trained model after the last step, keys
-                                         `layer.3.param.<name>`: model.pt is built from these
+                                         `layer.3.param.<name>` (none for a layer without
+                                         parameters): model.pt is built from these
+
+A checkpoint of an earlier format (3: one float32 vector of parameters, two moments and a
+step count a layer) is refused in one line naming its format.
 
 Who writes what: each stage's first live holder writes its own layers (`write_layers`, in
 the worker, on a background thread, from a copy of the state) and reports them durable;
@@ -389,13 +403,7 @@ def load_layer_tensors(path: str | Path, layer: int) -> list[tuple[str, torch.Te
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_layers(path: str | Path, layers: Iterable[int]) -> dict[int, torch.Tensor]:
-    """The state vectors (`layer.{i}.state`) of only `layers` from the checkpoint folder
-    `path` (any subset: each layer is its own folder)."""
-    out = {}
-    for i in sorted(set(layers)):
-        tensors = dict(load_layer_tensors(path, i))
-        if "state" not in tensors:
-            raise CheckpointError(f"{path}: {_layer_name(i)} holds no state vector")
-        out[i] = tensors["state"]
-    return out
+def load_layers(path: str | Path, layers: Iterable[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """The named tensors (a layer's state: `bamboo.engine.layer_state`) of only `layers`
+    from the checkpoint folder `path` (any subset: each layer is its own folder)."""
+    return {i: dict(load_layer_tensors(path, i)) for i in sorted(set(layers))}

@@ -26,16 +26,23 @@ from bamboo.run.checkpoint_storage import FsspecStore, LocalStore, why_failed
 __all__ = ["CheckpointError", "FORMAT", "SIDECAR", "MANIFEST", "file_digest", "manifest_body",
            "read_manifest", "read_sidecar", "verify_files"]
 
-FORMAT = 3
+FORMAT = 4
 """1: one torch.save file per stage, written by the coordinator. 2: one DCP folder per
 layer, written by the layer's holder. 3: format 2 with sha256 digests of every file and a
-checksum over the manifest."""
+checksum over the manifest. 4: format 3 with a layer's state as named tensors, its
+parameters and its optimizer's own per-parameter state (`bamboo.engine.layer_state`),
+where 2 and 3 held one float32 vector of parameters, two moments and a step count."""
 SIDECAR = "layer.json"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _CHUNK = 1 << 20
 
 Store = LocalStore | FsspecStore
+
+
+_OLDER = {3: " (format 3 kept a layer's state as one float32 vector: start afresh, or finish "
+              "that run with the version of bamboo that wrote it)"}
+"""What a manifest of an older format adds to its refusal."""
 
 
 class CheckpointError(RuntimeError):
@@ -93,7 +100,7 @@ def read_manifest(store: Store, d: str) -> dict:
         fmt = manifest.get("format")
         if fmt != FORMAT:
             raise CheckpointError(f"manifest.json is of format {fmt}; this version of bamboo "
-                                  f"reads format {FORMAT}")
+                                  f"reads format {FORMAT}" + _OLDER.get(fmt, ""))
         step, layers = int(manifest["step"]), [int(x) for x in manifest["layers"]]
         sidecars = {str(k): str(v) for k, v in dict(manifest["sidecars"]).items()}
         checksum = str(manifest["checksum"])

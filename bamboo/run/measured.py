@@ -56,7 +56,7 @@ def _stage_medians(steps: list[dict], P: int, path: str | Path) -> dict[int, dic
                 continue
             d = per_stage[node["stages"][0]]
             for k in ("compute_s", "frc_s", "reduce_s", "optim_s", "state_bytes",
-                      "bytes_replica"):
+                      "params_held", "bytes_replica"):
                 d.setdefault(k, []).append(float(node.get(k, 0.0)))
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in per_stage.items()}
     if any(not med[s] for s in range(P)):
@@ -86,9 +86,10 @@ def _optimizer_shares(med: dict[int, dict[str, float]], P: int,
         o = med[s]["optim_s"]
         if mode != "off":
             # bytes_replica: this stage's reduced gradient sent to the predecessor's replica
-            # (4 bytes per parameter); state_bytes: 12 bytes per parameter held, replica too.
+            # (4 bytes per parameter); params_held: every parameter held, replica too (a
+            # run recorded before it was reported: state_bytes, then 12 bytes a parameter).
             numel_own = med[s]["bytes_replica"] / 4.0
-            numel_all = med[s]["state_bytes"] / 12.0
+            numel_all = med[s]["params_held"] or med[s]["state_bytes"] / 12.0
             share = 1.0 - numel_own / numel_all if 0 < numel_own < numel_all else 0.5
             replica_optim[(s + 1) % P] = o * share
             o *= 1.0 - share

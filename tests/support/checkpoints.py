@@ -34,6 +34,12 @@ def assert_same(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def state_vectors(loaded: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """The `state` tensor of each layer `load_layers` read (what `save` wrote)."""
+    assert all(list(named) == ["state"] for named in loaded.values()), loaded
+    return {i: named["state"] for i, named in loaded.items()}
+
+
 def two_checkpoints(root) -> tuple[dict, dict]:
     """Checkpoints of steps 10 and 20 in `root`: their states (old, new)."""
     old, new = states(1), states(2)
@@ -68,5 +74,5 @@ def damage_checkpoint(newest: Path, how: str) -> str:
     if how == "old_format":
         (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
                                                           "files": {}, "meta": {}}))
-        return "manifest.json is of format 1; this version of bamboo reads format 3"
+        return "manifest.json is of format 1; this version of bamboo reads format 4"
     raise AssertionError(how)

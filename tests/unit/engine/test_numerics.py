@@ -35,7 +35,7 @@ def test_offloaded_optimizer_steps_bit_identically_and_moves_to_the_device() -> 
         replica.apply(grad, 0.5 if step % 2 else 1.0, 1e-2 * (step + 1))
         assert replica.digest() == primary.digest()
         for i in primary.layer_indices:
-            assert torch.equal(replica.layer_state(i), primary.layer_state(i))
+            assert torch.equal(replica.packed_layer(i), primary.packed_layer(i))
 
 
 @pytest.mark.timeout(60)

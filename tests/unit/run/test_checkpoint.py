@@ -1,4 +1,4 @@
-"""Durable checkpoints written by the holders (format 2: one DCP folder per layer, the
+"""Durable checkpoints written by the holders (one DCP folder per layer, the
 manifest written last by the coordinator): round trip, subsets, fallback past partial and
 broken ones, pruning, full disks, safe loading, URLs.
 
@@ -22,8 +22,8 @@ from bamboo.run.checkpoint_storage import LocalStore
 from bamboo.run.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
                                load_latest, load_layer_tensors, load_layers, publish, step_dir,
                                write_layers)
-from support.checkpoints import (LAYER_META, assert_same, damage_checkpoint, save, states,
-                                  two_checkpoints)
+from support.checkpoints import (LAYER_META, assert_same, damage_checkpoint, save, state_vectors,
+                                  states, two_checkpoints)
 
 
 def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
@@ -35,7 +35,7 @@ def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
     checksum, sidecars = manifest.pop("checksum"), manifest.pop("sidecars")
     assert manifest == {"format": ck.FORMAT, "step": 7, "layers": list(range(8)),
                         "meta": LAYER_META | {"layout": [2, 1]}}
-    assert ck.FORMAT == 3 and len(checksum) == 64 and sorted(sidecars) == [
+    assert ck.FORMAT == 4 and len(checksum) == 64 and sorted(sidecars) == [
         f"layer-{i:04d}" for i in range(8)]
     for i in range(8):  # each layer is a DCP folder of its own, under a per-layer key
         names = sorted(p.name for p in (path / f"layer-{i:04d}").iterdir())
@@ -43,9 +43,9 @@ def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):
     got = load_latest(tmp_path)
     assert (got.step, got.layers, got.warning, got.path) == (7, list(range(8)), None, path)
     assert got.meta == LAYER_META | {"layout": [2, 1]}
-    assert_same(load_layers(got.path, range(8)), vectors)
+    assert_same(state_vectors(load_layers(got.path, range(8))), vectors)
     # A later layout with another partition reads only its layers.
-    assert_same(load_layers(got.path, [5, 2, 3]), {i: vectors[i] for i in (2, 3, 5)})
+    assert_same(state_vectors(load_layers(got.path, [5, 2, 3])), {i: vectors[i] for i in (2, 3, 5)})
     assert [n for n, _ in load_layer_tensors(got.path, 4)] == ["state"]
 
 
@@ -97,7 +97,7 @@ def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, d
     with caplog.at_level(logging.WARNING, logger="bamboo.run.checkpoint"):
         got = load_latest(tmp_path)
     assert got.step == 10 and got.meta["losses"] == [3.5]
-    assert_same(load_layers(got.path, range(8)), old)
+    assert_same(state_vectors(load_layers(got.path, range(8))), old)
     assert "step-00000020" in got.warning and expected in got.warning, got.warning
     assert "resuming from step-00000010" in got.warning and "\n" not in got.warning
     assert [r.getMessage() for r in caplog.records if r.name == "bamboo.run.checkpoint"] == \
@@ -119,11 +119,11 @@ def test_corrupt_bytes_are_caught_by_sha256_when_the_layer_is_read(tmp_path):
         "resuming from step-00000010 instead")
     with pytest.raises(CheckpointError, match="layer-0003: layer.3.state is corrupt"):
         load_layers(tmp_path / "step-00000020", [3])
-    assert_same(load_layers(tmp_path / "step-00000020", [2, 4]),
+    assert_same(state_vectors(load_layers(tmp_path / "step-00000020", [2, 4])),
                 {i: states(2)[i] for i in (2, 4)})  # the other layers are fine
     got = load_latest(tmp_path, verify_data=True)
     assert got.step == 10 and "sha256 mismatch" in got.warning
-    assert_same(load_layers(got.path, range(8)), old)
+    assert_same(state_vectors(load_layers(got.path, range(8))), old)
 
 
 class _Evil:
@@ -167,7 +167,7 @@ def test_a_failed_layer_write_keeps_everything_earlier(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "step-00000020").iterdir()) == []  # no temporary
     got = load_latest(tmp_path)
     assert got.step == 10 and "step-00000020: manifest.json is missing" in got.warning
-    assert_same(load_layers(got.path, range(8)), old)
+    assert_same(state_vectors(load_layers(got.path, range(8))), old)
 
 
 def test_a_failed_manifest_write_publishes_nothing(tmp_path, monkeypatch):
@@ -229,7 +229,7 @@ def test_a_manifest_lacking_a_layer_is_skipped_like_a_broken_one(tmp_path, damag
     with caplog.at_level(logging.WARNING, logger="bamboo.run.checkpoint"):
         got = load_latest(tmp_path)
     assert got.step == 10 and got.layers == list(range(8))
-    assert_same(load_layers(got.path, range(8)), old)
+    assert_same(state_vectors(load_layers(got.path, range(8))), old)
     assert f"step-00000020: manifest.json lacks {missing}" in got.warning
     assert "resuming from step-00000010" in got.warning and "\n" not in got.warning
 
@@ -252,7 +252,7 @@ def test_a_file_url_root_works_like_a_folder(tmp_path):
     got = load_latest(root)
     assert got.step == 20 and got.path == f"{root}/step-00000020"
     assert "step-00000030: manifest.json is missing" in got.warning
-    assert_same(load_layers(got.path, [1, 6]), {i: new[i] for i in (1, 6)})
+    assert_same(state_vectors(load_layers(got.path, [1, 6])), {i: new[i] for i in (1, 6)})
     assert not [p for p in (tmp_path / "ckpt").rglob(".*tmp*")]
 
 
