@@ -97,6 +97,14 @@ class Entry:
         return f"{self.name}|{self.kind.value}|{list(self.shape)}|{self.dtype}"
 
 
+def _some(names: list[str]) -> str:
+    """`names` counted, the first three named."""
+    if not names:
+        return "no entry"
+    more = ", ..." if len(names) > 3 else ""
+    return f"{len(names)} entr{'y' if len(names) == 1 else 'ies'} ({', '.join(names[:3])}{more})"
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -130,9 +138,9 @@ class LayerLayout:
         if sorted(state) != sorted(self.names()):
             extra, missing = sorted(set(state) - set(self.names())), \
                 sorted(set(self.names()) - set(state))
-            raise ValueError(f"{where}: its state has entries {', '.join(extra) or 'none'} more "
-                             f"and {', '.join(missing) or 'none'} fewer than this model and "
-                             f"optimizer keep (a different model or optimizer)")
+            raise ValueError(f"{where}: its state has {_some(extra)} this model and optimizer "
+                             f"do not keep and lacks {_some(missing)} (a different model or "
+                             f"optimizer)")
         for e in self.entries:
             t = state[e.name]
             if tuple(t.shape) != e.shape or t.dtype != e.dtype:
