@@ -335,7 +335,7 @@ class NodeEngine:
             st.reset_grads()
         if self.replica is not None:
             assert result.replica_grad is not None
-            if o.frc_offload:  # the replica's AdamW moments live in host memory
+            if o.frc_offload:  # the replica's optimizer state lives in host memory
                 self.replica.offload_optimizer()
             self.replica.apply(result.replica_grad, coef, lr)
         s.report.grad_norm, s.report.lr = result.norm, lr

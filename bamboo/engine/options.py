@@ -37,7 +37,7 @@ class EngineOptions:
     check_replicas: bool = False
     """Report every replica's and primary's digest after every step."""
     frc_offload: bool = False
-    """Eager FRC keeps what it saves, and the replica its AdamW moments, in host memory."""
+    """Eager FRC keeps what it saves, and the replica its optimizer state, in host memory."""
     frc_at: str = "waits"
     """waits | slot: where eager FRC runs."""
     bucket_mb: float = 25.0
