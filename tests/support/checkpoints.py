@@ -75,4 +75,10 @@ def damage_checkpoint(newest: Path, how: str) -> str:
         (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
                                                           "files": {}, "meta": {}}))
         return "manifest.json is of format 1; this version of bamboo reads format 4"
+    if how == "format_3":  # written by the version that kept one float32 vector a layer
+        manifest = json.loads((newest / "manifest.json").read_text())
+        (newest / "manifest.json").write_text(json.dumps(manifest | {"format": 3}))
+        return ("manifest.json is of format 3; this version of bamboo reads format 4 (format 3 "
+                "kept a layer's state as one float32 vector: start afresh, or finish that run "
+                "with the version of bamboo that wrote it)")
     raise AssertionError(how)
