@@ -228,10 +228,10 @@ def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | Non
         raise ModelError(f"'{target}' has no function '{function}'")
     if not callable(build):
         raise ModelError(f"'{function}' in '{target}' is {type(build).__name__}, not a function")
-    _takes_vocab(build, function, vocab)
+    takes_vocab = _takes_vocab(build, function, vocab)
     try:
         with forms.seeded_build():
-            model = build() if vocab is None else build(vocab_size=vocab)
+            model = build(vocab_size=vocab) if vocab is not None and takes_vocab else build()
     except ModelError as e:
         raise ModelError(f"{function}(): {e}") from None
     except Exception as e:
@@ -242,6 +242,10 @@ def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | Non
     except ModelError as e:  # an object sent by value is the model itself, not a factory's
         raise ModelError(str(e) if isinstance(build, forms.Given)
                          else f"{function}() returned {e}") from None
+    if vocab is not None and model.vocab_size != vocab and not takes_vocab:
+        raise ModelError(f"{function}() takes no vocab_size keyword, and its model's "
+                         f"vocab_size={model.vocab_size} is not the {vocab} asked for; define "
+                         f"it as def {function}(vocab_size: int = 256) -> PipelineModel")
     if vocab is not None and model.vocab_size != vocab:
         raise ModelError(f"{function}(vocab_size={vocab}) returned a model with vocab_size="
                          f"{model.vocab_size}: pass vocab_size on to the model")
@@ -249,9 +253,9 @@ def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | Non
 
 
 def _takes_vocab(build: Callable, function: str, vocab: int | None) -> bool:
-    """Whether `build` takes the keyword `vocab_size` (a model with a vocabulary must: the
-    data's tokenizer may ask for another size); ModelError when it cannot be called as
-    bamboo calls it (with `vocab_size=vocab`, or with no argument when `vocab` is None)."""
+    """Whether `build` takes the keyword `vocab_size` (a model whose vocabulary the data's
+    tokenizer sizes must); ModelError when it cannot be called as bamboo calls it (with
+    `vocab_size=vocab` when it takes it, else with no argument)."""
     try:
         signature = inspect.signature(build)
     except (TypeError, ValueError):
@@ -261,10 +265,7 @@ def _takes_vocab(build: Callable, function: str, vocab: int | None) -> bool:
         takes = True
     except TypeError:
         takes = False
-    if vocab is not None and not takes:
-        raise ModelError(f"{function}() takes no vocab_size keyword; define it as "
-                         f"def {function}(vocab_size: int = 256) -> PipelineModel")
-    if vocab is None:
+    if vocab is None or not takes:
         try:
             signature.bind()
         except TypeError:

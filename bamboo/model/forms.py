@@ -93,13 +93,13 @@ class LayerList:
     inputs: Boundary | None = None
 
 
-def _layer_list(obj: object) -> LayerList:
-    """The layers (and ties, loss, sizes it carries) of a model form; ModelError if `obj`
-    is none."""
+def _layer_list(obj: object, by_value: bool = False) -> LayerList:
+    """The layers (and ties, loss, sizes it carries) of a model form (`by_value`: an object
+    sent by value, whose parameters must all travel); ModelError if `obj` is none."""
     if isinstance(obj, LayerList):
         return obj
     if is_pipeline_module(obj):
-        layers, ties = pipeline_module_layers(obj)  # type: ignore[arg-type]
+        layers, ties = pipeline_module_layers(obj, strict=by_value)  # type: ignore[arg-type]
         return LayerList(layers=tuple(layers), ties=ties, loss=getattr(obj, "loss_fn", None),
                          description="DeepSpeed PipelineModule")
     if is_hf_model(obj):
@@ -343,7 +343,7 @@ def layer_list(obj: object) -> PipelineModel | LayerList:
     if isinstance(obj, PipelineModel):
         return obj
     try:
-        listed = _layer_list(obj)
+        listed = _layer_list(obj, by_value=True)
     except ModelError as e:
         raise ModelError(f"{type(obj).__name__}, {e}") from None
     return replace(listed, context=getattr(obj, "context", None) or listed.context,

@@ -11,7 +11,8 @@ their attributes, so the plain forms work without it installed (bamboo.model.for
   layer i (its attribute `str(i)`) and the one module of each tied key (`tied_modules`).
   Each becomes a layer given by value (a deep copy, as an nn.Sequential's children), so
   the run starts from the object's own parameters. A PipelineModule built for several
-  stages holds only its own stage's layers: refused, naming the fix.
+  stages holds only its own stage's layers: sent by value it is refused, naming the fix;
+  a build function's gives its LayerSpecs, built anew.
 - A `TiedLayerSpec` ties its `tied_weight_attr` to the same attribute of every other
   TiedLayerSpec of its key (bamboo.model.ties), and runs through its `forward_fn` when it
   has one. Only those attributes are shared: where DeepSpeed gives the uses on one stage
@@ -159,10 +160,12 @@ def layer_factories(items: Sequence[object], deepspeed: bool,
     return factories, {key: uses for key, uses in ties.items() if len(uses) > 1}
 
 
-def pipeline_module_layers(obj: nn.Module) -> tuple[list[Factory], Ties]:
+def pipeline_module_layers(obj: nn.Module, strict: bool) -> tuple[list[Factory], Ties]:
     """The layers of a built PipelineModule, each a copy of the module it holds for it
-    (its own parameters, loaded weights included). ModelError when it was built for
-    several stages and so holds only some of its layers."""
+    (its own parameters, loaded weights included). One built for several stages holds only
+    its own stage's layers: ModelError when `strict` (an object sent by value, whose
+    parameters are the point), else its LayerSpecs, built anew (a build function's, which
+    every process calls)."""
     specs = list(obj._layer_specs)  # type: ignore[attr-defined]
     modules = dict(obj.named_children())
     built = {i: modules[str(i)] for i in range(len(specs)) if str(i) in modules}
@@ -171,8 +174,11 @@ def pipeline_module_layers(obj: nn.Module) -> tuple[list[Factory], Ties]:
         missing = (i not in built if (is_layer_spec(item) and not _is_tied(item))
                    or isinstance(item, nn.Module)
                    else _is_tied(item) and str(getattr(item, "key", "")) not in tied)
-        if missing:
+        if missing and strict:
             raise ModelError(f"it was built for several stages and holds only its own "
-                             f"stage's layers (not layer {i}): build it with num_stages=1 "
-                             f"(bamboo cuts the stages), or give its list of LayerSpecs")
+                             f"stage's layers (not layer {i}), so its parameters cannot all "
+                             f"be sent: build it with num_stages=1 (bamboo cuts the stages), "
+                             f"or give a function that builds it")
+        if missing:
+            return layer_factories(specs, deepspeed=True)
     return layer_factories(specs, deepspeed=True, built=built, tied=tied)

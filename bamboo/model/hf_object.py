@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bamboo.config.presets import drop_special_tokens
 from bamboo.model.forms_deepspeed import Copy, Ties
 from bamboo.model.pipeline import ModelError
 
@@ -69,6 +70,8 @@ def _config(obj: nn.Module) -> tuple[str, Any]:
     if not isinstance(obj, getattr(transformers, _HEADS[kind])):
         raise _refuse(f"bamboo trains a {kind} model as {_HEADS[kind]}, not {name}")
     values = obj.config.to_dict()
+    # transformers' defaults (GPT-2's 50256) outside a small vocabulary: unset, as hf: does
+    drop_special_tokens(values, values.get("vocab_size", 0), {})
     if values.get("add_cross_attention") or (kind != "gpt2" and values.get("is_decoder")):
         raise ModelError(f"{name}: decoder and cross-attention configs are not supported")
     return kind, hf_config(json.dumps(values, sort_keys=True, default=str))

@@ -98,12 +98,14 @@ def test_what_cannot_be_sent_is_refused_in_one_line(model: object, expected: str
     assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_large_model_by_value_is_refused_saying_to_give_a_factory() -> None:
+def test_a_model_over_8_mib_is_sent_by_value_with_its_parameters() -> None:
+    """Once refused over 8 MiB: now any size travels (a file here, parts to an agent)."""
     big = nn.Sequential(nn.Embedding(256, 1500), nn.Linear(1500, 1500), nn.Linear(1500, 256))
     big.context, big.vocab_size = 4, 256  # type: ignore[assignment]
-    with pytest.raises(bamboo.JobError, match=r"Job: model: Given is \d+\.\d MiB pickled, over "
-                       r"the 8 MiB an object sent by value may have: give a factory"):
-        bamboo.Job(model=big, **SHAPE)
+    ref = bamboo.Job(model=big, **SHAPE).config.model.name
+    assert len(objects.data_of(ref)) > 8 << 20
+    middle = load_model(ref).layers[1]()
+    assert torch.equal(middle.weight, big[1].weight) and middle.weight is not big[1].weight
 
 
 def test_a_factorys_error_names_the_model_by_its_hash_not_its_whole_reference() -> None:
