@@ -1,43 +1,37 @@
 """Other model forms, converted to a `PipelineModel`: an `nn.Sequential`, a list of
-modules or of zero-argument factories, and a DeepSpeed `PipelineModule` or its list of
-`LayerSpec`s (with its `loss_fn`).
+modules or of zero-argument factories, a DeepSpeed `PipelineModule` or its list of
+`LayerSpec`s (with its `loss_fn`; bamboo.model.forms_deepspeed), and a transformers
+GPT-2, Llama or BERT language model (bamboo.model.hf_object).
 
 A build function (`--model MODULE:FUNCTION`) may return any of them instead of a
 `PipelineModel`, and `pipeline_model(obj, context=..., ...)` converts one in Python.
-DeepSpeed is never imported here: its objects are recognised by their type's module and
-their attributes, so the plain forms work without it installed.
+DeepSpeed and transformers are never imported here for the plain forms: their objects are
+recognised by their type's module and attributes.
 
-- Modules given by value (the children of an `nn.Sequential`, the modules of a list) were
-  initialised when the build function made them; each layer factory returns a deep copy.
-  The build function runs in every process of a run, so `load_model` calls it with
-  torch's generator seeded by a constant (`seeded_build`): every node builds the same
-  parameters (the run's `--seed` does not change them; factories and `LayerSpec`s are
-  built under the stream of (seed, layer index) instead, like every other model).
-- Factories and `LayerSpec`s (`spec.build()`) are called for the layers a node holds.
-- A `TiedLayerSpec` ties its `tied_weight_attr` to the same attribute of every other
-  TiedLayerSpec of its key (bamboo.model.ties), and runs through its `forward_fn` when it
-  has one. Only those attributes are shared: where DeepSpeed gives the uses on one stage
-  one module, bamboo gives each use its own and ties the named parameters, which is the
-  same computation for a `forward_fn` that uses only them (the usual tied head).
-- A plain callable in a DeepSpeed layer list is a forward function (as in DeepSpeed);
-  in a bamboo list it is a zero-argument factory.
+- Modules given by value (the children of an `nn.Sequential`, the modules of a list, the
+  modules a built PipelineModule holds, a transformers model's tensors) keep the
+  parameters they hold; each layer factory returns a deep copy. A build function runs in
+  every process of a run, so `load_model` calls it with torch's generator seeded by a
+  constant (`seeded_build`): every node builds the same parameters (the run's `--seed`
+  does not change them; factories and `LayerSpec`s are built under the stream of (seed,
+  layer index) instead, like every other model).
 - The tensors between layers and the last layer's output are found by running a batch of
-  one sample of what layer 0 takes (zeros of `inputs`: `[1, context]` int64 token ids by
-  default) through the layers on the meta device (on the CPU if an op has no meta
-  kernel), unless `boundary` / `output` are given. A layer may return a tensor, or a
-  tuple or a dict of str to tensors (nesting allowed; bamboo.model.structure): its spec
-  is the same structure of `TensorSpec`s, as bamboo.model.api's start-up trace checks.
-  Each holds at least one floating-point tensor (the gradient flows back through those;
-  masks and ids travel without one). A list, None or any other value is refused.
-- `context` (tokens per sample; a model whose `inputs` are declared may have none) and
-  `vocab_size` come from the keywords, else from the object's attributes of that name, else
-  from the build function's keyword defaults;
-  `inputs` from the keyword, else the object's `inputs` attribute. A model fed token ids
-  (no `inputs`) needs a `vocab_size`; one whose `inputs` are declared may have none.
-- Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these
-  objects, or a factory no process can import (a lambda, a closure, a notebook's
-  function); every process unpickles the same bytes (`Given`), so a module's
-  parameters are the ones it had when the job was made.
+  one sample through the layers on the meta device (on the CPU if an op has no meta
+  kernel), unless `boundary` / `output` are given: zeros of the declared `inputs`, else of
+  what a Dataset's first sample hands layer 0 (`data_inputs`, as every process reads it
+  from the job: bamboo.data.user.first_inputs), else `[1, context]` int64 token ids. A
+  layer may return a tensor, or a tuple or a dict of str to tensors (nesting allowed;
+  bamboo.model.structure): its spec is the same structure of `TensorSpec`s. Each holds at
+  least one floating-point tensor (the gradient flows back through those; masks and ids
+  travel without one). A list, None or any other value is refused; a layer that fails is
+  named with its type and what it got.
+- `context` (tokens per sample) and `vocab_size` are needed only for token ids fed without
+  a Dataset: the keywords, else the object's attributes of that name, else the build
+  function's keyword defaults. `inputs`: the keyword, else the object's `inputs` attribute.
+- Sent by value (`bamboo.Job(model=<object>)`, bamboo.config.objects): any of these objects
+  as its `LayerList` (`layer_list`: the layers listed, their shapes traced in each process),
+  or a factory no process can import (a lambda, a closure, a notebook's function); every
+  process unpickles the same bytes (`Given`).
 """
 from __future__ import annotations
 
