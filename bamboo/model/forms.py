@@ -92,6 +92,10 @@ def _layer_list(obj: object, by_value: bool = False) -> LayerList:
     sent by value, whose parameters must all travel); ModelError if `obj` is none."""
     if isinstance(obj, LayerList):
         return obj
+    if isinstance(obj, PipelineModel):
+        return LayerList(layers=tuple(obj.layers), ties=dict(obj.ties), loss=obj.loss,
+                         description=obj.description, context=obj.context,
+                         vocab_size=obj.vocab_size, inputs=obj.inputs)
     if is_pipeline_module(obj):
         layers, ties = pipeline_module_layers(obj, strict=by_value)  # type: ignore[arg-type]
         return LayerList(layers=tuple(layers), ties=ties, loss=getattr(obj, "loss_fn", None),
@@ -134,10 +138,12 @@ def _positive(obj: object, name: str, given: int | None, build: Callable | None,
     if value is None and not required:
         return None
     if value is None:
-        hints = [] if _name(obj) in ("list", "tuple") else [f"set its `{name}` attribute"]
+        hints = ([] if _name(obj) in ("list", "tuple") else [f"give PipelineModel({name}=N)"]
+                 if isinstance(obj, PipelineModel) else [f"set its `{name}` attribute"])
         if build is not None and not isinstance(build, Given):
             hints.append(f"give the build function a keyword `{name}` with a default")
-        hints.append(f"return bamboo.model.forms.pipeline_model(model, {name}=N)")
+        if not isinstance(obj, PipelineModel):
+            hints.append(f"return bamboo.model.forms.pipeline_model(model, {name}=N)")
         raise ModelError(f"no {name} for the token ids it is fed without a Dataset: train it "
                          f"on a Dataset (dataset=, --dataset), whose first sample gives its "
                          f"shapes, or {', or '.join(hints)}")
@@ -250,8 +256,11 @@ def pipeline_model(obj: object, *, context: int | None = None, vocab_size: int |
     `inputs` attribute, else `data_inputs` (what a Dataset's first sample hands it), else
     `[context]` int64 token ids; `build` is the function that returned `obj` (for its
     keyword defaults). ModelError with one line when it cannot be converted."""
-    if isinstance(obj, PipelineModel):
+    if isinstance(obj, PipelineModel) and not obj.is_open:
         return obj
+    if isinstance(obj, PipelineModel):  # what it declares, its other shapes traced
+        boundary = boundary if boundary is not None else obj.boundary
+        output = output if output is not None else obj.output
     try:
         return _convert(obj, _Said(context, vocab_size, loss, boundary, output, inputs,
                                     description, build), data_inputs)

@@ -166,11 +166,16 @@ def test_bad_inputs_are_one_line(inputs: object, expected: str) -> None:
 
 
 def test_vocab_size_is_needed_only_for_the_default_next_token_output() -> None:
-    with pytest.raises(ModelError, match=r"^PipelineModel vocab_size=None is not a positive "
-                                         r"integer \(the default output is \[context, "
-                                         r"vocab_size\] next-token logits: give vocab_size, or "
-                                         r"output=TensorSpec\(\.\.\.\)\)$"):
-        PipelineModel(layers=[lambda: nn.Linear(2, 2)], context=6)
+    """Without it the model is open (its output traced when it is loaded); fed token ids
+    (no Dataset) it needs one, and the line says where to give it."""
+    open_model = PipelineModel(layers=[lambda: nn.Embedding(10, 2)], context=6)
+    assert open_model.is_open and open_model.boundaries == ()
+    with pytest.raises(ModelError, match=r"^PipelineModel, no vocab_size for the token ids it "
+                                         r"is fed without a Dataset: train it on a Dataset "
+                                         r"\(dataset=, --dataset\), whose first sample gives "
+                                         r"its shapes, or give PipelineModel\(vocab_size=N\)$"):
+        pipeline_model(open_model)
+    assert pipeline_model(open_model, vocab_size=10).boundaries == (TensorSpec((6, 2)),)
     with pytest.raises(ModelError, match=r"^PipelineModel vocab_size=0 is not a positive integer$"):
         PipelineModel(layers=[lambda: nn.Linear(2, 2)], context=6, vocab_size=0,
                       output=TensorSpec((2,)))

@@ -16,7 +16,7 @@ from torch import nn
 import bamboo
 from bamboo.config import ConfigError, JobConfig
 from bamboo.data.user import first_inputs
-from bamboo.model.api import TensorSpec, model_of
+from bamboo.model.api import PipelineModel, TensorSpec, model_of
 from bamboo.model.spec_text import Unreadable, spec_of_text, spec_text
 from support.models import write_module
 from support.your_model import IMAGES, TABULAR, TOKENS, image_model, tabular_model
@@ -135,3 +135,19 @@ def test_a_pipeline_module_built_for_several_stages_is_refused_by_value() -> Non
         "Job: model=_TwoStagePipelineModule, it was built for several stages and holds only "
         "its own stage's layers (not layer 1), so its parameters cannot all be sent: build it "
         "with num_stages=1 (bamboo cuts the stages), or give a function that builds it")
+
+
+def test_a_pipeline_model_that_declares_only_its_layers_gets_its_shapes_from_the_dataset(
+        ) -> None:
+    """No boundary, context, vocab_size, inputs or output: open until the job's Dataset
+    gives the first sample; its factories still build each layer under (seed, layer)."""
+    model = PipelineModel(layers=[lambda: nn.Linear(20, 8), lambda: nn.Linear(8, 2)],
+                          loss=nn.functional.cross_entropy)
+    assert model.is_open and model.boundaries == ()
+    p = bamboo.Job(model=model, dataset=TABULAR, **SHAPE).config.model_preset()
+    built = model_of(p)
+    assert built.boundaries == (TensorSpec((8,)), TensorSpec((2,)))
+    assert built.inputs == TensorSpec((20,)) and built.loss is not None and not built.is_open
+    with pytest.raises(bamboo.JobError, match=r"^Job: model=PipelineModel, no context for the "
+                                              r"token ids it is fed without a Dataset: "):
+        bamboo.Job(model=model, **SHAPE)
