@@ -10,7 +10,8 @@ docs/api.md) load on first use, so importing a torch-free part (`bamboo.config`,
 
 This root is also where the layers are wired: the configuration sizes a `MODULE:FUNCTION`
 model by building it, which only the model package can do, so the root installs that
-package's sizer (imported, with torch, when such a model is first sized).
+package's sizer (imported, with torch, when such a model is first sized), and the data
+package's reader of a Dataset's first sample (whose shapes such a model is built for).
 """
 from __future__ import annotations
 
@@ -26,12 +27,18 @@ __all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result", 
 _API = frozenset(__all__) - {"__version__"}
 
 
-def _size_custom_model(name: str, vocab: int | None) -> Any:
+def _size_custom_model(name: str, vocab: int | None, inputs: str = "") -> Any:
     from bamboo.model.sizing import size_custom_model
-    return size_custom_model(name, vocab)
+    return size_custom_model(name, vocab, inputs)
+
+
+def _dataset_inputs(dataset: str, collate: str | None) -> str:
+    from bamboo.data.user import first_inputs
+    return first_inputs(dataset, collate)
 
 
 _presets.set_custom_model_sizer(_size_custom_model)
+_presets.set_dataset_inputs(_dataset_inputs)
 
 
 def __getattr__(name: str) -> Any:

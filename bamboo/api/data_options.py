@@ -11,8 +11,8 @@ loss and metrics, written as the calls every process makes again (`--dataset`,
 A function or class is taken by its import path (`bamboo.api.paths`); one without (a
 lambda, a closure, a notebook's function) and an object (a small Dataset, a loss module
 such as `nn.CrossEntropyLoss(label_smoothing=0.1)`) are sent by value
-(`bamboo.config.objects`: cloudpickle, at most 8 MiB; a larger Dataset is given as the
-function that builds it). A DataLoader and an IterableDataset are refused: their order only
+(`bamboo.config.objects`: cloudpickle, every process loading it whole; a large Dataset is
+given as the function that builds it). A DataLoader and an IterableDataset are refused: their order only
 their own iteration knows, and a step must be replayable. Importable without torch (types
 are told apart by name).
 """

@@ -158,8 +158,8 @@ class Job:
 
 
 def _config_of_model(values: dict[str, Any]) -> JobConfig:
-    """`config_of(values)`, a model sent by value named in its errors by its hash's head
-    rather than its whole reference."""
+    """`config_of(values)`, a model sent by value named in its errors as `model=` (what the
+    model's own errors say) or by its hash's head rather than its whole reference."""
     from bamboo.config import objects
     ref = values.get("model")
     try:
@@ -167,7 +167,8 @@ def _config_of_model(values: dict[str, Any]) -> JobConfig:
     except JobError as e:
         if not objects.is_reference(ref):
             raise
-        text = str(e).replace(f"'{ref}'", objects.short(ref)).replace(ref, objects.short(ref))
+        text = str(e).replace(f"--model '{ref}': ", "model=")
+        text = text.replace(f"'{ref}'", objects.short(ref)).replace(ref, objects.short(ref))
         text = text.replace(f"sha256_{objects.digest_of(ref)}()", "the factory")
         raise JobError(text, *e.options) from None
 
@@ -192,7 +193,7 @@ def model_name(model: Any) -> str:
             raise JobError(f"Job: {e}", "model") from None
     raise JobError(f"Job: model= takes a preset name ('gpt2-mini'), 'MODULE:FUNCTION', a "
                    f"function that returns a model, or the model itself (a PipelineModel, an "
-                   f"nn.Sequential, a list of layers, a DeepSpeed PipelineModule; got "
+                   f"nn.Sequential, a list of layers, a DeepSpeed PipelineModule, a transformers model; got "
                    f"{type(model).__name__})", "model")
 
 
@@ -205,14 +206,14 @@ def _model_object(model: Any) -> bool:
 
 
 def _given(model: Any) -> Any:
-    """A model object as the build function the workers call (`bamboo.model.forms.Given`),
-    converted here once (a PipelineModel: what they would refuse, no context or a layer that
-    fails, is one line now, and a DeepSpeed PipelineModule travels as its layers and loss,
-    without its process groups)."""
+    """A model object as the build function the workers call (`bamboo.model.forms.Given`):
+    its layers listed here once (a DeepSpeed PipelineModule travels as its modules and
+    loss, without its process groups; a transformers model as bamboo's layers with its
+    weights), their shapes traced in each process from the job's Dataset (or token ids)."""
     from bamboo.model.api import ModelError
-    from bamboo.model.forms import Given, pipeline_model
+    from bamboo.model.forms import Given, layer_list
     try:
-        converted = pipeline_model(model, description=f"{type(model).__name__} sent by value")
+        listed = layer_list(model)
     except ModelError as e:
         raise JobError(f"Job: model={e}", "model") from None
-    return Given(converted)
+    return Given(listed)

@@ -22,7 +22,8 @@ from bamboo.config.sections import (CheckpointSection, ClusterSection, DataSecti
                                     EvaluationSection, KillSpec, LayoutSection, LoggingSection,
                                     ModelSection, RedundancySection, RuntimeSection,
                                     TrainingSection)
-from bamboo.config.presets import ModelPreset, preset, with_vocab
+from bamboo.config.presets import (ModelPreset, custom_preset, dataset_inputs, is_custom_name,
+                                   preset, with_vocab)
 
 __all__ = ["JobConfig", "SECTIONS", "all_options", "options_by_key"]
 
@@ -112,12 +113,21 @@ class JobConfig:
     def model_preset(self) -> ModelPreset:
         """The model's preset, its vocabulary that of the --data directory when there is one
         (ValueError with one line when the model cannot take it)."""
-        p = preset(self.model.name)
+        p = self._preset()
         data = self.data.path
         if data is None or p.family == "cnn" or not Path(data).is_dir():
             return p
         from bamboo.config.token_dir import read_header
         return with_vocab(p, read_header(data).vocab_size)
+
+    def _preset(self) -> ModelPreset:
+        """The model's preset; your own model trained on a Dataset built for the inputs the
+        Dataset's first sample hands it (`dataset_inputs`): its shapes come from the data."""
+        name, d = self.model.name, self.data
+        if d.dataset is None or not is_custom_name(name):
+            return preset(name)
+        inputs = dataset_inputs(d.dataset, d.collate)  # ConfigError naming --dataset
+        return custom_preset(name, None, inputs)
 
     def partition_costs(self, param_counts: list[int]) -> list[float]:
         """What stages are cut by: --layer-costs' seconds, else parameter counts."""
@@ -132,7 +142,9 @@ class JobConfig:
         """Check every option (its declaration), every section (what needs two options),
         then the job as a whole; raise ConfigError with a one-line fix."""
         try:
-            p = preset(self.model.name)
+            p = self._preset()
+        except ConfigError:
+            raise
         except ValueError as e:  # presets name the model; say which flag gave it
             text = str(e)
             raise ConfigError("--" + text if text.startswith("model ") else f"--model: {text}",

@@ -6,9 +6,9 @@ cloudpickle and found again by its SHA-256 in every process of a run.
 
 A model object (an `nn.Sequential`, a layer list, a `PipelineModel`), a lambda, a closure
 or a notebook's function cannot be imported by the workers, so `bamboo.Job` sends it by
-value: `send` pickles it (refusing in one line what cannot be pickled or loaded back,
-tensors on a GPU, and more than `MAX_BYTES`), and the reference, which names the bytes by
-their hash, takes the place of the import path in the job (`--model`, a checkpoint's meta,
+value: `send` pickles it (of any size; refusing in one line what cannot be pickled or
+loaded back, and tensors on a GPU), and the reference, which names the bytes by their
+hash, takes the place of the import path in the job (`--model`, a checkpoint's meta,
 summary.json's config). A different object is another reference, so a resume with another
 model is refused as any other model is. The digest (`digest`) is the SHA-256 of the pickle's
 instructions with its memo taken out: pickle shares an equal string by object identity,
@@ -23,8 +23,8 @@ unpickled):
 - the directories `add_dir` named (a run directory's `objects/`, written by `save`);
 - this machine's directory (`machine_dir()`: per user, mode 0700, in the temp directory),
   where `send` and `install` put them for the workers this machine starts; an agent
-  `install`s what its coordinator sent with the job (`bamboo.fleet.remote.Objects`,
-  signed with the job's token: `sign`, `verify`).
+  `install`s what its coordinator sent with the job (`bamboo.fleet.remote.Objects`, in
+  parts for a large one, signed with the job's token: `sign`, `verify`).
 
 Torch-free: unpickling a model imports torch, importing this module does not.
 """
@@ -42,17 +42,12 @@ from typing import Any
 
 from bamboo.config.options import ConfigError
 
-__all__ = ["PREFIX", "MAX_BYTES", "ObjectError", "is_reference", "send", "resolve", "data_of",
+__all__ = ["PREFIX", "ObjectError", "is_reference", "send", "resolve", "data_of",
            "digest_of", "content_digest", "short", "references", "save", "install", "forget",
            "add_dir", "add_run_dirs", "machine_dir", "sign", "verify"]
 
 PREFIX = "bamboo.config.objects:sha256_"
 """A reference is PREFIX followed by the 64 hex digits of its bytes' SHA-256."""
-
-MAX_BYTES = 8 << 20
-"""The most bytes an object sent by value may pickle to (8 MiB, about two million float32
-parameters): a larger model is given as a factory, which each node calls for its own
-layers only. It also keeps the object within one frame to an agent."""
 
 _REF = re.compile(r"bamboo\.config\.objects:sha256_([0-9a-f]{64})")
 _NAME = re.compile(r"sha256_([0-9a-f]{64})")
@@ -98,7 +93,8 @@ def digest_of(ref: str) -> str:
 def send(obj: Any, what: str) -> str:
     """The reference of `obj` pickled by value, its bytes kept in this process and this
     machine's directory. ObjectError (one line naming `what`) for an object that cannot be
-    pickled, loaded back, or is over MAX_BYTES."""
+    pickled or loaded back. Any size: the bytes go to a file in this machine's directory
+    (and the run directory's objects/), and to an agent in parts."""
     import cloudpickle
     kind = type(obj).__name__
     try:
@@ -110,11 +106,6 @@ def send(obj: Any, what: str) -> str:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ObjectError(f"{what}: {kind} cannot be sent by value ({type(e).__name__}: "
                           f"{reason}): {_FIX}", what) from None
-    if len(data) > MAX_BYTES:
-        raise ObjectError(f"{what}: {kind} is {len(data) / 2**20:.1f} MiB pickled, over the "
-                          f"{MAX_BYTES >> 20} MiB an object sent by value may have: give a "
-                          f"factory (a function returning it), which each node calls for its "
-                          f"own layers only", what)
     digest = content_digest(data)
     _sent[digest] = data
     _store(machine_dir(), digest, data)

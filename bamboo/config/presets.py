@@ -23,7 +23,8 @@ from typing import Any
 
 __all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name",
            "CAUSAL_FAMILIES", "drop_special_tokens", "custom_preset", "with_vocab",
-           "set_custom_model_sizer", "CustomModelSizer"]
+           "set_custom_model_sizer", "CustomModelSizer", "set_dataset_inputs", "dataset_inputs",
+           "is_custom_name", "DatasetInputs"]
 
 CAUSAL_FAMILIES = frozenset({"gpt2", "llama", "custom"})
 """Families trained on next-token prediction (bert is masked-LM, cnn classifies images)."""
@@ -58,6 +59,9 @@ class ModelPreset:
     """For hf: models, the transformers config as JSON; bamboo's own builders when empty."""
     hf_weights: str = ""
     """For hf: models read from a directory, the weights file their layers start from."""
+    inputs: str = ""
+    """Your own model trained on a Dataset: what its layer 0 takes per sample, as the data's
+    first sample shows it (JSON text, bamboo.model.spec_text); "" when the model says."""
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -153,15 +157,21 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     if p.family in ("gpt2", "llama", "bert"):
         return replace(p, vocab=need)
     if p.family == "custom":
-        return custom_preset(p.name, need)
+        return custom_preset(p.name, need, p.inputs)
     raise ValueError(f"model {p.name}: family '{p.family}' cannot follow the data's "
                      f"vocabulary; add it to bamboo.config.presets.with_vocab")
 
 
-CustomModelSizer = Callable[[str, int | None], ModelPreset]
-"""(`MODULE:FUNCTION`, vocab or None) -> the facts of that model, built for that vocabulary."""
+CustomModelSizer = Callable[[str, int | None, str], ModelPreset]
+"""(`MODULE:FUNCTION`, vocab or None, inputs text or "") -> the facts of that model, built
+for that vocabulary and, when given, for the inputs a Dataset's first sample shows."""
+
+DatasetInputs = Callable[[str, str | None], str]
+"""(`--dataset` text, `--collate` text or None) -> what the Dataset's first sample hands
+layer 0, per sample, as text (bamboo.model.spec_text)."""
 
 _custom_sizer: list[CustomModelSizer] = []
+_dataset_inputs: list[DatasetInputs] = []
 
 
 def set_custom_model_sizer(sizer: CustomModelSizer) -> None:
@@ -171,11 +181,32 @@ def set_custom_model_sizer(sizer: CustomModelSizer) -> None:
     custom_preset.cache_clear()
 
 
+def set_dataset_inputs(reader: DatasetInputs) -> None:
+    """Install what reads a Dataset's first sample (`bamboo.data.user`, by the package root):
+    this package cannot build a Dataset itself."""
+    _dataset_inputs[:] = [reader]
+
+
+def is_custom_name(name: str) -> bool:
+    """Whether `name` names your own model (`MODULE:FUNCTION`), not a preset or an hf: name."""
+    return ":" in name and not name.startswith(HF_PREFIX)
+
+
+def dataset_inputs(dataset: str, collate: str | None) -> str:
+    """What the Dataset `dataset` (collated by `collate`) hands layer 0 per sample, as text;
+    ValueError (one line, naming --dataset) when it cannot be read."""
+    if not _dataset_inputs:
+        raise ValueError("nothing can read a Dataset in this process; import bamboo (its root "
+                         "installs the reader)")
+    return _dataset_inputs[0](dataset, collate)
+
+
 @functools.cache
-def custom_preset(name: str, vocab: int | None = None) -> ModelPreset:
+def custom_preset(name: str, vocab: int | None = None, inputs: str = "") -> ModelPreset:
     """Your own model, `pkg.module:function` or `path/to/file.py:function` (see
-    bamboo.model.api), built for `vocab` tokens (the function's default when None), by the
-    sizer `set_custom_model_sizer` installed.
+    bamboo.model.api), built for `vocab` tokens (the function's default when None) and for
+    `inputs` (what a Dataset's first sample hands layer 0, as text; "" without a Dataset),
+    by the sizer `set_custom_model_sizer` installed.
 
     The preset's name is the import path, so `custom_preset(p.name, vocab)` re-derives it for
     another vocabulary.
@@ -183,7 +214,7 @@ def custom_preset(name: str, vocab: int | None = None) -> ModelPreset:
     if not _custom_sizer:
         raise ValueError(f"model '{name}': nothing can build a MODULE:FUNCTION model in this "
                          f"process; import bamboo (its root installs the model sizer)")
-    return _custom_sizer[0](name, vocab)
+    return _custom_sizer[0](name, vocab, inputs)
 
 
 # -- hf: models, worked out without importing torch or transformers ---------------------

@@ -28,6 +28,7 @@ from bamboo.data.sampling import position_after
 from bamboo.model.api import import_object
 
 __all__ = ["DatasetSamples", "build_dataset", "build_function", "job_task", "check_job_data",
+           "first_inputs",
            "data_position", "check_resume_position", "REPLAYABLE"]
 
 REPLAYABLE = ("a step must be replayable: bamboo picks every step's sample indices itself, so "
@@ -174,15 +175,34 @@ def check_job_data(cfg: JobConfig) -> None:
         _check_on_outputs(cfg, task)
 
 
+@functools.cache
+def first_inputs(dataset: str, collate: str | None) -> str:
+    """What the Dataset `dataset` hands layer 0 per sample, as text (bamboo.model.spec_text):
+    its first sample made a micro-batch of one by `collate` (torch's default_collate when
+    None). Every process reads the same: the shapes of a model trained on it come from here.
+    A Dataset that cannot be read gives why (`unreadable_text`): `check_job_data` says it in
+    its own words, and a model that needs the shapes is refused with it."""
+    from bamboo.model.pipeline import ModelError
+    from bamboo.model.spec_text import sample_spec, spec_text, unreadable_text
+    try:
+        samples = DatasetSamples(build_dataset(dataset), collate=build_function(
+            collate, "--collate") if collate else None)
+        return spec_text(sample_spec(samples.batch([0], val=False).inputs))
+    except (ConfigError, ModelError) as e:
+        return unreadable_text(str(e))
+    except Exception as e:  # noqa: BLE001 - the user's code
+        return unreadable_text(f"--dataset: its first sample failed: {_line(e)}")
+
+
 def _model_inputs(cfg: JobConfig) -> tuple[Any, bool] | None:
     """(what the job's model's layer 0 takes per sample, whether the model declares it), or
     None for bamboo's presets, which declare nothing (a GPT-2 takes token ids up to its
     context, the CNN images of its own): only your model can be told what it takes."""
-    from bamboo.model.api import load_model
+    from bamboo.model.api import model_of
     p = cfg.model_preset()
     if p.family != "custom":
         return None
-    model = load_model(p.name, p.vocab)
+    model = model_of(p)
     return model.input_spec, model.inputs is not None
 
 

@@ -144,6 +144,8 @@ class _Session:
         self.reported: set[int] = set()
         self.had_job = False
         self.all_done = False
+        self.object_parts: dict[str, list[bytes]] = {}
+        """The parts received so far of each large object sent by value (`Objects`)."""
 
     def send(self, msg: Any) -> None:
         self.channel.send(msg)
@@ -230,11 +232,12 @@ class _Session:
         coordinator is not trusted: the agent ends) when one fails its checks."""
         from bamboo.config.objects import ObjectError
         try:
-            kept = install_objects(msg, self.opts.token)
+            kept = install_objects(msg, self.opts.token, self.object_parts)
         except (ObjectError, OSError) as e:
             self.opts.say(f"refused the job's objects: {e}")
             return "refused"
-        self.opts.say(f"received {len(kept)} object(s) sent by value")
+        if kept:
+            self.opts.say(f"received {len(kept)} object(s) sent by value")
         return None
 
     def _forward(self, w: _Worker) -> None:

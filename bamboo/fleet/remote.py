@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from bamboo.config.join import JoinConfig
 
 __all__ = ["JoinError", "write_join_token", "open_join", "AgentListener",
-           "RemoteAgent", "RemoteProcess", "register_wire_types", "Objects", "objects_message",
+           "RemoteAgent", "RemoteProcess", "register_wire_types", "Objects", "objects_messages", "CHUNK_BYTES",
            "install_objects"]
 
 HANDSHAKE_S = 10.0
@@ -56,36 +56,60 @@ class JoinError(RuntimeError):
 class Objects:
     """The objects a job sent by value (bamboo.config.objects), sent to an agent before the
     first `Job` that names them: {reference: [base64 of the bytes, HMAC-SHA256 of the
-    reference and bytes under the job's token]}. The agent checks both before it keeps them
-    (`install_objects`): it unpickles only what the holder of its token sent."""
+    reference and the whole bytes under the job's token]}. The agent checks both before it
+    keeps them (`install_objects`): it unpickles only what the holder of its token sent.
+    An object over `CHUNK_BYTES` travels in `parts` messages of one reference each, part
+    `part` holding that slice of its bytes; the agent keeps it once the last part is in."""
 
     objects: dict
+    part: int = 0
+    parts: int = 1
 
+
+CHUNK_BYTES = 6 << 20
+"""The most bytes of objects one message carries: base64 makes them 8 MiB, within a frame
+(bamboo.wire.frames.MAX_FRAME). A larger object is cut into chunks of this size."""
 
 _TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The join token each admitted agent's channel proved (to sign what it is sent)."""
 
 
-def objects_message(config: Any, token: str, sent: set[str]) -> Objects | None:
-    """The `Objects` of `config`'s by-value references not in `sent` (which gains them), or
-    None when there are none."""
+def objects_messages(config: Any, token: str, sent: set[str]) -> list[Objects]:
+    """The `Objects` messages of `config`'s by-value references not in `sent` (which gains
+    them): small ones together, up to `CHUNK_BYTES` a message; each larger one in parts."""
     import base64
 
     from bamboo.config import objects
     refs = [r for r in objects.references(config.to_dict()) if r not in sent]
-    if not refs:
-        return None
-    out = {}
+    messages: list[Objects] = []
+    batch: dict[str, list[str]] = {}
+    size = 0
     for ref in refs:
         data = objects.data_of(ref)
-        out[ref] = [base64.b64encode(data).decode(), objects.sign(token, ref, data)]
+        mac = objects.sign(token, ref, data)
+        if len(data) > CHUNK_BYTES:
+            parts = -(-len(data) // CHUNK_BYTES)
+            messages += [Objects(objects={ref: [base64.b64encode(
+                data[k * CHUNK_BYTES:(k + 1) * CHUNK_BYTES]).decode(), mac]}, part=k,
+                parts=parts) for k in range(parts)]
+            continue
+        if batch and size + len(data) > CHUNK_BYTES:
+            messages.append(Objects(objects=batch))
+            batch, size = {}, 0
+        batch[ref] = [base64.b64encode(data).decode(), mac]
+        size += len(data)
+    if batch:
+        messages.append(Objects(objects=batch))
     sent.update(refs)
-    return Objects(objects=out)
+    return messages
 
 
-def install_objects(msg: Objects, token: str) -> list[str]:
+def install_objects(msg: Objects, token: str, pending: dict[str, list[bytes]] | None = None
+                    ) -> list[str]:
     """An agent's side: each object checked (signature, hash) and kept on this machine for
-    its workers; the references kept. ObjectError (one line) for one that fails a check."""
+    its workers; the references kept. A part of a larger object waits in `pending` (the
+    agent's, across messages) until its last part arrives. ObjectError (one line) for one
+    that fails a check."""
     import base64
     import binascii
 
@@ -97,10 +121,30 @@ def install_objects(msg: Objects, token: str) -> list[str]:
             data = base64.b64decode(encoded, validate=True)
         except (TypeError, ValueError, binascii.Error):
             raise objects.ObjectError(f"a malformed object {str(ref)[:80]!r}") from None
+        if msg.parts > 1:
+            data = _joined(ref, data, msg, {} if pending is None else pending)
+            if data is None:
+                continue
         objects.verify(token, ref, data, mac)
         objects.install(ref, data)
         kept.append(ref)
     return kept
+
+
+def _joined(ref: str, data: bytes, msg: Objects, pending: dict[str, list[bytes]]
+            ) -> bytes | None:
+    """The whole bytes of `ref` once part `msg.part` (the last) is in, else None (kept in
+    `pending`); ObjectError for a part out of order."""
+    from bamboo.config import objects
+    parts = pending.setdefault(ref, [])
+    if msg.part != len(parts) or len(msg.objects) != 1:
+        pending.pop(ref, None)
+        raise objects.ObjectError(f"part {msg.part} of the object {str(ref)[:80]!r} came out of "
+                                  f"order")
+    parts.append(data)
+    if msg.part < msg.parts - 1:
+        return None
+    return b"".join(pending.pop(ref))
 
 
 def write_join_token(path: Path, token: str | None = None) -> str:
@@ -289,8 +333,7 @@ class RemoteAgent:
         k = self.free.pop(0)
         process = RemoteProcess(self, k, slot)
         self.workers[k] = process
-        objects = objects_message(spec.config, self.token or "", self.objects_sent)
-        if objects is not None:
+        for objects in objects_messages(spec.config, self.token or "", self.objects_sent):
             self.send(objects)
         self.send(Job(worker=k, spec=spec, etcd=etcd, lease_s=lease_s))
         return process

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.api import custom_layer, load_model
+from bamboo.model.api import custom_layer, model_of
 from bamboo.model.bert import bert_layer
 from bamboo.model.cnn import _block_widths, cnn_layer
 from bamboo.model.gpt2 import gpt2_layer
@@ -38,7 +38,7 @@ __all__ = [
 
 def _custom_layer(p: ModelPreset, index: int) -> nn.Module:
     """Your own model's layer (bamboo.model.api), built for the preset's vocabulary."""
-    return custom_layer(load_model(p.name, p.vocab), index)
+    return custom_layer(model_of(p), index)
 
 
 _BUILDERS: dict[str, Callable[[ModelPreset, int], nn.Module]] = {
@@ -125,7 +125,7 @@ def _seeded_layer(p: ModelPreset, index: int, seed: int) -> nn.Module:
 
 def model_ties(p: ModelPreset) -> tuple[Tie, ...]:
     """The tied weights of preset `p` (a model of your own may declare them)."""
-    return load_model(p.name, p.vocab).ties if p.family == "custom" else ()
+    return model_of(p).ties if p.family == "custom" else ()
 
 
 def build_layer(p: ModelPreset, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
@@ -161,7 +161,7 @@ def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
         with shapes_only():
             return hf_layer(p, index, init=False)
     if p.family == "custom":
-        load_model(p.name, p.vocab)  # outside: a build function may make modules by value
+        model_of(p)  # outside: a build function may make modules by value
         try:
             with shapes_only():
                 return _custom_layer(p, index)
@@ -187,7 +187,7 @@ def boundary_shapes(p: ModelPreset, micro_batch_size: int
     """
     b = micro_batch_size
     if p.family == "custom":
-        return [boundary_spec(spec, b) for spec in load_model(p.name, p.vocab).boundaries]
+        return [boundary_spec(spec, b) for spec in model_of(p).boundaries]
     if p.family == "cnn":
         shapes, size = [(b, p.channels, p.image_size, p.image_size)], p.image_size
         for _, c_out, stride in _block_widths(p):
@@ -204,7 +204,7 @@ def loss_fn(p: ModelPreset) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     if p.family == "cnn":
         return F.cross_entropy
     if p.family == "custom":
-        return load_model(p.name, p.vocab).loss
+        return model_of(p).loss
 
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),

@@ -116,13 +116,15 @@ from torch import nn
 
 from bamboo.model import forms
 from bamboo.model.meta import shapes_only
-from bamboo.model.pipeline import (ModelError, PipelineModel, TensorSpec, describe_spec,
-                                   next_token_loss, zeros_of)
+from bamboo.config.presets import ModelPreset
+from bamboo.model.pipeline import (Boundary, ModelError, PipelineModel, TensorSpec,
+                                   describe_spec, next_token_loss, zeros_of)
+from bamboo.model.spec_text import Unreadable, spec_of_text
 from bamboo.model.structure import StructureError, Treedef, describe, flatten, float32
 from bamboo.model.ties import TieError, check_shapes, get_param, uses_at
 
 __all__ = ["PipelineModel", "TensorSpec", "ModelError", "next_token_loss", "load_model",
-           "custom_layer", "import_object"]
+           "custom_layer", "import_object", "model_of"]
 
 
 class _RunError(ModelError):
@@ -191,21 +193,29 @@ def _one_line(e: BaseException) -> str:
 
 
 @functools.cache
-def load_model(name: str, vocab: int | None = None) -> PipelineModel:
+def load_model(name: str, vocab: int | None = None, inputs: str = "") -> PipelineModel:
     """The model of `name` (MODULE:FUNCTION), built for `vocab` tokens (the function's
-    default when None or 0, a preset's vocabulary for a model without one), with its
-    layers and declared shapes checked on the meta device. ValueError with one line when
-    anything is wrong."""
+    default when None or 0, a preset's vocabulary for a model without one) and for `inputs`
+    (what a Dataset's first sample hands layer 0, as bamboo.model.spec_text writes it; ""
+    without a Dataset), with its layers and shapes checked on the meta device. ValueError
+    with one line when anything is wrong."""
     vocab = vocab or None
     try:
-        model = _load(name, vocab)
+        model = _load(name, vocab, spec_of_text(inputs) if inputs else None)
         _check_shapes(model)
     except ModelError as e:
         raise ModelError(f"model '{name}': {e}") from None
     return model
 
 
-def _load(name: str, vocab: int | None) -> PipelineModel:
+def model_of(p: ModelPreset) -> PipelineModel:
+    """The model of your own model's preset `p` (`load_model` of its name, vocabulary and
+    inputs): what every process builds its layers from."""
+    return load_model(p.name, p.vocab, p.inputs)
+
+
+def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | None
+          ) -> PipelineModel:
     target, function = split_name(name)
     try:
         module = _import(target)
@@ -221,19 +231,21 @@ def _load(name: str, vocab: int | None) -> PipelineModel:
     takes_vocab = _takes_vocab(build, function, vocab)
     try:
         with forms.seeded_build():
-            model = build() if vocab is None else build(vocab_size=vocab)
+            model = build(vocab_size=vocab) if vocab is not None and takes_vocab else build()
     except ModelError as e:
         raise ModelError(f"{function}(): {e}") from None
     except Exception as e:
         raise ModelError(f"{function}() raised {_one_line(e)}") from None
     try:  # another form (nn.Sequential, a layer list, DeepSpeed's): converted
-        model = forms.pipeline_model(model, vocab_size=vocab, build=build)
-    except ModelError as e:
-        raise ModelError(f"{function}() returned {e}") from None
-    if not takes_vocab and model.vocab_size is not None:
-        raise ModelError(f"{function}() takes no vocab_size keyword but its model has "
-                         f"vocab_size={model.vocab_size}; define it as def {function}("
-                         f"vocab_size: int = {model.vocab_size}) and pass it on to the model")
+        model = forms.pipeline_model(model, vocab_size=vocab, build=build,
+                                     data_inputs=data_inputs)
+    except ModelError as e:  # an object sent by value is the model itself, not a factory's
+        raise ModelError(str(e) if isinstance(build, forms.Given)
+                         else f"{function}() returned {e}") from None
+    if vocab is not None and model.vocab_size != vocab and not takes_vocab:
+        raise ModelError(f"{function}() takes no vocab_size keyword, and its model's "
+                         f"vocab_size={model.vocab_size} is not the {vocab} asked for; define "
+                         f"it as def {function}(vocab_size: int = 256) -> PipelineModel")
     if vocab is not None and model.vocab_size != vocab:
         raise ModelError(f"{function}(vocab_size={vocab}) returned a model with vocab_size="
                          f"{model.vocab_size}: pass vocab_size on to the model")
@@ -241,9 +253,9 @@ def _load(name: str, vocab: int | None) -> PipelineModel:
 
 
 def _takes_vocab(build: Callable, function: str, vocab: int | None) -> bool:
-    """Whether `build` takes the keyword `vocab_size` (a model with a vocabulary must: the
-    data's tokenizer may ask for another size); ModelError when it cannot be called as
-    bamboo calls it (with `vocab_size=vocab`, or with no argument when `vocab` is None)."""
+    """Whether `build` takes the keyword `vocab_size` (a model whose vocabulary the data's
+    tokenizer sizes must); ModelError when it cannot be called as bamboo calls it (with
+    `vocab_size=vocab` when it takes it, else with no argument)."""
     try:
         signature = inspect.signature(build)
     except (TypeError, ValueError):
@@ -253,15 +265,15 @@ def _takes_vocab(build: Callable, function: str, vocab: int | None) -> bool:
         takes = True
     except TypeError:
         takes = False
-    if vocab is not None and not takes:
-        raise ModelError(f"{function}() takes no vocab_size keyword; define it as "
-                         f"def {function}(vocab_size: int = 256) -> PipelineModel")
-    if vocab is None:
+    if vocab is None or not takes:
         try:
             signature.bind()
         except TypeError:
-            raise ModelError(f"{function}() has a parameter without a default; give "
-                             f"vocab_size (and any other) a default") from None
+            required = [n for n, q in signature.parameters.items()
+                        if q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+            raise ModelError(f"{function}() has a parameter without a default "
+                             f"({', '.join(required)}): bamboo calls it with none, so give "
+                             f"each a default") from None
     return takes
 
 

@@ -95,7 +95,8 @@ class PipelineModel:
     context: int | None = None
     """Positions per sample (tokens, patches): the default `inputs` and `output` are per
     token, and the memory estimate counts activations per position. A model that declares
-    both its `inputs` and its `output` (an image classifier) may leave it out: it is then 1."""
+    both its `inputs` and its `output` (an image classifier) may leave it out: it is then 1;
+    one trained on a Dataset may too (its shapes come from the first sample)."""
     vocab_size: int | None = None
     """Token ids are 0..vocab_size-1; needed for the default `output` (next-token logits),
     and for bamboo's own byte-token data (the synthetic language, text files)."""
@@ -112,7 +113,8 @@ class PipelineModel:
     `{"embed": [(0, "weight"), (5, "weight")]}` for an embedding reused as the head
     (bamboo.model.ties: the copies start equal and their gradients are added)."""
     boundaries: tuple[Boundary, ...] = field(init=False, repr=False)
-    """The output of every layer (len(layers) specs, the last one `output`)."""
+    """The output of every layer (len(layers) specs, the last one `output`); empty while
+    the model `is_open`."""
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -128,26 +130,36 @@ class PipelineModel:
                                  f"lambda: nn.Linear(d, d))")
         if self.context is None and self.inputs is not None and self.output is not None:
             object.__setattr__(self, "context", 1)
-        _positive("context", self.context, "" if self.context is not None else
-                  " (tokens per sample: give context=N, or declare both inputs=TensorSpec(...) "
-                  "and output=TensorSpec(...), as an image classifier does)")
-        if self.vocab_size is not None or self.output is None:
-            _positive("vocab_size", self.vocab_size, " (the default output is "
-                      "[context, vocab_size] next-token logits: give vocab_size, or "
-                      "output=TensorSpec(...))" if self.vocab_size is None else "")
+        if self.context is not None:
+            _positive("context", self.context)
+        if self.vocab_size is not None:
+            _positive("vocab_size", self.vocab_size)
         if not callable(self.loss):
             raise ModelError(f"PipelineModel loss is {type(self.loss).__name__}, not a callable "
                              f"(output, targets) -> scalar mean loss")
-        output = self.output or TensorSpec((self.context, self.vocab_size))
-        check_spec(output, "output")
-        if self.inputs is not None:
-            check_spec(self.inputs, "inputs")
+        for spec, what in ((self.output, "output"), (self.inputs, "inputs")):
+            if spec is not None:
+                check_spec(spec, what)
         object.__setattr__(self, "layers", tuple(layers))
         try:
             object.__setattr__(self, "ties", check_ties(self.ties, len(layers)))
         except TieError as e:
             raise ModelError(f"PipelineModel {e}") from None
+        if self.is_open:  # its shapes are traced when it is loaded (bamboo.model.forms)
+            object.__setattr__(self, "boundaries", ())
+            return
+        output = self.output or TensorSpec((self.context, self.vocab_size))
         object.__setattr__(self, "boundaries", (*self._inner_boundaries(), output))
+
+    @property
+    def is_open(self) -> bool:
+        """Whether some shapes are left to be traced: no `boundary` between several layers,
+        or no `context` or `vocab_size` where the default inputs or output need one. Such a
+        model gets them when it is loaded, from a Dataset's first sample or from token ids
+        (`bamboo.model.forms.pipeline_model`); `boundaries` is empty until then."""
+        return ((self.boundary is None and len(self.layers) > 1)
+                or (self.context is None and (self.inputs is None or self.output is None))
+                or (self.output is None and self.vocab_size is None))
 
     @property
     def input_spec(self) -> Boundary:

@@ -45,7 +45,9 @@ BAD = {
                      "build() raised RuntimeError: no GPU here"),
     "not a PipelineModel": ("def build(vocab_size=256):\n    return {'layers': []}\n", "build",
                             "build() returned dict, not a bamboo.model.api.PipelineModel"),
-    "no vocab_size keyword": (tiny_model(signature=""), "build", "takes no vocab_size keyword"),
+    "uses a vocab_size it does not take": (tiny_model(signature=""), "build",
+                                           "layer 0's factory raised NameError: name "
+                                           "'vocab_size' is not defined"),
     "vocab_size without a default": (tiny_model(signature="vocab_size: int"), "build",
                                      "has a parameter without a default"),
     "zero layers": (tiny_model(layers="[]"), "build", "PipelineModel has no layers"),

@@ -76,7 +76,9 @@ class TiedLayerSpec(LayerSpec):
 
 class PipelineModule(nn.Module):
     """A stand-in with DeepSpeed's PipelineModule attributes (`_layer_specs`, `loss_fn`), its
-    type's module DeepSpeed's; the real one (it needs torch.distributed) is converted in
+    type's module DeepSpeed's, built on one stage as DeepSpeed's `_build` builds it (layer
+    i's module registered as `str(i)`, one module per tied key in `tied_modules`); the real
+    one (it needs torch.distributed) is converted in
     tests/integration/test_model_forms_runs.py."""
 
     __module__ = "deepspeed.runtime.pipe.module"
@@ -84,6 +86,15 @@ class PipelineModule(nn.Module):
     def __init__(self, layers: list, loss_fn: object) -> None:
         super().__init__()
         self._layer_specs, self.loss_fn = list(layers), loss_fn
+        self.tied_modules = nn.ModuleDict()
+        for i, layer in enumerate(self._layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+            elif isinstance(layer, LayerSpec):
+                self.add_module(str(i), layer.build())
+            elif isinstance(layer, nn.Module):
+                self.add_module(str(i), layer)
 
 
 class Pairs(nn.Module):
@@ -340,7 +351,8 @@ def test_a_classifier_s_loss_meets_its_labels_in_the_run_a_per_token_one_at_star
      "through it (end the layer in a float, or add one)"),
     ([nn.Embedding(30, 4), nn.Linear(5, 30)],
      "list, cannot find the tensors between layers on a [1, 3] batch of token ids (layer 1 "
-     "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+     "(Linear) got float32 [1, 3, 4] and raised RuntimeError: mat1 and mat2 shapes cannot be "
+     "multiplied"),
     ([nn.Identity(), nn.Embedding(30, 4)], "list, layer 0 hands on torch.int64, not "
                                            "floating point"),
 ])
@@ -352,10 +364,14 @@ def test_what_cannot_be_converted_is_one_line(layers: list, expected: str) -> No
 
 
 def test_where_context_and_vocabulary_are_missing_the_line_says_what_to_add() -> None:
-    with pytest.raises(ModelError, match=r"^list, no context: give the build function a "
-                                         r"keyword `context` with a default, or return "):
+    with pytest.raises(ModelError, match=r"^list, no context for the token ids it is fed "
+                                         r"without a Dataset: train it on a Dataset \(dataset=, "
+                                         r"--dataset\), whose first sample gives its shapes, or "
+                                         r"return bamboo\.model\.forms\.pipeline_model\(model, "
+                                         r"context=N\)$"):
         pipeline_model([nn.Embedding(30, 4)], vocab_size=30)
-    with pytest.raises(ModelError, match=r"^Sequential, no vocab_size: set its `vocab_size` "
+    with pytest.raises(ModelError, match=r"^Sequential, no vocab_size for the token ids it is "
+                                         r"fed without a Dataset: .* or set its `vocab_size` "
                                          r"attribute, "):
         pipeline_model(nn.Sequential(nn.Embedding(30, 4)), context=3)
     with pytest.raises(ModelError, match=r"^Linear, one nn.Module, which bamboo cannot cut"):
@@ -373,19 +389,19 @@ def test_a_model_that_declares_its_inputs_needs_no_context() -> None:
     direct = PipelineModel(layers=[lambda: nn.Linear(2, 3)], inputs=TensorSpec((2,)),
                            output=TensorSpec((3,)))
     assert direct.context == 1
-    with pytest.raises(ModelError, match=r"^PipelineModel context=None is not a positive "
-                                         r"integer \(tokens per sample: give context=N, or "
-                                         r"declare both inputs=TensorSpec\(...\) and "
-                                         r"output=TensorSpec\(...\), as an image classifier "
-                                         r"does\)$"):
-        PipelineModel(layers=[lambda: nn.Linear(2, 3)], inputs=TensorSpec((2,)), vocab_size=3)
+    traced = PipelineModel(layers=[lambda: nn.Linear(2, 3)], inputs=TensorSpec((2,)),
+                           vocab_size=3)  # no output: open, traced when it is loaded
+    assert traced.is_open
+    assert pipeline_model(traced).boundaries == (TensorSpec((3,)),)
+    assert pipeline_model(traced).context == 1
 
 
 def test_a_build_function_returning_another_form_is_refused_in_one_line(tmp_path: Path) -> None:
     source = "from torch import nn\n\ndef build(vocab_size: int = 256):\n" \
              "    return [nn.Embedding(vocab_size, 4), nn.Linear(4, vocab_size)]\n"
     name = f"{write_module(tmp_path, 'forms_no_context', source)}:build"
-    with pytest.raises(ModelError, match=r"^model '.*': build\(\) returned list, no context: "):
+    with pytest.raises(ModelError, match=r"^model '.*': build\(\) returned list, no context "
+                                         r"for the token ids it is fed without a Dataset: "):
         load_model(name)
 
 

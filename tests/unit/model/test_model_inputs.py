@@ -102,6 +102,16 @@ def per_position(vocab_size: int = 256):
                          loss=regression_loss)
 
 
+class Samples(torch.utils.data.Dataset):
+    \"\"\"Two blank images, class 0.\"\"\"
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.zeros(3, 8, 8), 0
+
+
 def sequential():
     model = nn.Sequential(Conv(), nn.Flatten(), nn.Linear(32, 3))
     model.context, model.inputs = 4, TensorSpec((3, 8, 8))
@@ -156,11 +166,16 @@ def test_bad_inputs_are_one_line(inputs: object, expected: str) -> None:
 
 
 def test_vocab_size_is_needed_only_for_the_default_next_token_output() -> None:
-    with pytest.raises(ModelError, match=r"^PipelineModel vocab_size=None is not a positive "
-                                         r"integer \(the default output is \[context, "
-                                         r"vocab_size\] next-token logits: give vocab_size, or "
-                                         r"output=TensorSpec\(\.\.\.\)\)$"):
-        PipelineModel(layers=[lambda: nn.Linear(2, 2)], context=6)
+    """Without it the model is open (its output traced when it is loaded); fed token ids
+    (no Dataset) it needs one, and the line says where to give it."""
+    open_model = PipelineModel(layers=[lambda: nn.Embedding(10, 2)], context=6)
+    assert open_model.is_open and open_model.boundaries == ()
+    with pytest.raises(ModelError, match=r"^PipelineModel, no vocab_size for the token ids it "
+                                         r"is fed without a Dataset: train it on a Dataset "
+                                         r"\(dataset=, --dataset\), whose first sample gives "
+                                         r"its shapes, or give PipelineModel\(vocab_size=N\)$"):
+        pipeline_model(open_model)
+    assert pipeline_model(open_model, vocab_size=10).boundaries == (TensorSpec((6, 2)),)
     with pytest.raises(ModelError, match=r"^PipelineModel vocab_size=0 is not a positive integer$"):
         PipelineModel(layers=[lambda: nn.Linear(2, 2)], context=6, vocab_size=0,
                       output=TensorSpec((2,)))
@@ -229,7 +244,7 @@ def test_forms_take_inputs_as_a_keyword_or_an_attribute(models: str) -> None:
     by_attribute = load_model(f"{models}:sequential")
     assert by_attribute.inputs == TensorSpec((3, 8, 8)) and by_attribute.vocab_size is None
     assert by_attribute.boundaries[-1] == TensorSpec((3,))
-    with pytest.raises(ModelError, match=r"^Sequential, no vocab_size: "):
+    with pytest.raises(ModelError, match=r"^Sequential, no vocab_size for the token ids "):
         pipeline_model(nn.Sequential(nn.Embedding(30, 4)), context=3)  # token ids: needs one
 
 
@@ -238,7 +253,8 @@ def test_forms_say_what_they_fed_when_the_shapes_cannot_be_found() -> None:
     with pytest.raises(ModelError) as e:
         pipeline_model(seq, context=1, inputs=TensorSpec((3, 8, 8)))
     assert ("Sequential, cannot find the tensors between layers on a batch of one sample of "
-            "its inputs float32 [3, 8, 8] (layer 1 failed: RuntimeError: ") in str(e.value)
+            "its inputs float32 [3, 8, 8] (layer 1 (Linear) got float32 [1, 2, 6, 6] and raised "
+            "RuntimeError: ") in str(e.value)
     with pytest.raises(ModelError, match=r"^Sequential, PipelineModel inputs is list, not a "):
         pipeline_model(seq, context=1, inputs=[TensorSpec((3, 8, 8))])
 
@@ -267,5 +283,5 @@ def test_a_dataset_job_needs_no_byte_vocabulary(models: str, tmp_path: Path) -> 
     text.write_text("some text to train on " * 20)
     with pytest.raises(ConfigError, match=r"vocab_size=10 is too small for byte tokens 0\.\.255"):
         _job(model=f"{models}:pairs", data=str(text)).validate()
-    _job(model=f"{models}:images", dataset="torch.utils.data:TensorDataset()").validate()
-    _job(model=f"{models}:pairs", dataset="torch.utils.data:TensorDataset()").validate()
+    _job(model=f"{models}:images", dataset=f"{models}:Samples()").validate()
+    _job(model=f"{models}:pairs", dataset=f"{models}:Samples()").validate()
