@@ -89,7 +89,8 @@ def test_a_stopped_run_leaves_only_whole_checkpoints_and_final_folders(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["layer_missing", "truncated", "no_metadata", "no_sidecar",
-                                    "no_manifest", "bad_manifest", "old_format"])
+                                    "no_manifest", "bad_manifest", "old_format",
+                                    "manifest_keys", "sidecar_keys"])
 def test_a_partial_newest_falls_back_to_the_newest_whole_and_says_so(tmp_path, damage, caplog):
     old, _ = two_checkpoints(tmp_path)
     expected = damage_checkpoint(tmp_path / "step-00000020", damage)
