@@ -383,7 +383,7 @@ class WorkerNode:
             try:
                 written = write_layers(step_dir(checkpoint_location(cfg), step), states)
                 error = None
-            except Exception as e:  # noqa: BLE001 - a full disk: a warning, not a crash
+            except Exception as e:  # noqa: BLE001 - a full disk: reported, the coordinator stops
                 written, error = [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
             link.report(CheckpointPart, step=step, layers=written, error=error,
                         bytes=size if error is None else 0,
