@@ -146,11 +146,12 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
         except (OSError, ValueError):
             done = {}
         check_same_job(cfg, done.get("config") or {}, f"--resume auto: the run in {out}")
-        if done.get("status") == "completed" and \
-                done.get("steps_completed", -1) >= cfg.training.steps:
-            print(f"{prog}: the run in {out} already completed {cfg.training.steps} steps; "
-                  f"nothing to do (pass more --steps, or another --out for a new run)",
-                  file=sys.stderr)
+        completed = done.get("steps_completed")
+        if done.get("status") == "completed" and isinstance(completed, int) and \
+                completed >= cfg.training.steps:
+            print(f"{prog}: the run in {out} already completed {completed} steps; nothing to "
+                  f"do (pass more {_said(prog, '--steps')}, or another {_said(prog, '--out')} "
+                  f"for a new run)", file=sys.stderr)
             return None, False
     from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.run.runlog import checkpoint_root
@@ -162,6 +163,15 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
         except CheckpointError as e:  # every one unusable: say so, then start over
             print(f"{prog}: warning: --resume auto: {e}; starting from step 0", file=sys.stderr)
     return cfg.replace(resume=None), out.exists()
+
+
+_API_WORDS = {"--steps": "steps=", "--out": "out=", "--resume": "resume="}
+"""What `bamboo.train`'s caller calls a flag named in a message."""
+
+
+def _said(prog: str, flag: str) -> str:
+    """`flag` in the words of the interface `prog` names (`bamboo.train`: its keyword)."""
+    return _API_WORDS.get(flag, flag) if prog == "bamboo.train" else flag
 
 
 def check_same_job(cfg: JobConfig, made_with: dict[str, Any], what: str) -> None:
@@ -225,9 +235,15 @@ def _load_resume(cfg: JobConfig, prog: str) -> Any:
     check_resume_position(cfg, ckpt.meta, ckpt.step, f"--resume {cfg.checkpoints.resume}: its checkpoint")
     if ckpt.warning:
         print(f"{prog}: warning: {ckpt.warning}", file=sys.stderr)
-    if ckpt.step >= cfg.training.steps:
+    steps = cfg.training.steps
+    if ckpt.step > steps:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint is at step {ckpt.step}, "
-                          f"--steps is {cfg.training.steps}: ask for more steps")
+                          f"{_said(prog, '--steps')} is {steps}: ask for {ckpt.step} steps or "
+                          f"more", "steps")
+    if ckpt.step == steps:  # stopped after its last step's checkpoint, before its model
+        print(f"{prog}: the checkpoint of step {steps} is the run's last: writing its model.pt "
+              f"and summary.json from it (no step is run)", file=sys.stderr)
+        return ckpt
     planned = ckpt.meta.get("steps")
     if isinstance(planned, int) and planned != cfg.training.steps:
         # The learning rate's cosine decay ends at --steps (bamboo.engine.optim).

@@ -11,8 +11,10 @@ from outside, as a cloud would (never through the job's own fault injection):
     stop         SIGSTOP of a live worker (a frozen VM): the lease must fence it
     notice       SIGTERM of a live worker (a preemption notice): it drains
     burst        SIGKILL of 2-4 live workers within one step
-    coordinator  SIGKILL of the coordinator after a checkpoint, then the same command with
-                 `--resume auto` (the job gets `--checkpoint-every 2` if it has none)
+    coordinator  SIGKILL of the coordinator after a checkpoint, or (half the time) at the
+                 run's end, the moment its last step's checkpoint is published (before or
+                 after its summary is written); then the same command with `--resume auto`
+                 (the job gets `--checkpoint-every 2` if it has none)
 
 Each trial is compared with the failure-free run by the contract's rule (`bamboo.chaos.bits`):
 **equal** (exit 0, losses within 1e-5 relative, `param_l2` within 1e-6, `param_sha256` equal
@@ -41,9 +43,33 @@ from bamboo.util import strict_json
 from bamboo.chaos.bits import differs, explain
 from bamboo.run.runlog import read_events
 
-__all__ = ["soak", "FAULT_KINDS", "Trial", "rerun_command"]
+__all__ = ["soak", "FAULT_KINDS", "Trial", "Draw", "draw", "judge", "rerun_command"]
 
 FAULT_KINDS = ("kill", "stop", "notice", "coordinator", "burst")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a trial's seed decides: the fault's kind and when it is sent."""
+
+    kind: str
+    at_step: int
+    """Sent once this many steps are done..."""
+    delay: float
+    """...and this many seconds more."""
+    at_end: bool
+    """`coordinator` only: sent instead when the last step's checkpoint is published."""
+
+
+def draw(seed: int, index: int, kinds: list[str], steps: int) -> tuple[Draw, random.Random]:
+    """Trial `index`'s draws from the soak's `seed` (the same on every run), and the random
+    source its later choices (which workers) draw from."""
+    rng = random.Random(seed * 100_003 + index)
+    kind = rng.choice(kinds)
+    at_step = rng.randint(1, max(1, steps - 2))
+    delay = rng.uniform(0.0, 0.5)
+    at_end = kind == "coordinator" and rng.random() < 0.5
+    return Draw(kind, at_step, delay, at_end), rng
 
 
 @dataclass
@@ -110,6 +136,11 @@ class _Run:
     def steps_done(self) -> int:
         return sum(1 for e in self.events() if e["event"] == "step_done")
 
+    def at_end(self, steps: int) -> bool:
+        """The last step's checkpoint is published, or the run is done."""
+        return any(e["event"] == "run_done" or (e["event"] == "checkpoint" and
+                                                 e.get("step") == steps) for e in self.events())
+
     def wait(self, deadline: float) -> tuple[int | None, str, str]:
         try:
             out, err = self.proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
@@ -128,8 +159,23 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
-def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], out: Path,
+def _wait_for_moment(run: _Run, d: Draw, steps: int, deadline: float) -> None:
+    """Until the drawn moment (or the run's exit, or the deadline)."""
+    while run.proc.poll() is None and time.monotonic() < deadline:
+        if d.at_end:
+            if run.at_end(steps):
+                return
+            time.sleep(0.005)  # the end's window is a fraction of a second
+            continue
+        if run.steps_done() >= d.at_step:
+            time.sleep(d.delay)
+            return
+        time.sleep(0.02)
+
+
+def _run_trial(trial: Trial, d: Draw, rng: random.Random, train: list[str], out: Path,
                steps: int, timeout_s: float) -> tuple[int | None, str, str]:
+    kind = d.kind
     argv = [sys.executable, "-m", "bamboo", "train", *train, "--out", str(out), "--json",
             "--quiet", "--no-report"]
     if kind == "coordinator":
@@ -138,18 +184,13 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
             argv += ["--checkpoint-every", "2"]
     deadline = time.monotonic() + timeout_s
     run = _Run(argv, out)
-    at_step = rng.randint(1, max(1, steps - 2))
-    delay = rng.uniform(0.0, 0.5)
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        if run.steps_done() >= at_step:
-            time.sleep(delay)
-            break
-        time.sleep(0.02)
+    _wait_for_moment(run, d, steps, deadline)
     live = run.live_workers()
-    if run.proc.poll() is None and live:
+    if run.proc.poll() is None and (live or d.at_end):
         if kind == "coordinator":
             _signal(run.proc.pid, signal.SIGKILL)
-            trial.faults.append({"kind": kind, "after_step": at_step})
+            trial.faults.append({"kind": kind, "after_step": run.steps_done()}
+                                | ({"at": "end"} if d.at_end else {}))
             run.wait(deadline)
             time.sleep(1.0)  # its workers die with it (parent-death signal)
             run = _Run(argv, out)
@@ -171,19 +212,24 @@ def _run_trial(trial: Trial, kind: str, rng: random.Random, train: list[str], ou
     return run.wait(deadline)
 
 
-def _outcome(trial: Trial, base: dict, code: int | None, stdout: str, stderr: str) -> None:
+def judge(trial: Trial, base: dict, code: int | None, stdout: str, stderr: str) -> None:
+    """Set the trial's outcome and why from its last command's exit code, stdout (its
+    `--json` summary) and stderr, against the failure-free run's summary `base`."""
     if code is None:
         trial.outcome, trial.why = "hang", "still running at the trial timeout"
         return
-    try:
-        summary = json.loads(stdout) if stdout.strip() else {}
-    except ValueError:
-        summary = {}
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     if code != 0:
         one_line = len(lines) == 1 and "Traceback" not in stderr
         trial.outcome = "clear_stop" if one_line else "wrong"
         trial.why = lines[-1] if lines else f"exit code {code} and no message"
+        return
+    try:
+        summary = json.loads(stdout)
+    except ValueError as e:
+        trial.outcome = "wrong"
+        trial.why = (f"exit code 0 but its stdout is not the summary ({e}): "
+                     f"{stdout.strip()[:80]!r}")
         return
     trial.why = differs(base, summary)
     trial.outcome = "wrong" if trial.why else "equal"
@@ -208,21 +254,25 @@ def soak(train: list[str], kinds: list[str], trials: int = 10, seed: int = 0,
     if code != 0:
         raise SystemExit(f"bamboo soak: error: the failure-free run did not complete: "
                          f"{(stderr.strip().splitlines() or ['no message'])[-1]}")
-    base = json.loads(stdout)
+    try:
+        base = json.loads(stdout)
+    except ValueError as e:
+        raise SystemExit(f"bamboo soak: error: the failure-free run's stdout is not its "
+                         f"summary ({e}): {stdout.strip()[:80]!r}") from None
     steps = base["steps_completed"]
     done = []
     for i in range(trials) if only_trial is None else [only_trial]:
-        rng = random.Random(seed * 100_003 + i)
-        kind = rng.choice(kinds)
+        d, rng = draw(seed, i, kinds, steps)
+        kind = d.kind
         trial = Trial(index=i)
         start = time.monotonic()
-        code, stdout, stderr = _run_trial(trial, kind, rng, train, out_dir / f"trial-{i:03d}",
+        code, stdout, stderr = _run_trial(trial, d, rng, train, out_dir / f"trial-{i:03d}",
                                           steps, trial_timeout)
         trial.wall_s = round(time.monotonic() - start, 1)
         if not trial.faults:
             trial.faults.append({"kind": kind, "note": "the run ended before the fault"})
         trial.command = rerun_command(train, trial, kinds, seed)
-        _outcome(trial, base, code, stdout, stderr)
+        judge(trial, base, code, stdout, stderr)
         say(f"  trial {i}: {kind:<11} {trial.outcome:<10} {trial.wall_s:6.1f} s  {trial.why}")
         done.append(trial)
     counts = {k: sum(t.outcome == k for t in done) for k in ("equal", "clear_stop", "hang",

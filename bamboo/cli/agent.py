@@ -8,6 +8,7 @@ from typing import Any
 
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import REJOIN_S
+from bamboo.node.output import AGENT_LOG_DIR
 
 __all__ = ["main", "agent_parser"]
 
@@ -28,6 +29,9 @@ def agent_parser() -> argparse.ArgumentParser:
                    "SIGTERM: a comma list of aws, gcp, azure")
     p.add_argument("--metadata-url", help="base URL of the notice source's metadata endpoint")
     p.add_argument("--http", metavar="ADDR:PORT", help="serve /healthz there (for probes)")
+    p.add_argument("--log-dir", default=AGENT_LOG_DIR, metavar="DIR",
+                   help=f"where each worker's stdout and stderr go, as n<id>.log (default "
+                   f"{AGENT_LOG_DIR}, in the agent's working folder)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> int:
             (lambda text: print(f"bamboo agent: {text}", file=sys.stderr, flush=True))
         opts = AgentOptions(address=address, token=token, workers=args.workers,
                             rejoin_s=args.rejoin_s, notice_sources=sources,
-                            metadata_url=args.metadata_url, say=say)
+                            metadata_url=args.metadata_url, log_dir=args.log_dir, say=say)
         server = _agent_health(http, opts) if http else None
         try:
             return run_agent(opts)

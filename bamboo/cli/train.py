@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from bamboo.util import strict_json
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
@@ -146,9 +146,16 @@ def main(argv: list[str]) -> int:
 def run(argv: list[str], command: JobCommand) -> int:
     """The command's whole sequence, each stage a guard that ends in one line and an exit
     code: parse, job file, checks without torch, resume, run directory, the nodes' source
-    (agents and etcd), then the run and its report."""
-    prog = command.prog
+    (agents and etcd), then the run and its report. Under --json, stdout holds the summary
+    alone (`json_out`)."""
     args = command.parser().parse_args(argv)
+    from bamboo.cli.json_out import json_stdout
+    with json_stdout(args.json) as out:
+        return _run(args, argv, command, out)
+
+
+def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: TextIO) -> int:
+    prog = command.prog
     try:
         command.check(args, None)
         http = None
@@ -169,7 +176,9 @@ def run(argv: list[str], command: JobCommand) -> int:
         crash = _crash_faults(cfg, args.crash)
         from bamboo.api.start import prepare
         start = prepare(cfg, prog)
-        if start is None:
+        if start is None:  # --resume auto: the run had finished; its summary is the answer
+            if args.json:
+                _print_summary(cfg.logging.out, out)
             return 0
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -177,11 +186,17 @@ def run(argv: list[str], command: JobCommand) -> int:
     source = command.source(args, start.cfg, start.run)
     if isinstance(source, int):
         return source
-    return _train(args, prog, start, source, crash=crash, http=http)
+    return _train(args, prog, start, source, crash=crash, http=http, out=out)
+
+
+def _print_summary(run_dir: str, out: TextIO) -> None:
+    """A finished run's summary.json, printed as a run prints it (`--json`)."""
+    from bamboo.api.run import load_result
+    print(strict_json.dumps(load_result(run_dir).summary, indent=2), file=out)
 
 
 def _train(args: argparse.Namespace, prog: str, start: Start, source: NodeSource, *,
-           crash: dict[int, list], http: tuple[str, int] | None) -> int:
+           crash: dict[int, list], http: tuple[str, int] | None, out: TextIO) -> int:
     """The run itself, once every check passed, then its report: the exit code."""
     from bamboo.api.start import execute, warm_up
     warm_up(args.debug)  # torch loads in the fork server while this process loads it too
@@ -210,12 +225,12 @@ def _train(args: argparse.Namespace, prog: str, start: Start, source: NodeSource
         if not args.no_report:
             write_run_report(run.path, args.quiet)
         if args.json:
-            print(strict_json.dumps(e.summary, indent=2))
+            print(strict_json.dumps(e.summary, indent=2), file=out)
         return e.exit_code
     if not args.no_report:
         write_run_report(run.path, args.quiet)
     if args.json:
-        print(strict_json.dumps(summary, indent=2))
+        print(strict_json.dumps(summary, indent=2), file=out)
     else:
         first, last = summary["losses"][0], summary["losses"][-1]
         print(f"done: {summary['steps_completed']} steps, loss {first:.4f} -> {last:.4f}, "

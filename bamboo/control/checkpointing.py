@@ -6,9 +6,11 @@ under the job's checkpoint location (`bamboo.run.checkpoint.write_layers`, on a 
 thread) and reports a `CheckpointPart` naming them. When every layer of step k is
 reported, the coordinator writes the manifest and LATEST (`bamboo.run.checkpoint.publish`,
 atomically, the manifest last) and prunes to --keep-checkpoints. No tensor comes here.
-A part that failed (a full disk) or a publication that failed is a warning: that
-checkpoint is never published, its folder is removed (as each later part of it arrives),
-and the previous one stays the newest.
+A part that could not be written (a full disk) or a publication that failed stops the run
+at once (`Stop`), naming the storage's error (the folder, and on a full disk the room left
+there) and the newest whole checkpoint, where the run resumes once there is room: training
+on would only stretch the steps a restart redoes. The failed checkpoint's folder is removed
+(as each of its parts arrives), so a full disk keeps no partial save.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from pathlib import Path
 
 from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, discard_unpublished,
                                publish)
+from bamboo.run.checkpoint_storage import size_text
 from bamboo.data.user import data_position
 from bamboo.control.interval import CheckpointInterval
-from bamboo.control.state import RunContext
+from bamboo.control.state import RunContext, Stop
 from bamboo.wire.protocol import CheckpointPart
 
 __all__ = ["CheckpointAssembly"]
@@ -42,14 +45,16 @@ class CheckpointAssembly:
     def on_part(self, msg: CheckpointPart) -> None:
         ctx = self.ctx
         if msg.error is not None:
-            if msg.step not in self.failed:
+            first = msg.step not in self.failed
+            if first:
                 self.failed.add(msg.step)
                 self.parts.pop(msg.step, None)
                 self.write_s.pop(msg.step, None)
                 ctx.events.write("checkpoint_failed", step=msg.step, node_rank=msg.rank,
                                  error=msg.error)
-                ctx.say(f"warning: checkpoint of step {msg.step} not saved: {msg.error}")
             self._discard(msg.step)
+            if first:
+                raise Stop(self._stopped(f"checkpoint of step {msg.step} not saved: {msg.error}"))
             return
         if msg.step in self.failed or msg.step < self.last_step:
             self._discard(msg.step)  # never to be whole: its layers go
@@ -81,13 +86,34 @@ class CheckpointAssembly:
                            keep=cfg.checkpoints.keep)
         except CheckpointError as e:
             ctx.events.write("checkpoint_failed", step=msg.step, error=str(e))
-            ctx.say(f"warning: {e}")
             self._discard(msg.step)
-            return
+            raise Stop(self._stopped(str(e))) from None
         self.last, self.last_step = path, msg.step
         took = ctx.clock() - start
         ctx.events.write("checkpoint", step=msg.step, path=str(path), took_s=round(took, 4))
         self.interval.written(msg.step, write_s + took)
+
+    def newest(self) -> tuple[int, Path | str] | None:
+        """The newest whole checkpoint (step, folder): published in this run, else the one
+        it resumed from; None when there is none."""
+        if self.last_step >= 0 and self.last is not None:
+            return self.last_step, self.last
+        if self.ctx.resume_path is not None and self.ctx.resume_step is not None:
+            return self.ctx.resume_step, self.ctx.resume_path
+        return None
+
+    def _stopped(self, error: str) -> str:
+        """The one line a run stopped by a failed save (`error` says which and why) ends
+        with."""
+        size = 4 * sum(3 * n + 1 for n in self.ctx.param_counts)
+        newest = self.newest()
+        full = any(text in error for text in ("No space left", "quota", "Quota"))
+        when = "once there is room" if full else "once its checkpoints can be written"
+        resume = (f"the newest whole checkpoint is step {newest[0]} ({newest[1]}): the run "
+                  f"resumes from it {when}" if newest is not None else
+                  f"no whole checkpoint was written before: the run starts over {when}")
+        return (f"{error}; stopped the run, as training on would go without a restore point "
+                f"(a checkpoint of this job takes about {size_text(size)}); {resume}")
 
     def forget_after(self, step: int) -> None:
         """A restore went back to `step`: parts of later steps will never complete, and those

@@ -91,8 +91,10 @@ class FailureHandler:
         if code is not None and code < 0:
             return self.on_lost(n, self._signal_name(n, -code))
         if n.state is not NodeState.DONE:
+            output = f"its output: {self.nodes.log_path(n.name)}" if n.machine is None \
+                else f"its output: {n.name}.log in its agent's --log-dir"
             raise Stop(f"worker {n.name} ({self.gens.where(n)}) exited with code {code} "
-                       f"before finishing (see events.jsonl)")
+                       f"before finishing ({output}; events.jsonl)")
         return ExitOutcome()
 
     def _signal_name(self, n: Node, signum: int) -> str:

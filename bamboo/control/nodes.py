@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import RawArray
+from pathlib import Path
 from typing import Any
 
 from bamboo.control.kills import Kills
@@ -289,7 +290,8 @@ class Supervisor:
                                        local_workers=self.ctx.cfg.node_cap)
             ctx = forkserver.context()
             reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells),
+            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells,
+                                                            str(self.log_path(spec.name))),
                                   name=f"bamboo-{spec.name}")
             process.start()
             writer.close()
@@ -298,6 +300,11 @@ class Supervisor:
         n = self.admit(start, first_gen=first_gen, trace_node=trace_node)
         n.device_slot = device_slot
         return n
+
+    def log_path(self, name: str) -> Path:
+        """Where the local worker `name` writes its stdout and stderr (`bamboo.node.output`)."""
+        from bamboo.node.output import LOG_DIR
+        return self.ctx.run_path.resolve() / LOG_DIR / f"{name}.log"
 
     def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
                     limit: int | None = None) -> list[Node]:

@@ -31,6 +31,7 @@ from typing import Any
 from bamboo.wire.protocol import (Beat, Done, Exit, Finished, FromWorker, Hello, Job,
                                      KillOrder, Notice, NoticeOrder, Progress, Refused)
 from bamboo.fleet.remote import JoinError, Objects, install_objects, register_wire_types
+from bamboo.node.output import AGENT_LOG_DIR
 from bamboo.wire.frames import Channel, Refusal, WireError, client_handshake
 
 __all__ = ["run_agent", "AgentOptions", "EXIT_DRAINED"]
@@ -54,6 +55,8 @@ class AgentOptions:
     rejoin_s: float = 300.0
     notice_sources: list[str] = dataclasses.field(default_factory=list)
     metadata_url: str | None = None
+    log_dir: str = AGENT_LOG_DIR
+    """Where each worker's stdout and stderr go (`n<id>.log`, `bamboo.node.output`)."""
     say: Callable[[str], None] = lambda text: None
 
 
@@ -102,7 +105,7 @@ class _Worker:
     """One worker process of this agent (local index k)."""
 
     def __init__(self, k: int, job: Job, join_host: str, token: str, progress: Progress,
-                 beats: Any, cells: Any, say: Any, workers: int) -> None:
+                 beats: Any, cells: Any, say: Any, workers: int, log_dir: str) -> None:
         from bamboo.node import forkserver
         from bamboo.node.worker import worker_main
         self.k = k
@@ -111,7 +114,9 @@ class _Worker:
         progress.reset(k, time.monotonic() + 60.0)
         ctx = forkserver.context()
         self.reader, writer = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=worker_main, args=(self.spec, writer, beats, cells),
+        self.log = os.path.abspath(os.path.join(log_dir, f"{self.spec.name}.log"))
+        self.process = ctx.Process(target=worker_main, args=(self.spec, writer, beats, cells,
+                                                             self.log),
                                    name=f"bamboo-n{self.spec.node}")
         self.process.start()
         self.server = forkserver.server_pid()
@@ -206,9 +211,10 @@ class _Session:
             if msg.worker in self.workers or not 0 <= msg.worker < self.opts.workers:
                 return None
             w = _Worker(msg.worker, msg, self.opts.address[0], self.opts.token, self.progress,
-                        self.beats, self.cells, self.opts.say, self.opts.workers)
+                        self.beats, self.cells, self.opts.say, self.opts.workers,
+                        self.opts.log_dir)
             self.workers[msg.worker] = w
-            self.opts.say(f"worker {msg.worker} is node n{w.spec.node}")
+            self.opts.say(f"worker {msg.worker} is node n{w.spec.node} (its output: {w.log})")
         elif isinstance(msg, Objects):
             return self._objects(msg)
         elif isinstance(msg, KillOrder):

@@ -5,6 +5,10 @@ from bamboo.node import forkserver
 
 forkserver.mark_server()  # first: the server dies with its coordinator even mid-import
 
+from bamboo.node import output  # noqa: E402
+
+output.stdout_to_stderr()  # never the launcher's stdout (its --json); workers log to files
+
 import torch  # noqa: E402
 
 import bamboo.node.worker  # noqa: E402,F401  (the worker's whole import graph)

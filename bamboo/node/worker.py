@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -37,7 +38,7 @@ import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write 
 from bamboo.run.writers import stages_written_by
 from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
-from bamboo.node import forkserver
+from bamboo.node import forkserver, output
 from bamboo.node import procmem
 from bamboo.node.devices import worker_device
 from bamboo.wire.link import CoordinatorLink
@@ -384,7 +385,7 @@ class WorkerNode:
             try:
                 written = write_layers(step_dir(checkpoint_location(cfg), step), states)
                 error = None
-            except Exception as e:  # noqa: BLE001 - a full disk: a warning, not a crash
+            except Exception as e:  # noqa: BLE001 - a full disk: reported, the coordinator stops
                 written, error = [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
             link.report(CheckpointPart, step=step, layers=written, error=error,
                         bytes=size if error is None else 0,
@@ -451,11 +452,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> None:
-    """Entry point of a worker process."""
+def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any,
+                log: str | None = None) -> None:
+    """Entry point of a worker process; its stdout and stderr go to the file `log`
+    (`bamboo.node.output`)."""
     forkserver.die_with_parent()
     if not forkserver.in_server_child():
         os._exit(1)  # the fork server died before the parent-death signal was set
+    why = output.to_log(log, spec.name)
+    if why is not None:
+        print(f"bamboo worker {spec.name}: {why}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     link = None
     progress = Progress(beats, cells)
@@ -473,6 +479,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> N
                          daemon=True, name="heartbeat").start()
         device, backend = worker_device(cfg, spec.node, spec.device_index)
         WorkerNode(spec, link, store, device, backend, progress, cpus).live()
+        output.flush()
         os._exit(0)
     except BaseException as e:  # reported to the coordinator, which decides the run's fate
         try:
@@ -485,4 +492,5 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any) -> N
             else:
                 conn.send(message)
         finally:
+            output.flush()
             os._exit(1)

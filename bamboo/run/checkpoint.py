@@ -152,7 +152,7 @@ def write_layers(directory: str | Path, layers: dict[int, dict[str, torch.Tensor
         store.makedirs(d)
         remove_stale_temporaries(store, d)  # of writes interrupted earlier
     except OSError as e:
-        raise CheckpointError(f"could not write checkpoint folder {d}: {why_failed(e)}") from None
+        raise CheckpointError(f"could not write checkpoint folder {d}: {why_failed(e, d)}") from None
     for i in sorted(layers):
         _write_layer(store, d, i, layers[i])
     return sorted(layers)
@@ -176,9 +176,10 @@ def _write_layer(store: LocalStore | FsspecStore, d: str, i: int, tensors: dict[
         store.sync_dir(tmp)
         _replace_dir(store, d, tmp, name)
     except BaseException as e:
+        why = why_failed(e, None if store.url else d)  # the room left before it is freed
         store.rmtree(tmp)
         if is_failure(e):
-            raise CheckpointError(f"could not write layer {i} to {d}: {why_failed(e)}") from None
+            raise CheckpointError(f"could not write layer {i} to {d}: {why}") from None
         raise
 
 
@@ -263,7 +264,7 @@ def publish(root: str | Path, step: int, layers: Iterable[int], meta: dict | Non
         kept = next((n for s, n in _steps(store, r)
                      if s != step and store.exists(store.join(r, n, _MANIFEST))), None)
         raise CheckpointError(f"checkpoint of step {step} not published in {root}: could not "
-                              f"write {writing}: {why_failed(e)}; "
+                              f"write {writing}: {why_failed(e, None if store.url else d)}; "
                               + (f"{kept} is kept" if kept else "no earlier checkpoint")) from None
     try:  # the checkpoint is whole: LATEST only names it for people
         store.write_atomic(store.join(r, "LATEST"), (name + "\n").encode())

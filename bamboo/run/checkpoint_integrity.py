@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from bamboo.run.checkpoint_storage import FsspecStore, LocalStore, why_failed
+from bamboo.util.json_shape import ListOf, MapOf, Record, Shape, problems
 
 __all__ = ["CheckpointError", "FORMAT", "SIDECAR", "MANIFEST", "file_digest", "manifest_body",
            "read_manifest", "read_sidecar", "verify_files"]
@@ -38,6 +39,38 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _CHUNK = 1 << 20
 
 Store = LocalStore | FsspecStore
+
+MANIFEST_SHAPE = Record({"format": int, "step": int, "layers": ListOf(int),
+                         "sidecars": MapOf(str), "checksum": str}, optional={"meta": dict})
+"""What a manifest.json holds (`manifest_body` writes it)."""
+SIDECAR_SHAPE = Record({"tensors": ListOf(Record({"key": str, "shape": ListOf(int), "dtype": str,
+                                                   "sha256": str})),
+                        "files": MapOf(int), "digests": MapOf(str)},
+                       optional={"format": int, "layer": int})
+"""What a layer.json holds (`bamboo.run.checkpoint._write_layer` writes it)."""
+_SHOWN = 4
+"""Problems of a damaged file named in its one line; the rest are counted."""
+
+
+def _damaged(name: str, value: object, shape: Shape) -> CheckpointError | None:
+    """The one-line error for a file `name` whose JSON `value` is not `shape`: every
+    missing or mistyped key (the first few named, the rest counted); None when it fits."""
+    found = problems(value, shape)
+    if not found:
+        return None
+    more = len(found) - _SHOWN
+    text = "; ".join(found[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+    return CheckpointError(f"{name} is damaged: {text}")
+
+
+def _parsed(raw: bytes, name: str) -> object:
+    """The JSON in `raw` (the file `name`); CheckpointError saying where it stops parsing."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{name} is damaged: it is not UTF-8 text") from None
+    except ValueError as e:
+        raise CheckpointError(f"{name} is damaged: not JSON ({e})") from None
 
 
 _OLDER = {3: " (format 3 kept a layer's state as one float32 vector: start afresh, or finish "
@@ -96,20 +129,20 @@ def read_manifest(store: Store, d: str) -> dict:
     """The manifest of folder `d`, whole (every layer of the model listed), its step that
     of the folder, its checksum right; CheckpointError says what is wrong."""
     try:
-        manifest = json.loads(store.read_bytes(store.join(d, MANIFEST)).decode("utf-8"))
-        fmt = manifest.get("format")
-        if fmt != FORMAT:
-            raise CheckpointError(f"manifest.json is of format {fmt}; this version of bamboo "
-                                  f"reads format {FORMAT}" + _OLDER.get(fmt, ""))
-        step, layers = int(manifest["step"]), [int(x) for x in manifest["layers"]]
-        sidecars = {str(k): str(v) for k, v in dict(manifest["sidecars"]).items()}
-        checksum = str(manifest["checksum"])
+        raw = store.read_bytes(store.join(d, MANIFEST))
     except FileNotFoundError:
         raise CheckpointError("manifest.json is missing (the save did not finish)") from None
     except OSError as e:
         raise CheckpointError(f"manifest.json cannot be read ({why_failed(e)})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"manifest.json is unreadable ({e})") from None
+    manifest: Any = _parsed(raw, MANIFEST)
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if isinstance(fmt, int) and fmt != FORMAT:
+        raise CheckpointError(f"manifest.json is of format {fmt}; this version of bamboo "
+                              f"reads format {FORMAT}" + _OLDER.get(fmt, ""))
+    if (error := _damaged(MANIFEST, manifest, MANIFEST_SHAPE)) is not None:
+        raise error
+    step, layers, sidecars = manifest["step"], manifest["layers"], manifest["sidecars"]
+    checksum = manifest["checksum"]
     meta = manifest.get("meta") or {}
     expected = set(range(max(layers, default=-1) + 1))
     count = _expected_layers(meta)
@@ -137,20 +170,16 @@ def read_sidecar(store: Store, d: str, layer: int) -> dict:
     name = _layer_name(layer)
     ld = store.join(d, name)
     try:
-        sidecar = json.loads(store.read_bytes(store.join(ld, SIDECAR)).decode("utf-8"))
-        files, entries = dict(sidecar["files"]), list(sidecar["tensors"])
-        for e in entries:
-            str(e["key"]), list(e["shape"]), str(e["dtype"]), str(e["sha256"])
-        for f, size in files.items():
-            str(f), int(size)
-        {str(k): str(v) for k, v in dict(sidecar.get("digests", {})).items()}
+        raw = store.read_bytes(store.join(ld, SIDECAR))
     except FileNotFoundError:
         what = name if not store.exists(ld) else f"{name}/{SIDECAR}"
         raise CheckpointError(f"{what} is missing") from None
     except OSError as e:
         raise CheckpointError(f"{name}/{SIDECAR} cannot be read ({why_failed(e)})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{name}/{SIDECAR} is unreadable ({e})") from None
+    sidecar: Any = _parsed(raw, f"{name}/{SIDECAR}")
+    if (error := _damaged(f"{name}/{SIDECAR}", sidecar, SIDECAR_SHAPE)) is not None:
+        raise error
+    files = sidecar["files"]
     for f, size in files.items():
         try:
             actual = store.size(store.join(ld, f))
@@ -174,12 +203,12 @@ def verify_files(store: Store, d: str, layer: int, sidecar_sha: str | None) -> N
         raw = store.read_bytes(store.join(ld, SIDECAR))
         if hashlib.sha256(raw).hexdigest() != sidecar_sha:
             raise CheckpointError(f"{name}/{SIDECAR} does not match the manifest's digest")
-        sidecar = json.loads(raw)
-        digests: dict[str, Any] = dict(sidecar["digests"])
+        sidecar: Any = _parsed(raw, f"{name}/{SIDECAR}")
+        if (error := _damaged(f"{name}/{SIDECAR}", sidecar, SIDECAR_SHAPE)) is not None:
+            raise error
+        digests: dict[str, str] = sidecar["digests"]
         for f in sidecar["files"]:
             if file_digest(store, store.join(ld, f)) != digests.get(f):
                 raise CheckpointError(f"{name}/{f} is corrupt (sha256 mismatch)")
     except OSError as e:
         raise CheckpointError(f"{name} cannot be read ({why_failed(e)})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{name}/{SIDECAR} is unreadable ({e})") from None

@@ -5,6 +5,7 @@ a failed write or read says. Used by `bamboo.run.checkpoint`."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pickle
@@ -19,7 +20,8 @@ from bamboo.run.runlog import write_atomic
 
 __all__ = ["LocalStore", "FsspecStore", "storage_for", "safe_reader", "single_process",
            "writer_tag", "fsync_dir", "MetadataUnpickler", "is_url", "HOST",
-           "remove_stale_temporaries", "os_error_in", "is_failure", "why_failed"]
+           "remove_stale_temporaries", "os_error_in", "is_failure", "why_failed", "free_space",
+           "size_text"]
 
 
 def is_url(location: str | Path) -> bool:
@@ -309,10 +311,40 @@ def unwrap_failure(e: BaseException) -> BaseException:
     return e
 
 
-def why_failed(e: BaseException) -> str:
+def why_failed(e: BaseException, where: str | Path | None = None) -> str:
+    """A failed write or read in one line, as the OS says it ("No space left on device");
+    a full disk under the local folder `where` also says how much room is left there."""
     cause = os_error_in(e)
-    if cause is not None:  # as the OS says it: "No space left on device"
-        return cause.strerror or str(cause) or type(cause).__name__
+    if cause is not None:
+        text = cause.strerror or str(cause) or type(cause).__name__
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT) and where is not None:
+            free = free_space(where)
+            text += f" ({free} free there)" if free else ""
+        return text
     e = unwrap_failure(e)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def free_space(where: str | Path) -> str:
+    """The room left on the file system of the local folder `where` (or of its nearest
+    existing parent), e.g. "12 kB"; '' for a URL or where it cannot be asked."""
+    if is_url(where):
+        return ""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return size_text(free)
+
+
+def size_text(count: int | float) -> str:
+    """A byte count for people: "12 kB", "3.4 MB", "1.2 GB"."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} GB"
+    if count >= 1e6:
+        return f"{count / 1e6:.1f} MB"
+    return f"{count / 1e3:.0f} kB"

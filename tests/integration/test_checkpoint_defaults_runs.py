@@ -1,7 +1,7 @@
 """Checkpoints a newcomer gets without asking, in real `bamboo train` runs: an uncovered loss
 restores the default checkpoint, not step 0; the same command resumes with `--resume auto`
 and a finished run extends without redoing; an edited or corrupt checkpoint is skipped with
-one line; a full disk leaves no failed save and says where the summary is. (The interval and
+one line; a full disk stops the run at its first failed save and leaves none. (The interval and
 the checks of a manifest, without processes: tests/unit/control/test_checkpoint_defaults.py.)
 """
 from __future__ import annotations
@@ -91,21 +91,26 @@ def test_resume_auto_past_an_edited_or_corrupt_checkpoint(tmp_path: Path) -> Non
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-def test_a_full_disk_leaves_no_failed_save_and_says_where_the_summary_is(tmp_path: Path) -> None:
-    """A 2 MB --out and a checkpoint every step: the saves that do not fit are warned about
-    and removed (no step folder without its manifest), and the run's last line says whether
-    summary.json was written."""
+def test_a_full_run_disk_stops_at_the_first_failed_save_and_leaves_none(tmp_path: Path) -> None:
+    """A 2 MB --out and a checkpoint every step: the first save (5 MB) does not fit; the run
+    stops there with one line naming the folder and the room left, its failed save removed
+    (no step folder without its manifest), its summary written."""
     with mounted_tmpfs(tmp_path / "disk", "size=2m") as disk:
         out = disk / "run"
         result = run_bamboo([*JOB, "--steps", "8", "--checkpoint-every", "1", "--json", "--quiet"],
                             out)
         assert "Traceback" not in result.stderr
+        assert result.code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         failed = [e for e in run_events(out) if e["event"] == "checkpoint_failed"]
-        assert failed, "the disk was expected to fill"
+        assert [e["step"] for e in failed] == [1], failed
+        assert result.stderr.startswith("bamboo train: error: checkpoint of step 1 not saved: "
+                                        "could not write ")
+        assert f"{out}/checkpoints/step-00000001" in result.stderr
+        assert "No space left on device (" in result.stderr
+        assert result.stderr.rstrip().endswith("no whole checkpoint was written before: the run "
+                                               "starts over once there is room")
         leftover = [p.name for p in (out / "checkpoints").glob("step-*")
                     if not (p / "manifest.json").exists()]
         assert leftover == []
-        if (out / "summary.json").exists():
-            assert json.loads((out / "summary.json").read_text())["steps_completed"] == 8
-        else:
-            assert result.code != 0 and "summary.json" in result.stderr.splitlines()[-1]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["steps_completed"] < 8

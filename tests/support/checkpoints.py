@@ -70,7 +70,21 @@ def damage_checkpoint(newest: Path, how: str) -> str:
         return "manifest.json is missing"
     if how == "bad_manifest":
         (newest / "manifest.json").write_text('{"step": 20, "lay')
-        return "manifest.json is unreadable"
+        return "manifest.json is damaged: not JSON ("
+    if how == "manifest_keys":
+        manifest = json.loads((newest / "manifest.json").read_text())
+        manifest["step"] = "20"
+        del manifest["sidecars"]
+        (newest / "manifest.json").write_text(json.dumps(manifest))
+        return ("manifest.json is damaged: 'step' is a string, not an integer; 'sidecars' is "
+                "missing")
+    if how == "sidecar_keys":
+        sidecar = json.loads((layer / "layer.json").read_text())
+        del sidecar["tensors"][0]["sha256"]
+        sidecar["files"] = list(sidecar["files"])
+        (layer / "layer.json").write_text(json.dumps(sidecar))
+        return ("layer-0003/layer.json is damaged: 'tensors[0].sha256' is missing; 'files' is "
+                "a list, not an object of integers")
     if how == "old_format":
         (newest / "manifest.json").write_text(json.dumps({"format": 1, "step": 20, "stages": [0],
                                                           "files": {}, "meta": {}}))

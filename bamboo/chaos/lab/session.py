@@ -171,8 +171,9 @@ class _Run:
                  str(self.session.token), "--workers", str(self.session.workers)]
         if "--quiet" in self.session.job:
             agent.append("--quiet")
-        for h in self.lab.hosts[1:]:
-            self.procs[h.name] = self.lab.run(h, agent, stdin=subprocess.DEVNULL,
+        for h in self.lab.hosts[1:]:  # each host's workers log in the run directory
+            logs = ["--log-dir", str(self.session.out / "logs" / h.name)]
+            self.procs[h.name] = self.lab.run(h, agent + logs, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               text=True, env=_env())
             self.threads.append(self.printer.follow(h.name, self.procs[h.name].stdout))

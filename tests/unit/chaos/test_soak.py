@@ -2,10 +2,13 @@
 Its tests that start processes: tests/integration/test_soak_runs.py."""
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
 from bamboo.chaos.bits import COUNTERS, bits_must_match, differs, explain
-from bamboo.chaos.soak import Trial, rerun_command
+from bamboo.chaos.soak import Trial, draw, judge, rerun_command
 
 KEPT = [{"from_step": 0, "pipelines": 2, "stages": 2, "rerouted": False}]
 BASE = {"losses": [5.0, 4.5, 4.0], "param_l2": 10.0, "param_sha256": "abc",
@@ -92,3 +95,30 @@ def test_bad_soak_flags_are_one_line(args: list[str], expected: str,
         main(["soak", *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_draws_keep_every_seed_and_send_half_the_coordinator_kills_at_the_end() -> None:
+    """A seed draws what it drew before the end moment existed (kind, step, delay); only a
+    coordinator fault draws once more: whether it waits for the run's end."""
+    for seed in range(20):
+        rng = random.Random(seed * 100_003 + 3)
+        old = (rng.choice(["kill", "stop"]), rng.randint(1, 6), rng.uniform(0.0, 0.5))
+        d, _ = draw(seed, 3, ["kill", "stop"], 8)
+        assert (d.kind, d.at_step, d.delay, d.at_end) == (*old, False)
+    ends = [draw(seed, 0, ["coordinator"], 8)[0].at_end for seed in range(200)]
+    assert 60 < sum(ends) < 140
+
+
+def test_a_trial_is_judged_by_its_stdout() -> None:
+    """A finished run's summary printed again (a coordinator killed after writing it, rerun
+    with --resume auto) is equal; a stdout that is not the summary is wrong, saying so."""
+    trial = Trial(index=0)
+    judge(trial, BASE, 0, json.dumps(BASE), "bamboo train: the run in R already completed 3 "
+          "steps; nothing to do")
+    assert trial.outcome == "equal", trial.why
+    for stdout in ("", "noisy-model: hello\n" + json.dumps(BASE)):
+        judge(trial, BASE, 0, stdout, "")
+        assert trial.outcome == "wrong"
+        assert trial.why.startswith("exit code 0 but its stdout is not the summary ("), trial.why
+    judge(trial, BASE, 1, "", "bamboo train: error: checkpoint of step 4 not saved: ...")
+    assert trial.outcome == "clear_stop"

@@ -156,7 +156,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Supervisor:
     monkeypatch.setattr(forkserver, "context", lambda: _FakeContext)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"),
-                          store=SimpleNamespace(port=1), committed=0)
+                          store=SimpleNamespace(port=1), committed=0, run_path=Path("run"))
     return Supervisor(ctx, 64, Kills(ctx), "127.0.0.1")  # type: ignore[arg-type]
 
 
