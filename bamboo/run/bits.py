@@ -12,7 +12,7 @@ A change of D or P, or a re-routed slot (its stage's gradients summed by the pee
 served it, in another order), may change the fp32 bits: then the tolerances above judge.
 A summary records the layouts its committed steps ran (`layouts`: one entry per change,
 `{"from_step", "pipelines", "stages", "rerouted"}`); `bamboo soak` and the tests judge by
-`bits_must_match` and `differs`.
+`bits_must_match` and `differs`; `bamboo.same` (`bamboo.run.sameness`) by the same rule.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LOSS_REL", "L2_REL", "COUNTERS", "bits_must_match", "differs", "explain"]
+__all__ = ["LOSS_REL", "L2_REL", "COUNTERS", "bits_must_match", "differs", "explain",
+           "loss_within", "l2_within", "counted"]
 
 LOSS_REL, L2_REL = 1e-5, 1e-6
 COUNTERS = ("failovers", "drains", "peer_restores", "checkpoint_restores", "standby_losses",
@@ -45,6 +46,22 @@ def bits_must_match(summary: Mapping[str, Any], base: Mapping[str, Any] | None =
     return all(_shape(x) == shape and not x.get("rerouted") for x in layouts)
 
 
+def loss_within(got: Any, want: float) -> bool:
+    """Whether the loss `got` is within `LOSS_REL` relative of `want` (and a finite number)."""
+    return isinstance(got, (int, float)) and isinstance(want, (int, float)) and \
+        math.isfinite(got) and abs(got - want) <= LOSS_REL * abs(want)
+
+
+def l2_within(got: Any, want: Any) -> bool:
+    """Whether the parameters' L2 norm `got` is within `L2_REL` relative of `want`."""
+    return got is not None and want is not None and abs(got - want) <= L2_REL * abs(want)
+
+
+def counted(summary: Mapping[str, Any]) -> int:
+    """The sum of the summary's counters of lost nodes (its `preemptions` must equal it)."""
+    return sum(summary.get(k, 0) for k in COUNTERS)
+
+
 def differs(base: Mapping[str, Any], got: Mapping[str, Any]) -> str:
     """Why the summary `got` breaks the contract against the failure-free `base` ('' when
     it keeps it): its losses, `param_l2`, its bits where `bits_must_match`, its counters."""
@@ -52,17 +69,16 @@ def differs(base: Mapping[str, Any], got: Mapping[str, Any]) -> str:
     if len(losses) != len(want):
         return f"{len(losses)} losses, the failure-free run has {len(want)}"
     for k, (a, b) in enumerate(zip(losses, want)):
-        if not (isinstance(a, (int, float)) and math.isfinite(a) and abs(a - b) <= LOSS_REL * abs(b)):
+        if not loss_within(a, b):
             return f"the loss of step {k} is {a!r}, failure-free {b!r}"
     a, b = got.get("param_l2"), base.get("param_l2")
-    if a is None or b is None or abs(a - b) > L2_REL * abs(b):
+    if not l2_within(a, b):
         return f"param_l2 {a!r}, failure-free {b!r}"
     if bits_must_match(got, base) and got.get("param_sha256") != base.get("param_sha256"):
         return ("param_sha256 differs although every step kept the layout and the order of "
                 "its sums" + (" (--exact)" if (got.get("config") or {}).get("exact") else ""))
-    counted = sum(got.get(k, 0) for k in COUNTERS)
-    if got.get("preemptions") != counted:
-        return f"preemptions {got.get('preemptions')} but the counters sum to {counted}"
+    if got.get("preemptions") != counted(got):
+        return f"preemptions {got.get('preemptions')} but the counters sum to {counted(got)}"
     return ""
 
 
