@@ -33,10 +33,12 @@ _LAZY: dict[str, str] = {
     "same": "bamboo.api", "Verdict": "bamboo.api",
     "PipelineModel": "bamboo.model.api", "TensorSpec": "bamboo.model.api",
 }
-"""Each public name -> the module it is loaded from on first use (add a name here and to
-the `TYPE_CHECKING` imports above)."""
+"""Each public name -> the module it is loaded from on first use (add a name here, to
+`__all__` and to the `TYPE_CHECKING` imports above)."""
 
-__all__ = [*_LAZY, "__version__"]
+__all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result", "same",
+           "Verdict", "PipelineModel", "TensorSpec", "__version__"]
+"""A literal list, as type checkers read it: `_LAZY`'s names (a unit test keeps them equal)."""
 
 
 def _size_custom_model(name: str, vocab: int | None) -> Any:
