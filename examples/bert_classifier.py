@@ -16,8 +16,9 @@ step and for the held-out Dataset, and read back from the RunResult.
 
 Dropout is safe under failover: bamboo seeds torch's generator around every layer's forward
 by (seed, step, micro-batch, layer), so the shadow that takes over the killed node's stage
-draws the same masks. `--compare` runs the same job without the kill too and checks that
-both end with the same losses and parameters, bit for bit (exit 1 if not).
+draws the same masks. `--compare` runs the same job without the kill too and checks with
+`bamboo.same` that both end with the same losses, metrics and parameters, bit for bit (a
+failover keeps the layout, so the contract's rule asks for the bits; exit 1 if not).
 """
 from __future__ import annotations
 
@@ -161,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     report("without the kill", clean)
-    same = (clean.losses, clean.param_sha256) == (killed.losses, killed.param_sha256)
-    print(f"{'the same losses and parameters' if same else 'DIFFERENT'}")
-    return 0 if same else 1
+    verdict = bamboo.same(clean, killed)  # the contract's rule; metrics and held-out too
+    print(f"{'the same losses and parameters' if verdict else 'DIFFERENT'}: {verdict.reason}")
+    return 0 if verdict else 1
 
 
 if __name__ == "__main__":

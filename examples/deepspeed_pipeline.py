@@ -29,8 +29,8 @@ head land on different stages; each keeps a copy, and bamboo adds the copies' gr
 before the optimizer steps, as DeepSpeed's ReduceTiedGrads does (docs/api.md).
 
 Every process of the run calls `build`, so the script's run starts under
-`if __name__ == "__main__":`. `--compare` runs the job without the kill too and checks that
-both end with the same losses and parameters (exit 1 if not). Needs
+`if __name__ == "__main__":`. `--compare` runs the job without the kill too and checks with
+`bamboo.same` that both end with the same losses and parameters (exit 1 if not). Needs
 `pip install 'bamboo-train[deepspeed]'`.
 """
 from __future__ import annotations
@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     except (bamboo.JobError, bamboo.RunFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    same = (clean.losses, clean.param_sha256) == (killed.losses, killed.param_sha256)
+    verdict = bamboo.same(clean, killed)  # the contract's rule: here, the same bits
     print(f"without the kill: parameters {clean.param_sha256[:12]}: "
-          f"{'the same losses and parameters' if same else 'DIFFERENT'}")
-    return 0 if same else 1
+          f"{'the same losses and parameters' if verdict else 'DIFFERENT'}: {verdict.reason}")
+    return 0 if verdict else 1
 
 
 if __name__ == "__main__":

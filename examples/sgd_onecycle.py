@@ -11,7 +11,8 @@ given to the job as `functools.partial`s: every process builds them again, and t
 and momentum of every step (OneCycleLR cycles SGD's momentum between 0.95 and 0.85) are
 taken from the scheduler once, so a shadow that takes over a stage steps exactly as the
 node it replaces would have. `--compare` runs the same job without the kill too and checks
-that both end with the same losses and parameters, bit for bit (exit 1 if not).
+with `bamboo.same` that both end with the same losses and parameters, bit for bit (exit 1
+if not).
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except (bamboo.JobError, bamboo.RunFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    same = (clean.losses, clean.param_sha256) == (killed.losses, killed.param_sha256)
+    verdict = bamboo.same(clean, killed)  # the contract's rule: here, the same bits
     print(f"without the kill: parameters {clean.param_sha256[:12]}: "
-          f"{'the same losses and parameters' if same else 'DIFFERENT'}")
-    return 0 if same else 1
+          f"{'the same losses and parameters' if verdict else 'DIFFERENT'}: {verdict.reason}")
+    return 0 if verdict else 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ transformer blocks, the classifier head), each with `nn.Dropout`. It has no voca
 them again by name; bamboo picks each step's sample indices (by seed and step, shuffled
 epochs) and seeds every dropout mask by (seed, step, micro-batch, layer), so the shadow
 that takes over the killed node's stage draws the masks and reads the samples the lost
-node would have. `--compare` runs the job without the kill too and checks that both end
-with the same losses, metrics and parameters (exit 1 if not).
+node would have. `--compare` runs the job without the kill too and checks with `bamboo.same`
+that both end with the same losses, metrics and parameters (exit 1 if not).
 """
 from __future__ import annotations
 
@@ -144,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     except (bamboo.JobError, bamboo.RunFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    same = [clean.losses, clean.summary["metrics"], clean.param_sha256] == \
-        [killed.losses, killed.summary["metrics"], killed.param_sha256]
+    verdict = bamboo.same(clean, killed)  # the contract's rule, the metrics judged as losses
     print(f"without the kill: parameters {clean.param_sha256[:12]}: "
-          f"{'the same losses, metrics and parameters' if same else 'DIFFERENT'}")
-    return 0 if same else 1
+          f"{'the same losses, metrics and parameters' if verdict else 'DIFFERENT'}: "
+          f"{verdict.reason}")
+    return 0 if verdict else 1
 
 
 if __name__ == "__main__":

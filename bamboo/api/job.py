@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from bamboo.api.data_options import data_options
+from bamboo.api.job_options import JobOptions
 from bamboo.api.paths import LOADED_BY_PATH
 from bamboo.config import (ConfigError, JobConfig, KillSpec, all_options, options_by_key,
                            parse_kill)
@@ -111,12 +112,17 @@ def guard_worker_import(what: str) -> None:
                        f"the script's bamboo calls under `if __name__ == \"__main__\":`")
 
 
-class Job:
-    """One training job: the model, and the options `bamboo train` takes as flags."""
+class Job(JobOptions):
+    """One training job: the model, and the options `bamboo train` takes as flags.
 
-    def __init__(self, model: Any = None, dataset: Any = None, loss: Any = None,
-                 optimizer: Any = None, schedule: Any = None, eval_dataset: Any = None,
-                 **options: Any) -> None:
+    `Job(...)` lists every option with its type, default and help (`help(bamboo.Job)`; the
+    signature is `JobOptions.__init__`, generated from the options' declaration)."""
+
+    def _build(self, model: Any = None, dataset: Any = None, loss: Any = None,
+               optimizer: Any = None, schedule: Any = None, eval_dataset: Any = None,
+               **options: Any) -> None:
+        """The job of the arguments and the options the caller gave (only those:
+        `bamboo.api.keywords.given_only`)."""
         if isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
             options.setdefault("pipeline_schedule", schedule)  # `--schedule 1f1b|zb-h1`
             schedule = None
@@ -136,7 +142,7 @@ class Job:
         self.model = model
         self.optimizer, self.schedule = optimizer, schedule
         self.dataset, self.eval_dataset, self.loss = dataset, eval_dataset, loss
-        self.config: JobConfig = _config_of_model(values)
+        self.config: JobConfig = _placed_later(values)
         """The validated job, as `bamboo train` would have built it from the same flags."""
         if self.config.training.optimizer or self.config.training.lr_schedule:
             from bamboo.api.start import check_optimizer
@@ -155,6 +161,16 @@ class Job:
         name = objects.short(c.model.name) if objects.is_reference(c.model.name) else c.model.name
         return (f"bamboo.Job(model={name!r}, nodes={c.layout.nodes}, "
                 f"stages={c.layout.stages}, steps={c.training.steps}, seed={c.training.seed})")
+
+
+def _placed_later(values: dict[str, Any]) -> JobConfig:
+    """`_config_of_model(values)`; a `resume="auto"` without `out` is checked without it and
+    kept: the run directory it continues comes with the run (`bamboo.train(job, out=DIR)`,
+    `bamboo.api.run.run_config`), which refuses it when none comes."""
+    if values.get("resume") != "auto" or values.get("out") is not None:
+        return _config_of_model(values)
+    return _config_of_model({k: v for k, v in values.items() if k != "resume"}).replace(
+        resume="auto")
 
 
 def _config_of_model(values: dict[str, Any]) -> JobConfig:

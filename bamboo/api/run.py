@@ -2,7 +2,8 @@
 
     result = bamboo.train(job, out="runs/mine", on_event=print)
     result.losses, result.param_sha256, result.preemptions, result.run_dir
-    params = result.state_dict()
+    params = result.state_dict()            # your model's own names: "0.weight", ...
+    bamboo.same(failure_free, result)       # equal under the contract's rule? .reason says why
 
 This process is the run's coordinator (it holds the store and takes every decision), the
 workers are processes it starts; `on_event` is called here with every event of the run's
@@ -14,16 +15,21 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from bamboo.api.job import Job, JobError, guard_worker_import
-from bamboo.config import ConfigError
+from bamboo.config import ConfigError, JobConfig
+from bamboo.run.interface import Interface
 from bamboo.run.runlog import EventLog, RunDir
+from bamboo.run.sameness import Verdict, compare
 
-__all__ = ["train", "RunResult", "load_result"]
+__all__ = ["train", "run_config", "RunResult", "load_result", "same", "Verdict", "LAYER_PREFIX"]
+
+LAYER_PREFIX = "layers."
+"""What model.pt's names begin with before the layer's index (`layers.0.weight`)."""
 
 EventCallback = Callable[[dict[str, Any]], None]
 
@@ -75,15 +81,47 @@ class RunResult:
 
     @property
     def model_path(self) -> Path:
-        """The trained parameters (a torch state dict, names like `layers.0.weight`)."""
+        """The trained parameters as the run wrote them: a torch state dict whose names carry
+        the layer's index after `layers.` (`layers.0.weight`; what `bamboo export` reads)."""
         return self.run_dir / "model.pt"
 
     def state_dict(self) -> dict[str, Any]:
-        """The final parameters, loaded from model.pt (CPU tensors)."""
+        """The final parameters (CPU tensors) under your model's own names: layer i's
+        parameter `name` is `"i.name"`, as in an `nn.Sequential` of the model's layers, so
+        `nn.Sequential(*layers).load_state_dict(result.state_dict())` takes them with
+        `strict=True` (your `nn.Sequential` itself, or a list of modules wrapped in one)."""
         if not self.model_path.is_file():
             raise JobError(f"{self.model_path} does not exist: the run wrote no model")
         import torch
-        return torch.load(self.model_path, map_location="cpu", weights_only=True)
+        saved = torch.load(self.model_path, map_location="cpu", weights_only=True)
+        return {key.removeprefix(LAYER_PREFIX): tensor for key, tensor in saved.items()}
+
+    def matches(self, other: RunResult | Mapping[str, Any] | str | Path) -> Verdict:
+        """Whether this run ended the same as `other` under the contract's rule, and why
+        (`bamboo.same(self, other)`)."""
+        return same(self, other)
+
+
+def same(a: RunResult | Mapping[str, Any] | str | Path,
+         b: RunResult | Mapping[str, Any] | str | Path) -> Verdict:
+    """Whether runs `a` and `b` ended the same under the contract's rule, the one `bamboo
+    soak` judges by (`bamboo.run.sameness`): a `Verdict`, truthy when they did, whose
+    `reason` says why in one line ("bit-equal: ...", "losses within 1e-5 and param_l2 within
+    1e-6 (the layout changed: ...)", or what differs and by how much). Each run is a
+    RunResult, a summary dict, or a finished run's directory; tolerances are relative to
+    `a` (give the failure-free run first)."""
+    return compare(_summary_of(a, "a"), _summary_of(b, "b"))
+
+
+def _summary_of(run: RunResult | Mapping[str, Any] | str | Path, name: str) -> Mapping[str, Any]:
+    if isinstance(run, RunResult):
+        return run.summary
+    if isinstance(run, Mapping):
+        return run
+    if isinstance(run, (str, Path)):
+        return load_result(run).summary
+    raise JobError(f"bamboo.same: {name}= takes a RunResult, a summary dict or a run "
+                   f"directory (got {type(run).__name__})")
 
 
 def load_result(run_dir: str | Path) -> RunResult:
@@ -121,6 +159,22 @@ def _watched(on_event: EventCallback) -> type[RunDir]:
     return WatchedRunDir
 
 
+def run_config(job: Job, out: str | Path | None, prog: str) -> JobConfig:
+    """The job's configuration for its run in `out` (default: the job's own `out`): the
+    run directory `resume="auto"` continues when there is a run in it, else starts.
+    `prog` (`bamboo.train`, ...) names the call in the one-line JobError."""
+    cfg = job.config if out is None else job.config.replace(out=str(out))
+    if cfg.checkpoints.resume == "auto" and cfg.logging.out is None:
+        raise JobError(f'{prog}: resume="auto" needs the run directory to continue (or to '
+                       f'start): {prog}(job, out=DIR)', "resume", "out")
+    if out is None:
+        return cfg  # validated when the job was made
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        raise JobError(f"{prog}: {e}", *e.options) from None
+
+
 def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | None = None,
           quiet: bool = True, debug: bool = False) -> RunResult:
     """Run `job` to its end on local worker processes, in the run directory `out`
@@ -136,10 +190,8 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
         raise JobError("bamboo.train must be called from the main thread: the run stops "
                        "cleanly on Ctrl-C through the main thread's signal handlers")
     from bamboo.api.start import execute, prepare, warm_up
-    cfg = job.config
+    cfg = run_config(job, out, "bamboo.train")
     try:
-        if out is not None:
-            cfg = cfg.replace(out=str(out)).validate()
         from bamboo.model.fits import check_fits, check_step_length
         from bamboo.model.layout_fit import resolve_stages
         cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
@@ -148,7 +200,7 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
         check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
         check_step_length(cfg)
         start = prepare(cfg, "bamboo.train",
-                        _watched(on_event) if on_event is not None else RunDir)
+                        _watched(on_event) if on_event is not None else RunDir, Interface.TRAIN)
     except ConfigError as e:
         raise JobError(f"bamboo.train: {e}", *e.options) from None
     if start is None:  # `resume="auto"` and its run already completed
@@ -157,5 +209,5 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     from bamboo.control.sources import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
     display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet)
-    summary = execute(start, LocalWorkers(), display, debug=debug)
+    summary = execute(start, LocalWorkers(), display, debug=debug, interface=Interface.TRAIN)
     return RunResult.of(summary, start.run.path)

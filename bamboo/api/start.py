@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bamboo.config import ConfigError, JobConfig
+from bamboo.run.interface import Interface
 from bamboo.run.runlog import RunDir, default_run_dir
 
 if TYPE_CHECKING:
@@ -36,9 +37,11 @@ class Start:
     """The checkpoint to continue from (`bamboo.run.checkpoint.Checkpoint`), or None."""
 
 
-def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start | None:
+def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir,
+            interface: Interface = Interface.CLI) -> Start | None:
     """The checks of a job before it runs; None when `--resume auto` finds its run already
-    complete (nothing to do). `run_dir`: the RunDir class to make the directory with."""
+    complete (nothing to do). `run_dir`: the RunDir class to make the directory with;
+    `interface`: whose words say what to do next (`--resume auto`, or `resume="auto"`)."""
     from bamboo.config import objects  # the run a resume continues holds its objects
     objects.add_run_dirs(cfg.checkpoints.resume, cfg.logging.out)
     check_trace(cfg, prog)
@@ -47,7 +50,7 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
     check_job_data(cfg)
     auto_fresh = False
     if cfg.checkpoints.resume == "auto":
-        resolved, auto_fresh = _resolve_auto_resume(cfg, prog)
+        resolved, auto_fresh = _resolve_auto_resume(cfg, prog, interface)
         if resolved is None:
             return None
         cfg = resolved
@@ -56,7 +59,7 @@ def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir) -> Start 
     same_dir = resume_dir is not None and run.path.resolve() == Path(resume_dir).resolve()
     run.restarting = auto_fresh
     if not same_dir and not auto_fresh:
-        run.check_usable()
+        run.check_usable(interface)
     resume = _load_resume(cfg, prog)
     run.check_writable("--resume" if same_dir else "--out")
     _save_objects(cfg, run.path)
@@ -78,13 +81,15 @@ def _save_objects(cfg: JobConfig, run_path: Path) -> None:
 
 def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,
             crash: dict[int, list] | None = None, debug: bool = False,
-            http: tuple[str, int] | None = None) -> dict[str, Any]:
+            http: tuple[str, int] | None = None,
+            interface: Interface = Interface.CLI) -> dict[str, Any]:
     """Run the prepared job in this process (the coordinator) to its end: the summary, or
-    RunFailed (`bamboo.control.run_job`)."""
+    RunFailed (`bamboo.control.run_job`), whose stop by the user says how to continue in
+    the words of `interface`."""
     warm_up(debug)
     from bamboo.control import run_job
     return run_job(start.cfg, start.run, display, source, extra_faults=crash or {},
-                   debug=debug, resume=start.resume, http=http)
+                   debug=debug, resume=start.resume, http=http, interface=interface)
 
 
 def warm_up(debug: bool = False) -> None:
@@ -134,7 +139,8 @@ def check_trace(cfg: JobConfig, prog: str) -> None:
                           f"--nodes adds; use --nodes {max(added, 1)} or a longer trace")
 
 
-def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, bool]:
+def _resolve_auto_resume(cfg: JobConfig, prog: str,
+                         interface: Interface) -> tuple[JobConfig | None, bool]:
     """`--resume auto`: the --out run continues from its newest whole checkpoint when it has
     one, else starts there afresh (a restart before the first checkpoint starts over). None
     when that run already finished (a restarted job has nothing left to do)."""
@@ -145,13 +151,14 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
             done = json.loads(summary.read_text())
         except (OSError, ValueError):
             done = {}
-        check_same_job(cfg, done.get("config") or {}, f"--resume auto: the run in {out}")
+        check_same_job(cfg, done.get("config") or {},
+                       f"{interface.resume_auto}: the run in {out}")
         completed = done.get("steps_completed")
         if done.get("status") == "completed" and isinstance(completed, int) and \
                 completed >= cfg.training.steps:
             print(f"{prog}: the run in {out} already completed {completed} steps; nothing to "
-                  f"do (pass more {_said(prog, '--steps')}, or another {_said(prog, '--out')} "
-                  f"for a new run)", file=sys.stderr)
+                  f"do (pass {interface.steps()}, or another {interface.out.strip()} for a new "
+                  f"run)", file=sys.stderr)
             return None, False
     from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.run.runlog import checkpoint_root
@@ -161,7 +168,8 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str) -> tuple[JobConfig | None, b
             load_latest(root, quiet=True)
             return cfg.replace(resume=str(out)), False
         except CheckpointError as e:  # every one unusable: say so, then start over
-            print(f"{prog}: warning: --resume auto: {e}; starting from step 0", file=sys.stderr)
+            print(f"{prog}: warning: {interface.resume_auto}: {e}; starting from step 0",
+                  file=sys.stderr)
     return cfg.replace(resume=None), out.exists()
 
 

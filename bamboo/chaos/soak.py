@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.util import strict_json
-from bamboo.chaos.bits import differs, explain
+from bamboo.run.bits import differs, explain
 from bamboo.run.runlog import read_events
 
 __all__ = ["soak", "FAULT_KINDS", "Trial", "Draw", "draw", "judge", "rerun_command"]

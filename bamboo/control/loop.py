@@ -16,6 +16,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from bamboo.run.checkpoint import Checkpoint
+from bamboo.run.interface import Interface
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
 from bamboo.control.sources import LocalWorkers, NodeSource
@@ -39,7 +40,8 @@ class Coordinator:
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
                  source: NodeSource, *, extra_faults: dict[int, list[Fault]] | None = None,
                  debug: bool = False, resume: Checkpoint | None = None,
-                 http: tuple[str, int] | None = None) -> None:
+                 http: tuple[str, int] | None = None,
+                 interface: Interface = Interface.CLI) -> None:
         # The workers write checkpoints and the final layers under the run directory (unless
         # --checkpoint-dir says elsewhere): they get its absolute path with the job.
         cfg = cfg.replace(out=str(run.path.resolve()))
@@ -47,7 +49,7 @@ class Coordinator:
         self.http = http
         """`--http`: (host, port) to serve /healthz and /metrics on (bamboo.control.http)."""
         self.resume = resume
-        self.user_stop = UserStop()
+        self.user_stop = UserStop(interface)
         self.source = source
         self.core = CoordinatorCore(cfg, run.path, display, self.source,
                                     extra_faults=extra_faults, resume=resume, debug=debug)
@@ -214,9 +216,12 @@ def run_job(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
             source: NodeSource | None = None, *,
             extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
             resume: Checkpoint | None = None,
-            http: tuple[str, int] | None = None) -> dict[str, Any]:
+            http: tuple[str, int] | None = None,
+            interface: Interface = Interface.CLI) -> dict[str, Any]:
     """Run the job `cfg` to its end, its nodes from `source` (default: local worker
     processes; `sources.Agents` for agents that join): the summary, or RunFailed
-    (HttpServeError when `http`, --http's address, cannot be served)."""
+    (HttpServeError when `http`, --http's address, cannot be served). `interface`: the one
+    the run was started from, whose words the user's stop says how to continue in."""
     return Coordinator(cfg, run, display, source if source is not None else LocalWorkers(),
-                       extra_faults=extra_faults, debug=debug, resume=resume, http=http).run()
+                       extra_faults=extra_faults, debug=debug, resume=resume, http=http,
+                       interface=interface).run()

@@ -5,7 +5,9 @@ server's), so a terminal's or `timeout`'s signal reaches the coordinator alone, 
 so once, asks for a resume point at the next step boundary, and stops when it is published
 (then `--resume auto` continues from it, redoing nothing), when checkpoints are off, when no
 step is running yet, after `GRACE_S`, or at a second signal, whichever comes first. The stop
-exits with 128 + the signal's number, as a shell reports a process ended by it.
+exits with 128 + the signal's number, as a shell reports a process ended by it. How to
+continue is said in the words of the interface the run was started from (`--resume auto` on
+the command line, `resume="auto"` in the Job from Python: `bamboo.run.interface`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from bamboo.control.state import Stop
+from bamboo.run.interface import Interface
 
 if TYPE_CHECKING:
     from bamboo.control.core import CoordinatorCore
@@ -27,7 +30,9 @@ container platform's usual grace (Kubernetes gives 30 s before its SIGKILL)."""
 class UserStop:
     """Drives one run's stop after the user's signals; `check` raises Stop when it is time."""
 
-    def __init__(self) -> None:
+    def __init__(self, interface: Interface = Interface.CLI) -> None:
+        self.interface = interface
+        """Whose words say how to continue the stopped run."""
         self.signals: list[int] = []
         self.started_at: float | None = None
         self.published_before = -1
@@ -56,14 +61,17 @@ class UserStop:
         last = core.checkpoints.last_step if started else -1
         if can_save and last > self.published_before:
             raise Stop(f"stopped by {name} with {last} steps done; their resume point is "
-                       f"{core.checkpoints.last}: run the same command with --resume auto to "
-                       f"continue", exit_code=code)
+                       f"{core.checkpoints.last}: {self.interface.rerun(core.ctx.run_path)} "
+                       f"to continue", exit_code=code)
         if not can_save or len(self.signals) > 1 or now - self.started_at > GRACE_S:
-            why = ("checkpoints are off (--checkpoint-every 0)" if started and not can_save
+            off = self.interface.option("checkpoint-every", 0)
+            why = (f"checkpoints are off ({off})" if started and not can_save
                    else "before the first step" if not started
                    else f"a second {name}" if len(self.signals) > 1
                    else f"no resume point within {GRACE_S:g} s")
             newest = core.checkpoints.last if started else None
+            how = ("add --resume auto" if self.interface is Interface.CLI
+                   else self.interface.rerun(core.ctx.run_path))
             raise Stop(f"stopped by {name} ({why}); all workers stopped"
-                       + (f"; the newest resume point is {newest}: add --resume auto to continue"
+                       + (f"; the newest resume point is {newest}: {how} to continue"
                           if newest else ""), exit_code=code)

@@ -16,6 +16,7 @@ from typing import Any
 
 from bamboo.util import strict_json
 from bamboo.config import ConfigError
+from bamboo.run.interface import Interface
 
 __all__ = ["RunDir", "RunDirError", "EventLog", "EventLogError", "read_events", "write_atomic",
            "default_run_dir", "checkpoint_root"]
@@ -146,15 +147,18 @@ class RunDir:
         """`--resume auto` before the first whole checkpoint: the run starts over in its own
         folder (a restarted coordinator), so an earlier attempt's files are no obstacle."""
 
-    def check_usable(self) -> None:
-        """ConfigError if the folder already holds a run or is not a folder."""
+    def check_usable(self, interface: Interface = Interface.CLI) -> None:
+        """ConfigError if the folder already holds a run or is not a folder (in the words of
+        the `interface` the run was started from)."""
+        out = interface.out
         if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"--out {self.path} exists and is not a directory: choose another path")
+            raise ConfigError(f"{out}{self.path} exists and is not a directory: choose another "
+                              f"path")
         taken = [name for name in _RUN_FILES if (self.path / name).exists()]
         if taken:
-            raise ConfigError(f"--out {self.path} already holds a run ({taken[0]}): add "
-                              f"--resume auto to continue it (or to extend it with more "
-                              f"--steps), or choose a new directory")
+            raise ConfigError(f"{out}{self.path} already holds a run ({taken[0]}): "
+                              f"{interface.add_resume()} to continue it (or to extend it with "
+                              f"{interface.steps()}), or choose a new directory")
 
     def check_writable(self, flag: str = "--out") -> None:
         """ConfigError unless the folder can be created here and a file written in it (a

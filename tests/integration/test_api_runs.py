@@ -121,12 +121,17 @@ def test_a_run_result_carries_the_summary_and_a_resume_of_a_finished_run_runs_no
 
 @pytest.mark.timeout(60)
 def test_import_bamboo_keeps_the_torch_free_parts_torch_free(tmp_path: Path) -> None:
-    code = ("import sys, bamboo, bamboo.config, bamboo.plan, bamboo.api.job; "
-            "job = bamboo.Job(nodes=2, stages=2, steps=2); "
-            "print('torch' in sys.modules, type(bamboo.Job).__name__)")
+    """A preset's Job, its typed signature and `bamboo.same` import no torch; `from bamboo
+    import PipelineModel, TensorSpec` (the model's names) does, on first use."""
+    code = ("import sys, inspect, bamboo, bamboo.config, bamboo.plan, bamboo.api.job; "
+            "job = bamboo.Job(nodes=2, stages=2, steps=2); inspect.signature(bamboo.Job); "
+            "bamboo.same, bamboo.Verdict; "
+            "print('torch' in sys.modules, type(bamboo.Job).__name__); "
+            "from bamboo import PipelineModel, TensorSpec; "
+            "print('torch' in sys.modules, PipelineModel.__name__, TensorSpec.__name__)")
     done = python(["-c", code], cwd=tmp_path, timeout=50)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "type"]
+    assert done.stdout.split() == ["False", "type", "True", "PipelineModel", "TensorSpec"]
 
 
 OPTIMIZER_SCRIPT = """\
