@@ -21,7 +21,8 @@ from bamboo.config import presets as _presets
 
 __version__ = "0.1.0"
 
-__all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result", "__version__"]
+__all__ = ["Job", "JobError", "train", "Trainer", "RunResult", "RunFailed", "load_result",
+           "__version__"]
 
 _API = frozenset(__all__) - {"__version__"}
 

@@ -4,6 +4,7 @@
     bamboo.api.paths  how what the workers rebuild reaches them (derived import paths)
     bamboo.api.start  the checks before a run and the run itself (also `bamboo train`'s)
     bamboo.api.run    train() and RunResult
+    bamboo.api.trainer  Trainer: the user's own loop, one step per call
 
 Names load on first use (the package imports torch only for a run), so `bamboo train`
 checks its flags through `bamboo.api.job` before torch is imported.
@@ -13,9 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result"]
+__all__ = ["Job", "JobError", "train", "Trainer", "RunResult", "RunFailed", "load_result"]
 
 _WHERE = {"Job": "bamboo.api.job", "JobError": "bamboo.api.job", "train": "bamboo.api.run",
+          "Trainer": "bamboo.api.trainer",
           "RunResult": "bamboo.api.run", "load_result": "bamboo.api.run",
           "RunFailed": "bamboo.control"}
 

@@ -21,6 +21,7 @@ from bamboo.control.restore import RestorePoints
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
                                      plan_key)
+from bamboo.plan.orders import scale_at
 from bamboo.plan.partition import partition
 from bamboo.run.progress import pipeline_rows
 from bamboo.plan.placement import spread
@@ -132,6 +133,7 @@ class Generations:
         run's view: `display.RunView.layout_changed`)."""
         ctx = self.ctx
         plan.fired_kills = self.kills.fired_kills()
+        plan.stepwise, plan.lr_scale = ctx.stepwise, scale_at(ctx.lr_scales, plan.start_step)
         ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
         ctx.roles = plan.roles(ctx.rc)

@@ -155,7 +155,7 @@ class Results:
             {k: getattr(r, k) for k in _CUDA_COUNTERS if getattr(r, k)}
 
     def final_dir(self) -> Any:
-        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.training.steps)
+        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.end_step)
 
     def on_params(self, msg: LayerParams) -> None:
         if msg.error is not None:  # no other node writes those layers: the model is lost
@@ -234,6 +234,7 @@ class Results:
             "reconfiguration_s": [round(r["total_s"], 4) if "total_s" in r else None
                                   for r in reconf_times],
             "resumed_from_step": ctx.resume_step,
+            "lr_scales": ctx.lr_scales,
             "layouts": ctx.layouts,
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,

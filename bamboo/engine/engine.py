@@ -51,7 +51,7 @@ from bamboo.engine.options import EngineOptions
 from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
 from bamboo.model.structure import detach
-from bamboo.engine.optim import clip_coefficient
+from bamboo.engine.optim import StepRate, clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
@@ -92,6 +92,9 @@ class NodeEngine:
         self.link, self.hook, self.progress = link, hook or NoHook(), progress
         self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
+        self.lr_scale = 1.0
+        """The factor on the scheduled learning rate of the next step (a step-by-step run's
+        order says it: every node, replica and shadow applies the same)."""
         self.eager = redundancy == "eager"
         shadowed = redundancy in ("eager", "lazy")
         self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
@@ -260,6 +263,16 @@ class NodeEngine:
                 pass
             self._recover(scratch, wait)
 
+    def catch_up(self, step: int) -> None:
+        """At the boundary before `step` (nothing of it begun): take on the roles published
+        since this node's (a node lost between steps), as a failover between steps does;
+        GenerationEnded when the coordinator abandoned the generation."""
+        if not self.interrupted():
+            return
+        scratch = StepState(step)
+        scratch.report = StepReport(step=step, rank=self.rank, stages=[])
+        self._recover(scratch, wait=False)
+
     def _mark(self, step: int, phase: int) -> None:
         if self.progress is not None:
             self.progress(step, phase)
@@ -329,6 +342,8 @@ class NodeEngine:
         o = self.options
         coef = clip_coefficient(result.norm, o.grad_clip)
         lr = o.lr_at(s.step)
+        if self.lr_scale != 1.0:  # a StepRate keeps the momentum its schedule sets
+            lr = StepRate(float(lr) * self.lr_scale, getattr(lr, "momentum", None))
         for stage, st in self.stages.items():
             st.apply(result.reduced[stage].to(torch.float32), coef, lr)
             st.reset_grads()
