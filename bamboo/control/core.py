@@ -279,6 +279,9 @@ class CoordinatorCore:
             resume_step=resume.step if resume else None,
             resume_path=resume.path if resume else None,
             stepwise=self.stepwise, end_step=cfg.training.steps,
+            skipped_steps=[k for k in resume.meta.get("skipped_steps", []) if k < start]
+            if resume else [],
+            start_loss_scale=resume.meta.get("loss_scale") if resume else None,
             lr_scales=[e for e in resume.meta.get("lr_scales", []) if e[0] <= start]
             if resume else [])
 

@@ -134,6 +134,8 @@ class Generations:
         ctx = self.ctx
         plan.fired_kills = self.kills.fired_kills()
         plan.stepwise, plan.lr_scale = ctx.stepwise, scale_at(ctx.lr_scales, plan.start_step)
+        if ctx.cfg.model.precision == "fp16":
+            plan.loss_scale = ctx.loss_scale_at(plan.start_step).to_json()
         ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
         ctx.roles = plan.roles(ctx.rc)

@@ -25,6 +25,7 @@ node's facts (`context.NodeContext`) and what it holds (`context.Held`), never t
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from bamboo.model import boundary_shapes, loss_fn, model_ties
 from bamboo.config.presets import ModelPreset
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
+from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,
                                  ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
                                  NoHook, node_instructions)
@@ -95,6 +97,9 @@ class NodeEngine:
         self.lr_scale = 1.0
         """The factor on the scheduled learning rate of the next step (a step-by-step run's
         order says it: every node, replica and shadow applies the same)."""
+        self.loss_scale = LossScale()
+        """`--precision fp16`: the dynamic loss scale at the next step (bamboo.plan.loss_scale;
+        the generation's plan gives it, each committed step moves it)."""
         self.eager = redundancy == "eager"
         shadowed = redundancy in ("eager", "lazy")
         self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
@@ -153,6 +158,9 @@ class NodeEngine:
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent, self.link.vote_s = 0.0, 0, 0.0
         self.hook.begin(step, self._holds)
+        fp16 = self.options.precision == "fp16"
+        self.forwards.loss_scale = self.loss_scale.scale if fp16 else 1.0
+        s.report.loss_scale = self.forwards.loss_scale
         while True:
             wait, outcome = False, _REDO
             try:
@@ -340,7 +348,16 @@ class NodeEngine:
         self._mark(s.step, _OPTIMIZER)
         start = time.perf_counter()
         o = self.options
-        coef = clip_coefficient(result.norm, o.grad_clip)
+        scale = self.forwards.loss_scale
+        if o.precision == "fp16":
+            overflowed = not math.isfinite(result.norm)
+            self.loss_scale = self.loss_scale.after(overflowed)
+            if overflowed:  # skipped on every node and replica alike: the same norm
+                self._skip(s, result)
+                return
+        norm = result.norm / scale if scale != 1.0 else result.norm
+        coef = clip_coefficient(norm, o.grad_clip)
+        coef = coef / scale if scale != 1.0 else coef  # exact: the scale is a power of two
         lr = o.lr_at(s.step)
         if self.lr_scale != 1.0:  # a StepRate keeps the momentum its schedule sets
             lr = StepRate(float(lr) * self.lr_scale, getattr(lr, "momentum", None))
@@ -352,8 +369,15 @@ class NodeEngine:
             if o.frc_offload:  # the replica's AdamW moments live in host memory
                 self.replica.offload_optimizer()
             self.replica.apply(result.replica_grad, coef, lr)
-        s.report.grad_norm, s.report.lr = result.norm, lr
+        s.report.grad_norm, s.report.lr = norm, lr
         s.report.optim_s += time.perf_counter() - start
+
+    def _skip(self, s: StepState, result: RoundResult) -> None:
+        """fp16: the step's gradients overflowed: no optimizer step anywhere (its loss scale
+        is halved for the next, in `loss_scale`)."""
+        for st in self.stages.values():
+            st.reset_grads()
+        s.report.grad_norm, s.report.lr, s.report.skipped = result.norm, 0.0, True
 
     # -- instructions -----------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost
                                   form_interruptibly)
 from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
 from bamboo.plan.layout import Layout
+from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.orders import OrderKind
 from bamboo.engine.stage import StageState
 from bamboo.plan.planner import GenerationPlan
@@ -214,6 +215,7 @@ class WorkerNode:
                             link=self.link, group=group, former=self._former(plan, rank),
                             hook=self.faults, progress=self._mark)
         engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
+        engine.loss_scale = LossScale.from_json(plan.loss_scale)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except TransferFailed as e:

@@ -78,6 +78,9 @@ class GenerationPlan:
     lr_scale: float = 1.0
     """The factor on the scheduled learning rate in force at `start_step` (a step-by-step
     run's `set_lr_scale`, carried on by a resume); its orders set it step by step."""
+    loss_scale: list[float] | None = None
+    """`--precision fp16`: the loss scaler's state at `start_step` ([scale, growth tracker];
+    bamboo.plan.loss_scale); each committed step moves it on every node alike."""
 
     @property
     def active(self) -> int:
