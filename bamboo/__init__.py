@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from bamboo.config import presets as _presets
 
 if TYPE_CHECKING:
-    from bamboo.api import Job, JobError, RunFailed, RunResult, Verdict, load_result, same, train
+    from bamboo.api import (Job, JobError, RunFailed, RunResult, Trainer, Verdict, load_result,
+                            same, train)
     from bamboo.model.api import PipelineModel, TensorSpec
 
 __version__ = "0.1.0"
@@ -31,14 +32,14 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Job": "bamboo.api", "JobError": "bamboo.api", "train": "bamboo.api",
     "RunResult": "bamboo.api", "RunFailed": "bamboo.api", "load_result": "bamboo.api",
-    "same": "bamboo.api", "Verdict": "bamboo.api",
+    "same": "bamboo.api", "Verdict": "bamboo.api", "Trainer": "bamboo.api",
     "PipelineModel": "bamboo.model.api", "TensorSpec": "bamboo.model.api",
 }
 """Each public name -> the module it is loaded from on first use (add a name here, to
 `__all__` and to the `TYPE_CHECKING` imports above)."""
 
-__all__ = ["Job", "JobError", "train", "RunResult", "RunFailed", "load_result", "same",
-           "Verdict", "PipelineModel", "TensorSpec", "__version__"]
+__all__ = ["Job", "JobError", "train", "Trainer", "RunResult", "RunFailed", "load_result",
+           "same", "Verdict", "PipelineModel", "TensorSpec", "__version__"]
 """A literal list, as type checkers read it: `_LAZY`'s names (a unit test keeps them equal)."""
 
 

@@ -134,26 +134,28 @@ def load_result(run_dir: str | Path) -> RunResult:
     return RunResult.of(summary, path)
 
 
-def _watched(on_event: EventCallback) -> type[RunDir]:
-    """A RunDir whose event log also hands every event to `on_event` (a callback that
-    raises is dropped with one warning: the run goes on)."""
+def _watched(on_event: EventCallback | None,
+             *own: Callable[[dict[str, Any]], None]) -> type[RunDir]:
+    """A RunDir whose event log also hands every event to `own` listeners and to the user's
+    `on_event` (a callback that raises is dropped with one warning: the run goes on)."""
 
     def listener(record: dict[str, Any]) -> None:
-        if state["failed"]:
+        if state["failed"] or on_event is None:
             return
         try:
             on_event(dict(record))
         except Exception as e:  # noqa: BLE001 - the user's callback must not end the run
             state["failed"] = True
-            print(f"bamboo.train: warning: on_event raised {type(e).__name__}: {e}; it is called "
+            print(f"bamboo: warning: on_event raised {type(e).__name__}: {e}; it is called "
                   f"no more (the run goes on)".splitlines()[0], file=sys.stderr)
 
     state = {"failed": False}
+    listeners = [*own, listener]
 
     class WatchedRunDir(RunDir):
         def events(self, t0: float) -> EventLog:
             log = super().events(t0)
-            log.listeners.append(listener)
+            log.listeners.extend(listeners)
             return log
 
     return WatchedRunDir
@@ -175,6 +177,25 @@ def run_config(job: Job, out: str | Path | None, prog: str) -> JobConfig:
         raise JobError(f"{prog}: {e}", *e.options) from None
 
 
+def prepared(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir,
+             interface: Interface = Interface.TRAIN) -> Any:
+    """The checks of a job's run here (`cfg`: `run_config`'s): its layout chosen, its fit,
+    its run directory, the checkpoint it continues. The `bamboo.api.start.Start` to run, or
+    None when `resume="auto"` finds its run already complete. JobError with one line."""
+    from bamboo.api.start import prepare
+    try:
+        from bamboo.model.fits import check_fits, check_step_length
+        from bamboo.model.layout_fit import resolve_stages
+        cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
+        if chosen is not None:
+            print(f"{prog}: {chosen}", file=sys.stderr)
+        check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
+        check_step_length(cfg)
+        return prepare(cfg, prog, run_dir, interface)
+    except ConfigError as e:
+        raise JobError(f"{prog}: {e}", *e.options) from None
+
+
 def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | None = None,
           quiet: bool = True, debug: bool = False) -> RunResult:
     """Run `job` to its end on local worker processes, in the run directory `out`
@@ -189,20 +210,10 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     if threading.current_thread() is not threading.main_thread():
         raise JobError("bamboo.train must be called from the main thread: the run stops "
                        "cleanly on Ctrl-C through the main thread's signal handlers")
-    from bamboo.api.start import execute, prepare, warm_up
+    from bamboo.api.start import execute, warm_up
     cfg = run_config(job, out, "bamboo.train")
-    try:
-        from bamboo.model.fits import check_fits, check_step_length
-        from bamboo.model.layout_fit import resolve_stages
-        cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
-        if chosen is not None:
-            print(f"bamboo.train: {chosen}", file=sys.stderr)
-        check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
-        check_step_length(cfg)
-        start = prepare(cfg, "bamboo.train",
-                        _watched(on_event) if on_event is not None else RunDir, Interface.TRAIN)
-    except ConfigError as e:
-        raise JobError(f"bamboo.train: {e}", *e.options) from None
+    start = prepared(cfg, "bamboo.train",
+                     _watched(on_event) if on_event is not None else RunDir, Interface.TRAIN)
     if start is None:  # `resume="auto"` and its run already completed
         return load_result(cfg.logging.out)
     warm_up(debug)

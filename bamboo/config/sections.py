@@ -30,7 +30,7 @@ __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSecti
 
 REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")
 COMM_MODES = ("strict", "tagged")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 RECOVERIES = ("redundancy", "checkpoint-restart")
 PIN_CPUS = ("off", "auto")
@@ -97,9 +97,11 @@ class ModelSection:
     """What is trained, and in what arithmetic."""
 
     name: str = option("gpt2-tiny", key="model", help=_model_help())
-    precision: str = option("fp32", choices=PRECISIONS, help="""fp32 | bf16: bf16 runs forward
-        and backward under autocast with bf16 compute; weights, gradients and optimizer state
-        stay fp32.""")
+    precision: str = option("fp32", choices=PRECISIONS, help="""fp32 | bf16 | fp16: bf16 and
+        fp16 run forward and backward under autocast with half-precision compute; weights,
+        gradients and optimizer state stay fp32. fp16 (V100, T4: GPUs without bf16) scales
+        the loss dynamically, as torch.amp.GradScaler does; a step whose gradients overflow
+        is skipped on every node.""")
     activation_checkpointing: bool = option(False, help="""Recompute each layer's activations in
         the backward instead of keeping them.""")
 
@@ -110,8 +112,8 @@ class ModelSection:
                               "gradients, which checkpointing would recompute",
                               "activation_checkpointing", "schedule")
         if job.training.exact and self.precision != "fp32":
-            raise ConfigError("--exact needs --precision fp32: bf16 compute is not "
-                              "bit-identical across layouts", "exact", "precision")
+            raise ConfigError(f"--exact needs --precision fp32: {self.precision} compute is "
+                              f"not bit-identical across layouts", "exact", "precision")
 
 
 @dataclass(kw_only=True, slots=True)

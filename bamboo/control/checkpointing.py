@@ -79,7 +79,11 @@ class CheckpointAssembly:
                 "optimizer": cfg.training.optimizer, "losses": ctx.losses[:msg.step],
                 "eval_losses": [e for e in ctx.eval_losses if e[0] <= msg.step],
                 "data": data_position(cfg, msg.step), "metrics": ctx.metrics[:msg.step],
-                "eval_metrics": [e for e in ctx.eval_metrics if e[0] <= msg.step]}
+                "eval_metrics": [e for e in ctx.eval_metrics if e[0] <= msg.step],
+                "lr_scales": [e for e in ctx.lr_scales if e[0] <= msg.step],
+                **({"skipped_steps": [k for k in ctx.skipped_steps if k < msg.step],
+                    "loss_scale": ctx.loss_scale_at(msg.step).to_json()}
+                   if cfg.model.precision == "fp16" else {})}
         start = ctx.clock()
         try:
             path = publish(checkpoint_location(cfg), msg.step, sorted(parts), meta,

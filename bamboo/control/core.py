@@ -48,6 +48,7 @@ from bamboo.control.generations import FixedMode, Generations, Modes
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
+from bamboo.control.orders import Orders
 from bamboo.control.preemptions import Preemptions
 from bamboo.control.restore import RestorePoints
 from bamboo.control.results import Results
@@ -57,6 +58,7 @@ from bamboo.control.steps import StepProtocol
 from bamboo.model import layer_param_counts
 from bamboo.node.backend_errors import describe
 from bamboo.plan.faults import Fault
+from bamboo.plan.orders import Order, OrderKind
 from bamboo.run.checkpoint import Checkpoint, checkpoint_location
 from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, GenerationEnd,
                                   GenerationReady, LayerParams, Left, MicroBatchesDone,
@@ -74,8 +76,11 @@ class CoordinatorCore:
 
     def __init__(self, cfg: JobConfig, run_path: Path, display: Any, source: NodeSource, *,
                  extra_faults: dict[int, list[Fault]] | None = None,
-                 resume: Checkpoint | None = None, debug: bool = False) -> None:
+                 resume: Checkpoint | None = None, debug: bool = False,
+                 stepwise: bool = False) -> None:
         self.cfg, self.run_path, self.display, self.source = cfg, run_path, display, source
+        self.stepwise = stepwise
+        """The user's loop drives the run through orders (`give`; `bamboo.Trainer`)."""
         self.extra_faults, self.resume, self.debug = extra_faults, resume, debug
         self.peer_lost_message = ""
         self.peer_lost_at: float | None = None
@@ -157,12 +162,23 @@ class CoordinatorCore:
         for trace_node in self.preemptions.tick():
             self.spawn(first_gen=self.ctx.plan.gen + 1, trace_node=trace_node)
         self.try_plan()
+        if self.ctx.stepwise:
+            self.orders.follow(self.steps.evaluated, self.checkpoints.last_step)
         self._check_stalls(now)
+
+    def give(self, order: Order) -> int:
+        """A step-by-step run's next order at the boundary it stands at (`orders.Orders`);
+        the run's clocks restart, since the time the user's loop took is not the run's."""
+        now = self.ctx.clock()
+        self.last_news = now
+        if order.kind is OrderKind.STEP:
+            self.steps.timing_from(now)
+        return self.orders.give(order)
 
     def finished(self) -> bool:
         """Every step committed and every active node done (or lost after its last step)."""
         ctx = self.ctx
-        if ctx.committed < self.cfg.training.steps or ctx.reconf is not None:
+        if ctx.committed < ctx.end_step or ctx.reconf is not None:
             return False
         active = [self.gens.member(r) for r in ctx.roles.active_ranks()]
         if not all(n.state in (NodeState.DONE, NodeState.LOST) for n in active):
@@ -261,7 +277,13 @@ class CoordinatorCore:
             eval_metrics=[e for e in resume.meta.get("eval_metrics", []) if e[0] <= start]
             if resume else [],
             resume_step=resume.step if resume else None,
-            resume_path=resume.path if resume else None)
+            resume_path=resume.path if resume else None,
+            stepwise=self.stepwise, end_step=cfg.training.steps,
+            skipped_steps=[k for k in resume.meta.get("skipped_steps", []) if k < start]
+            if resume else [],
+            start_loss_scale=resume.meta.get("loss_scale") if resume else None,
+            lr_scales=[e for e in resume.meta.get("lr_scales", []) if e[0] <= start]
+            if resume else [])
 
     def _build_parts(self, clock: Callable[[], float]) -> None:
         """The parts, each given the parts it asks (never a callback): what one part does
@@ -279,6 +301,7 @@ class CoordinatorCore:
         self.gens = Generations(ctx, self.nodes, self.restore, self.kills, interval)
         self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens, self.kills)
         self.results = Results(ctx, self.display)
+        self.orders = Orders(ctx)
         self.final_layers = FinalLayers(ctx, self.nodes, self.results)
         self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.auto: Any = None
@@ -298,6 +321,7 @@ class CoordinatorCore:
             return
         flags = self.gens.boundary_flags(step, self.modes)
         self.steps.commit(step, msg.epoch, flags)
+        self.orders.committed(msg.epoch)
         self._record_steps()
         if self.auto is not None:
             self.auto.step_ran(step)
@@ -312,7 +336,7 @@ class CoordinatorCore:
             return
         step, loss, metrics = done
         self.results.record_eval(step, loss, metrics)
-        if step >= self.cfg.training.steps:  # no step record follows: close the last pass
+        if step >= self.ctx.end_step:  # no step record follows: close the last pass
             self.failures.close(step, [], 0.0, self.results.records)
 
     def _on_ready(self, n: Node, msg: Ready) -> None:

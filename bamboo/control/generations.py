@@ -22,6 +22,7 @@ from bamboo.engine.optim import bytes_per_parameter
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
                                      plan_key)
+from bamboo.plan.orders import scale_at
 from bamboo.plan.partition import partition
 from bamboo.run.progress import pipeline_rows
 from bamboo.plan.placement import spread
@@ -133,6 +134,9 @@ class Generations:
         run's view: `display.RunView.layout_changed`)."""
         ctx = self.ctx
         plan.fired_kills = self.kills.fired_kills()
+        plan.stepwise, plan.lr_scale = ctx.stepwise, scale_at(ctx.lr_scales, plan.start_step)
+        if ctx.cfg.model.precision == "fp16":
+            plan.loss_scale = ctx.loss_scale_at(plan.start_step).to_json()
         ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
         ctx.roles = plan.roles(ctx.rc)

@@ -13,6 +13,7 @@ import signal
 import time
 from datetime import timedelta
 from multiprocessing.connection import wait
+from collections.abc import Callable
 from typing import Any
 
 from bamboo.run.checkpoint import Checkpoint
@@ -41,7 +42,7 @@ class Coordinator:
                  source: NodeSource, *, extra_faults: dict[int, list[Fault]] | None = None,
                  debug: bool = False, resume: Checkpoint | None = None,
                  http: tuple[str, int] | None = None,
-                 interface: Interface = Interface.CLI) -> None:
+                 interface: Interface = Interface.CLI, stepwise: bool = False) -> None:
         # The workers write checkpoints and the final layers under the run directory (unless
         # --checkpoint-dir says elsewhere): they get its absolute path with the job.
         cfg = cfg.replace(out=str(run.path.resolve()))
@@ -52,17 +53,36 @@ class Coordinator:
         self.user_stop = UserStop(interface)
         self.source = source
         self.core = CoordinatorCore(cfg, run.path, display, self.source,
-                                    extra_faults=extra_faults, resume=resume, debug=debug)
+                                    extra_faults=extra_faults, resume=resume, debug=debug,
+                                    stepwise=stepwise)
         self.health: Any = None
         """The --http feed (bamboo.control.health), while the run lasts."""
         self.scalars: Any = None
         """--tensorboard / --wandb logging (`scalars.ScalarLog`), fed from the event log."""
         self.final_status: str | None = None
         """"completed" or "failed" once the run has ended so (not when interrupted)."""
+        self.closed = False
 
     # -- the run, top to bottom -------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """The whole run under this process's signal handlers (Ctrl-C stops it cleanly):
+        its summary, or RunFailed."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.open()
+            self.drive(self.core.finished)
+            return self.finish()
+        except Stop as e:
+            raise self._failed(str(e), e.exit_code) from None
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.close()
+
+    def open(self) -> None:
+        """The run directory, its event log, the store, and the first nodes and plan; what
+        was opened is closed again if a later part fails (RunFailed for a Stop)."""
         # First: a bad --http leaves no run directory behind (HttpServeError, one line).
         if self.http is not None:
             from bamboo.control.health import HealthFeed  # prometheus_client
@@ -73,7 +93,6 @@ class Coordinator:
             self._close_health()
             raise
         self.events = self.rundir.events(time.monotonic())
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_scalars()
             self.events.write("run_start", config=self.cfg.to_dict(),
@@ -85,20 +104,51 @@ class Coordinator:
             self.core.start(self.store, self.events, time.monotonic, store_host=self.store_host)
             if self.health is not None:
                 self.health.attach(self.core)
-            self._supervise()
-            return self._finish()
         except Stop as e:
-            raise self._failed(str(e), e.exit_code) from None
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            if hasattr(self.core, "nodes"):
-                self.core.nodes.stop_all()
+            try:
+                raise self._failed(str(e), e.exit_code) from None
+            finally:
+                self.close()
+        except BaseException:
+            self.close()
+            raise
+
+    def drive(self, until: Callable[[], bool]) -> None:
+        """Read the nodes and let the core decide until `until()` holds (Stop when the run
+        cannot go on; the caller turns it into RunFailed with `fail`)."""
+        core = self.core
+        while not until():
+            self.user_stop.check(core, time.monotonic())
+            self._wait_and_read()
+            core.tick(time.monotonic())
+            if self.health is not None:
+                self.health.update()
+
+    def finish(self) -> dict[str, Any]:
+        """The finished run's end: every worker told to exit, model.pt and summary.json
+        written; the summary (RunFailed when they cannot be)."""
+        if self.health is not None:
+            self.health.update(finished=True)
+        self.store.set(SHUTDOWN_KEY, "1")
+        return self._finish()
+
+    def fail(self, stop: Stop) -> RunFailed:
+        """The run ended by `stop`: its summary written, the RunFailed to raise."""
+        return self._failed(str(stop), stop.exit_code)
+
+    def close(self) -> None:
+        """Stop every node still running and close what the run opened (idempotent)."""
+        if hasattr(self.core, "nodes"):
+            self.core.nodes.stop_all()
+        if not self.closed:
+            self.closed = True
             self.source.close(self.final_status)
-            self.display.close()
-            if self.scalars is not None:
-                self.scalars.close()
-            self._close_health()
+        self.display.close()
+        if self.scalars is not None:
+            self.scalars.close()
+            self.scalars = None
+        self._close_health()
+        if hasattr(self, "events"):
             self.events.close()
 
     def _close_health(self) -> None:
@@ -145,18 +195,6 @@ class Coordinator:
             raise Stop(f"cannot start {which} logging: {type(e).__name__}: {e}".splitlines()[0],
                        exit_code=2) from None
         self.events.listeners.append(self.scalars.on_event)
-
-    def _supervise(self) -> None:
-        core = self.core
-        while not core.finished():
-            self.user_stop.check(core, time.monotonic())
-            self._wait_and_read()
-            core.tick(time.monotonic())
-            if self.health is not None:
-                self.health.update()
-        if self.health is not None:
-            self.health.update(finished=True)
-        self.store.set(SHUTDOWN_KEY, "1")
 
     def _finish(self) -> dict[str, Any]:
         summary = self.core.final_summary()

@@ -77,6 +77,8 @@ class Results:
                   "grad_norm": reports[0].grad_norm if reports else None,
                   "lr": reports[0].lr if reports else None,
                   "attempts": max((r.attempts for r in reports), default=1),
+                  **({"loss_scale": reports[0].loss_scale, "skipped": reports[0].skipped}
+                     if reports and self.ctx.cfg.model.precision == "fp16" else {}),
                   **({"metrics": p.metrics} if p.metrics else {}),
                   "nodes": [self._node_timers(r, name) for r, name in zip(reports, names)]}
         work = [NodeWork(tuple(r.stages), r.compute_s, r.wait_s, r.optim_s, own)
@@ -154,8 +156,16 @@ class Results:
             {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS} | \
             {k: getattr(r, k) for k in _CUDA_COUNTERS if getattr(r, k)}
 
+    def _fp16_fields(self, steps: int) -> dict[str, Any]:
+        """`--precision fp16`: the steps skipped for an overflow, and the loss scale the
+        next step would have had."""
+        if self.ctx.cfg.model.precision != "fp16":
+            return {}
+        return {"skipped_steps": list(self.ctx.skipped_steps),
+                "loss_scale": self.ctx.loss_scale_at(steps).scale}
+
     def final_dir(self) -> Any:
-        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.cfg.training.steps)
+        return final_dir(checkpoint_location(self.ctx.cfg), self.ctx.end_step)
 
     def on_params(self, msg: LayerParams) -> None:
         if msg.error is not None:  # no other node writes those layers: the model is lost
@@ -235,6 +245,8 @@ class Results:
             "reconfiguration_s": [round(r["total_s"], 4) if "total_s" in r else None
                                   for r in reconf_times],
             "resumed_from_step": ctx.resume_step,
+            "lr_scales": ctx.lr_scales,
+            **self._fp16_fields(steps),
             "layouts": ctx.layouts,
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,

@@ -22,6 +22,10 @@ fails when a second module writes a field (of the context, or of a node).
 | `metrics` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `health`, `results` |
 | `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |
 | `eval_losses`, `eval_metrics` | `results.Results.record_eval` | `checkpointing`, `core` |
+| `stepwise` | `core` (`CoordinatorCore._context`, once) | `generations`, `orders` |
+| `skipped_steps` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `generations`, `results` |
+| `start_loss_scale` | `core` (`CoordinatorCore._context`, once) | through `loss_scale_at` |
+| `lr_scales`, `end_step` | `orders.Orders.give` (a step-by-step run's orders; `core._context` sets where a resume starts) | `checkpointing`, `core`, `generations`, `results` |
 
 A node's fields (`nodes.Node`) follow the same rule: the supervisor writes them (`state`
 through `Supervisor.set_state`; a kill through `kill`, `kill_due`, `fence`, `retire`; `ready`,
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bamboo.config import JobConfig
+from bamboo.plan.loss_scale import LossScale, scale_at
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
 
@@ -184,6 +189,26 @@ class RunContext:
     layouts: list[dict[str, Any]] = field(default_factory=list)
     """The layouts the committed steps ran, one entry per change: summary.json's `layouts`,
     which `bamboo.chaos.bits` judges the parameter bits by."""
+    stepwise: bool = False
+    """The user's loop drives the run (`bamboo.Trainer`): nodes wait for orders between
+    steps (`orders.Orders`)."""
+    lr_scales: list[list[float]] = field(default_factory=list)
+    """`[from step, scale]` of every change of the learning-rate scale (a step-by-step run's
+    `set_lr_scale`; 1.0 before the first): summary.json's `lr_scales`, and a checkpoint's,
+    from which a resume goes on with the scale it had."""
+    end_step: int = 0
+    """The step the run ends at: `--steps`, or the boundary a step-by-step run finished at."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """`--precision fp16`: the committed steps whose gradients overflowed (no optimizer step
+    was applied; bamboo.plan.loss_scale)."""
+    start_loss_scale: list[float] | None = None
+    """`--precision fp16`: the loss scaler's state where the run started (a resumed run's
+    checkpoint's); None: the initial one."""
+
+    def loss_scale_at(self, step: int) -> LossScale:
+        """The fp16 loss scaler's state at the boundary before `step`."""
+        return scale_at(step, self.skipped_steps, LossScale.from_json(self.start_loss_scale),
+                        self.resume_step or 0)
 
     def say(self, text: str) -> None:
         self.display.message(text)

@@ -161,10 +161,26 @@ class StepProtocol:
                     max((r.grad_norm for r in reports.values()), default=0.0))
         if math.isfinite(loss) and math.isfinite(norm):
             return
+        if math.isfinite(loss) and self.ctx.cfg.model.precision == "fp16":
+            self._check_loss_scale(step)  # an overflow: the step is skipped
+            return
         raise Stop(f"training diverged in step {step}: loss {loss}, gradient norm {norm}; "
                    f"stopped before applying it (the summary holds the {step} steps before; "
                    f"no model written): lower --lr (it is {self.ctx.cfg.training.lr:g}) and "
                    f"run again")
+
+    def _check_loss_scale(self, step: int) -> None:
+        """fp16: skipping `step` must leave a usable loss scale (Stop else)."""
+        after = self.ctx.loss_scale_at(step).after(True)
+        if after.collapsed:
+            streak, k = 1, step - 1
+            while k in self.ctx.skipped_steps:
+                streak, k = streak + 1, k - 1
+            raise Stop(f"fp16: the gradients of step {step} overflowed again ({streak} "
+                       f"steps in a row skipped): the loss scale fell to {after.scale:g}, so "
+                       f"the model overflows in fp16 however its loss is scaled; stopped "
+                       f"before any weight turned NaN: train it with precision bf16 or fp32, "
+                       f"or look for an operation that overflows in half precision")
 
     def _commit(self, step: int, reports: dict[int, RoundDone]) -> None:
         ctx = self.ctx
@@ -180,6 +196,10 @@ class StepProtocol:
         self._note_layout(step)
         del ctx.losses[step:]
         ctx.losses.append(loss)
+        ctx.skipped_steps[:] = [k for k in ctx.skipped_steps if k < step]
+        if ctx.cfg.model.precision == "fp16" and \
+                not all(math.isfinite(r.grad_norm) for r in reports.values()):
+            ctx.skipped_steps.append(step)
         if ctx.cfg.training.metrics:
             del ctx.metrics[step:]
             ctx.metrics.append(metrics)
@@ -238,6 +258,7 @@ class StepProtocol:
         self.ctx.committed = step
         del self.ctx.losses[step:]
         del self.ctx.metrics[step:]
+        self.ctx.skipped_steps[:] = [k for k in self.ctx.skipped_steps if k < step]
         self.pending = {k: v for k, v in self.pending.items() if k < step}
 
     def new_generation(self) -> None:

@@ -25,6 +25,7 @@ node's facts (`context.NodeContext`) and what it holds (`context.Held`), never t
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from bamboo.model import boundary_shapes, loss_fn, model_ties
 from bamboo.config.presets import ModelPreset
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
+from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,
                                  ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
                                  NoHook, node_instructions)
@@ -51,7 +53,7 @@ from bamboo.engine.options import EngineOptions
 from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
 from bamboo.model.structure import detach
-from bamboo.engine.optim import clip_coefficient
+from bamboo.engine.optim import StepRate, clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
@@ -92,6 +94,12 @@ class NodeEngine:
         self.link, self.hook, self.progress = link, hook or NoHook(), progress
         self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
+        self.lr_scale = 1.0
+        """The factor on the scheduled learning rate of the next step (a step-by-step run's
+        order says it: every node, replica and shadow applies the same)."""
+        self.loss_scale = LossScale()
+        """`--precision fp16`: the dynamic loss scale at the next step (bamboo.plan.loss_scale;
+        the generation's plan gives it, each committed step moves it)."""
         self.eager = redundancy == "eager"
         shadowed = redundancy in ("eager", "lazy")
         self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
@@ -150,6 +158,9 @@ class NodeEngine:
         s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent, self.link.vote_s = 0.0, 0, 0.0
         self.hook.begin(step, self._holds)
+        fp16 = self.options.precision == "fp16"
+        self.forwards.loss_scale = self.loss_scale.scale if fp16 else 1.0
+        s.report.loss_scale = self.forwards.loss_scale
         while True:
             wait, outcome = False, _REDO
             try:
@@ -261,6 +272,16 @@ class NodeEngine:
                 pass
             self._recover(scratch, wait)
 
+    def catch_up(self, step: int) -> None:
+        """At the boundary before `step` (nothing of it begun): take on the roles published
+        since this node's (a node lost between steps), as a failover between steps does;
+        GenerationEnded when the coordinator abandoned the generation."""
+        if not self.interrupted():
+            return
+        scratch = StepState(step)
+        scratch.report = StepReport(step=step, rank=self.rank, stages=[])
+        self._recover(scratch, wait=False)
+
     def _mark(self, step: int, phase: int) -> None:
         if self.progress is not None:
             self.progress(step, phase)
@@ -328,8 +349,19 @@ class NodeEngine:
         self._mark(s.step, _OPTIMIZER)
         start = time.perf_counter()
         o = self.options
-        coef = clip_coefficient(result.norm, o.grad_clip)
+        scale = self.forwards.loss_scale
+        if o.precision == "fp16":
+            overflowed = not math.isfinite(result.norm)
+            self.loss_scale = self.loss_scale.after(overflowed)
+            if overflowed:  # skipped on every node and replica alike: the same norm
+                self._skip(s, result)
+                return
+        norm = result.norm / scale if scale != 1.0 else result.norm
+        coef = clip_coefficient(norm, o.grad_clip)
+        coef = coef / scale if scale != 1.0 else coef  # exact: the scale is a power of two
         lr = o.lr_at(s.step)
+        if self.lr_scale != 1.0:  # a StepRate keeps the momentum its schedule sets
+            lr = StepRate(float(lr) * self.lr_scale, getattr(lr, "momentum", None))
         for stage, st in self.stages.items():
             st.apply(result.reduced[stage].to(torch.float32), coef, lr)
             st.reset_grads()
@@ -338,8 +370,15 @@ class NodeEngine:
             if o.frc_offload:  # the replica's optimizer state lives in host memory
                 self.replica.offload_optimizer()
             self.replica.apply(result.replica_grad, coef, lr)
-        s.report.grad_norm, s.report.lr = result.norm, lr
+        s.report.grad_norm, s.report.lr = norm, lr
         s.report.optim_s += time.perf_counter() - start
+
+    def _skip(self, s: StepState, result: RoundResult) -> None:
+        """fp16: the step's gradients overflowed: no optimizer step anywhere (its loss scale
+        is halved for the next, in `loss_scale`)."""
+        for st in self.stages.values():
+            st.reset_grads()
+        s.report.grad_norm, s.report.lr, s.report.skipped = result.norm, 0.0, True
 
     # -- instructions -----------------------------------------------------------------------
 

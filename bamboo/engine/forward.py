@@ -33,6 +33,9 @@ from bamboo.engine.step import StepState
 __all__ = ["StageForward", "metric_values"]
 
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast dtype of each --precision that has one."""
+
 class StageForward:
     """The forwards of one node: `P` stages, boundary `specs` by layer, each stage's layers
     `parts`, the `loss` of the last stage weighted by `weight` (1 / global micro-batches)."""
@@ -50,12 +53,16 @@ class StageForward:
         """CUDA: the stream eager FRC runs on (`frc_stream`)."""
         self.saved_counts = SavedCounts()
         """What each stage's forward saves, by input signature (counted once, reused)."""
+        self.loss_scale = 1.0
+        """`--precision fp16`: the step's dynamic loss scale, by which the last stage's loss
+        is multiplied before its backward (bamboo.plan.loss_scale); 1 otherwise."""
 
     def autocast(self) -> Any:
-        """The context forwards run under: bf16 autocast for --precision bf16 (parameters,
-        gradients and optimizer state stay fp32), nothing for fp32."""
-        if self.options.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        """The context forwards run under: bf16 or fp16 autocast for --precision bf16 or fp16
+        (parameters, gradients and optimizer state stay fp32), nothing for fp32."""
+        dtype = _AUTOCAST.get(self.options.precision)
+        if dtype is not None:
+            return torch.autocast(device_type=self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def _layers(self, st: StageState, x: torch.Tensor, step: int, mb: int) -> torch.Tensor:
@@ -135,7 +142,7 @@ class StageForward:
         s.memory.hold(("frc" if frc else "fwd", stage, mb), device_bytes, host_bytes)
         if loss is None:
             return out, None
-        return loss * self.weight, float(loss.detach())
+        return loss * (self.weight * self.loss_scale), float(loss.detach())
 
     def frc_stream(self) -> Any:
         """On CUDA, eager FRC runs on a stream of its own, after the work that produced its

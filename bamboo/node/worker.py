@@ -39,6 +39,7 @@ from bamboo.run.writers import stages_written_by
 from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
                                step_dir, write_layers)
 from bamboo.node import forkserver, output
+from bamboo.node.boundary import BoundaryOrders, RunOver
 from bamboo.node import procmem
 from bamboo.node.devices import worker_device
 from bamboo.wire.link import CoordinatorLink
@@ -56,6 +57,8 @@ from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost
                                   form_interruptibly)
 from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
 from bamboo.plan.layout import Layout
+from bamboo.plan.loss_scale import LossScale
+from bamboo.plan.orders import OrderKind
 from bamboo.engine.stage import StageState
 from bamboo.plan.planner import GenerationPlan
 
@@ -139,6 +142,11 @@ class WorkerNode:
         self.store_connections = StoreConnections(spec.store_host, spec.store_port,
                                                   self.timeout)
         """The store connections of group formations (`_former`)."""
+        self.stepwise = False
+        """The current generation runs a step-by-step run's orders (`BoundaryOrders`)."""
+        self.boundary = BoundaryOrders(store)
+        self.end_step = cfg.training.steps
+        """The step the run ends at: its --steps, or where a step-by-step run finished."""
 
     def _mark(self, step: int, phase: int) -> None:
         self.progress.mark(self.spec.slot, step, phase)
@@ -169,7 +177,11 @@ class WorkerNode:
                     return
                 gen = plan.gen + 1  # a standby in this generation
                 continue
-            if self._generation(plan) == "finished":
+            try:
+                if self._generation(plan) == "finished":
+                    return
+            except RunOver:  # a step-by-step run's coordinator ended it at a boundary
+                self.link.report(Done)
                 return
             gen = plan.gen + 1
 
@@ -202,6 +214,8 @@ class WorkerNode:
                             redundancy=plan.redundancy, task=self.task, device=self.device,
                             link=self.link, group=group, former=self._former(plan, rank),
                             hook=self.faults, progress=self._mark)
+        engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
+        engine.loss_scale = LossScale.from_json(plan.loss_scale)
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except TransferFailed as e:
@@ -235,6 +249,9 @@ class WorkerNode:
             try:
                 if cfg.evaluates_at(step):  # the parameters after `step` steps
                     engine.evaluate(step, cfg.evaluation.batches)
+                if self.stepwise and self._carry_out_orders(engine, step) is OrderKind.FINISH:
+                    self.end_step = step
+                    return done_step, True
                 if step == cfg.training.steps:
                     return done_step, True
                 report = engine.run_step(step)
@@ -248,6 +265,22 @@ class WorkerNode:
             if BoundaryFlag.RECONFIGURE in engine.flags:
                 break
         return done_step, False
+
+    def _carry_out_orders(self, engine: NodeEngine, step: int) -> OrderKind:
+        """A step-by-step run: the orders of the boundary after `step` steps, in turn
+        (bamboo.plan.orders); the kind of the one that closes it, STEP (its learning-rate
+        scale set on the engine) or FINISH."""
+        for order in self.boundary.orders(step):
+            match order.kind:
+                case OrderKind.EVAL:
+                    engine.evaluate(step, self.cfg.evaluation.batches)
+                case OrderKind.SAVE:
+                    self._send_checkpoint_part(engine, step)
+                case OrderKind.CATCH_UP:
+                    engine.catch_up(step)
+                case OrderKind.STEP:
+                    engine.lr_scale = order.lr_scale
+        return order.kind
 
     def _serve_final_requests(self, engine: NodeEngine) -> None:
         """Until the run shuts down: when the coordinator asks (a layer's first holder was
@@ -424,7 +457,7 @@ def _write_final(node: WorkerNode, engine: NodeEngine,
         if not params:
             return [], None
         try:
-            return write_layers(final_dir(checkpoint_location(node.cfg), node.cfg.training.steps),
+            return write_layers(final_dir(checkpoint_location(node.cfg), node.end_step),
                                 params), None
         except Exception as e:  # noqa: BLE001 - the coordinator stops the run with it
             return [], str(e) if isinstance(e, CheckpointError) else _one_line(e)

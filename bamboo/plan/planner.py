@@ -72,6 +72,15 @@ class GenerationPlan:
     holes: list[list[int]] = field(default_factory=list)
     """[pipeline, stage] slots no node of their own holds: each is served by the holders of
     its stage in the other pipelines, as a re-route does (`RoleMap.reroutes`)."""
+    stepwise: bool = False
+    """The user's loop drives the run (`bamboo.Trainer`): at every step boundary the nodes
+    wait for the coordinator's orders (bamboo.plan.orders) instead of running on."""
+    lr_scale: float = 1.0
+    """The factor on the scheduled learning rate in force at `start_step` (a step-by-step
+    run's `set_lr_scale`, carried on by a resume); its orders set it step by step."""
+    loss_scale: list[float] | None = None
+    """`--precision fp16`: the loss scaler's state at `start_step` ([scale, growth tracker];
+    bamboo.plan.loss_scale); each committed step moves it on every node alike."""
 
     @property
     def active(self) -> int:

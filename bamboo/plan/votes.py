@@ -71,6 +71,10 @@ class StepReport:
     losses: list[tuple[int, float, float]] = field(default_factory=list)
     grad_norm: float = 0.0
     lr: float = 0.0
+    loss_scale: float = 1.0
+    """`--precision fp16`: the scale the step's loss was multiplied by (1 otherwise)."""
+    skipped: bool = False
+    """`--precision fp16`: its gradients overflowed, so no optimizer step was applied."""
     compute_s: float = 0.0
     frc_s: float = 0.0
     wait_s: float = 0.0

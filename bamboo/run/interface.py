@@ -20,6 +20,7 @@ class Interface(enum.Enum):
 
     CLI = "bamboo train"
     TRAIN = "bamboo.train"
+    TRAINER = "bamboo.Trainer"
 
     @property
     def resume_auto(self) -> str:

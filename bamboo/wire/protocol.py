@@ -12,6 +12,10 @@ Liveness and progress go through two shared arrays whose layout is defined here 
                        count on across generations, so keys never repeat
     go/<step>/<e>      Go: "go" when every live node finished its micro-batches, else "abort"
     decide/<step>/<e>  Verdict: "commit[+ckpt][+reconf]" or "redo"
+    order/<k>/<n>      a step-by-step run's n-th order at the boundary after k steps
+                       (bamboo.plan.orders: eval, save, step, finish; JSON)
+    order/<k>/<n>/done that order is complete: a node that comes back to the boundary
+                       skips it
     final/<node>       after the last step: layers (JSON list) whose final parameters this
                        node is to write from its copy, their first holder having been lost
     shutdown           the run is over: every worker exits
@@ -26,7 +30,7 @@ from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Verdict
 __all__ = [
     "Go", "Decision", "BoundaryFlag", "Verdict",
     "SHUTDOWN_KEY", "plan_key", "epoch_key", "go_key", "decide_key", "eval_key",
-    "final_request_key",
+    "final_request_key", "order_key", "order_done_key",
     "PHASES", "Progress",
     "WorkerMessage", "Ready", "MicroBatchesDone", "RoundDone", "EvalDone", "StepReport",
     "LayerParams",
@@ -59,6 +63,14 @@ def decide_key(step: int, epoch: int) -> str:
 
 def eval_key(step: int, epoch: int) -> str:
     return f"eval/{step}/{epoch}"
+
+
+def order_key(step: int, n: int) -> str:
+    return f"order/{step}/{n}"
+
+
+def order_done_key(step: int, n: int) -> str:
+    return f"order/{step}/{n}/done"
 
 
 def final_request_key(node_name: str) -> str:

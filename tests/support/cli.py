@@ -118,7 +118,7 @@ FLAG_CASES: dict[str, list[tuple]] = {
                  (["--resume", "{dir}"], "no checkpoint in")],
     "--comm": [(["--comm", "loose"], "--comm 'loose' is not one of strict, tagged"),
                (["--comm", "tagged", "--device", "cuda"], "--comm tagged needs gloo")],
-    "--precision": [(["--precision", "fp16"], "'fp16' is not one of fp32, bf16"),
+    "--precision": [(["--precision", "fp8"], "'fp8' is not one of fp32, bf16, fp16"),
                     (["--precision", "bf16", "--exact"], "--exact needs --precision fp32")],
     "--keep-checkpoints": [(["--keep-checkpoints", "0"], "must be an integer >= 1 (got 0)")],
     "--http": [(["--http", "nonsense"], "--http 'nonsense' is not ADDRESS:PORT"),

@@ -220,7 +220,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "frc_at": [("idle", "'idle' is not one of waits, slot")],
     "schedule": [("zb", "'zb' is not one of 1f1b, zb-h1")],
     "check_replicas": [("yes", "expected true or false")],
-    "precision": [("fp16", "'fp16' is not one of fp32, bf16")],
+    "precision": [("fp8", "'fp8' is not one of fp32, bf16, fp16")],
     "exact": [("yes", "expected true or false")],
     "activation_checkpointing": [(2, "expected true or false")],
     "data": [(MISSING, "does not exist"), (12, "expected a string, got an integer (12)")],
