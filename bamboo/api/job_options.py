@@ -36,7 +36,7 @@ class JobOptions:
         eval_dataset: Any = None,
         *,
         # -- model --
-        precision: Literal['fp32', 'bf16'] = 'fp32',
+        precision: Literal['fp32', 'bf16', 'fp16'] = 'fp32',
         activation_checkpointing: bool = False,
         # -- data --
         data: str | PathLike[str] | None = None,
@@ -126,9 +126,11 @@ class JobOptions:
                 step -> multiplier, or a functools.partial of a torch.optim.lr_scheduler class.
                 Default: warm-up, then cosine decay.
             eval_dataset (Any): The held-out Dataset for eval_every, in the forms dataset takes.
-            precision (Literal['fp32', 'bf16'], default 'fp32'): fp32 | bf16: bf16 runs forward
-                and backward under autocast with bf16 compute; weights, gradients and optimizer
-                state stay fp32. (--precision)
+            precision (Literal['fp32', 'bf16', 'fp16'], default 'fp32'): fp32 | bf16 | fp16:
+                bf16 and fp16 run forward and backward under autocast with half-precision
+                compute; weights, gradients and optimizer state stay fp32. fp16 (V100, T4: GPUs
+                without bf16) scales the loss dynamically, as torch.amp.GradScaler does; a step
+                whose gradients overflow is skipped on every node. (--precision)
             activation_checkpointing (bool, default False): Recompute each layer's activations
                 in the backward instead of keeping them. (--activation-checkpointing)
             data (str | PathLike[str] | None, default None): A directory written by `bamboo data

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.run.checkpoint import CheckpointError, load_checkpoint, load_latest
+from bamboo.run.checkpoint import FORMAT, CheckpointError, load_checkpoint, load_latest
 from bamboo.util.json_shape import ListOf, MapOf, Record, problems
 from support.checkpoints import save, states, two_checkpoints
 
@@ -28,7 +28,7 @@ def _refusal(folder: Path) -> str:
 
 def test_every_missing_manifest_key_is_named(tmp_path: Path) -> None:
     folder = save(tmp_path, 5, states(0))
-    (folder / "manifest.json").write_text(json.dumps({"format": 3}))
+    (folder / "manifest.json").write_text(json.dumps({"format": FORMAT}))
     assert _refusal(folder) == ("manifest.json is damaged: 'step' is missing; 'layers' is "
                                 "missing; 'sidecars' is missing; 'checksum' is missing")
 
