@@ -1,15 +1,11 @@
 """The engine: one node's dispatcher over its instruction list, with in-flight failover.
 
-A step has three phases:
-
-A. micro-batches: the node runs `node_schedule` for the stages it holds (1F1B or ZB-H1,
-   and eager FRC of its replica stage in the waits); gradients are summed in float32
-   (float64 with `--exact`);
-B. the commit round (`commit.py`): data-parallel sums, the replica's gradient, the
-   global norm; the coordinator says "commit" only if every survivor's round worked;
-C. the optimizer step, on every stage the node holds and on its replica.
-
-Between steps, `evaluate` runs the held-out pass (`evaluation.py`).
+A step has three phases: A. micro-batches: the node runs `node_schedule` for the stages it
+holds (1F1B or ZB-H1, and eager FRC of its replica stage in the waits); gradients summed in
+float32 (float64 with `--exact`); B. the commit round (`commit.py`): data-parallel sums, the
+replica's gradient, the global norm; the coordinator says "commit" only if every
+survivor's round worked; C. the optimizer step on every stage held and on the replica
+(`update.py`). Between steps, `evaluate` runs the held-out pass (`evaluation.py`).
 
 When a peer is lost the node asks the coordinator for the new role map and applies it to
 the step under way (`failover.py`, which returns what the node then holds): a shadow adopts
@@ -25,7 +21,7 @@ node's facts (`context.NodeContext`) and what it holds (`context.Held`), never t
 """
 from __future__ import annotations
 
-import math
+import functools
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -53,10 +49,10 @@ from bamboo.engine.options import EngineOptions
 from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
 from bamboo.model.structure import detach
-from bamboo.engine.optim import StepRate, clip_coefficient
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
+from bamboo.engine.update import apply_update, note_holdings
 from bamboo.engine.transfers import recv_activation, recv_grad, send_activation, send_grad
 from bamboo.engine.transport import Transport, make_transport
 from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Votes
@@ -66,6 +62,7 @@ __all__ = ["EngineOptions", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
 """Phase indices a node marks its progress with (`bamboo.wire.protocol.PHASES` names them)."""
+_global_order = functools.lru_cache(maxsize=64)(S.global_order)  # the same at every step
 _COMMITTED, _ABORTED, _REDO = "committed", "aborted", "redo"
 """How one attempt at a step ended (`NodeEngine._attempt`)."""
 
@@ -112,7 +109,6 @@ class NodeEngine:
         self.local_index = {g: (d, i) for d, block in enumerate(self.blocks)
                             for i, g in enumerate(block)}
         self.global_mbs = self.blocks[self.pipeline]
-        self._orders: dict[int, dict[S.Instruction, int]] = {}
         self.weight = 1.0 / layout.global_micro_batches
         self.specs = boundary_shapes(model, task.micro_batch_size)
         self.loss = task.loss or loss_fn(model)
@@ -202,19 +198,11 @@ class NodeEngine:
     def _report(self, s: StepState, start: float, faults: int) -> StepReport:
         """The committed step's report: what it held, lost, took and sent."""
         r = s.report
-        r.stages = sorted(self.stages)
         r.losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
         r.step_s = time.perf_counter() - start
         r.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        r.wait_s, r.vote_s = self.p2p.wait_s, self.link.vote_s
-        r.bytes_sent = self.p2p.bytes_sent
-        r.state_bytes = sum(st.state_size() for st in self.held())  # parameters, optimizer state
-        r.params_held = sum(st.numel for st in self.held())
-        r.device_bytes, r.host_bytes = s.memory.node_peak(self.held(), list(self.stages.values()))
-        if self.options.check_replicas:
-            r.digests = {f"stage{k}": st.digest() for k, st in self.stages.items()}
-            if self.replica is not None:
-                r.digests[f"replica{self.replica.stage}"] = self.replica.digest()
+        r.wait_s, r.vote_s, r.bytes_sent = self.p2p.wait_s, self.link.vote_s, self.p2p.bytes_sent
+        note_holdings(r, s, self.stages, self.replica, self.options.check_replicas)
         return r
 
     def _passed(self, step: int, length: int, point: CommitPoint) -> None:
@@ -288,10 +276,7 @@ class NodeEngine:
 
     def order_of(self, micro_batches: int) -> dict[S.Instruction, int]:
         """The `--schedule`'s global order for a pipeline of `micro_batches` (local ids)."""
-        if micro_batches not in self._orders:
-            self._orders[micro_batches] = S.global_order(self.P, micro_batches,
-                                                         self.options.schedule)
-        return self._orders[micro_batches]
+        return _global_order(self.P, micro_batches, self.options.schedule)
 
     def instructions(self) -> list[S.Instruction]:
         """This node's list now (`program.node_instructions`): its own pipeline's work on
@@ -345,40 +330,16 @@ class NodeEngine:
         return result
 
     def _apply(self, s: StepState, result: RoundResult) -> None:
-        """Phase C: one optimizer step on every stage held and on the replica."""
+        """Phase C: one optimizer step on every stage held and on the replica
+        (`update.apply_update`)."""
         self._mark(s.step, _OPTIMIZER)
         start = time.perf_counter()
-        o = self.options
-        scale = self.forwards.loss_scale
-        if o.precision == "fp16":
-            overflowed = not math.isfinite(result.norm)
-            self.loss_scale = self.loss_scale.after(overflowed)
-            if overflowed:  # skipped on every node and replica alike: the same norm
-                self._skip(s, result)
-                return
-        norm = result.norm / scale if scale != 1.0 else result.norm
-        coef = clip_coefficient(norm, o.grad_clip)
-        coef = coef / scale if scale != 1.0 else coef  # exact: the scale is a power of two
-        lr = o.lr_at(s.step)
-        if self.lr_scale != 1.0:  # a StepRate keeps the momentum its schedule sets
-            lr = StepRate(float(lr) * self.lr_scale, getattr(lr, "momentum", None))
-        for stage, st in self.stages.items():
-            st.apply(result.reduced[stage].to(torch.float32), coef, lr)
-            st.reset_grads()
-        if self.replica is not None:
-            assert result.replica_grad is not None
-            if o.frc_offload:  # the replica's optimizer state lives in host memory
-                self.replica.offload_optimizer()
-            self.replica.apply(result.replica_grad, coef, lr)
-        s.report.grad_norm, s.report.lr = norm, lr
+        done = apply_update(stages=self.stages, replica=self.replica, result=result,
+                            options=self.options, step=s.step, lr_scale=self.lr_scale,
+                            loss_scale=self.loss_scale, scale=self.forwards.loss_scale)
+        self.loss_scale = done.loss_scale
+        s.report.grad_norm, s.report.lr, s.report.skipped = done.grad_norm, done.lr, done.skipped
         s.report.optim_s += time.perf_counter() - start
-
-    def _skip(self, s: StepState, result: RoundResult) -> None:
-        """fp16: the step's gradients overflowed: no optimizer step anywhere (its loss scale
-        is halved for the next, in `loss_scale`)."""
-        for st in self.stages.values():
-            st.reset_grads()
-        s.report.grad_norm, s.report.lr, s.report.skipped = result.norm, 0.0, True
 
     # -- instructions -----------------------------------------------------------------------
 

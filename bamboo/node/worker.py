@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -35,17 +34,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write waits for it
 
-from bamboo.run.writers import stages_written_by
-from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, load_layers,
-                               step_dir, write_layers)
+from bamboo.run.checkpoint import load_layers
 from bamboo.node import forkserver, output
 from bamboo.node.boundary import BoundaryOrders, RunOver
+from bamboo.node.storage import StorageWrites, one_line
 from bamboo.node import procmem
 from bamboo.node.devices import worker_device
 from bamboo.wire.link import CoordinatorLink
 from bamboo.wire.store import StoreConnections
 from bamboo.node.netif import collective_binding
-from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, CheckpointPart, Done,
+from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, Done,
                                      GenerationEnd, GenerationReady, LayerParams, Left, Notice,
                                      Progress, Ready, StepReport, WorkerError,
                                      final_request_key, plan_key)
@@ -145,6 +143,8 @@ class WorkerNode:
         self.stepwise = False
         """The current generation runs a step-by-step run's orders (`BoundaryOrders`)."""
         self.boundary = BoundaryOrders(store)
+        self.storage = StorageWrites(cfg, link)
+        """Checkpoint parts and final layers, written on this node's writer thread."""
         self.end_step = cfg.training.steps
         """The step the run ends at: its --steps, or where a step-by-step run finished."""
 
@@ -227,7 +227,7 @@ class WorkerNode:
         if finished:
             # The first live holder of each stage writes its final layers to storage (after
             # any checkpoint write still going); the coordinator reads them back.
-            layers, error = _write_final(self, engine)
+            layers, error = self.storage.final(engine, self.end_step)
             self.link.report(LayerParams, layers=layers, error=error)
             self.link.report(Done)
             self._serve_final_requests(engine)  # returns at shutdown
@@ -261,7 +261,7 @@ class WorkerNode:
             self._sample_memory(report)
             self.link.send(report)
             if BoundaryFlag.CHECKPOINT in engine.flags:
-                self._send_checkpoint_part(engine, step + 1)
+                self.storage.checkpoint_part(engine, step + 1)
             if BoundaryFlag.RECONFIGURE in engine.flags:
                 break
         return done_step, False
@@ -275,7 +275,7 @@ class WorkerNode:
                 case OrderKind.EVAL:
                     engine.evaluate(step, self.cfg.evaluation.batches)
                 case OrderKind.SAVE:
-                    self._send_checkpoint_part(engine, step)
+                    self.storage.checkpoint_part(engine, step)
                 case OrderKind.CATCH_UP:
                     engine.catch_up(step)
                 case OrderKind.STEP:
@@ -292,7 +292,8 @@ class WorkerNode:
                 text = self.store.get(key).decode()
                 if text != served:
                     served = text
-                    layers, error = _write_final(self, engine, json.loads(text))
+                    layers, error = self.storage.final(engine, self.end_step,
+                                                       json.loads(text))
                     self.link.report(LayerParams, layers=layers, error=error)
             time.sleep(0.05)
 
@@ -400,70 +401,6 @@ class WorkerNode:
             p2p.close()
         return {i: v for i, v in received.items() if i in needed}
 
-    def _send_checkpoint_part(self, engine: NodeEngine, step: int) -> None:
-        """After a commit marked `ckpt`: this node writes the layers of each stage whose
-        first live holder (lowest pipeline) it is. Their state is copied now; the write runs
-        on this node's writer thread, so the next step does not wait for storage, and the
-        coordinator hears of the layers (`CheckpointPart`) once they are durable."""
-        states = {i: st.layer_state(i)  # CPU copies: training goes on meanwhile
-                  for st in _first_holder_stages(engine) for i in st.layer_indices}
-        if not states:
-            return
-        cfg, link = self.cfg, self.link
-
-        size = sum(t.numel() * t.element_size() for v in states.values() for t in v.values())
-
-        def write() -> None:
-            start = time.perf_counter()
-            try:
-                written = write_layers(step_dir(checkpoint_location(cfg), step), states)
-                error = None
-            except Exception as e:  # noqa: BLE001 - a full disk: reported, the coordinator stops
-                written, error = [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
-            link.report(CheckpointPart, step=step, layers=written, error=error,
-                        bytes=size if error is None else 0,
-                        seconds=round(time.perf_counter() - start, 4))
-
-        _writer(self).submit(write)
-
-
-def _first_holder_stages(engine: NodeEngine) -> list[StageState]:
-    """The stages whose first live holder (lowest pipeline) this node is: the ones it writes
-    to storage (a checkpoint, the final model); every stage has exactly one."""
-    return [engine.stages[s] for s in stages_written_by(engine.roles, engine.rank, engine.stages)]
-
-
-def _writer(node: WorkerNode) -> ThreadPoolExecutor:
-    """The node's writer thread: its writes to storage, one after another. (Not at a lower
-    CPU priority: it holds the GIL in parts of a write, and training would wait on it.)"""
-    pool = getattr(node, "_storage_writer", None)
-    if pool is None:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        node._storage_writer = pool  # type: ignore[attr-defined]
-    return pool
-
-
-def _write_final(node: WorkerNode, engine: NodeEngine,
-                 layers: list[int] | None = None) -> tuple[list[int], str | None]:
-    """After the last step: write the parameters (named, as model.pt holds them) of the
-    layers this node is the first live holder of (or of `layers`, from any copy it holds)
-    to `final-<steps>/`, after every earlier write of this node; (layers written, error)."""
-    states = _first_holder_stages(engine) if layers is None else engine.held()
-    params = {i: {f"param.{name}": t for name, t in named}
-              for st in states for i, named in st.parameters_by_layer()
-              if layers is None or i in layers}
-
-    def write() -> tuple[list[int], str | None]:
-        if not params:
-            return [], None
-        try:
-            return write_layers(final_dir(checkpoint_location(node.cfg), node.end_step),
-                                params), None
-        except Exception as e:  # noqa: BLE001 - the coordinator stops the run with it
-            return [], str(e) if isinstance(e, CheckpointError) else _one_line(e)
-
-    return _writer(node).submit(write).result()
-
 
 def _notice_handler(link: CoordinatorLink) -> Any:
     """SIGTERM is a preemption notice (as Kubernetes and most clouds' agents deliver it)."""
@@ -475,14 +412,6 @@ def _notice_handler(link: CoordinatorLink) -> Any:
 
     threading.Thread(target=report, daemon=True, name="notice").start()
     return lambda signum, frame: noticed.set()
-
-
-def _one_line(e: BaseException) -> str:
-    """An exception as one line that always says something (`MemoryError()` has no text)."""
-    text = str(e).splitlines()[0][:500] if str(e).strip() else ""
-    if isinstance(e, MemoryError):
-        return f"MemoryError: out of memory{': ' + text if text else ''}"
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any,
@@ -518,7 +447,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any,
         try:
             message = WorkerError(rank=spec.node, step=progress.step_of(spec.slot),
                                   peer_lost=isinstance(e, PeerLost),
-                                  error=_one_line(e), traceback=traceback.format_exc())
+                                  error=one_line(e), traceback=traceback.format_exc())
             if link is not None:
                 with link.lock:
                     conn.send(message)
