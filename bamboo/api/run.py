@@ -134,8 +134,8 @@ def load_result(run_dir: str | Path) -> RunResult:
     return RunResult.of(summary, path)
 
 
-def _watched(on_event: EventCallback | None,
-             *own: Callable[[dict[str, Any]], None]) -> type[RunDir]:
+def _watched(on_event: EventCallback | None, *own: Callable[[dict[str, Any]], None],
+             prog: str = "bamboo.train") -> type[RunDir]:
     """A RunDir whose event log also hands every event to `own` listeners and to the user's
     `on_event` (a callback that raises is dropped with one warning: the run goes on)."""
 
@@ -146,7 +146,7 @@ def _watched(on_event: EventCallback | None,
             on_event(dict(record))
         except Exception as e:  # noqa: BLE001 - the user's callback must not end the run
             state["failed"] = True
-            print(f"bamboo: warning: on_event raised {type(e).__name__}: {e}; it is called "
+            print(f"{prog}: warning: on_event raised {type(e).__name__}: {e}; it is called "
                   f"no more (the run goes on)".splitlines()[0], file=sys.stderr)
 
     state = {"failed": False}

@@ -97,7 +97,8 @@ class Trainer:
         self._events: list[dict[str, Any]] | None = None
         self._in_call = False
         cfg = run_config(job, out, "bamboo.Trainer")
-        start = prepared(cfg, "bamboo.Trainer", _watched(on_event, self._listen),
+        start = prepared(cfg, "bamboo.Trainer",
+                         _watched(on_event, self._listen, prog="bamboo.Trainer"),
                          Interface.TRAINER)
         if start is None:  # `resume="auto"` and its run already completed
             self.result = load_result(cfg.logging.out)

@@ -206,7 +206,7 @@ def _run_trial(trial: Trial, d: Draw, rng: random.Random, train: list[str], out:
             for node, pid in chosen:
                 pipeline, stage = roles[node]
                 if _signal(pid, sig):
-                    trial.faults.append({"kind": kind, "node": node, "after_step": at_step,
+                    trial.faults.append({"kind": kind, "node": node, "after_step": d.at_step,
                                          "pipeline": pipeline, "stage": stage,
                                          "step": step if step < steps else None})
     return run.wait(deadline)

@@ -200,11 +200,11 @@ def test_soak_judges_a_coordinator_killed_at_the_end_of_the_run_equal(tmp_path: 
 
 def test_a_full_disk_stops_at_the_first_failed_checkpoint_and_resumes_from_the_newest(
         reference: Result, tmp_path: Path) -> None:
-    """--checkpoint-dir on a 200 kB tmpfs, a checkpoint every step (each takes about 108 kB
+    """--checkpoint-dir on a 420 kB tmpfs, a checkpoint every step (each takes about 280 kB
     there): one fits, the next cannot be written."""
     out, disk = tmp_path / "run", tmp_path / "disk"
     argv = ["train", *JOB, "--json", "--checkpoint-every", "1", "--checkpoint-dir", str(disk)]
-    with mounted_tmpfs(disk, "size=200k"):
+    with mounted_tmpfs(disk, "size=420k"):
         full = run_bamboo(argv, out)
         assert full.code == 1, full.stderr
         last = full.stderr.strip().splitlines()[-1]
