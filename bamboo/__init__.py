@@ -14,10 +14,15 @@ This root is also where the layers are wired: the configuration sizes a `MODULE:
 model by building it, which only the model package can do, so the root installs that
 package's sizer (imported, with torch, when such a model is first sized), and the data
 package's reader of a Dataset's first sample (whose shapes such a model is built for).
+
+Bamboo logs through the `bamboo` logger and its children, one per module; the library adds
+only a `NullHandler` here: the command line prints the records, and a script silences or
+routes them (`bamboo.util.logs`; docs/api.md, "Output").
 """
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from bamboo.config import presets as _presets
@@ -53,6 +58,7 @@ def _dataset_inputs(dataset: str, collate: str | None) -> str:
     return first_inputs(dataset, collate)
 
 
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 _presets.set_custom_model_sizer(_size_custom_model)
 _presets.set_dataset_inputs(_dataset_inputs)
 

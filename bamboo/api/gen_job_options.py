@@ -181,6 +181,7 @@ def main(argv: list[str]) -> int:
     if "--check" in argv:
         stale = not TARGET.is_file() or TARGET.read_text() != text
         if stale:
+            # A script's own answer (`python -m ...`, not library output): printed, not logged.
             print(f"{TARGET} is stale: run `{REGENERATE}`", file=sys.stderr)
         return 1 if stale else 0
     TARGET.write_text(text)

@@ -13,7 +13,7 @@ events.jsonl as it is written. A run that stops before its last step raises
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -25,8 +25,11 @@ from bamboo.config import ConfigError, JobConfig
 from bamboo.run.interface import Interface
 from bamboo.run.runlog import EventLog, RunDir
 from bamboo.run.sameness import Verdict, compare
+from bamboo.util.logs import by, fallback_output
 
 __all__ = ["train", "run_config", "RunResult", "load_result", "same", "Verdict", "LAYER_PREFIX"]
+
+log = logging.getLogger(__name__)
 
 LAYER_PREFIX = "layers."
 """What model.pt's names begin with before the layer's index (`layers.0.weight`)."""
@@ -137,7 +140,8 @@ def load_result(run_dir: str | Path) -> RunResult:
 def _watched(on_event: EventCallback | None, *own: Callable[[dict[str, Any]], None],
              prog: str = "bamboo.train") -> type[RunDir]:
     """A RunDir whose event log also hands every event to `own` listeners and to the user's
-    `on_event` (a callback that raises is dropped with one warning: the run goes on)."""
+    `on_event` (a callback that raises is dropped with one warning in the words of `prog`:
+    the run goes on)."""
 
     def listener(record: dict[str, Any]) -> None:
         if state["failed"] or on_event is None:
@@ -146,8 +150,8 @@ def _watched(on_event: EventCallback | None, *own: Callable[[dict[str, Any]], No
             on_event(dict(record))
         except Exception as e:  # noqa: BLE001 - the user's callback must not end the run
             state["failed"] = True
-            print(f"{prog}: warning: on_event raised {type(e).__name__}: {e}; it is called "
-                  f"no more (the run goes on)".splitlines()[0], file=sys.stderr)
+            said = f"on_event raised {type(e).__name__}: {e}; it is called no more (the run goes on)"
+            log.warning("%s", said.splitlines()[0], extra=by(prog))
 
     state = {"failed": False}
     listeners = [*own, listener]
@@ -188,7 +192,7 @@ def prepared(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir,
         from bamboo.model.layout_fit import resolve_stages
         cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
         if chosen is not None:
-            print(f"{prog}: {chosen}", file=sys.stderr)
+            log.info("%s", chosen, extra=by(prog))
         check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
         check_step_length(cfg)
         return prepare(cfg, prog, run_dir, interface)
@@ -204,6 +208,7 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     `quiet=False` shows the progress line on stderr. `bamboo.RunFailed` when the run stops
     early; `bamboo.JobError` (one line) for a job that cannot start here."""
     guard_worker_import("bamboo.train")
+    fallback_output()
     if not isinstance(job, Job):
         raise JobError(f"bamboo.train takes a bamboo.Job (got {type(job).__name__}): "
                        f"bamboo.train(bamboo.Job(model=..., nodes=4, ...), out=DIR)")

@@ -9,8 +9,8 @@ caller in warnings.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from bamboo.config import ConfigError, JobConfig
 from bamboo.run.interface import Interface
 from bamboo.run.runlog import RunDir, default_run_dir
+from bamboo.util.logs import by
 
 if TYPE_CHECKING:
     from bamboo.control.sources import NodeSource
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Start", "prepare", "execute", "warm_up", "check_optimizer", "check_trace",
            "check_same_job"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +133,8 @@ def check_trace(cfg: JobConfig, prog: str) -> None:
     except TraceError as e:
         raise ConfigError(f"--trace: {e}") from None
     if trace.unsorted_rows:
-        print(f"{prog}: warning: {cfg.cluster.trace}: {trace.unsorted_rows} row(s) out of time "
-              f"order were sorted", file=sys.stderr)
+        log.warning("%s: %d row(s) out of time order were sorted", cfg.cluster.trace,
+                    trace.unsorted_rows, extra=by(prog))
     added = len({n for n, k in zip(trace.nodes, trace.kinds) if k == 1})
     if added < cfg.layout.nodes:
         raise ConfigError(f"--trace {cfg.cluster.trace} adds {added} distinct node(s) but --nodes is "
@@ -156,9 +159,9 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str,
         completed = done.get("steps_completed")
         if done.get("status") == "completed" and isinstance(completed, int) and \
                 completed >= cfg.training.steps:
-            print(f"{prog}: the run in {out} already completed {completed} steps; nothing to "
-                  f"do (pass {interface.steps()}, or another {interface.out.strip()} for a new "
-                  f"run)", file=sys.stderr)
+            log.info("the run in %s already completed %d steps; nothing to do (pass %s, or "
+                     "another %s for a new run)", out, completed, interface.steps(),
+                     interface.out.strip(), extra=by(prog))
             return None, False
     from bamboo.run.checkpoint import CheckpointError, list_checkpoints, load_latest
     from bamboo.run.runlog import checkpoint_root
@@ -168,8 +171,7 @@ def _resolve_auto_resume(cfg: JobConfig, prog: str,
             load_latest(root, quiet=True)
             return cfg.replace(resume=str(out)), False
         except CheckpointError as e:  # every one unusable: say so, then start over
-            print(f"{prog}: warning: {interface.resume_auto}: {e}; starting from step 0",
-                  file=sys.stderr)
+            log.warning("%s: %s; starting from step 0", interface.resume_auto, e, extra=by(prog))
     return cfg.replace(resume=None), out.exists()
 
 
@@ -242,21 +244,21 @@ def _load_resume(cfg: JobConfig, prog: str) -> Any:
     from bamboo.data.user import check_resume_position
     check_resume_position(cfg, ckpt.meta, ckpt.step, f"--resume {cfg.checkpoints.resume}: its checkpoint")
     if ckpt.warning:
-        print(f"{prog}: warning: {ckpt.warning}", file=sys.stderr)
+        log.warning("%s", ckpt.warning, extra=by(prog))
     steps = cfg.training.steps
     if ckpt.step > steps:
         raise ConfigError(f"--resume {cfg.checkpoints.resume}: its checkpoint is at step {ckpt.step}, "
                           f"{_said(prog, '--steps')} is {steps}: ask for {ckpt.step} steps or "
                           f"more", "steps")
     if ckpt.step == steps:  # stopped after its last step's checkpoint, before its model
-        print(f"{prog}: the checkpoint of step {steps} is the run's last: writing its model.pt "
-              f"and summary.json from it (no step is run)", file=sys.stderr)
+        log.info("the checkpoint of step %d is the run's last: writing its model.pt and "
+                 "summary.json from it (no step is run)", steps, extra=by(prog))
         return ckpt
     planned = ckpt.meta.get("steps")
     if isinstance(planned, int) and planned != cfg.training.steps:
         # The learning rate's cosine decay ends at --steps (bamboo.engine.optim).
         how = "stretched" if cfg.training.steps > planned else "shortened"
-        print(f"{prog}: note: resuming a run planned for {planned} steps with --steps "
-              f"{cfg.training.steps}: the learning-rate schedule is {how} to "
-              f"{cfg.training.steps} steps (pass --steps {planned} to keep it)", file=sys.stderr)
+        log.info("note: resuming a run planned for %d steps with --steps %d: the learning-rate "
+                 "schedule is %s to %d steps (pass --steps %d to keep it)", planned,
+                 cfg.training.steps, how, cfg.training.steps, planned, extra=by(prog))
     return ckpt

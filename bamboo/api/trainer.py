@@ -21,8 +21,8 @@ Between calls the run does nothing: the time your loop takes is not the run's.
 from __future__ import annotations
 
 import atexit
+import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,8 +33,11 @@ from typing import Any
 from bamboo.api.job import Job, JobError, guard_worker_import
 from bamboo.api.run import EventCallback, RunResult, _watched, load_result
 from bamboo.plan.orders import Order, OrderKind
+from bamboo.util.logs import by, fallback_output
 
 __all__ = ["Trainer", "StepResult", "EvalResult"]
+
+log = logging.getLogger(__name__)
 
 _SAVE_GRACE_S = 20.0
 """On Ctrl-C between two calls, the longest the Trainer waits for a resume point."""
@@ -83,6 +86,7 @@ class Trainer:
                  on_event: EventCallback | None = None, quiet: bool = True,
                  debug: bool = False) -> None:
         guard_worker_import("bamboo.Trainer")
+        fallback_output()
         if not isinstance(job, Job):
             raise JobError(f"bamboo.Trainer takes a bamboo.Job (got {type(job).__name__}): "
                            f"bamboo.Trainer(bamboo.Job(model=..., nodes=4, ...), out=DIR)")
@@ -97,9 +101,8 @@ class Trainer:
         self._events: list[dict[str, Any]] | None = None
         self._in_call = False
         cfg = run_config(job, out, "bamboo.Trainer")
-        start = prepared(cfg, "bamboo.Trainer",
-                         _watched(on_event, self._listen, prog="bamboo.Trainer"),
-                         Interface.TRAINER)
+        watched = _watched(on_event, self._listen, prog="bamboo.Trainer")
+        start = prepared(cfg, "bamboo.Trainer", watched, Interface.TRAINER)
         if start is None:  # `resume="auto"` and its run already completed
             self.result = load_result(cfg.logging.out)
             self._coordinator: Any = None
@@ -331,7 +334,7 @@ class Trainer:
             from bamboo.control.state import Stop
             self._failed = str(self._coordinator.fail(Stop(message, exit_code=130)))
             self._shut()
-            print(f"bamboo.Trainer: {message}", file=sys.stderr)
+            log.warning("%s", message, extra=by("bamboo.Trainer"))
 
     def _shut(self) -> None:
         atexit.unregister(self._at_exit)

@@ -29,6 +29,7 @@ contract's object on stdout. Exit code 0 when every trial was equal or a clear s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -44,6 +45,8 @@ from bamboo.run.bits import differs, explain
 from bamboo.run.runlog import read_events
 
 __all__ = ["soak", "FAULT_KINDS", "Trial", "Draw", "draw", "judge", "rerun_command"]
+
+log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("kill", "stop", "notice", "coordinator", "burst")
 
@@ -242,10 +245,11 @@ def soak(train: list[str], kinds: list[str], trials: int = 10, seed: int = 0,
          quiet: bool = False) -> dict[str, Any]:
     """Run the job `train` (`bamboo train`'s flags) failure-free, then `trials` times (or only
     trial `only_trial`) with faults of `kinds` drawn from `seed`; the contract's result object
-    (`trials`, the four outcome counts, `out` and `cases`). Progress on stderr unless `quiet`."""
+    (`trials`, the four outcome counts, `out` and `cases`). Progress lines are logged (INFO,
+    `bamboo.chaos.soak`) unless `quiet`."""
     out_dir = Path(out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=False)
-    say = (lambda text: None) if quiet else (lambda text: print(text, file=sys.stderr))
+    say = (lambda text: None) if quiet else (lambda text: log.info("%s", text))
     say(f"soak: the failure-free run ({' '.join(train)})")
     base_run = _Run([sys.executable, "-m", "bamboo", "train", *train, "--out",
                      str(out_dir / "failure-free"), "--json", "--quiet", "--no-report"],

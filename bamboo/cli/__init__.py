@@ -17,6 +17,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from bamboo.cli.logs import to_stderr
 from bamboo.cli.parsing import EXIT_USAGE
 
 __all__ = ["main", "COMMANDS"]
@@ -58,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(COMMANDS)}", file=sys.stderr)
         return EXIT_USAGE
     debug = "--debug" in argv
+    with to_stderr(debug):  # the library's warnings and notes, as this command's lines
+        return _run(argv, debug)
+
+
+def _run(argv: list[str], debug: bool) -> int:
+    """Run the command `argv[0]`: its exit status; an error nobody handled is one line
+    (raised instead with `debug`)."""
     try:
         return _command(argv[0])(argv[1:])
     except KeyboardInterrupt:

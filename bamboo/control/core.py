@@ -34,7 +34,7 @@ would only cascade through the shadows). Decisions end the run by raising `Stop`
 """
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,8 @@ from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, 
                                   WorkerMessage)
 
 __all__ = ["CoordinatorCore", "NodeSource"]
+
+log = logging.getLogger(__name__)
 
 _ROOT_CAUSE_GRACE_S = 2.0
 """A node that lost a peer waits this long for the peer's own exit to explain it."""
@@ -366,7 +368,7 @@ class CoordinatorCore:
                           peer_lost=msg.peer_lost, traceback=msg.traceback)
         if not msg.peer_lost:
             if self.debug:
-                print(msg.traceback, file=sys.stderr, flush=True)
+                log.error("%s", msg.traceback.rstrip("\n"))
             raise Stop(f"worker {n.name} ({self.gens.where(n)}) failed in step {msg.step}: "
                        f"{describe(msg.error)}")
         # The lost peer's own exit normally arrives within moments and explains this.

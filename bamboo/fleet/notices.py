@@ -334,7 +334,7 @@ class NoticeWatcher:
             return None
         if source.name in self._failing:
             self._failing.discard(source.name)
-            log.info("preemption notices from %s available again", source.name)
+            log.debug("preemption notices from %s available again", source.name)
         return notice
 
     def _run(self) -> None:

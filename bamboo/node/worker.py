@@ -19,9 +19,9 @@ started it: `bamboo.node.forkserver`), so no worker outlives the run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -59,10 +59,13 @@ from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.orders import OrderKind
 from bamboo.engine.stage import StageState
 from bamboo.plan.planner import GenerationPlan
+from bamboo.util import logs
 
 __all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
 
 from bamboo.config import HEARTBEAT_S  # noqa: E402 - one value for workers and --lease checks
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -422,8 +425,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any,
     if not forkserver.in_server_child():
         os._exit(1)  # the fork server died before the parent-death signal was set
     why = output.to_log(log, spec.name)
+    logs.worker_output()  # the library's records go with its output: to the log file
     if why is not None:
-        print(f"bamboo worker {spec.name}: {why}", file=sys.stderr, flush=True)
+        _log.warning("%s", why, extra=logs.by(f"bamboo worker {spec.name}"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     link = None
     progress = Progress(beats, cells)

@@ -32,7 +32,7 @@ def is_url(location: str | Path) -> bool:
 
 # -- storage: a local folder or an fsspec URL -----------------------------------------------
 
-log = logging.getLogger("bamboo.run.checkpoint")
+log = logging.getLogger(__name__)
 
 HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 
@@ -271,8 +271,8 @@ def remove_stale_temporaries(store: LocalStore | FsspecStore, folder: str) -> li
         store.rmtree(store.join(folder, name))
         removed.append(name)
     if removed:
-        log.info("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), folder,
-                 ", ".join(sorted(removed)))
+        log.debug("removed %d unfinished checkpoint temporaries in %s: %s", len(removed), folder,
+                  ", ".join(sorted(removed)))  # housekeeping: shown under --debug only
     return removed
 
 

@@ -22,15 +22,20 @@ too. The directory is written beside DIR under a temporary name and renamed at t
 from __future__ import annotations
 
 import json
+import logging
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bamboo.util import strict_json
+from bamboo.util.logs import by
 
 __all__ = ["export", "read_run", "EXPORTABLE"]
+
+log = logging.getLogger(__name__)
+_PROG = "bamboo export"
+"""The interface whose words the warnings are in: this module is `bamboo export`'s library."""
 
 EXPORTABLE = ("the gpt2 and llama presets, hf:gpt2, hf:llama and hf:DIR with model_type gpt2 "
               "or llama")
@@ -181,8 +186,8 @@ def _tokenizer_files(config: dict[str, Any], vocab: int) -> tuple[Path | None, l
     except (OSError, ValueError, KeyError, TypeError):
         ids = None
     if ids != vocab:
-        print(f"bamboo export: warning: the tokenizer in {data} has {ids} ids, the model {vocab}: "
-              f"not copied", file=sys.stderr)
+        log.warning("the tokenizer in %s has %s ids, the model %s: not copied", data, ids, vocab,
+                    extra=by(_PROG))
         return None, []
     return Path(data), [n for n in _TOKENIZER_FILES if (Path(data) / n).is_file()]
 
@@ -247,8 +252,8 @@ def _copy_tokenizer(source: Path | None, names: list[str], tmp: Path) -> bool:
                 strict_json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n",
                 encoding="utf-8")
     except OSError as e:
-        print(f"bamboo export: warning: the tokenizer of {source} was not copied "
-              f"({e.strerror or e})", file=sys.stderr)
+        log.warning("the tokenizer of %s was not copied (%s)", source, e.strerror or e,
+                    extra=by(_PROG))
         for name in [*names, "tokenizer_config.json"]:
             (tmp / name).unlink(missing_ok=True)
         return False

@@ -2,7 +2,8 @@
 
 The panel shows the step, loss and samples/s, one row per pipeline (which node holds
 which stage; a node holding two stages is a shadow that took over a lost one), and
-the events as they happen.
+the events as they happen. A display, not a log: it writes to stderr itself (`quiet` turns it
+off), while the library's warnings and notes are logged (`bamboo.util.logs`).
 """
 from __future__ import annotations
 

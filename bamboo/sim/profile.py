@@ -21,8 +21,8 @@ What is measured, and how:
 """
 from __future__ import annotations
 
+import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +31,8 @@ from bamboo.run.runlog import read_events
 from bamboo.sim.costs import StepCosts
 
 __all__ = ["profile_costs", "profile_layers", "stage_times"]
+
+log = logging.getLogger(__name__)
 
 
 def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
@@ -129,19 +131,18 @@ def _restore_pause(summary: dict, run_dir: Path) -> float:
 def profile_costs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
                   repeats: int, steps: int, dataset: str | None = None,
                   loss: str | None = None) -> StepCosts:
-    """The costs file's figures for `model` cut into `stages`, measured here (progress lines
-    on stderr): the stage times, the timeline model's eager RC overhead on them, and the
+    """The costs file's figures for `model` cut into `stages`, measured here (its progress
+    logged at INFO): the stage times, the timeline model's eager RC overhead on them, and the
     pauses and commit times of three real local runs; on a `dataset`'s samples with its
     `loss` when given (a model that takes other inputs than tokens)."""
     from bamboo.plan.timeline import Costs, compare
 
-    print(f"profiling {model}: {stages} stages, micro-batches of {micro_batch_size}",
-          file=sys.stderr)
+    log.info("profiling %s: %d stages, micro-batches of %d", model, stages, micro_batch_size)
     forward, backward = stage_times(model, stages, micro_batch_size, repeats,
                                     dataset=dataset, loss=loss)
     overhead = compare(stages, micro_batches,
                        Costs(forward=tuple(forward), backward=tuple(backward))).overhead("eager")
-    print("running the engine: failure-free, one failover, one peer restore", file=sys.stderr)
+    log.info("running the engine: failure-free, one failover, one peer restore")
     user_data = {k: v for k, v in (("dataset", dataset), ("loss", loss)) if v is not None}
     engine = _engine_runs(model, stages, micro_batches, micro_batch_size, steps, user_data)
     return StepCosts(model=model, stages=stages, micro_batches=micro_batches,
@@ -160,10 +161,10 @@ def profile_layers(model: str, vocab: int, micro_batch_size: int, repeats: int,
     from bamboo.config.layer_costs import save_layer_costs
     from bamboo.engine.layer_costs import measure_layer_costs
     on = f"on {dataset}" if dataset else f"(vocabulary {vocab})"
-    print(f"timing each layer of {model} {on} alone: micro-batches of "
-          f"{micro_batch_size}, median of {repeats}", file=sys.stderr)
+    log.info("timing each layer of %s %s alone: micro-batches of %d, median of %d", model, on,
+             micro_batch_size, repeats)
     costs = measure_layer_costs(model, micro_batch_size, repeats, data=data, dataset=dataset,
                                 loss=loss)
     save_layer_costs(costs, out)
-    print(f"ms per layer {[round(1000 * t, 2) for t in costs.layer_s]}; wrote {out} "
-          f"(bamboo train --model {model} --layer-costs {out})", file=sys.stderr)
+    log.info("ms per layer %s; wrote %s (bamboo train --model %s --layer-costs %s)",
+             [round(1000 * t, 2) for t in costs.layer_s], out, model, out)

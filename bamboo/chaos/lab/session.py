@@ -78,7 +78,9 @@ def token_file(out: Path) -> Path:
 
 
 class _Printer:
-    """Lines from several processes to our stderr, each prefixed by its host, whole."""
+    """Lines from several processes to our stderr, each prefixed by its host, whole: the
+    console of `bamboo lab` (its hosts' output interleaved with its own lines), a display
+    like the progress panel, so written, not logged."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -178,8 +178,8 @@ def test_import_bamboo_loads_the_api_only_on_first_use() -> None:
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     imported = {a.name for n in top for a in n.names} | {n.module for n in top
                                                          if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"annotations", "__future__", "importlib", "Any", "TYPE_CHECKING",
-                        "typing", "bamboo.config", "presets"}, imported
+    assert imported <= {"annotations", "__future__", "importlib", "logging", "Any",
+                        "TYPE_CHECKING", "typing", "bamboo.config", "presets"}, imported
     from bamboo.api.job import Job
     from bamboo.control import RunFailed
     assert bamboo.Job is Job and bamboo.RunFailed is RunFailed

@@ -1,6 +1,6 @@
-"""Where a worker's output goes (`bamboo.node.output`), and `--json`'s stdout kept for the
-summary (`bamboo.cli.json_out`): real descriptors, in a forked child (marked procs) or
-under capfd."""
+"""Where a worker's output goes (`bamboo.node.output`), its log records with it
+(`bamboo.util.logs`), and `--json`'s stdout kept for the summary (`bamboo.cli.json_out`):
+real descriptors, in a forked child (marked procs) or under capfd."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import pytest
 
 from bamboo.cli.json_out import json_stdout
 from bamboo.node.output import to_log
+from bamboo.util import logs
 
 
 def _real_streams() -> None:
@@ -57,6 +58,28 @@ def test_a_worker_log_takes_prints_loggers_and_descriptor_writes(tmp_path: Path,
     assert text.splitlines()[1:] == ["a print", "on stderr", "a logger's line", "descriptor 1"]
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+@pytest.mark.procs  # a fork
+def test_a_workers_bamboo_records_are_lines_of_its_log(tmp_path: Path,
+                                                        capfd: pytest.CaptureFixture) -> None:
+    """As `worker_main` starts: its output to the log, then the library's records (INFO and
+    up) with it, each the line the command line would print, once (not again through a root
+    handler that the user's code in the worker set up)."""
+    log = tmp_path / "logs" / "n2.log"
+
+    def body() -> None:
+        assert to_log(str(log), "n2") is None
+        logs.worker_output()
+        logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
+        logger = logging.getLogger("bamboo.node.worker")
+        logger.warning("%s", "a warning", extra=logs.by("bamboo worker n2"))
+        logger.info("a note")
+        logger.debug("a detail")
+        os._exit(0)
+    assert _in_child(body) == 0
+    assert log.read_text().splitlines()[1:] == ["bamboo worker n2: warning: a warning", "a note"]
+    assert capfd.readouterr() == ("", "")
 
 
 @pytest.mark.procs
