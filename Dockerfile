@@ -50,7 +50,7 @@ COPY constraints.txt ./
 RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" torch
 
 COPY pyproject.toml README.md ./
-COPY bamboo ./bamboo
+COPY src ./src
 RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" . \
     && rm -rf /opt/bamboo/src/build /opt/bamboo/src/*.egg-info \
     && bamboo --help >/dev/null

@@ -56,4 +56,4 @@ bench: setup
 	$(BIN)/python benchmarks/engine_vs_torch.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache build *.egg-info
+	rm -rf $(VENV) runs .pytest_cache build *.egg-info src/*.egg-info

@@ -50,11 +50,16 @@ class LongFunction:
     """The docstring's "Long because" line, or "" when it gives none."""
 
 
+def _package_root(root: Path) -> Path:
+    """The folder that holds the package `bamboo`: src/ in a src layout, else `root`."""
+    return root / "src" if (root / "src" / "bamboo").is_dir() else root
+
+
 def _modules(root: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every module of bamboo/ under `root`."""
-    out = {}
-    for path in sorted((root / "bamboo").rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
+    out, base = {}, _package_root(root)
+    for path in sorted((base / "bamboo").rglob("*.py")):
+        parts = list(path.relative_to(base).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path

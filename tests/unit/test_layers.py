@@ -37,7 +37,7 @@ def test_the_contract_names_every_package_once() -> None:
     layers = text.split("layers =", 1)[1].split("\n\n", 1)[0].split("ignore_imports", 1)[0]
     named = [name.strip() for line in layers.splitlines() for name in line.split("|")
              if name.strip() and not name.strip().startswith("#")]
-    packages = sorted(p.name for p in (REPO / "bamboo").iterdir()
+    packages = sorted(p.name for p in (REPO / "src" / "bamboo").iterdir()
                       if (p / "__init__.py").is_file())
     assert sorted(named) == packages
 

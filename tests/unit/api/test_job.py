@@ -174,7 +174,7 @@ def test_import_bamboo_loads_the_api_only_on_first_use() -> None:
     presets it hands the model sizer (so `import bamboo.config` stays torch-free;
     tests/integration/test_api_runs.py checks it in a fresh interpreter), and its names are
     the API's."""
-    tree = ast.parse((REPO / "bamboo" / "__init__.py").read_text())
+    tree = ast.parse((REPO / "src" / "bamboo" / "__init__.py").read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     imported = {a.name for n in top for a in n.names} | {n.module for n in top
                                                          if isinstance(n, ast.ImportFrom)}

@@ -122,7 +122,7 @@ def test_the_public_names_load_lazily_and_editors_see_the_same() -> None:
     from bamboo.run.sameness import Verdict as verdict
     assert (PipelineModel, TensorSpec, Verdict) == (defined, spec, verdict)
     assert same is bamboo.api.run.same
-    tree = ast.parse((REPO / "bamboo" / "__init__.py").read_text())
+    tree = ast.parse((REPO / "src" / "bamboo" / "__init__.py").read_text())
     guarded = [n for n in tree.body if isinstance(n, ast.If)
                and getattr(n.test, "id", "") == "TYPE_CHECKING"]
     assert len(guarded) == 1

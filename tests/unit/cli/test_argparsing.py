@@ -66,9 +66,9 @@ def test_the_parsers_are_the_shared_class() -> None:
 
 def test_no_other_module_subclasses_argument_parser() -> None:
     found = []
-    for path in sorted((REPO / "bamboo").rglob("*.py")):
+    for path in sorted((REPO / "src" / "bamboo").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef) and any(
                     "ArgumentParser" in ast.unparse(base) for base in node.bases):
                 found.append(f"{path.relative_to(REPO)} {node.name}")
-    assert found == ["bamboo/cli/parsing.py UsageParser"]
+    assert found == ["src/bamboo/cli/parsing.py UsageParser"]

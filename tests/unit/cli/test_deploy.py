@@ -263,7 +263,7 @@ def test_dockerfile_builds_the_package_as_a_non_root_bamboo_entrypoint() -> None
     for source in image["copied"]:
         assert (REPO / source).exists(), f"COPY {source}: no such path in the repository"
         assert not _ignored(source, ignore), f"COPY {source}: excluded by .dockerignore"
-    needed = {"constraints.txt", "pyproject.toml", project["readme"], "bamboo"}
+    needed = {"constraints.txt", "pyproject.toml", project["readme"], "src"}
     assert needed <= set(image["copied"])
     for heavy in (".venv", "runs", ".git", "__pycache__/x.pyc", ".pytest_cache"):
         assert _ignored(heavy, ignore), f"{heavy} would be sent to the docker build"

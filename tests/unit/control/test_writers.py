@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-CONTROL = ROOT / "bamboo" / "control"
+CONTROL = ROOT / "src" / "bamboo" / "control"
 SIMULATOR = ROOT / "tests" / "coordinator_sim.py"
 
 OWNER = {
