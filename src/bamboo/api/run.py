@@ -224,6 +224,7 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     warm_up(debug)
     from bamboo.control.sources import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
-    display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet)
+    display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
+                                  prog="bamboo.train")
     summary = execute(start, LocalWorkers(), display, debug=debug, interface=Interface.TRAIN)
     return RunResult.of(summary, start.run.path)

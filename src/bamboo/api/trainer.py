@@ -119,7 +119,8 @@ class Trainer:
         self.cfg = start.cfg
         self.run_dir: Path = start.run.path
         """The run directory: summary.json, events.jsonl, checkpoints/, model.pt."""
-        display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet)
+        display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
+                                  prog="bamboo.Trainer")
         self._coordinator = Coordinator(start.cfg, start.run, display, LocalWorkers(),
                                         debug=debug, resume=start.resume, stepwise=True,
                                         interface=Interface.TRAINER)

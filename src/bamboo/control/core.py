@@ -60,6 +60,7 @@ from bamboo.node.backend_errors import describe
 from bamboo.plan.faults import Fault
 from bamboo.plan.orders import Order, OrderKind
 from bamboo.run.checkpoint import Checkpoint, checkpoint_location
+from bamboo.run.interface import Interface
 from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, GenerationEnd,
                                   GenerationReady, LayerParams, Left, MicroBatchesDone,
                                   Notice, Ready, RoundDone, StepReport, WorkerError,
@@ -79,8 +80,10 @@ class CoordinatorCore:
     def __init__(self, cfg: JobConfig, run_path: Path, display: Any, source: NodeSource, *,
                  extra_faults: dict[int, list[Fault]] | None = None,
                  resume: Checkpoint | None = None, debug: bool = False,
-                 stepwise: bool = False) -> None:
+                 stepwise: bool = False, interface: Interface = Interface.CLI) -> None:
         self.cfg, self.run_path, self.display, self.source = cfg, run_path, display, source
+        self.interface = interface
+        """Where the run was started from (its messages' words)."""
         self.stepwise = stepwise
         """The user's loop drives the run through orders (`give`; `bamboo.Trainer`)."""
         self.extra_faults, self.resume, self.debug = extra_faults, resume, debug
@@ -280,7 +283,7 @@ class CoordinatorCore:
             if resume else [],
             resume_step=resume.step if resume else None,
             resume_path=resume.path if resume else None,
-            stepwise=self.stepwise, end_step=cfg.training.steps,
+            stepwise=self.stepwise, end_step=cfg.training.steps, interface=self.interface,
             skipped_steps=[k for k in resume.meta.get("skipped_steps", []) if k < start]
             if resume else [],
             start_loss_scale=resume.meta.get("loss_scale") if resume else None,

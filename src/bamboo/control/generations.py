@@ -355,14 +355,15 @@ class Generations:
                 f"generation {self.ctx.plan.gen} formed); the next plan goes without it")
 
     def _resume_hint(self) -> str:
-        """`; its newest checkpoint ...: run the same command with --resume auto` where the
-        run has a whole checkpoint to go on from once nodes are back."""
+        """`; its checkpoints are in ...: run the same command with --resume auto to go on
+        from the newest` (in the words of the run's interface) where the run has a whole
+        checkpoint to go on from once nodes are back."""
         from bamboo.run.checkpoint import checkpoint_location, has_whole_checkpoint
         where = checkpoint_location(self.ctx.cfg)
         if not has_whole_checkpoint(where):
             return ""
-        return (f"; its checkpoints are in {where}: run the same command with --resume auto "
-                f"to go on from the newest")
+        how = self.ctx.interface.rerun(self.ctx.cfg.logging.out)
+        return f"; its checkpoints are in {where}: {how} to go on from the newest"
 
     # -- the next one -----------------------------------------------------------------------
 

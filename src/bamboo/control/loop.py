@@ -54,7 +54,7 @@ class Coordinator:
         self.source = source
         self.core = CoordinatorCore(cfg, run.path, display, self.source,
                                     extra_faults=extra_faults, resume=resume, debug=debug,
-                                    stepwise=stepwise)
+                                    stepwise=stepwise, interface=interface)
         self.health: Any = None
         """The --http feed (bamboo.control.health), while the run lasts."""
         self.scalars: Any = None

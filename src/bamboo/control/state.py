@@ -22,7 +22,7 @@ fails when a second module writes a field (of the context, or of a node).
 | `metrics` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `health`, `results` |
 | `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |
 | `eval_losses`, `eval_metrics` | `results.Results.record_eval` | `checkpointing`, `core` |
-| `stepwise` | `core` (`CoordinatorCore._context`, once) | `generations`, `orders` |
+| `stepwise`, `interface` | `core` (`CoordinatorCore._context`, once) | `generations`, `orders` |
 | `skipped_steps` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `generations`, `results` |
 | `start_loss_scale` | `core` (`CoordinatorCore._context`, once) | through `loss_scale_at` |
 | `lr_scales`, `end_step` | `orders.Orders.give` (a step-by-step run's orders; `core._context` sets where a resume starts) | `checkpointing`, `core`, `generations`, `results` |
@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from bamboo.config import JobConfig
 from bamboo.plan.loss_scale import LossScale, scale_at
+from bamboo.run.interface import Interface
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
 
@@ -189,6 +190,8 @@ class RunContext:
     layouts: list[dict[str, Any]] = field(default_factory=list)
     """The layouts the committed steps ran, one entry per change: summary.json's `layouts`,
     which `bamboo.chaos.bits` judges the parameter bits by."""
+    interface: Interface = Interface.CLI
+    """Where the run was started from: its messages say how to go on in its words."""
     stepwise: bool = False
     """The user's loop drives the run (`bamboo.Trainer`): nodes wait for orders between
     steps (`orders.Orders`)."""

@@ -50,7 +50,8 @@ class Interface(enum.Enum):
         if self is Interface.CLI:
             return "run the same command with --resume auto"
         where = repr(str(out)) if out is not None else "DIR"
-        return f'call {self.value}(job, out={where}) again with resume="auto" in the Job'
+        verb = "make" if self is Interface.TRAINER else "call"
+        return f'{verb} {self.value}(job, out={where}) again with resume="auto" in the Job'
 
     def add_resume(self) -> str:
         """The clause that tells the user to ask for `--resume auto` in what they wrote."""

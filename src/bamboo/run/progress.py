@@ -3,10 +3,12 @@
 The panel shows the step, loss and samples/s, one row per pipeline (which node holds
 which stage; a node holding two stages is a shadow that took over a lost one), and
 the events as they happen. A display, not a log: it writes to stderr itself (`quiet` turns it
-off), while the library's warnings and notes are logged (`bamboo.util.logs`).
+off), while the library's warnings and notes are logged (`bamboo.util.logs`); with the display
+off, the run's own warnings are logged too.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +16,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from bamboo.util.logs import by
+
+log = logging.getLogger(__name__)
+_WARNING = "warning: "
 
 __all__ = ["ProgressDisplay", "pipeline_rows"]
 
@@ -47,8 +54,12 @@ def pipeline_rows(holders: Sequence[Sequence[int]], names: Sequence[str],
 class ProgressDisplay:
     """Shows step, loss, samples/s, the layout per pipeline; prints events as they happen."""
 
-    def __init__(self, total_steps: int, *, enabled: bool = True) -> None:
+    def __init__(self, total_steps: int, *, enabled: bool = True, prog: str | None = None
+                 ) -> None:
         self.enabled = enabled
+        self.prog = prog
+        """The call that shows no display (`bamboo.train` under `quiet=True`): its run's
+        warnings still reach the `bamboo` logger, in its words."""
         self.console = Console(stderr=True, highlight=False)
         self.live = enabled and self.console.is_terminal
         self.total = total_steps
@@ -82,6 +93,8 @@ class ProgressDisplay:
 
     def message(self, text: str) -> None:
         if not self.enabled:
+            if text.startswith(_WARNING):  # not lost with the display: a record a script sees
+                log.warning("%s", text[len(_WARNING):], extra=by(self.prog) if self.prog else {})
             return
         if self._live is not None:
             self._live.console.print(text)

@@ -135,3 +135,17 @@ def test_a_script_silences_bamboo_by_its_loggers_level(tmp_path: Path) -> None:
         train("silenced again")
     """)
     assert err == ["silenced", "shown", *lines, "silenced again"] and out == []
+
+
+def test_a_runs_warning_reaches_the_logger_when_the_display_is_off(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`quiet=True` turns the display off, not the run's warnings: they are records a script
+    sees (in its call's words); the display's other lines are not."""
+    from bamboo.run.progress import ProgressDisplay
+    display = ProgressDisplay(3, enabled=False, prog="bamboo.train")
+    with caplog.at_level(logging.INFO, logger="bamboo"):
+        display.message("warning: --kill 0:9@1 names no node")
+        display.message("lost n1 in step 2: failover")
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == \
+        [("bamboo.run.progress", "WARNING", "--kill 0:9@1 names no node")]
+    assert caplog.records[0].prog == "bamboo.train"
