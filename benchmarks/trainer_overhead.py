@@ -1,13 +1,14 @@
 """What the user's own loop costs: the same job through `bamboo.train` (the nodes run on from
 step to step) and through a `bamboo.Trainer` loop of `train_step()` calls (every step waits
-at its boundary for the call's order), runs alternated; the median step time of each
-each run's samples a second over the run (summary.json's throughput) and the whole call's
-seconds, their ratios (and the median of each pair's: a pair runs back to back, so a slow
-spell of a shared machine weighs on both), and whether the two end with equal losses and
-parameters. (summary.json's median_step_s is not comparable between the two: the loop's
-step clock starts at the call, bamboo.train's at the previous commit.)
+at its boundary for the call's order), runs alternated: each run's samples a second over
+the run (summary.json's throughput) and the whole call's seconds, their ratios (and the
+median of each pair's: a pair runs back to back, so a slow spell of a shared machine weighs
+on both), and whether the two end with equal losses and parameters. (summary.json's
+median_step_s is not comparable between the two: the loop's step clock starts at the call,
+bamboo.train's at the previous commit.)
 
     .venv/bin/python benchmarks/trainer_overhead.py --pairs 3 --steps 40
+    .venv/bin/python benchmarks/trainer_overhead.py --pairs 3 --steps 40 --nodes 2 --pin
 
 Say which case a figure is: with more workers than cores there are no idle bubbles, and the
 boundary's wait is another worker's running time.
@@ -27,7 +28,7 @@ import bamboo
 def job(args: argparse.Namespace) -> bamboo.Job:
     return bamboo.Job(model=args.model, nodes=args.nodes, stages=args.stages, steps=args.steps,
                       micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                      seed=3, checkpoint_every=0)
+                      seed=3, checkpoint_every=0, pin_cpus="auto" if args.pin else "off")
 
 
 def by_train(args: argparse.Namespace, out: Path) -> tuple[bamboo.RunResult, float]:
@@ -54,6 +55,8 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--pin", action="store_true",
+                        help="a core per worker (--nodes at most this machine's cores)")
     args = parser.parse_args()
     rows: list[dict[str, float]] = []
     equal = True

@@ -82,9 +82,12 @@ def test_a_checkpoint_restore_onto_fewer_stages_and_a_resume_onto_more_end_equal
     first = run_in_process(config(COMMON, nodes=3, stages=3, steps=3), tmp_path / "first")
     assert clean["status"] == restored["status"] == first["status"] == "completed", \
         restored.get("error")
-    # the first of the two is shadowed, the second takes its stage's every copy with it
-    assert (restored["preemptions"], restored["failovers"], restored["checkpoint_restores"],
-            restored["redone_steps"]) == (2, 1, 1, 2)
+    # the first of the two is shadowed, the second takes its stage's every copy with it; the
+    # checkpoint begun before step 4 is written in the background: restored from it when it
+    # was published before the kills (nothing redone), else from step 2's (two steps redone)
+    assert (restored["preemptions"], restored["failovers"], restored["checkpoint_restores"]) \
+        == (2, 1, 1)
+    assert restored["redone_steps"] in (0, 2), restored["redone_steps"]
     resumed = bamboo.train(bamboo.Job(**COMMON, nodes=5, stages=5, steps=6,
                                       resume=str(tmp_path / "first")), out=tmp_path / "resumed")
     assert resumed.resumed_from_step == 3
