@@ -217,3 +217,32 @@ def test_in_house_llama_weights_give_llama_for_causal_lm_the_same_logits() -> No
         expected = model(input_ids=x).logits
         got = _compose(layers, x)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", HF_MODELS)
+def test_a_transformers_object_gives_layers_that_compose_to_its_own_logits(kind: str) -> None:
+    """`bamboo.Job(model=<a transformers object>)`: the layers cut from the object (each a
+    copy of its weights, `bamboo.model.hf_object`) give the object's own logits; a head
+    tied in the object (as GPT-2's and BERT's are by default) is tied across the layers."""
+    from bamboo.model.hf_object import hf_object_layers
+    name, model_class = HF_MODELS[kind]
+    config = copy.deepcopy(hf_config(preset(name).hf_config))
+    config._attn_implementation = "eager"
+    config.tie_word_embeddings = True
+    torch.manual_seed(6)
+    model = model_class(config).eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():  # weights unlike any a layer draws (biases too): each must arrive
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    cut = hf_object_layers(model)
+    layers = [make() for make in cut.layers]
+    assert len(layers) == config.num_hidden_layers
+    (first, source), (last, head) = cut.ties["embedding"]
+    assert (first, last) == (0, len(layers) - 1)
+    assert torch.equal(layers[0].get_parameter(source), layers[-1].get_parameter(head))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+    torch.testing.assert_close(_compose(layers, x).detach(), expected, rtol=1e-4, atol=1e-5)
