@@ -39,12 +39,17 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 # deadlines, joins) far more than they compute, so a second one uses the idle core.
 XDIST := -n 2 --dist worksteal
 
+# Static checks ([tool.ruff] in pyproject.toml: lint and import order), before every tier.
+LINT := $(BIN)/ruff check --quiet src tests benchmarks examples
+
 test: setup
+	$(LINT)
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 
 # Unit, property and decision tests (tests/unit): no worker processes, under 2 minutes
 # (after each change).
 test-fast: $(STAMP)
+	$(LINT)
 	$(BIN)/python -m pytest -q --fast
 
 # One end-to-end run per capability (kill, drain, join, checkpoint restore, re-route, agents,

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 def default_model() -> str:
     """gpt2-small when the presets have it, else the largest preset."""
-    from bamboo.model import layer_param_counts
     from bamboo.config.presets import PRESETS, preset
+    from bamboo.model import layer_param_counts
     if "gpt2-small" in PRESETS:
         return "gpt2-small"
     return max(PRESETS, key=lambda name: sum(layer_param_counts(preset(name))))
@@ -110,8 +110,8 @@ def main() -> int:
     args.model = args.model or default_model()
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="checkpoint-pause-"))
     root.mkdir(parents=True, exist_ok=True)
-    from bamboo.model import layer_param_counts
     from bamboo.config.presets import preset
+    from bamboo.model import layer_param_counts
     params = sum(layer_param_counts(preset(args.model)))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; model "
           f"{args.model} ({params / 1e6:.1f} M parameters, state {3 * params * 4 / 1e9:.2f} GB "

@@ -40,13 +40,16 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, sch
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    from bamboo.data.datasets import make_task
-    from bamboo.model import build_layers, layer_param_counts, loss_fn
     from bamboo.config.presets import preset
+    from bamboo.data.datasets import make_task
     from bamboo.engine.optim import learning_rate, make_optimizer
+    from bamboo.model import build_layers, layer_param_counts, loss_fn
     from bamboo.plan.partition import partition
 
     cores = sorted(os.sched_getaffinity(0))

@@ -107,11 +107,11 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     """Save and load the whole model + AdamW state with bamboo.run.checkpoint, timed."""
     import torch
 
-    from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
-    from bamboo.model import layer_param_counts
     from bamboo.config.presets import preset
-    from bamboo.plan.partition import partition
     from bamboo.engine.stage import StageState
+    from bamboo.model import layer_param_counts
+    from bamboo.plan.partition import partition
+    from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
 
     torch.set_num_threads(1)
     p = preset(args.model)

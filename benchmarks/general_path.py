@@ -24,8 +24,8 @@ from pathlib import Path
 from torch import nn
 
 import bamboo
-from bamboo.model import build_layer, build_layers
 from bamboo.config.presets import preset
+from bamboo.model import build_layer, build_layers
 
 MODEL, SEED = "gpt2-tiny", 3
 

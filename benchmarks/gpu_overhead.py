@@ -27,9 +27,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.peers.job import Job, Parts  # noqa: E402
-from bamboo.engine.optim import make_optimizer  # noqa: E402
-from bamboo.node.devices import configure_tf32  # noqa: E402
+from benchmarks.peers.job import Job, Parts  # noqa: E402 (after sys.path is set)
+
+from bamboo.engine.optim import make_optimizer  # noqa: E402 (after sys.path is set)
+from bamboo.node.devices import configure_tf32  # noqa: E402 (after sys.path is set)
 
 
 def plain_steps(args: argparse.Namespace) -> list[float]:

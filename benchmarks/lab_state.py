@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bamboo.chaos.lab import Lab, unsupported_reason  # noqa: E402
-from lab_transfer import SEND, SINK  # noqa: E402
+from lab_transfer import SEND, SINK  # noqa: E402 (after sys.path is set)
+
+from bamboo.chaos.lab import Lab, unsupported_reason  # noqa: E402 (after sys.path is set)
 
 JOIN, SINK_PORT = 29400, 29556
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR")

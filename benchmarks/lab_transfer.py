@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bamboo.chaos.lab import Lab, unsupported_reason  # noqa: E402
-from bamboo.chaos.lab.hosts import parse_rate  # noqa: E402
+from bamboo.chaos.lab import Lab, unsupported_reason
+from bamboo.chaos.lab.hosts import parse_rate
 
 PORT = 29556
 

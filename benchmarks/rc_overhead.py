@@ -42,9 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bamboo.run.measured import costs_from_events
-from bamboo.plan.timeline import Costs, compare
-from bamboo.plan.timeline_text import render
+from bamboo.plan.timeline import Costs, compare  # noqa: E402 (after the path is set)
+from bamboo.plan.timeline_text import render  # noqa: E402 (after sys.path is set)
+from bamboo.run.measured import costs_from_events  # noqa: E402 (after sys.path is set)
 
 MODES = ("off", "lazy", "eager", "eager-slot")
 FLAGS = {"off": ["--redundancy", "off"], "lazy": ["--redundancy", "lazy"],
@@ -92,11 +92,11 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
     """Forward, backward and optimizer step of every stage, alone in this process."""
     import torch
 
-    from bamboo.data.datasets import make_task
-    from bamboo.model import layer_param_counts, loss_fn
     from bamboo.config.presets import preset
-    from bamboo.plan.partition import partition
+    from bamboo.data.datasets import make_task
     from bamboo.engine.stage import StageState
+    from bamboo.model import layer_param_counts, loss_fn
+    from bamboo.plan.partition import partition
 
     torch.set_num_threads(1)
     p = preset(args.model)
@@ -149,7 +149,9 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
             st.reset_grads()
             if it >= 3:
                 opt[s].append(t1 - t0)
-    med = lambda d: tuple(statistics.median(d[s]) for s in range(P))
+    def med(d: dict) -> tuple:
+        return tuple(statistics.median(d[s]) for s in range(P))
+
     optim = med(opt)
     return (Costs(forward=med(fwd), backward=med(bwd), optim=optim, replica_optim=optim),
             [st.numel for st in stages])
@@ -157,8 +159,8 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
 
 def output_bytes(args: argparse.Namespace) -> list[int]:
     """Bytes of one micro-batch's output of each stage (0 for the last: its output is a loss)."""
-    from bamboo.model import boundary_shapes, layer_param_counts
     from bamboo.config.presets import preset
+    from bamboo.model import boundary_shapes, layer_param_counts
     from bamboo.plan.partition import partition
 
     p = preset(args.model)

@@ -19,9 +19,9 @@ import time
 import torch
 from torch import nn
 
+from bamboo.config.presets import preset
 from bamboo.data.datasets import make_task
 from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
-from bamboo.config.presets import preset
 
 
 def _timed(fn, reps: int) -> list[float]:

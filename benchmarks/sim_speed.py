@@ -22,11 +22,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bamboo.sim.core import SimConfig  # noqa: E402
-from bamboo.sim.policies import make_policy  # noqa: E402
-from bamboo.sim.cost_presets import get_preset  # noqa: E402
-from bamboo.sim.runner import resolve_trace, run_policies  # noqa: E402
-from bamboo.traces.trace import TraceError, generate_synthetic, load_trace, parse_synthetic_spec  # noqa: E402
+from bamboo.sim.core import SimConfig  # noqa: E402 (after sys.path is set)
+from bamboo.sim.cost_presets import get_preset  # noqa: E402 (after sys.path is set)
+from bamboo.sim.policies import make_policy  # noqa: E402 (after sys.path is set)
+from bamboo.sim.runner import resolve_trace, run_policies  # noqa: E402 (after sys.path is set)
+from bamboo.traces.trace import TraceError, generate_synthetic, load_trace, parse_synthetic_spec  # noqa: E402 (after sys.path is set)
 
 TRACES = REPO / "traces"
 ALL = ["bamboo", "checkpoint", "on-demand", "adaptive"]

@@ -21,8 +21,8 @@ import multiprocessing as mp
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 

@@ -27,8 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bamboo.config.token_dir import TokenHeader, dtype_for, write_header  # noqa: E402
-
+from bamboo.config.token_dir import TokenHeader, dtype_for, write_header  # noqa: E402 (after sys.path is set)
 
 _PEAK = """
 def status_kb(key="VmHWM"):  # VmHWM: this process's own peak (ru_maxrss includes the parent's)

@@ -46,9 +46,10 @@ def main() -> None:
     ap.add_argument("--max-nodes", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=1, help="runs of every scale")
     args = ap.parse_args()
+    from reference import train_reference
+
     from bamboo.config import JobConfig
     from bamboo.traces.trace import load_trace
-    from reference import train_reference
     duration = load_trace(REPO / args.trace).duration
     tmp = Path(tempfile.mkdtemp(prefix="bamboo-soak-"))
     total, rows, references = 0, [], {}

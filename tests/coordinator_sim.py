@@ -17,19 +17,33 @@ from typing import Any
 
 import torch
 
-from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
-from bamboo.run.writers import stages_written_by
+from bamboo.config import JobConfig
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node, NodeState
 from bamboo.control.sources import LocalWorkers
 from bamboo.control.state import Stop
-from bamboo.wire.protocol import (CheckpointPart, Done, GenerationEnd, GenerationReady,
-                                     LayerParams, Left, MicroBatchesDone, Notice, Ready,
-                                     RoundDone, StepReport, decide_key, epoch_key,
-                                     final_request_key, go_key, plan_key)
-from bamboo.config import JobConfig
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
+from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
+from bamboo.run.writers import stages_written_by
+from bamboo.wire.protocol import (
+    CheckpointPart,
+    Done,
+    GenerationEnd,
+    GenerationReady,
+    LayerParams,
+    Left,
+    MicroBatchesDone,
+    Notice,
+    Ready,
+    RoundDone,
+    StepReport,
+    decide_key,
+    epoch_key,
+    final_request_key,
+    go_key,
+    plan_key,
+)
 
 
 class DictStore:
@@ -316,7 +330,7 @@ class SimCluster:
         step = self.ctx.committed
         self._pass_time()  # every step takes a quarter of a second
         self._guard(self.core.tick, self.clock())  # time passed: the trace, leases, stalls
-        for attempt in range(10):
+        for _attempt in range(10):
             if self.stopped is not None:
                 return
             step = self.ctx.committed  # a restore (the trace's losses) may have gone back

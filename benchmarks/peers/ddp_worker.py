@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from benchmarks.peers.job import Job, Parts, param_digest, write_json
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
-
-from benchmarks.peers.job import Job, Parts, param_digest, write_json
 
 
 def newest_checkpoint(root: Path) -> tuple[Path | None, int, list[float]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from benchmarks.peers.ft_worker import reduce_gradients, wait_for_all
+from benchmarks.peers.job import Job, Parts, write_json
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -23,8 +25,6 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
 from bamboo.engine.optim import make_optimizer
-from benchmarks.peers.ft_worker import reduce_gradients, wait_for_all
-from benchmarks.peers.job import Job, Parts, write_json
 
 
 def stage_layers(parts: Parts, stage: int, stages: int) -> nn.Sequential:
@@ -88,7 +88,7 @@ def main(out: Path, group: int, stage: int, stages: int, store_port: int, restar
                 schedule.step(target=torch.cat([b.targets for b in mine]), losses=out_losses)
             else:
                 schedule.step()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (a failure of the pipeline's collectives is a lost peer)
             pipeline_lost(group, stage, e)
         loss = reduce_gradients(manager, module, float(torch.stack(out_losses).mean()) if last else 0.0)
         params = list(module.parameters())
@@ -96,7 +96,7 @@ def main(out: Path, group: int, stage: int, stages: int, store_port: int, restar
             sq = torch.stack([q.grad.double().square().sum() for q in params]).sum().reshape(1)
             try:
                 dist.all_reduce(sq)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (a failure of the pipeline's collectives is a lost peer)
                 pipeline_lost(group, stage, e)
             scale = min(1.0, parts.grad_clip / (float(sq.sqrt()) + 1e-6))
             for q in params:

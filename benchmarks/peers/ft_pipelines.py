@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchmarks.peers.job import ENV, Job, param_digest
 from benchmarks.peers.report import Kill
 from benchmarks.peers.systems import REPO, drive_kills, lighthouse_server, read_json, with_t0

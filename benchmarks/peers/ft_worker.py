@@ -13,11 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from benchmarks.peers.job import Job, Parts, param_digest, write_json
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
-
-from benchmarks.peers.job import Job, Parts, param_digest, write_json
 
 
 def reduce_gradients(manager: Manager, module: torch.nn.Module, loss: float) -> float:

@@ -38,7 +38,7 @@ class Job:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_env() -> "Job":
+    def from_env() -> Job:
         return Job(**json.loads(os.environ[ENV]))
 
     def bamboo_flags(self, stages: int | str = 1) -> list[str]:

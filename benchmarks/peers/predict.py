@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from benchmarks.peers.job import Job
+from benchmarks.peers.report import Kill, kills_sent, run_tag
+from benchmarks.peers.run import parse_args
+
 from bamboo.sim.core import SimConfig
 from bamboo.sim.cost_presets import SimModel
 from bamboo.sim.policies import make_policy
 from bamboo.traces.trace import parse_trace_text
-from benchmarks.peers.job import Job
-from benchmarks.peers.report import Kill, kills_sent, run_tag
-from benchmarks.peers.run import parse_args
 
 
 @dataclass

@@ -18,8 +18,17 @@ from pathlib import Path
 
 from benchmarks.peers import systems
 from benchmarks.peers.job import Job
-from benchmarks.peers.report import (Kill, Outcome, assign_workers, judge, kills_sent,
-                                     markdown_table, named_schedule, run_tag, summarize)
+from benchmarks.peers.report import (
+    Kill,
+    Outcome,
+    assign_workers,
+    judge,
+    kills_sent,
+    markdown_table,
+    named_schedule,
+    run_tag,
+    summarize,
+)
 
 SYSTEMS = ("bamboo", "torchrun", "torchft")
 P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
@@ -125,8 +134,9 @@ def plot(tables: dict[str, list], path: Path) -> None:
     """Bars per system: failure-free, then goodput under each schedule."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from statistics import mean
+
+    import matplotlib.pyplot as plt
 
     names = list(tables)
     first = tables[names[0]]

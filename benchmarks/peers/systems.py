@@ -12,8 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.peers.job import ENV, Job
 from benchmarks.peers.report import Kill, bamboo_trace

@@ -28,8 +28,17 @@ from typing import TYPE_CHECKING, Any
 from bamboo.config import presets as _presets
 
 if TYPE_CHECKING:
-    from bamboo.api import (Job, JobError, RunFailed, RunResult, Trainer, Verdict, load_result,
-                            same, train)
+    from bamboo.api import (
+        Job,
+        JobError,
+        RunFailed,
+        RunResult,
+        Trainer,
+        Verdict,
+        load_result,
+        same,
+        train,
+    )
     from bamboo.model.api import PipelineModel, TensorSpec
 
 __version__ = "0.1.0"

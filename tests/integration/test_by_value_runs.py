@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import bamboo
-from bamboo.model.forms import pipeline_model
 from bamboo.config import objects
+from bamboo.model.forms import pipeline_model
 from support.agents import stop, wait_for
 from support.procs import BAMBOO, REPO, free_port
 from support.reference import train_reference

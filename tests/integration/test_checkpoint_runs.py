@@ -12,11 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from bamboo.run.checkpoint import (
+    CheckpointError,
+    load_latest,
+    load_layer_tensors,
+    load_layers,
+    step_dir,
+    write_layers,
+)
 from bamboo.run.checkpoint_storage import HOST
-from bamboo.run.checkpoint import (CheckpointError, load_latest, load_layer_tensors, load_layers,
-                                   step_dir, write_layers)
-from support.checkpoints import (assert_same, damage_checkpoint, save, state_vectors, states,
-                                 two_checkpoints)
+from support.checkpoints import (
+    assert_same,
+    damage_checkpoint,
+    save,
+    state_vectors,
+    states,
+    two_checkpoints,
+)
 from support.procs import mounted_tmpfs, run_bamboo
 
 pytestmark = pytest.mark.procs  # every test here starts processes
@@ -107,8 +119,7 @@ def test_a_file_url_checkpoint_dir_restores_and_ends_equal(tmp_path, monkeypatch
     """No live copy of stage 2 survives: the run restores from the checkpoint its holders
     wrote under a file:// URL; the parts and final reports are plain JSON."""
     from support.procs import run_events
-    from support.runs import run_in_process
-    from support.runs import assert_equal_and_accounted, config
+    from support.runs import assert_equal_and_accounted, config, run_in_process
     seen = _recorded(monkeypatch)
     url = f"file://{tmp_path}/shared/ckpt"
     cfg = config(nodes=4, stages=4, steps=7, checkpoint_every=2, kills=["0:1@5", "0:2@5"],

@@ -10,8 +10,8 @@ import torch
 
 from bamboo.config import JobConfig
 from support.models import EXAMPLE, TINY, write_module
-from support.reference import train_reference
 from support.procs import run_events
+from support.reference import train_reference
 from support.runs import assert_close, config, run_in_process
 
 pytestmark = pytest.mark.procs  # every test here starts processes

@@ -15,7 +15,6 @@ import pytest
 from support.pages import page_commands
 from support.procs import REPO
 
-
 # -- the quick start, for real ----------------------------------------------------------------
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig
-from bamboo.plan.faults import Fault
 from bamboo.engine.engine import EVAL_FAULT_INDEX
+from bamboo.plan.faults import Fault
 from support.procs import run_events
 from support.reference import train_reference
 from support.runs import assert_close, config, run_in_process

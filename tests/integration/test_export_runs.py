@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bamboo import cli
-from bamboo.run.export import read_run
 from bamboo.model import build_layers
+from bamboo.run.export import read_run
 from support.procs import REPO
 
 pytestmark = pytest.mark.procs  # every test here starts processes

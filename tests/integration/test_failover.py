@@ -19,9 +19,15 @@ from bamboo.plan.faults import Fault
 from bamboo.plan.program import COMMIT_POINTS
 from bamboo.run.runlog import RunDir
 from support.procs import run_events
-from support.runs import (NEW_LAYOUT_REL, REL, assert_close, assert_equals_failure_free, config,
-                          reference, run_in_process)
-
+from support.runs import (
+    NEW_LAYOUT_REL,
+    REL,
+    assert_close,
+    assert_equals_failure_free,
+    config,
+    reference,
+    run_in_process,
+)
 
 # -- the acceptance scenarios, as data -----------------------------------------------------
 
@@ -172,8 +178,8 @@ def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
     cfg = config(dict(steps=2))
     run_in_process(cfg, tmp_path / "run")
     step = [e for e in run_events(tmp_path / "run") if e["event"] == "step_done"][-1]
-    from bamboo.model import layer_param_counts
     from bamboo.config.presets import preset
+    from bamboo.model import layer_param_counts
     from bamboo.plan.partition import partition
     counts = layer_param_counts(preset("gpt2-tiny"))
     parts = partition(counts, 4)

@@ -14,6 +14,7 @@ from support.hf_models import GPT2, HF_MODELS
 from support.procs import REPO
 from support.reference import train_reference
 from support.runs import assert_close, run_in_process
+
 # SHARED: BERT, GPT2, HF_MODELS, LLAMA
 
 pytestmark = pytest.mark.procs  # every test here starts processes

@@ -13,7 +13,13 @@ import time
 
 import pytest
 
-from bamboo.chaos.lab import Lab, LabError, NetemUnavailable, leftover_namespaces, unsupported_reason
+from bamboo.chaos.lab import (
+    Lab,
+    LabError,
+    NetemUnavailable,
+    leftover_namespaces,
+    unsupported_reason,
+)
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # every test here starts processes
 

@@ -18,7 +18,6 @@ import pytest
 from support.procs import BAMBOO, REPO, free_port, run_events
 from support.scrape import http_get, metric_samples
 
-
 # -- the command line ------------------------------------------------------------------------
 
 def _bamboo(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

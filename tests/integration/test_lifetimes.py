@@ -11,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import agent as start_agent, assert_failure_free, coordinator, stop, wait_step
+from support.agents import agent as start_agent
+from support.agents import assert_failure_free, coordinator, stop, wait_step
+from support.processes import (
+    alive,
+    command,
+    descendants,
+    fork_server,
+    kill_all,
+    start_training,
+    wait_for_steps,
+    wait_gone,
+)
 from support.procs import free_port, run_events
-from support.processes import (alive, command, descendants, fork_server, kill_all,
-                               start_training, wait_for_steps, wait_gone)
 
 
 @pytest.mark.procs

@@ -108,12 +108,12 @@ def test_a_deepspeed_pipeline_module_converts_with_its_loss_fn(
     process here): its LayerSpecs are the layers, its loss_fn the loss. DeepSpeed's
     shared-memory all-reduce op is marked unavailable, as on a machine without a compiler:
     a group of one never reduces, and building it costs a minute and a half on two cores."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
     import deepspeed.comm
     import deepspeed.ops
+    import torch
+    import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
+    from torch import nn
 
     from bamboo.model.api import TensorSpec
     from bamboo.model.forms import pipeline_model

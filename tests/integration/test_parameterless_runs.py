@@ -13,8 +13,7 @@ import torch
 
 import bamboo
 from support.reference import train_reference
-from support.runs import (NEW_LAYOUT_REL, REL, assert_close, config, param_l2,
-                          run_in_process)
+from support.runs import NEW_LAYOUT_REL, REL, assert_close, config, param_l2, run_in_process
 from support.tabular import DATASET, MODEL, PARAMETERLESS, TRIPLE, build
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]  # every test here starts processes

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from benchmarks.peers.report import judge
 
 pytestmark = pytest.mark.procs  # every test here starts processes
@@ -84,7 +83,7 @@ def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) ->
 
     rows = table_rows(out)
     assert sorted(rows) == ["bamboo", "torchft", "torchrun"]
-    for system, (free, goodput, lost, equal) in rows.items():
+    for system, (free, goodput, _lost, equal) in rows.items():
         assert first_number(free) > 0 and first_number(goodput) > 0, system
         assert equal.startswith(("bit-equal", "yes", "no")), system
     assert rows["torchrun"][3] == "bit-equal"

@@ -17,8 +17,8 @@ from bamboo.config import JobConfig
 from bamboo.plan.faults import Fault
 from support.procs import REPO, run_bamboo, run_events
 from support.reference import train_reference
-from support.runs import (NEW_LAYOUT_REL as REL, assert_close, assert_equal_and_accounted,
-                          config, param_l2, run_in_process)
+from support.runs import NEW_LAYOUT_REL as REL
+from support.runs import assert_close, assert_equal_and_accounted, config, param_l2, run_in_process
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

@@ -14,9 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import (agent as start_agent, assert_failure_free, coordinator as
-                            start_coordinator, kill_machine, signal_machine, start, stop,
-                            wait_for, wait_step)
+from support.agents import agent as start_agent
+from support.agents import (
+    assert_failure_free,
+    kill_machine,
+    signal_machine,
+    start,
+    stop,
+    wait_for,
+    wait_step,
+)
+from support.agents import coordinator as start_coordinator
 from support.processes import session_processes
 from support.procs import BAMBOO, REPO, free_port, run_events
 from support.servers import MetadataServer

@@ -9,7 +9,6 @@ failure-free run, bit-identical under `--exact`.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,7 @@ from bamboo.plan.layout import micro_batch_blocks
 from bamboo.plan.program import node_instructions
 from bamboo.plan.roles import RoleMap, Unrecoverable, plan_reroute
 from support.procs import run_events
-from support.runs import assert_close
-
-from support.runs import assert_equals_failure_free, run_in_process
+from support.runs import assert_close, assert_equals_failure_free, run_in_process
 
 
 def initial(P: int, D: int) -> RoleMap:

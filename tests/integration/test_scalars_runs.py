@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 from support.procs import run_events
 from support.runs import config, run_in_process
 

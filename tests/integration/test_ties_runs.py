@@ -14,8 +14,8 @@ from bamboo.config import JobConfig
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import Fault
 from bamboo.plan.program import COMMIT_POINTS, REDUCED
-from support.procs import run_events
 from support.models import TIED, write_module
+from support.procs import run_events
 from support.reference import train_reference
 from support.runs import NEW_LAYOUT_REL, assert_close, config, run_in_process
 

@@ -9,16 +9,14 @@ contract, text-file, divergence and interrupt tests below.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from bamboo.config import JobConfig
-from support.runs import assert_close, config, run_in_process
-
 from support.reference import train_reference
+from support.runs import assert_close, config, run_in_process
 
 pytestmark = pytest.mark.procs  # every test here starts worker processes
 

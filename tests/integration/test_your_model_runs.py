@@ -27,8 +27,14 @@ from support.agents import stop, wait_for
 from support.procs import BAMBOO, REPO, free_port
 from support.reference import train_reference
 from support.runs import REL, assert_close, param_l2
-from support.your_model import (IMAGES, TABULAR, TOKENS, built_pipeline_module, image_model,
-                                tabular_model)
+from support.your_model import (
+    IMAGES,
+    TABULAR,
+    TOKENS,
+    built_pipeline_module,
+    image_model,
+    tabular_model,
+)
 
 pytestmark = [pytest.mark.procs, pytest.mark.slow]  # every test here starts processes
 

@@ -14,7 +14,6 @@ from bamboo.config import JobConfig, parse_kill
 from support.procs import run_events
 from support.runs import assert_equals_failure_free, run_in_process
 
-
 # -- with processes ---------------------------------------------------------------------------
 
 

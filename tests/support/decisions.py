@@ -2,8 +2,9 @@
 run a job to its end with scripted losses, and name the node that holds a stage."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bamboo.config import JobConfig
 from coordinator_sim import SimCluster

@@ -15,9 +15,9 @@ from torch import nn
 
 from bamboo.config import JobConfig
 from bamboo.data.user import job_task
-from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
 from bamboo.engine.optim import clip_coefficient, make_optimizer, set_lr
 from bamboo.engine.options import EngineOptions
+from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
 
 
 def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,

@@ -8,7 +8,7 @@ run's summary with it."""
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | N
         return e.summary | {"exit_code": e.exit_code}
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> tuple:
     """The failure-free run's losses and parameter L2 norm for a job of this shape (the
     default model and seed), from the plain single-process loop."""

@@ -79,7 +79,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 
 class FakeMetadata(BaseHTTPRequestHandler):
     """Answers as AWS IMDSv2, GCE metadata or Azure IMDS, by `server.cloud`."""
 
-    server: "MetadataServer"
+    server: MetadataServer
 
     def log_message(self, *args: object) -> None:  # keep pytest output clean
         pass
@@ -157,7 +157,7 @@ class MetadataServer(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def start(self) -> "MetadataServer":
+    def start(self) -> MetadataServer:
         """Serving, on a daemon thread."""
         threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
                          daemon=True).start()

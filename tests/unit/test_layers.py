@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("importlinter")
 
-from importlinter import configuration  # noqa: E402
-from importlinter.application import use_cases  # noqa: E402
+from importlinter import configuration
+from importlinter.application import use_cases
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / ".importlinter"

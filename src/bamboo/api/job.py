@@ -26,8 +26,7 @@ from typing import Any
 from bamboo.api.data_options import data_options
 from bamboo.api.job_options import JobOptions
 from bamboo.api.paths import LOADED_BY_PATH
-from bamboo.config import (ConfigError, JobConfig, KillSpec, all_options, options_by_key,
-                           parse_kill)
+from bamboo.config import ConfigError, JobConfig, KillSpec, all_options, options_by_key, parse_kill
 from bamboo.config.jobfile import coerce
 from bamboo.config.sections import SCHEDULE_NAMES
 

@@ -111,9 +111,9 @@ class Trainer:
 
     def _open(self, start: Any, quiet: bool, debug: bool) -> None:
         from bamboo.api.start import warm_up
-        from bamboo.run.interface import Interface
         from bamboo.control.loop import Coordinator
         from bamboo.control.sources import LocalWorkers
+        from bamboo.run.interface import Interface
         from bamboo.run.progress import ProgressDisplay
         warm_up(debug)
         self.cfg = start.cfg

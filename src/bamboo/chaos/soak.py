@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bamboo.util import strict_json
 from bamboo.run.bits import differs, explain
 from bamboo.run.runlog import read_events
 

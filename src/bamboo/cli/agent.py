@@ -38,9 +38,9 @@ def agent_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = agent_parser().parse_args(argv)
+    from bamboo.config.join import parse_address
     from bamboo.fleet.agent import AgentOptions, run_agent
     from bamboo.fleet.remote import JoinError
-    from bamboo.config.join import parse_address
     try:
         address = parse_address(args.join, "--join")
         if (args.token is None) == (args.token_file is None):
@@ -81,7 +81,7 @@ def _agent_health(http: tuple[str, int], opts: Any) -> Any:
     from bamboo.control.http import HealthServer, RunMetrics
     try:
         return HealthServer(http[0], http[1], metrics=RunMetrics(),
-                            health=lambda: (True, {"status": "agent", "join": "%s:%d" % opts.address,
+                            health=lambda: (True, {"status": "agent", "join": "{}:{}".format(*opts.address),
                                                    "workers": opts.workers}))
     except OSError as e:
         raise ValueError(f"cannot serve --http {http[0]}:{http[1]} ({e.strerror or e})") from None

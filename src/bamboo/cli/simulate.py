@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bamboo simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="trace file (Bamboo CSV, count rows or JSON rows), "
                    "or synthetic:p=PROB[,alloc=A] / synthetic:mtbf=DURATION")
-    from bamboo.sim.policies import POLICIES
     from bamboo.sim.cost_presets import SIM_MODELS
+    from bamboo.sim.policies import POLICIES
     p.add_argument("--model", default="gpt2",
                    help=f"a model with published step times: {', '.join(m.name for m in SIM_MODELS.values())} "
                         f"(default gpt2); or any bamboo train model (gpt2-tiny, llama-tiny, ...) with "
@@ -113,8 +113,8 @@ def _model(name: str, costs_file: str | None):
     or a `bamboo train` model measured by `bamboo profile` (its --costs file is then required:
     the step times are what a simulation needs). Both sets of names are accepted."""
     from bamboo.config.presets import PRESETS as TRAIN_MODELS
-    from bamboo.sim.costs import load_costs
     from bamboo.sim.cost_presets import SIM_MODELS, get_preset, preset_from_costs
+    from bamboo.sim.costs import load_costs
     try:
         base = get_preset(name)
     except KeyError:

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
+from bamboo.cli.parsing import UsageParser
 from bamboo.plan import schedule as S
 from bamboo.plan.reroute_timeline import rerouted_step
 from bamboo.plan.timeline import Costs, compare, simulate_step
 from bamboo.plan.timeline_text import render, summary
-from bamboo.cli.parsing import UsageParser
 from bamboo.util import strict_json
 
 __all__ = ["main", "timeline_parser"]
@@ -80,7 +80,7 @@ def _costs(args: argparse.Namespace) -> tuple[int, int, Costs]:
             print(f"costs from {args.events}: {notes}")
     else:
         P, M = args.stages, args.micro_batches
-        ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))  # noqa: E731
+        ms = lambda text: tuple(x / 1e3 for x in _floats(text, P))  # noqa: E731 (a one-line parser)
         costs = Costs(forward=ms(args.forward), backward=ms(args.backward),
                       frc=ms(args.frc) if args.frc else None, latency=args.latency / 1e3,
                       commit=args.commit / 1e3, optim=ms(args.optim),
@@ -116,12 +116,12 @@ def _print_reroute(P: int, M: int, D: int, text: str, costs: Costs, schedule: st
         if any(not (0 <= d < D and 0 <= s < P) for d, s in lost):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"error: --lost {text!r}: write D:S[,D:S...] with D < {D}, S < {P}")
+        raise SystemExit(f"error: --lost {text!r}: write D:S[,D:S...] with D < {D}, S < {P}") from None
     clean = rerouted_step(P, M, D, [], costs, schedule=schedule).step_s
     try:
         rerouted = rerouted_step(P, M, D, lost, costs, schedule=schedule).step_s
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     shadowed = None
     if P > 1 and len({s for _, s in lost}) == 1 and len(lost) == 1:
         s = lost[0][1]

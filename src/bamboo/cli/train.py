@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from bamboo.util import strict_json
 from bamboo.cli.parsing import EXIT_USAGE, UsageParser
 from bamboo.config import ConfigError, JobConfig, all_options, options_by_key, parse_kill
 from bamboo.config.options import add_flags
+from bamboo.util import strict_json
 
 if TYPE_CHECKING:
     from bamboo.api.start import Start

@@ -20,8 +20,14 @@ from __future__ import annotations
 from bamboo.config.job import SECTIONS, JobConfig, all_options, options_by_key
 from bamboo.config.join import JOIN_PORT, JOIN_TIMEOUT_S
 from bamboo.config.options import ConfigError
-from bamboo.config.sections import (COMM_MODES, HEARTBEAT_S, PRECISIONS, REDUNDANCY_MODES,
-                                    KillSpec, parse_kill)
+from bamboo.config.sections import (
+                                    COMM_MODES,
+                                    HEARTBEAT_S,
+                                    PRECISIONS,
+                                    REDUNDANCY_MODES,
+                                    KillSpec,
+                                    parse_kill,
+)
 
 __all__ = ["ConfigError", "JobConfig", "KillSpec", "parse_kill", "SECTIONS", "all_options",
            "options_by_key", "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "HEARTBEAT_S",

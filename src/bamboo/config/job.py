@@ -16,14 +16,34 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from bamboo.config.options import (ConfigError, OptionField, check_section, flat_values,
-                                   option_fields)
-from bamboo.config.sections import (CheckpointSection, ClusterSection, DataSection,
-                                    EvaluationSection, KillSpec, LayoutSection, LoggingSection,
-                                    ModelSection, RedundancySection, RuntimeSection,
-                                    TrainingSection)
-from bamboo.config.presets import (ModelPreset, custom_preset, dataset_inputs, is_custom_name,
-                                   preset, with_vocab)
+from bamboo.config.options import (
+    ConfigError,
+    OptionField,
+    check_section,
+    flat_values,
+    option_fields,
+)
+from bamboo.config.presets import (
+    ModelPreset,
+    custom_preset,
+    dataset_inputs,
+    is_custom_name,
+    preset,
+    with_vocab,
+)
+from bamboo.config.sections import (
+    CheckpointSection,
+    ClusterSection,
+    DataSection,
+    EvaluationSection,
+    KillSpec,
+    LayoutSection,
+    LoggingSection,
+    ModelSection,
+    RedundancySection,
+    RuntimeSection,
+    TrainingSection,
+)
 
 __all__ = ["JobConfig", "SECTIONS", "all_options", "options_by_key"]
 

@@ -162,7 +162,7 @@ def _read(path: Path) -> Any:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except _DuplicateKey as e:
         raise ConfigError(f"{path}, line {e.line}: key '{e.key}' is given twice (first on line "
                           f"{e.first}): keep one of them") from None

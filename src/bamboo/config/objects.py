@@ -160,7 +160,7 @@ def _digest(data: bytes) -> str:
         h.update(token)
 
     end = -1
-    for op, arg, end in pickletools.genops(data):
+    for op, arg, end in pickletools.genops(data):  # noqa: B007 (end: read after the loop)
         name = op.name
         if name == "FRAME":
             continue

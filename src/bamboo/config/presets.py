@@ -16,8 +16,8 @@ import functools
 import importlib.util
 import json
 import math
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, discard_unpublished,
-                               publish)
-from bamboo.run.checkpoint_storage import size_text
-from bamboo.data.user import data_position
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.state import RunContext, Stop
+from bamboo.data.user import data_position
+from bamboo.run.checkpoint import CheckpointError, checkpoint_location, discard_unpublished, publish
+from bamboo.run.checkpoint_storage import size_text
 from bamboo.wire.protocol import CheckpointPart
 
 __all__ = ["CheckpointAssembly"]

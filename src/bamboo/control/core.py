@@ -61,10 +61,23 @@ from bamboo.plan.faults import Fault
 from bamboo.plan.orders import Order, OrderKind
 from bamboo.run.checkpoint import Checkpoint, checkpoint_location
 from bamboo.run.interface import Interface
-from bamboo.wire.protocol import (BoundaryFlag, CheckpointPart, Done, EvalDone, GenerationEnd,
-                                  GenerationReady, LayerParams, Left, MicroBatchesDone,
-                                  Notice, Ready, RoundDone, StepReport, WorkerError,
-                                  WorkerMessage)
+from bamboo.wire.protocol import (
+    BoundaryFlag,
+    CheckpointPart,
+    Done,
+    EvalDone,
+    GenerationEnd,
+    GenerationReady,
+    LayerParams,
+    Left,
+    MicroBatchesDone,
+    Notice,
+    Ready,
+    RoundDone,
+    StepReport,
+    WorkerError,
+    WorkerMessage,
+)
 
 __all__ = ["CoordinatorCore", "NodeSource"]
 

@@ -28,9 +28,15 @@ from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
 from bamboo.control.steps import StepProtocol
+from bamboo.plan.roles import (
+    FailoverPlan,
+    Takeover,
+    Unrecoverable,
+    plan_failover,
+    plan_reroute,
+    shadow_or_reroute,
+)
 from bamboo.wire.protocol import PHASES, StepReport
-from bamboo.plan.roles import (FailoverPlan, Takeover, Unrecoverable, plan_failover,
-                                     plan_reroute, shadow_or_reroute)
 
 __all__ = ["FailureHandler", "ExitOutcome", "ZERO_COUNTS"]
 

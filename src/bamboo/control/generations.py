@@ -13,21 +13,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from bamboo.node.backend_errors import peer_rank
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
 from bamboo.control.restore import RestorePoints
-from bamboo.engine.optim import bytes_per_parameter
 from bamboo.control.state import HandledAs, Loss, Reconfiguration, RunContext, Stop
-from bamboo.wire.protocol import (BoundaryFlag, GenerationEnd, GenerationReady, epoch_key,
-                                     plan_key)
+from bamboo.engine.optim import bytes_per_parameter
+from bamboo.node.backend_errors import peer_rank
 from bamboo.plan.orders import scale_at
 from bamboo.plan.partition import partition
-from bamboo.run.progress import pipeline_rows
 from bamboo.plan.placement import spread
 from bamboo.plan.planner import GenerationPlan, NoLiveCopy, choose_layout, plan_generation
 from bamboo.plan.roles import RoleMap
+from bamboo.run.progress import pipeline_rows
+from bamboo.wire.protocol import BoundaryFlag, GenerationEnd, GenerationReady, epoch_key, plan_key
 
 __all__ = ["Generations", "Modes", "FixedMode"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bamboo.control.http import HealthServer, HttpServeError, RunMetrics
 from bamboo.config import JobConfig
+from bamboo.control.http import HealthServer, HttpServeError, RunMetrics
 
 __all__ = ["HealthFeed"]
 

@@ -22,8 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from bamboo.util import strict_json
 
@@ -142,7 +148,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 5.0  # a client that connects and sends nothing holds only its own thread
     protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive threads
 
-    def do_GET(self) -> None:  # noqa: N802 (the http.server naming)
+    def do_GET(self) -> None:
         path = urlsplit(self.path).path
         if path == "/healthz":
             self._healthz()
@@ -155,7 +161,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _healthz(self) -> None:
         try:
             healthy, body = self.server.health()
-        except Exception as e:  # the owner's check failed: that is unhealthy, not a crash
+        except Exception as e:  # noqa: BLE001 (the owner's check failed: that is unhealthy, not a crash)
             healthy, body = False, {"status": "error", "error": f"{type(e).__name__}: {e}"}
         self._send(200 if healthy else 503, "application/json",
                    (strict_json.dumps(body, default=str) + "\n").encode())
@@ -168,7 +174,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # no request log on stderr: it would tear through the progress panel
 
 

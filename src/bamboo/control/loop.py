@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
-from collections.abc import Callable
 from typing import Any
 
-from bamboo.run.checkpoint import Checkpoint
-from bamboo.run.interface import Interface
+from bamboo.config import JobConfig
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
 from bamboo.control.sources import LocalWorkers, NodeSource
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
-from bamboo.wire.protocol import SHUTDOWN_KEY, WorkerMessage
-from bamboo.wire.store import serve_store
-from bamboo.config import JobConfig
 from bamboo.plan.faults import Fault
+from bamboo.run.checkpoint import Checkpoint
+from bamboo.run.interface import Interface
 from bamboo.run.progress import ProgressDisplay
 from bamboo.run.runlog import RunDir, RunDirError, write_atomic
+from bamboo.wire.protocol import SHUTDOWN_KEY, WorkerMessage
+from bamboo.wire.store import serve_store
 
 __all__ = ["Coordinator", "run_job", "RunFailed"]
 
@@ -190,7 +190,7 @@ class Coordinator:
             self.scalars = ScalarLog(cfg, self.rundir.path, self.display.message,
                                      live_nodes=lambda: self.core.nodes.alive_count()
                                      if hasattr(self.core, "nodes") else None)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (a logging library's own errors: stop with one line)
             which = "--wandb" if cfg.logging.wandb is not None else "--tensorboard"
             raise Stop(f"cannot start {which} logging: {type(e).__name__}: {e}".splitlines()[0],
                        exit_code=2) from None

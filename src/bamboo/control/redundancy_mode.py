@@ -48,9 +48,15 @@ from bamboo.control.generations import Generations
 from bamboo.control.nodes import Supervisor
 from bamboo.control.results import Results
 from bamboo.control.state import RunContext
-from bamboo.plan.redundancy_choice import (ALL_MODES, DEFAULT_OVERHEAD, MODES, ModeCosts, RateEstimator,
-                                    choose_mode,
-                                    expected_samples_per_s)
+from bamboo.plan.redundancy_choice import (
+    ALL_MODES,
+    DEFAULT_OVERHEAD,
+    MODES,
+    ModeCosts,
+    RateEstimator,
+    choose_mode,
+    expected_samples_per_s,
+)
 
 __all__ = ["AutoRedundancy"]
 

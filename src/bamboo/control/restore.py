@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bamboo.run.checkpoint import CheckpointError, checkpoint_location, load_latest
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.state import RunContext
 from bamboo.plan.planner import GenerationPlan, plan_generation
+from bamboo.run.checkpoint import CheckpointError, checkpoint_location, load_latest
 
 __all__ = ["RestorePoints"]
 

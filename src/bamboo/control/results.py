@@ -20,16 +20,21 @@ import statistics
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint  # noqa: F401 - imported (1.5 s) while the workers start
+import torch.distributed.checkpoint
 
-from bamboo.run.checkpoint import CheckpointError, checkpoint_location, final_dir, load_layer_tensors
-from bamboo.node import procmem
-from bamboo.data.user import data_position
 from bamboo.control.node_memory import MemoryWatch
 from bamboo.control.state import RunContext, Stop
 from bamboo.control.steps import PendingStep
-from bamboo.wire.protocol import LayerParams, StepReport
+from bamboo.data.user import data_position
+from bamboo.node import procmem
 from bamboo.plan.redundancy_choice import NodeWork, redundant_work_floor
+from bamboo.run.checkpoint import (
+    CheckpointError,
+    checkpoint_location,
+    final_dir,
+    load_layer_tensors,
+)
+from bamboo.wire.protocol import LayerParams, StepReport
 
 __all__ = ["Results"]
 

@@ -147,16 +147,16 @@ class ScalarLog:
     def _emit(self, values: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in values.items()}
         for sink in list(self.sinks):
-            self._guard(sink, lambda: sink.scalars(values, step))
+            self._guard(sink, lambda sink=sink: sink.scalars(values, step))
 
     def _text(self, tag: str, value: str, step: int) -> None:
         for sink in list(self.sinks):
-            self._guard(sink, lambda: sink.text(tag, value, step))
+            self._guard(sink, lambda sink=sink: sink.text(tag, value, step))
 
     def _guard(self, sink: Any, call: Callable[[], None]) -> None:
         try:
             call()
-        except Exception as e:  # logging never stops training
+        except Exception as e:  # noqa: BLE001 (logging never stops training)
             self.sinks.remove(sink)
             self.say(f"{sink.name} logging stopped: {type(e).__name__}: {e}".splitlines()[0])
 
@@ -164,6 +164,6 @@ class ScalarLog:
         for sink in self.sinks:
             try:
                 sink.close()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (a sink's close never stops the run)
                 self.say(f"{sink.name} logging did not close cleanly: {e}".splitlines()[0])
         self.sinks = []

@@ -42,9 +42,9 @@ from typing import Any, Protocol
 
 from bamboo.config import JobConfig
 from bamboo.plan.loss_scale import LossScale, scale_at
-from bamboo.run.interface import Interface
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
+from bamboo.run.interface import Interface
 
 __all__ = ["RunFailed", "Store", "Events", "Display", "RunContext", "HandledAs", "Loss",
            "Reconfiguration"]

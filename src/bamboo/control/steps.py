@@ -25,8 +25,19 @@ from dataclasses import dataclass, field
 from bamboo.control.metrics import reduce_metrics
 from bamboo.control.nodes import Supervisor
 from bamboo.control.state import RunContext, Stop
-from bamboo.wire.protocol import (BoundaryFlag, Decision, EvalDone, Go, MicroBatchesDone,
-                                     RoundDone, StepReport, Verdict, decide_key, eval_key, go_key)
+from bamboo.wire.protocol import (
+    BoundaryFlag,
+    Decision,
+    EvalDone,
+    Go,
+    MicroBatchesDone,
+    RoundDone,
+    StepReport,
+    Verdict,
+    decide_key,
+    eval_key,
+    go_key,
+)
 
 __all__ = ["StepProtocol", "PendingStep", "FORGET_AFTER"]
 
@@ -150,7 +161,7 @@ class StepProtocol:
     @staticmethod
     def _step_loss(reports: dict[int, RoundDone]) -> float:
         mb_losses = sorted(x for r in reports.values() for x in r.losses)
-        return math.fsum(l * w for _, l, w in mb_losses)
+        return math.fsum(loss * w for _, loss, w in mb_losses)
 
     def _check_finite(self, step: int, reports: dict[int, RoundDone]) -> None:
         """Stop before committing a step whose loss or gradient norm is not finite: its

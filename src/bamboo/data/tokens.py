@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,8 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from bamboo.config.token_dir import (MAX_VOCAB, SPLITS, TokenHeader, dtype_for, open_split,
-                                     write_header)
+from bamboo.config.token_dir import (
+    MAX_VOCAB,
+    SPLITS,
+    TokenHeader,
+    dtype_for,
+    write_header,
+)
 
 __all__ = ["VAL_FRACTION", "EOT", "text_split", "prepare"]
 
@@ -139,7 +143,7 @@ def _hf_tokenizer(spec: str, directory: Path) -> _Tokenizer:
     from tokenizers import Tokenizer
     try:
         tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+    except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception type for a bad file)
         raise ValueError(f"--tokenizer {spec}: cannot load {directory / 'tokenizer.json'}: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     eot = _hf_eos(directory)

@@ -18,9 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-
-from bamboo.config import ConfigError, JobConfig
-from bamboo.config import objects
+from bamboo.config import ConfigError, JobConfig, objects
 from bamboo.config.calls import Call, parse_call
 from bamboo.config.metric_spec import parse_metric
 from bamboo.data.datasets import Batch, Metric, Samples, Task, make_task, on_device
@@ -58,7 +56,7 @@ def build_dataset(text: str, flag: str = "--dataset") -> Any:
         return check_dataset(target, f"{flag} {text}")
     try:
         dataset = target(**call.kwargs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 (the user's code: any error is theirs to fix)
         raise ConfigError(f"{flag} {text}: {_line(e)}", _key(flag)) from None
     return check_dataset(dataset, f"{flag} {text}")
 
@@ -96,7 +94,7 @@ def build_function(text: str, flag: str) -> Metric:
     if inspect.isclass(target):
         try:
             return target(**call.kwargs)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 (the user's code: any error is theirs to fix)
             raise ConfigError(f"{flag} {text}: {_line(e)}", _key(flag)) from None
     return functools.partial(target, **call.kwargs) if call.kwargs else target
 
@@ -212,6 +210,7 @@ def _check_inputs(cfg: JobConfig, task: Task) -> None:
     no `inputs` takes `[context]` int64 token ids: it is held to that only by a Dataset whose
     inputs are token ids (one integer tensor); other inputs meet its layer 0 in the run."""
     import torch
+
     from bamboo.model.pipeline import TensorSpec, describe_spec
     from bamboo.model.structure import StructureError, flatten, unflatten
     known = _model_inputs(cfg)
@@ -249,9 +248,10 @@ def _check_on_outputs(cfg: JobConfig, task: Task) -> None:
     output for its inputs (the layers run on the meta device: shapes only, no memory): a
     loss or metric that does not fit the model's output or the labels is one line now, not
     a failed worker. A model that cannot run on the meta device is not checked here."""
+    import torch
+
     from bamboo.model import build_layer
     from bamboo.model.meta import shapes_only
-    import torch
     batch, p = task.batch(0, 0), cfg.model_preset()
     try:
         with shapes_only(), torch.no_grad():

@@ -34,8 +34,19 @@ from dataclasses import dataclass, field
 import torch
 
 from bamboo.engine.buckets import BucketReducer
-from bamboo.engine.comm import (DP_DOWN, DP_UP, NORM_DOWN, NORM_UP, P2P, REPLICA, TIE_DOWN,
-                                 TIE_UP, Interrupted, Key, PeerLost)
+from bamboo.engine.comm import (
+    DP_DOWN,
+    DP_UP,
+    NORM_DOWN,
+    NORM_UP,
+    P2P,
+    REPLICA,
+    TIE_DOWN,
+    TIE_UP,
+    Interrupted,
+    Key,
+    PeerLost,
+)
 from bamboo.engine.stage import StageState
 from bamboo.plan.roles import RoleMap
 
@@ -287,7 +298,7 @@ class _Round:
                 recvs += [(self._zeros(stages[0], key, extra=1), root, (TIE_DOWN, s, index))
                           for s in stages if s in self.stages and
                           self.rank in self.roles.stage_members(s)]
-        for got, (buf, _, (_, s, index)) in zip(self._phase(sends, recvs), recvs):
+        for got, (buf, _, (_, _, index)) in zip(self._phase(sends, recvs), recvs):
             if got:
                 sums[self.ties[index][0]] = buf[:-1]
         for key, stages in self.ties:

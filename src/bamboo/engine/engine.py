@@ -29,15 +29,8 @@ from typing import Any
 
 import torch
 
-from bamboo.data.datasets import Batch, Task, on_device
-from bamboo.model import boundary_shapes, loss_fn, model_ties
 from bamboo.config.presets import ModelPreset
-from bamboo.plan import schedule as S
-from bamboo.plan.faults import EVAL_FAULT_INDEX
-from bamboo.plan.loss_scale import LossScale
-from bamboo.plan.program import (APPLIED, COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED,
-                                 ROUND_DONE, CommitPoint, EvalMicroBatch, InstructionHook,
-                                 NoHook, node_instructions)
+from bamboo.data.datasets import Batch, Task, on_device
 from bamboo.engine.buckets import BucketReducer
 from bamboo.engine.comm import P2P, GroupFormer, Interrupted, PeerLost
 from bamboo.engine.commit import RoundResult, TiedStages, commit_round
@@ -45,18 +38,34 @@ from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.evaluation import Losses, MetricRows, eval_pass
 from bamboo.engine.failover import GenerationEnded, Recovery, recover
 from bamboo.engine.forward import StageForward
-from bamboo.engine.options import EngineOptions
-from bamboo.plan.layout import Layout
 from bamboo.engine.memory import storage_bytes
-from bamboo.model.structure import detach
+from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
-from bamboo.engine.update import apply_update, note_holdings
 from bamboo.engine.transfers import recv_activation, recv_grad, send_activation, send_grad
 from bamboo.engine.transport import Transport, make_transport
-from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Votes
+from bamboo.engine.update import apply_update, note_holdings
+from bamboo.model import boundary_shapes, loss_fn, model_ties
+from bamboo.model.structure import detach
+from bamboo.plan import schedule as S
+from bamboo.plan.faults import EVAL_FAULT_INDEX
+from bamboo.plan.layout import Layout
+from bamboo.plan.loss_scale import LossScale
+from bamboo.plan.program import (
+    APPLIED,
+    COMMIT_POINTS,
+    MICRO_BATCHES_DONE,
+    REDUCED,
+    ROUND_DONE,
+    CommitPoint,
+    EvalMicroBatch,
+    InstructionHook,
+    NoHook,
+    node_instructions,
+)
 from bamboo.plan.roles import RoleMap
+from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 
 __all__ = ["EngineOptions", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
 

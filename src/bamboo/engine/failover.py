@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from bamboo.plan import schedule as S
 from bamboo.engine.comm import RESTORE, Interrupted, PeerLost
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
 from bamboo.engine.transport import Transport
 from bamboo.model.structure import detach
+from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap, Takeover
 
 __all__ = ["GenerationEnded", "Recovery", "recover"]

@@ -22,13 +22,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bamboo.data.datasets import on_device
-from bamboo.model import forward_seed, run_layers
-from bamboo.model.structure import detach, float32, leaves
 from bamboo.engine.memory import SavedCounts, SavedTensors, signature
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
+from bamboo.model import forward_seed, run_layers
+from bamboo.model.structure import detach, float32, leaves
 
 __all__ = ["StageForward", "metric_values"]
 

@@ -27,13 +27,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from bamboo.model import build_layers, model_ties
-from bamboo.model.ties import get_param
 from bamboo.config.presets import ModelPreset
-from bamboo.engine.layer_state import (LayerLayout, LayerState, group_options, layer_layout,
-                                       read_state, snapshot, write_state)
+from bamboo.engine.layer_state import (
+    LayerLayout,
+    LayerState,
+    group_options,
+    layer_layout,
+    read_state,
+    snapshot,
+    write_state,
+)
 from bamboo.engine.memory import to_host
 from bamboo.engine.optim import make_optimizer, set_lr
+from bamboo.model import build_layers, model_ties
+from bamboo.model.ties import get_param
 
 __all__ = ["StageState"]
 

@@ -12,8 +12,8 @@ from bamboo.data.datasets import Batch
 from bamboo.engine.comm import Key
 from bamboo.engine.memory import StepMemory
 from bamboo.plan import schedule as S
-from bamboo.plan.votes import StepReport
 from bamboo.plan.roles import Takeover
+from bamboo.plan.votes import StepReport
 
 __all__ = ["StepState", "TransferLog"]
 

@@ -23,10 +23,10 @@ from typing import Protocol
 
 import torch
 
-from bamboo.plan import schedule as S
 from bamboo.engine.comm import ACTIVATION, GRADIENT, MANIFEST, P2P, form_interruptibly
 from bamboo.engine.context import NodeContext
 from bamboo.engine.step import StepState
+from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap, Takeover
 
 __all__ = ["Transport", "StrictTransport", "TaggedTransport", "make_transport"]

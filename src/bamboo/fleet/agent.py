@@ -28,11 +28,23 @@ from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
-from bamboo.wire.protocol import (Beat, Done, Exit, Finished, FromWorker, Hello, Job,
-                                     KillOrder, Notice, NoticeOrder, Progress, Refused)
 from bamboo.fleet.remote import JoinError, Objects, install_objects, register_wire_types
 from bamboo.node.output import AGENT_LOG_DIR
 from bamboo.wire.frames import Channel, Refusal, WireError, client_handshake
+from bamboo.wire.protocol import (
+    Beat,
+    Done,
+    Exit,
+    Finished,
+    FromWorker,
+    Hello,
+    Job,
+    KillOrder,
+    Notice,
+    NoticeOrder,
+    Progress,
+    Refused,
+)
 
 __all__ = ["run_agent", "AgentOptions", "EXIT_DRAINED"]
 

@@ -30,8 +30,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 __all__ = ["Membership", "MembershipError", "LeaseExpired", "Lease", "MembershipEvent",
            "EtcdMembership"]

@@ -28,10 +28,10 @@ import time
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Callable
 
 __all__ = [
     "Notice", "NoticeSource", "NoticeError", "AwsSpotNotice", "GcpPreemptedNotice",
@@ -78,7 +78,7 @@ class NoticeSource(ABC):
     def poll(self) -> Notice | None:
         """The current notice, or None; raises NoticeError if the source cannot be read."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a default: most sources hold nothing)
         """Release what the source holds (a signal handler); polling may not follow."""
 
 
@@ -111,7 +111,7 @@ def _parse_http_date(text: str) -> float | None:
         dt = parsedate_to_datetime(text)
     except (TypeError, ValueError, IndexError):
         return _parse_iso(text)
-    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
 class AwsSpotNotice(NoticeSource):

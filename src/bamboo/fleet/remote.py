@@ -28,10 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.wire.protocol import (AGENT_MESSAGES, WORKER_MESSAGES, Beat, Exit, Finished,
-                                     FromWorker, Hello, Job, KillOrder, NoticeOrder, Ping,
-                                     Progress)
 from bamboo.wire.frames import Channel, Refusal, register, serve_handshake
+from bamboo.wire.protocol import (
+    AGENT_MESSAGES,
+    WORKER_MESSAGES,
+    Beat,
+    Exit,
+    Finished,
+    FromWorker,
+    Hello,
+    Job,
+    KillOrder,
+    NoticeOrder,
+    Ping,
+    Progress,
+)
 
 if TYPE_CHECKING:
     from bamboo.config.join import JoinConfig
@@ -205,8 +216,8 @@ def open_join(join: JoinConfig, run_path: Path,
 
 def register_wire_types() -> None:
     """Every class that may travel between an agent and the coordinator."""
-    from bamboo.node.worker import WorkerSpec
     from bamboo.config import SECTION_CLASSES, JobConfig, KillSpec
+    from bamboo.node.worker import WorkerSpec
     from bamboo.plan.faults import Fault
     register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, *SECTION_CLASSES,
              KillSpec, Fault, Objects)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.config.presets import ModelPreset
 from bamboo.model.api import custom_layer, model_of
 from bamboo.model.bert import bert_layer
 from bamboo.model.cnn import _block_widths, cnn_layer
@@ -27,7 +28,6 @@ from bamboo.model.meta import shapes_only
 from bamboo.model.pipeline import boundary_spec
 from bamboo.model.structure import BoundarySpec, StructuredSpec
 from bamboo.model.ties import Tie, initial_copy, share_within, uses_at
-from bamboo.config.presets import ModelPreset
 
 __all__ = [
     "build_layer", "build_layers", "model_ties", "layer_param_counts", "boundary_shapes",
@@ -165,7 +165,7 @@ def _meta_layer(p: ModelPreset, index: int) -> nn.Module:
         try:
             with shapes_only():
                 return _custom_layer(p, index)
-        except Exception:  # a constructor that needs real tensors: count them on the CPU
+        except Exception:  # noqa: BLE001 (a constructor that needs real tensors: count them on the CPU)
             with torch.random.fork_rng(devices=[]):
                 return _custom_layer(p, index)
     with shapes_only():

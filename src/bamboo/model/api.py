@@ -114,11 +114,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bamboo.config.presets import ModelPreset
 from bamboo.model import forms
 from bamboo.model.meta import shapes_only
-from bamboo.config.presets import ModelPreset
-from bamboo.model.pipeline import (Boundary, ModelError, PipelineModel, TensorSpec,
-                                   describe_spec, next_token_loss, zeros_of)
+from bamboo.model.pipeline import (
+    Boundary,
+    ModelError,
+    PipelineModel,
+    TensorSpec,
+    describe_spec,
+    next_token_loss,
+    zeros_of,
+)
 from bamboo.model.spec_text import Unreadable, spec_of_text
 from bamboo.model.structure import StructureError, Treedef, describe, flatten, float32
 from bamboo.model.ties import TieError, check_shapes, get_param, uses_at
@@ -221,7 +228,7 @@ def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | Non
         module = _import(target)
     except ModelError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the user's module may raise anything on import)
         raise ModelError(f"importing '{target}' failed: {_one_line(e)}") from None
     build = getattr(module, function, None)
     if build is None:
@@ -234,7 +241,7 @@ def _load(name: str, vocab: int | None, data_inputs: Boundary | Unreadable | Non
             model = build(vocab_size=vocab) if vocab is not None and takes_vocab else build()
     except ModelError as e:
         raise ModelError(f"{function}(): {e}") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the user's build function may raise anything)
         raise ModelError(f"{function}() raised {_one_line(e)}") from None
     try:  # another form (nn.Sequential, a layer list, DeepSpeed's): converted
         model = forms.pipeline_model(model, vocab_size=vocab, build=build,
@@ -320,7 +327,7 @@ def _trace(model: PipelineModel) -> None:
         _check_ties(model, i, layer, firsts)
         try:
             x = layer(x)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (the user's layer may raise anything)
             fed = (f"its input {_shapes(x)}" if i else f"its inputs, one sample of "
                    f"{describe_spec(model.input_spec)}{_declare(model)}")
             raise _RunError(f"layer {i} failed on {fed}: {_one_line(e)}") from None
@@ -332,7 +339,7 @@ def _trace(model: PipelineModel) -> None:
     targets = torch.zeros((1, model.context), dtype=torch.int64)
     try:
         loss = model.loss(float32(x), targets)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the user's loss may raise anything)
         raise _RunError(f"loss failed on the output {_shapes(x)} and targets "
                         f"{list(targets.shape)}: {_one_line(e)}") from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -410,7 +417,7 @@ def custom_layer(model: PipelineModel, index: int) -> nn.Module:
     """Layer `index` of `model`, from its factory (under whatever RNG state is current)."""
     try:
         layer = model.layers[index]()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (the user's factory may raise anything)
         raise _RunError(f"layer {index}'s factory raised {_one_line(e)}") from None
     if not isinstance(layer, nn.Module):
         raise ModelError(f"layer {index}'s factory returned {type(layer).__name__}, not an "

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.layer import PipelineLayer
 from bamboo.config.presets import ModelPreset
+from bamboo.model.layer import PipelineLayer
 
 __all__ = ["BertBlock", "bert_layer"]
 

@@ -44,14 +44,27 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from bamboo.model.forms_deepspeed import (Ties, is_layer_spec, is_pipeline_module,
-                                           layer_factories, pipeline_module_layers)
+from bamboo.model.forms_deepspeed import (
+    Ties,
+    is_layer_spec,
+    is_pipeline_module,
+    layer_factories,
+    pipeline_module_layers,
+)
 from bamboo.model.hf_object import hf_object_layers, is_hf_model
 from bamboo.model.meta import shapes_only
+from bamboo.model.pipeline import (
+    Boundary,
+    ModelError,
+    PipelineModel,
+    TensorSpec,
+    check_spec,
+    describe_spec,
+    next_token_loss,
+    token_inputs,
+    zeros_of,
+)
 from bamboo.model.spec_text import Unreadable
-from bamboo.model.pipeline import (Boundary, ModelError, PipelineModel, TensorSpec,
-                                   check_spec, describe_spec, next_token_loss, token_inputs,
-                                   zeros_of)
 from bamboo.model.structure import StructureError, describe, flatten, unflatten
 
 __all__ = ["pipeline_model", "seeded_build", "BUILD_SEED", "is_model_object", "Given",
@@ -109,8 +122,8 @@ def _layer_list(obj: object, by_value: bool = False) -> LayerList:
         return LayerList(layers=tuple(layers), ties=ties, description="nn.Sequential")
     if isinstance(obj, nn.Module):
         raise ModelError("one nn.Module, which bamboo cannot cut "
-                         f"into layers: return nn.Sequential(...) of its layers, a list of "
-                         f"them, or a bamboo.model.api.PipelineModel")
+                         "into layers: return nn.Sequential(...) of its layers, a list of "
+                         "them, or a bamboo.model.api.PipelineModel")
     if isinstance(obj, (list, tuple)):
         if not obj:
             raise ModelError("the layer list is empty: give at least one layer")
@@ -119,7 +132,7 @@ def _layer_list(obj: object, by_value: bool = False) -> LayerList:
         return LayerList(layers=tuple(layers), ties=ties, description=(
             "list of LayerSpecs" if deepspeed else "list of layers"))
     raise ModelError("not a bamboo.model.api.PipelineModel, an nn.Sequential, a list of modules or of zero-argument "
-                     f"factories, or a DeepSpeed PipelineModule or list of LayerSpecs")
+                     "factories, or a DeepSpeed PipelineModule or list of LayerSpecs")
 
 
 def _positive(obj: object, name: str, given: int | None, build: Callable | None,
@@ -168,7 +181,7 @@ def _run(layers: Sequence[Callable[[], nn.Module]], inputs: Boundary) -> list[ob
             layer = make()
             kind = type(layer).__name__
             x = layer(x)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (the user's layer may raise anything)
             raise _Unrunnable(f"layer {i} ({kind}) got {_shapes(x)} and raised "
                               f"{type(e).__name__}: "
                               f"{(str(e).strip().splitlines() or [''])[0]}") from None

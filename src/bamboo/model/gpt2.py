@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.layer import PipelineLayer
 from bamboo.config.presets import ModelPreset
+from bamboo.model.layer import PipelineLayer
 
 __all__ = ["CausalSelfAttention", "GPTBlock", "gpt2_layer"]
 

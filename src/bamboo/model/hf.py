@@ -51,9 +51,9 @@ def load_transformers() -> Any:
     """
     try:
         import transformers
-        from transformers.models.bert import modeling_bert  # noqa: F401
-        from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
-        from transformers.models.llama import modeling_llama  # noqa: F401
+        from transformers.models.bert import modeling_bert  # noqa: F401 (imported to fail early when transformers is incomplete)
+        from transformers.models.gpt2 import modeling_gpt2  # noqa: F401 (imported to fail early when transformers is incomplete)
+        from transformers.models.llama import modeling_llama  # noqa: F401 (imported to fail early when transformers is incomplete)
     except ImportError:
         raise ValueError(f"hf: models need the transformers package: {INSTALL_HF}") from None
     return transformers
@@ -150,8 +150,11 @@ class HFLlamaLayer(nn.Module):
 
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
-        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
-                                                              LlamaRotaryEmbedding)
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
         first, last = index == 0, index == config.num_hidden_layers - 1
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d) if first else None
@@ -178,8 +181,11 @@ class HFBertLayer(nn.Module):
 
     def __init__(self, config: Any, index: int) -> None:
         super().__init__()
-        from transformers.models.bert.modeling_bert import (BertEmbeddings, BertLayer,
-                                                            BertOnlyMLMHead)
+        from transformers.models.bert.modeling_bert import (
+            BertEmbeddings,
+            BertLayer,
+            BertOnlyMLMHead,
+        )
         first, last = index == 0, index == config.num_hidden_layers - 1
         self.embeddings = BertEmbeddings(config) if first else None
         self.block = _with_layer_idx(BertLayer, config, index)

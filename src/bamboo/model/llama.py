@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bamboo.model.layer import PipelineLayer
 from bamboo.config.presets import ModelPreset
+from bamboo.model.layer import PipelineLayer
 
 __all__ = ["RMSNorm", "rotary_cos_sin", "LlamaAttention", "LlamaBlock", "llama_layer",
            "ffn_dim"]

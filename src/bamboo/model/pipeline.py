@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bamboo.model.structure import BoundarySpec, StructuredSpec, StructureError, flatten, unflatten
 from bamboo.model.ties import TieError, check_ties
-from bamboo.model.structure import (BoundarySpec, StructuredSpec, StructureError, flatten,
-                                    unflatten)
 
 __all__ = ["ModelError", "next_token_loss", "TensorSpec", "Boundary", "PipelineModel",
            "boundary_spec", "token_inputs", "describe_spec", "zeros_of", "check_spec"]

@@ -5,11 +5,11 @@ from bamboo.node import forkserver
 
 forkserver.mark_server()  # first: the server dies with its coordinator even mid-import
 
-from bamboo.node import output  # noqa: E402
+from bamboo.node import output  # noqa: E402 (after the server is marked)
 
 output.stdout_to_stderr()  # never the launcher's stdout (its --json); workers log to files
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after the server is marked)
 
 import bamboo.node.worker  # noqa: E402,F401  (the worker's whole import graph)
 

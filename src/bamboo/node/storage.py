@@ -13,8 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from bamboo.config import JobConfig
-from bamboo.run.checkpoint import (CheckpointError, checkpoint_location, final_dir, step_dir,
-                                   write_layers)
+from bamboo.run.checkpoint import (
+    CheckpointError,
+    checkpoint_location,
+    final_dir,
+    step_dir,
+    write_layers,
+)
 from bamboo.run.writers import stages_written_by
 from bamboo.wire.link import CoordinatorLink
 from bamboo.wire.protocol import CheckpointPart

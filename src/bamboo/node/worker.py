@@ -32,38 +32,48 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint  # noqa: F401 - preloaded (1.5 s): no write waits for it
+import torch.distributed.checkpoint
 
-from bamboo.run.checkpoint import load_layers
-from bamboo.node import forkserver, output
-from bamboo.node.boundary import BoundaryOrders, RunOver
-from bamboo.node.storage import StorageWrites, one_line
-from bamboo.node import procmem
-from bamboo.node.devices import worker_device
-from bamboo.wire.link import CoordinatorLink
-from bamboo.wire.store import StoreConnections
-from bamboo.node.netif import collective_binding
-from bamboo.wire.protocol import (SHUTDOWN_KEY, BoundaryFlag, Done,
-                                     GenerationEnd, GenerationReady, LayerParams, Left, Notice,
-                                     Progress, Ready, StepReport, WorkerError,
-                                     final_request_key, plan_key)
-from bamboo.node.pinning import pin_this_process
 from bamboo.config import JobConfig
 from bamboo.data.user import job_task
-from bamboo.plan.faults import Fault, FaultPlan
-from bamboo.engine.comm import (P2P, RESTORE, GroupFormer, Interrupted, PeerLost,
-                                  form_interruptibly)
+from bamboo.engine.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost, form_interruptibly
 from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
+from bamboo.engine.stage import StageState
+from bamboo.node import forkserver, output, procmem
+from bamboo.node.boundary import BoundaryOrders, RunOver
+from bamboo.node.devices import worker_device
+from bamboo.node.netif import collective_binding
+from bamboo.node.pinning import pin_this_process
+from bamboo.node.storage import StorageWrites, one_line
+from bamboo.plan.faults import Fault, FaultPlan
 from bamboo.plan.layout import Layout
 from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.orders import OrderKind
-from bamboo.engine.stage import StageState
 from bamboo.plan.planner import GenerationPlan
+from bamboo.run.checkpoint import load_layers
 from bamboo.util import logs
+from bamboo.wire.link import CoordinatorLink
+from bamboo.wire.protocol import (
+    SHUTDOWN_KEY,
+    BoundaryFlag,
+    Done,
+    GenerationEnd,
+    GenerationReady,
+    LayerParams,
+    Left,
+    Notice,
+    Progress,
+    Ready,
+    StepReport,
+    WorkerError,
+    final_request_key,
+    plan_key,
+)
+from bamboo.wire.store import StoreConnections
 
 __all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
 
-from bamboo.config import HEARTBEAT_S  # noqa: E402 - one value for workers and --lease checks
+from bamboo.config import HEARTBEAT_S
 
 _log = logging.getLogger(__name__)
 
@@ -377,7 +387,7 @@ class WorkerNode:
         sends, recvs, received = [], [], {}
         p2p = P2P(group, strict=self.cfg.runtime.comm == "strict", device=self.device)
         engine_wake, self.link.on_epoch = self.link.on_epoch, p2p.wake.set
-        abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731
+        abandoned = lambda: self.link.latest_epoch > plan.epoch  # noqa: E731 (a one-line test, passed as a callable)
         try:
             # One batch in the plan's order, which every node shares (strict: no tags).
             for layer, src, dst in plan.transfers:
@@ -447,7 +457,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, beats: Any, cells: Any,
         WorkerNode(spec, link, store, device, backend, progress, cpus).live()
         output.flush()
         os._exit(0)
-    except BaseException as e:  # reported to the coordinator, which decides the run's fate
+    except BaseException as e:  # noqa: BLE001 (reported to the coordinator, which decides the run's fate)
         try:
             message = WorkerError(rank=spec.node, step=progress.step_of(spec.slot),
                                   peer_lost=isinstance(e, PeerLost),

@@ -60,12 +60,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.run.checkpoint_integrity import (FORMAT, MANIFEST, SIDECAR, CheckpointError,
-                                         file_digest, manifest_body, read_manifest,
-                                         read_sidecar, verify_files)
-from bamboo.run.checkpoint_storage import (FsspecStore, LocalStore, is_failure, is_url,
-                                       remove_stale_temporaries, single_process, why_failed,
-                                       storage_for, writer_tag)
+from bamboo.run.checkpoint_integrity import (
+    FORMAT,
+    MANIFEST,
+    SIDECAR,
+    CheckpointError,
+    file_digest,
+    manifest_body,
+    read_manifest,
+    read_sidecar,
+    verify_files,
+)
+from bamboo.run.checkpoint_storage import (
+    FsspecStore,
+    LocalStore,
+    is_failure,
+    is_url,
+    remove_stale_temporaries,
+    single_process,
+    storage_for,
+    why_failed,
+    writer_tag,
+)
 from bamboo.run.runlog import checkpoint_root
 
 if TYPE_CHECKING:

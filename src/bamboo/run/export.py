@@ -81,7 +81,7 @@ def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     import torch
     try:
         flat = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a truncated or foreign file: torch raises several types
+    except Exception as e:  # noqa: BLE001 (a truncated or foreign file: torch raises several types)
         raise ValueError(f"cannot read {file}: {type(e).__name__}: {e}".splitlines()[0]) from None
     layers: list[dict[str, Any]] = [{} for _ in range(p.layers)]
     for key, tensor in flat.items():
@@ -122,9 +122,9 @@ def _hf_model(p: Any, layers: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]
     """The transformers config and state dict of the run's model."""
     import transformers
 
+    from bamboo.config.presets import drop_special_tokens
     from bamboo.model.hf import hf_state_key
     from bamboo.model.llama import ffn_dim
-    from bamboo.config.presets import drop_special_tokens
     vocab = layers[0][_EMBEDDING[p.family][1 if p.hf_config else 0]].shape[0]
     no_tokens = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if p.hf_config:

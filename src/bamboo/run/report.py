@@ -23,9 +23,23 @@ from pathlib import Path
 from typing import Any
 
 from bamboo.run.report_cost import cost, cost_lines
-from bamboo.run.report_data import (COUNTERS, PLOT_SIZE_PX, Failure, Prices, ReportError, Run,
-                                    end_time, eval_losses, failures_of, is_num, load_run,
-                                    losses_of, pauses_of, samples_per_step, write_atomic)
+from bamboo.run.report_data import (
+    COUNTERS,
+    PLOT_SIZE_PX,
+    Failure,
+    Prices,
+    ReportError,
+    Run,
+    end_time,
+    eval_losses,
+    failures_of,
+    is_num,
+    load_run,
+    losses_of,
+    pauses_of,
+    samples_per_step,
+    write_atomic,
+)
 
 __all__ = ["Prices", "Run", "ReportError", "load_run", "report_text", "write_report",
            "PLOT_SIZE_PX"]

@@ -6,10 +6,22 @@ import io
 from pathlib import Path
 from typing import Any
 
-from bamboo.run.report_data import (DPI, OTHER_COLOUR, HANDLED_COLOURS, PLOT_SIZE_PX, Failure, Prices,
-                           Run, is_num, losses_of, pauses_of, eval_losses,
-                           samples_per_step, write_atomic)
 from bamboo.run.report_cost import cost, live_nodes
+from bamboo.run.report_data import (
+    DPI,
+    HANDLED_COLOURS,
+    OTHER_COLOUR,
+    PLOT_SIZE_PX,
+    Failure,
+    Prices,
+    Run,
+    eval_losses,
+    is_num,
+    losses_of,
+    pauses_of,
+    samples_per_step,
+    write_atomic,
+)
 
 __all__ = ["write_plots"]
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bamboo.util import strict_json
 from bamboo.config import ConfigError
 from bamboo.run.interface import Interface
+from bamboo.util import strict_json
 
 __all__ = ["RunDir", "RunDirError", "EventLog", "EventLogError", "read_events", "write_atomic",
            "default_run_dir", "checkpoint_root"]

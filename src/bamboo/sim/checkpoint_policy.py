@@ -7,8 +7,17 @@ from __future__ import annotations
 import math
 
 from bamboo.sim.core import CKPT, IDLE, REBALANCE, RESTART, RUN
-from bamboo.sim.restarting import (RDV, RUNNING, SAVING, STOPPED, T_CKPT_DONE, T_CKPT_START,
-                                   T_MORPH, T_RDV_DONE, RestartingPolicy)
+from bamboo.sim.restarting import (
+    RDV,
+    RUNNING,
+    SAVING,
+    STOPPED,
+    T_CKPT_DONE,
+    T_CKPT_START,
+    T_MORPH,
+    T_RDV_DONE,
+    RestartingPolicy,
+)
 
 __all__ = ["CheckpointPolicy"]
 

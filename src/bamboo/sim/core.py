@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from random import Random
 
-from .cost_presets import SimModel
 from bamboo.traces.trace import ADD, READY, Trace
+
+from .cost_presets import SimModel
 
 __all__ = [
     "SimConfig",

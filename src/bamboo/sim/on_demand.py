@@ -3,9 +3,10 @@ result is closed form; and the size of that cluster (``--on-demand ref|matched|N
 
 from __future__ import annotations
 
+from bamboo.traces.trace import Trace
+
 from .core import Policy, RunResult, SimConfig
 from .cost_presets import SimModel
-from bamboo.traces.trace import Trace
 
 __all__ = ["OnDemandPolicy", "on_demand_layout"]
 

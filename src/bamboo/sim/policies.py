@@ -34,8 +34,16 @@ from bamboo.sim.core import CKPT, IDLE, REBALANCE, RESTART, RUN, Policy, RunResu
 from bamboo.sim.cost_presets import SimModel
 from bamboo.sim.on_demand import OnDemandPolicy, on_demand_layout
 from bamboo.sim.peers import TorchftPolicy, TorchrunPolicy
-from bamboo.sim.restarting import (RDV, RUNNING, STOPPED, T_DECIDE, T_FALLBACK, T_RDV_DONE,
-                                   T_RESUME, RestartingPolicy)
+from bamboo.sim.restarting import (
+    RDV,
+    RUNNING,
+    STOPPED,
+    T_DECIDE,
+    T_FALLBACK,
+    T_RDV_DONE,
+    T_RESUME,
+    RestartingPolicy,
+)
 
 __all__ = [
     "BambooPolicy",

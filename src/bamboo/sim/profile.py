@@ -82,8 +82,8 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
 def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: int,
                  steps: int, user_data: dict[str, str]) -> dict[str, float]:
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
-    from bamboo.control import run_job
     from bamboo.config import JobConfig, parse_kill
+    from bamboo.control import run_job
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDir
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
+
+from bamboo.traces.trace import Trace, generate_synthetic, load_trace, parse_synthetic_spec
 
 from .core import CATEGORIES, RunResult, SimConfig
-from .policies import make_policy
 from .cost_presets import SimModel
-from bamboo.traces.trace import Trace, generate_synthetic, load_trace, parse_synthetic_spec
+from .policies import make_policy
 
 __all__ = ["TraceSource", "resolve_trace", "run_policies", "summarize", "run_seed"]
 

@@ -22,10 +22,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bamboo.wire.protocol import (Decision, EvalDone, Go, MicroBatchesDone, Progress,
-                                     RoundDone, StepReport, Verdict, WorkerMessage, decide_key,
-                                     epoch_key, eval_key, go_key)
 from bamboo.plan.roles import RoleMap
+from bamboo.wire.protocol import (
+    Decision,
+    EvalDone,
+    Go,
+    MicroBatchesDone,
+    Progress,
+    RoundDone,
+    StepReport,
+    Verdict,
+    WorkerMessage,
+    decide_key,
+    epoch_key,
+    eval_key,
+    go_key,
+)
 
 __all__ = ["CoordinatorLink", "CoordinatorGone"]
 
@@ -69,7 +81,7 @@ class CoordinatorLink:
                 self.on_epoch()
             except dist.DistStoreError:
                 continue
-            except Exception:  # the coordinator is gone; the main thread will notice
+            except Exception:  # noqa: BLE001 (the coordinator is gone; the main thread will notice)
                 return
 
     def _settle_moot(self, store: dist.Store) -> None:

@@ -185,4 +185,4 @@ def test_import_bamboo_loads_the_api_only_on_first_use() -> None:
     assert bamboo.Job is Job and bamboo.RunFailed is RunFailed
     assert {"Job", "train", "RunResult", "RunFailed"} <= set(dir(bamboo))
     with pytest.raises(AttributeError, match="has no attribute 'Jobs'"):
-        bamboo.Jobs  # noqa: B018
+        bamboo.Jobs  # noqa: B018 (the attribute access is the test)

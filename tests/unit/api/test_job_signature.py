@@ -118,7 +118,8 @@ def test_the_public_names_load_lazily_and_editors_see_the_same() -> None:
     bamboo` stays torch-free: tests/integration/test_api_runs.py checks it in a fresh
     interpreter), and its TYPE_CHECKING imports name exactly the lazy table's names."""
     from bamboo import PipelineModel, TensorSpec, Verdict, same
-    from bamboo.model.api import PipelineModel as defined, TensorSpec as spec
+    from bamboo.model.api import PipelineModel as defined
+    from bamboo.model.api import TensorSpec as spec
     from bamboo.run.sameness import Verdict as verdict
     assert (PipelineModel, TensorSpec, Verdict) == (defined, spec, verdict)
     assert same is bamboo.api.run.same

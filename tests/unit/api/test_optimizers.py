@@ -14,10 +14,9 @@ import bamboo
 from bamboo.api.optimizers import call_text
 from bamboo.config import ConfigError
 from bamboo.config.calls import parse_call
+from bamboo.config.presets import ModelPreset, preset
 from bamboo.engine.optim import learning_rate, make_optimizer, set_lr, step_lr
 from bamboo.engine.stage import StageState
-from bamboo.config.presets import ModelPreset
-from bamboo.config.presets import preset
 
 SGD = "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"
 ONE_CYCLE = "torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=6)"

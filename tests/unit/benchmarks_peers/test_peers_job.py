@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from benchmarks.peers import run
 from benchmarks.peers.job import ENV, Job
 

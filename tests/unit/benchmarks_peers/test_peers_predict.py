@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
-from bamboo.sim.core import SimConfig
 from benchmarks.peers import predict as P
 from benchmarks.peers.job import Job
 from benchmarks.peers.report import Kill, assign_workers
+
+from bamboo.sim.core import SimConfig
 
 
 def write_lines(path: Path, rows: list[dict]) -> None:
@@ -19,7 +19,7 @@ def write_lines(path: Path, rows: list[dict]) -> None:
 
 
 def test_bamboo_costs_come_from_its_events(tmp_path: Path) -> None:
-    step = lambda t, wall: {"t": t, "event": "step_done", "wall_s": wall, "attempts": 1}  # noqa: E731
+    step = lambda t, wall: {"t": t, "event": "step_done", "wall_s": wall, "attempts": 1}  # noqa: E731 (a one-line record maker)
     write_lines(tmp_path / "r" / "run" / "events.jsonl", [
         step(1.0, 0.2), step(1.2, 0.2),
         {"t": 1.3, "event": "fault_detected", "handled_as": "failover"},

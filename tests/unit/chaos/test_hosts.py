@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -57,9 +57,9 @@ def test_train_names_the_flag_that_was_meant(given: str, meant: str, capsys) -> 
 
 
 def test_the_parsers_are_the_shared_class() -> None:
-    from bamboo.cli.train import train_parser
     from bamboo.cli.report import report_parser
     from bamboo.cli.simulate import build_parser
+    from bamboo.cli.train import train_parser
     for parser in (train_parser(), report_parser(), build_parser()):
         assert type(parser) is UsageParser
 

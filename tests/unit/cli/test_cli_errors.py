@@ -9,7 +9,6 @@ import pytest
 
 from support.cli import FLAG_CASES, RunStarted, assert_one_line_error
 
-
 BOOL_FLAGS = ("--frc-offload", "--exact", "--activation-checkpointing", "--no-report", "--check-replicas", "--json", "--quiet", "--debug")
 """Flags that take no value: giving one is the wrong value."""
 
@@ -128,8 +127,8 @@ def test_every_flag_with_a_wrong_value_gives_one_line(flag: str, case: tuple, tm
 
 
 def test_the_lease_must_outlast_a_heartbeat() -> None:
-    from bamboo.node.worker import HEARTBEAT_S as WORKER_HEARTBEAT_S
     from bamboo.config import HEARTBEAT_S, ConfigError, JobConfig
+    from bamboo.node.worker import HEARTBEAT_S as WORKER_HEARTBEAT_S
     assert HEARTBEAT_S == WORKER_HEARTBEAT_S
     JobConfig.of(lease_s=HEARTBEAT_S + 0.01).validate()
     with pytest.raises(ConfigError, match="not longer than a worker's heartbeat interval"):
@@ -141,8 +140,8 @@ def _checkpointed_run(root: Path, steps: int) -> Path:
     the launcher writes it."""
     import torch
 
-    from bamboo.run.checkpoint import checkpoint_root, publish, step_dir, write_layers
     from bamboo.config import JobConfig
+    from bamboo.run.checkpoint import checkpoint_root, publish, step_dir, write_layers
     cfg = JobConfig.of(steps=steps)
     meta = {"unit": "layer", "model": cfg.model.name, "seed": cfg.training.seed, "steps": steps,
             "global_micro_batches": cfg.global_micro_batches,
@@ -203,9 +202,8 @@ def test_a_job_that_cannot_fit_is_refused_before_any_worker_starts(
         flag: str, value: str, biggest: str, tmp_path: Path, capsys: pytest.CaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from bamboo import cli
-    from bamboo.node import forkserver
-
     from bamboo.model import fits
+    from bamboo.node import forkserver
 
     def started() -> None:
         raise AssertionError("a job that cannot fit started a worker")

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bamboo.config import ConfigError, JobConfig, KillSpec
-from bamboo.config import SECTIONS, all_options
+from bamboo.config import SECTIONS, ConfigError, JobConfig, KillSpec, all_options
 from bamboo.config.jobfile import example_config, field_paths, load_job_config
 
 

@@ -85,7 +85,8 @@ def _generator_closure():
 
 @pytest.mark.parametrize("make, expected", [
     (_generator_closure, "cannot be sent by value (TypeError: cannot pickle 'generator' object)"),
-    (lambda: (lambda lock=threading.Lock(): lock), "cannot pickle '_thread.lock' object"),
+    (lambda: (lambda lock=threading.Lock(): lock),  # noqa: B008 (the lock is the point)
+     "cannot pickle '_thread.lock' object"),
 ])
 def test_what_cannot_be_pickled_is_refused_in_one_line_saying_what_to_do(make, expected) -> None:
     with pytest.raises(objects.ObjectError) as e:

@@ -17,12 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from bamboo.run.checkpoint import (CheckpointError, discard_unpublished, load_latest,
-                               load_layer_tensors, publish, step_dir, write_layers)
-from bamboo.control.interval import (FIRST_AFTER, MAX_UNPROTECTED_S,
-                                                 MAX_WRITE_SHARE, choose_interval)
 from bamboo.config import JobConfig
-
+from bamboo.control.interval import FIRST_AFTER, MAX_UNPROTECTED_S, MAX_WRITE_SHARE, choose_interval
+from bamboo.run.checkpoint import (
+    CheckpointError,
+    discard_unpublished,
+    load_latest,
+    load_layer_tensors,
+    publish,
+    step_dir,
+    write_layers,
+)
 from support.decisions import kill_stages, run
 
 META = {"unit": "layer", "model": "gpt2-tiny", "seed": 0, "losses": [5.0, 4.0]}

@@ -4,8 +4,8 @@ coordinator's decision, driven without processes (tests/coordinator_sim.py). The
 on a full tmpfs: tests/integration/test_run_ends_runs.py."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bamboo.config import JobConfig
 from bamboo.wire.protocol import CheckpointPart

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bamboo.wire.protocol import MicroBatchesDone, RoundDone, decide_key, go_key
 from bamboo.config import JobConfig
+from bamboo.wire.protocol import MicroBatchesDone, RoundDone, decide_key, go_key
 from coordinator_sim import SimCluster
 from support.decisions import kill_stage, kill_stages, node_of, run
 
@@ -242,7 +241,7 @@ def test_random_event_sequences_keep_the_invariants(tmp_path_factory, events, no
                 elif kind == "join":
                     sim.join()
                 elif kind == "kill_in_round":
-                    before = lambda i=i: kill_one(i)  # noqa: E731
+                    before = lambda i=i: kill_one(i)  # noqa: E731 (binds i now)
                 elif kind == "kill_forming":
                     sim.kill(sim.join().node.node)  # a standby lost
         sim.step(before_round=before)

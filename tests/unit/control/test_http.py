@@ -15,7 +15,6 @@ import pytest
 from bamboo.control.http import HealthServer, RunMetrics
 from support.scrape import http_get, metric_samples
 
-
 # -- unit ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig
-from bamboo.run.report import load_run, report_text
-from bamboo.run.report_data import failures_of, pauses_of
+from bamboo.run.report import Prices, load_run, report_text
 from bamboo.run.report_cost import cost
-from bamboo.run.report import Prices
+from bamboo.run.report_data import failures_of, pauses_of
 from coordinator_sim import SimCluster
 
 JOIN_S = 5.0

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bamboo.data.datasets import SyntheticLanguage, make_task
 from bamboo.config.presets import preset
+from bamboo.data.datasets import SyntheticLanguage, make_task
 
 
 def test_micro_batches_are_pure_functions_of_seed_step_and_index() -> None:

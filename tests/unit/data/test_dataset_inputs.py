@@ -4,7 +4,6 @@ its inputs; for a model that does not (`[context]` int64 token ids), when the Da
 inputs are token ids (one integer tensor)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

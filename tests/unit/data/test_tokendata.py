@@ -12,9 +12,9 @@ import torch
 
 from bamboo import cli
 from bamboo.config import ConfigError, JobConfig
-from bamboo.data.datasets import TextFile, TokenFile, make_task
 from bamboo.config.presets import preset, with_vocab
 from bamboo.config.token_dir import SPLITS, open_split, read_header
+from bamboo.data.datasets import TextFile, TokenFile, make_task
 from bamboo.data.tokens import EOT
 from support.tokens import docs_text, prepare
 
@@ -299,6 +299,7 @@ def test_with_vocab_drops_special_ids_outside_the_vocabulary() -> None:
     would never learn as padding_idx, and bamboo never pads."""
     import dataclasses
     import json as _json
+
     from bamboo.config.presets import preset, with_vocab
     p = preset("hf:llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,"
                "num_key_value_heads=2,intermediate_size=64,max_position_embeddings=32,"
@@ -315,6 +316,7 @@ def test_with_vocab_drops_special_ids_outside_the_vocabulary() -> None:
 
 def test_a_pretrained_bert_refuses_a_prepared_directory() -> None:
     import dataclasses
+
     from bamboo.config.presets import preset, with_vocab
     p = dataclasses.replace(preset("hf:bert:num_hidden_layers=2,hidden_size=32,"
                                    "num_attention_heads=4,vocab_size=400"), hf_weights="w")

@@ -12,11 +12,25 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import bamboo
 from bamboo.config import ConfigError, JobConfig
-from bamboo.data.user import (DatasetSamples, check_job_data, check_resume_position,
-                              data_position, job_task)
+from bamboo.data.user import (
+    DatasetSamples,
+    check_job_data,
+    check_resume_position,
+    data_position,
+    job_task,
+)
 from support.models import write_module
-from support.user_data import (DATASET, EVAL_DATASET, LOSS, METRIC, MODEL, SmoothedLoss,
-                               TokenClasses, accuracy, smoothed_loss)
+from support.user_data import (
+    DATASET,
+    EVAL_DATASET,
+    LOSS,
+    METRIC,
+    MODEL,
+    SmoothedLoss,
+    TokenClasses,
+    accuracy,
+    smoothed_loss,
+)
 
 SOURCE = """
 import torch

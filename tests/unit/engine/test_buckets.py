@@ -92,7 +92,7 @@ def _on_two_members(body: Callable[[int, P2P], object], staged: bool) -> list[ob
 @pytest.mark.parametrize("exact", [False, True])
 def test_buckets_launched_from_hooks_sum_to_the_whole_stages_bits(exact: bool,
                                                                   staged: bool) -> None:
-    never = lambda: False  # noqa: E731
+    never = lambda: False  # noqa: E731 (a one-line callable)
 
     # built here: a stage's seeded initialisation uses the process's generator, which two
     # threads building at once would share

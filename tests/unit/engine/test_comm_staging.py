@@ -11,13 +11,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bamboo.config import JobConfig
+from bamboo.engine.comm import (
+    ACTIVATION,
+    P2P,
+    BatchedWork,
+    StagedWork,
+    coalescing,
+    needs_host_staging,
+)
 from bamboo.node.devices import choose_backend
 from bamboo.node.devices import worker_device as _device
-from bamboo.config import JobConfig
-from bamboo.engine.comm import (ACTIVATION, P2P, BatchedWork, StagedWork, coalescing,
-                                needs_host_staging)
 from support.gloo import gloo_options
-
 
 # -- the decision ---------------------------------------------------------------------------------
 

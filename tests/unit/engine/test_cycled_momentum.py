@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 import bamboo
-from bamboo.engine.optim import (StepRate, make_optimizer, schedule_momenta, set_lr,
-                                 step_lr)
+from bamboo.engine.optim import StepRate, make_optimizer, schedule_momenta, set_lr, step_lr
 
 SGD = "torch.optim:SGD(lr=0.05, momentum=0.9)"
 ADAMW = "torch.optim:AdamW(lr=0.01, betas=(0.9, 0.99))"

@@ -14,11 +14,10 @@ import weakref
 import pytest
 import torch
 
-from bamboo.node import procmem
 from bamboo.control.node_memory import GROWTH_STEPS, MemoryWatch, growth_slope
-from bamboo.wire.protocol import StepReport
 from bamboo.engine.memory import SavedTensors
-
+from bamboo.node import procmem
+from bamboo.wire.protocol import StepReport
 
 # -- in one process: what the saved-tensor hooks keep alive ---------------------------------
 

@@ -12,7 +12,6 @@ from bamboo.config.presets import preset
 from bamboo.engine.memory import SavedCounts, SavedTensors, StepMemory, signature
 from bamboo.engine.stage import StageState
 
-
 # -- units -------------------------------------------------------------------------------------
 
 

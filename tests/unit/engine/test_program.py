@@ -13,8 +13,13 @@ from bamboo.engine.options import EngineOptions
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX, Fault, FaultPlan, InjectedError
 from bamboo.plan.layout import micro_batch_blocks
-from bamboo.plan.program import (COMMIT_POINTS, MICRO_BATCHES_DONE, REDUCED, EvalMicroBatch,
-                                 node_instructions)
+from bamboo.plan.program import (
+    COMMIT_POINTS,
+    MICRO_BATCHES_DONE,
+    REDUCED,
+    EvalMicroBatch,
+    node_instructions,
+)
 from bamboo.plan.roles import RoleMap, plan_reroute
 
 

@@ -16,12 +16,17 @@ import pytest
 import torch
 from torch import nn
 
-from bamboo.model import build_layers, layer_param_counts, loss_fn
 from bamboo.config.presets import preset
+from bamboo.engine.split_backward import (
+    Tape,
+    Taping,
+    deferred_linears,
+    input_gradient,
+    weight_gradient,
+)
+from bamboo.model import build_layers, layer_param_counts, loss_fn
 from bamboo.plan import schedule as S
 from bamboo.plan.partition import partition
-from bamboo.engine.split_backward import Tape, Taping, deferred_linears, input_gradient, \
-    weight_gradient
 from bamboo.plan.timeline import Costs, simulate_step
 
 

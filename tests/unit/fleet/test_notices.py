@@ -13,8 +13,15 @@ import time
 
 import pytest
 
-from bamboo.fleet.notices import (AwsSpotNotice, AzurePreemptNotice, GcpPreemptedNotice,
-                                    Notice, NoticeError, NoticeWatcher, SigtermNotice)
+from bamboo.fleet.notices import (
+    AwsSpotNotice,
+    AzurePreemptNotice,
+    GcpPreemptedNotice,
+    Notice,
+    NoticeError,
+    NoticeWatcher,
+    SigtermNotice,
+)
 from support.servers import MetadataServer
 
 

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig, objects
-from bamboo.fleet.remote import (CHUNK_BYTES, Objects, install_objects, objects_messages,
-                                 register_wire_types)
+from bamboo.fleet.remote import (
+    CHUNK_BYTES,
+    Objects,
+    install_objects,
+    objects_messages,
+    register_wire_types,
+)
 from bamboo.wire.frames import decode, to_bytes
 
 TOKEN = "a" * 32

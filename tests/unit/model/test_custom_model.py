@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bamboo.config.presets import custom_preset, preset, with_vocab
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
 from bamboo.model.api import PipelineModel, TensorSpec
-from bamboo.config.presets import custom_preset, preset, with_vocab
 from support.models import EXAMPLE, HEADER, TINY, write_module
 from support.procs import REPO
-
 
 
 def tiny_model(context: str = "16", boundary: str = "TensorSpec((CONTEXT, D))",

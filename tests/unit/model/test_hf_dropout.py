@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import BertConfig, GPT2Config, LlamaConfig
 
+from bamboo.config.presets import preset
 from bamboo.data.datasets import make_task
 from bamboo.model import build_layers, forward_seed, run_layers
-from bamboo.config.presets import preset
 from bamboo.model.hf import hf_config
 from support.hf_models import HF_MODELS
 

@@ -13,14 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
+from bamboo.config.presets import HF_SIZES, preset
 from bamboo.data.datasets import make_task
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
-from bamboo.config.presets import preset
 from bamboo.model.hf import Checkpoint, hf_config, hf_state_key, load_layer
-from bamboo.config.presets import HF_SIZES
 from support.hf_models import BERT, GPT2, HF_MODELS, LLAMA
 
 
@@ -44,7 +49,7 @@ def test_the_layers_compose_to_the_transformers_model(kind: str) -> None:
     ckpt = Checkpoint.of_state_dict(model.state_dict(), kind)
     for index, layer in enumerate(layers):
         load_layer(layer, p, index, ckpt)
-    assert sum(layer_param_counts(p)) == sum(t.numel() for l in layers for t in l.parameters())
+    assert sum(layer_param_counts(p)) == sum(t.numel() for layer in layers for t in layer.parameters())
     batch = make_task(p, seed=0, global_micro_batches=1, micro_batch_size=3).batch(0, 0)
     x = batch.inputs
     for layer, spec in zip(layers, boundary_shapes(p, 3)):

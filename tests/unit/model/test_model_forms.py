@@ -420,7 +420,8 @@ def test_the_plain_forms_do_not_import_deepspeed(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 def test_deepspeed_layer_specs_convert_and_tied_ones_tie_their_attributes() -> None:
-    from deepspeed.pipe import LayerSpec as DSLayerSpec, TiedLayerSpec as DSTied
+    from deepspeed.pipe import LayerSpec as DSLayerSpec
+    from deepspeed.pipe import TiedLayerSpec as DSTied
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

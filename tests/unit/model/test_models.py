@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from bamboo.config.presets import PRESETS, preset
 from bamboo.data.datasets import make_task
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
-from bamboo.config.presets import PRESETS, preset
 from bamboo.model.gpt2 import GPTBlock
 from bamboo.model.layer import PipelineLayer
 

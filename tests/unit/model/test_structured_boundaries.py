@@ -13,17 +13,23 @@ import pytest
 import torch
 from torch import nn
 
+from bamboo.config.presets import custom_preset
 from bamboo.engine.layer_costs import measure_layer_costs
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
 from bamboo.model import boundary_shapes
-from bamboo.model.structure import BoundarySpec, StructuredSpec
-from bamboo.model.pipeline import boundary_spec
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
-from bamboo.model.structure import StructureError, flatten, leaves, unflatten
-from bamboo.config.presets import custom_preset
+from bamboo.model.pipeline import boundary_spec
+from bamboo.model.structure import (
+    BoundarySpec,
+    StructuredSpec,
+    StructureError,
+    flatten,
+    leaves,
+    unflatten,
+)
 from support.models import HEADER, write_module
-from support.structured_model import BOUNDARY, CONTEXT, D, NAME, Mix
+from support.structured_model import BOUNDARY, CONTEXT, NAME, D, Mix
 
 
 @pytest.mark.parametrize("value", [

@@ -17,14 +17,14 @@ import pytest
 import torch
 from torch import nn
 
+from bamboo.config import JobConfig
+from bamboo.config.presets import preset
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Supervisor, free_device_slot
+from bamboo.engine.optim import adamw_options, make_optimizer, steps_on_param_device
+from bamboo.model import build_layers
 from bamboo.node.devices import choose_device_index, configure_tf32
 from bamboo.node.devices import worker_device as _device
-from bamboo.config import JobConfig
-from bamboo.model import build_layers
-from bamboo.config.presets import preset
-from bamboo.engine.optim import adamw_options, make_optimizer, steps_on_param_device
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -126,7 +126,7 @@ def test_free_device_slot() -> None:
 class _FakeProcess:
     pids = iter(range(10_000, 20_000))
 
-    def __init__(self, target, args, name) -> None:  # noqa: ANN001 - multiprocessing's shape
+    def __init__(self, target, args, name) -> None:
         self.spec = args[0]
         self.pid = next(self.pids)
 
@@ -144,7 +144,7 @@ class _FakeContext:
     Process = _FakeProcess
 
     @staticmethod
-    def Pipe(duplex: bool = False):  # noqa: N802 - multiprocessing's name
+    def Pipe(duplex: bool = False):
         end = SimpleNamespace(close=lambda: None)
         return end, end
 

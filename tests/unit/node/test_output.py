@@ -18,8 +18,8 @@ from bamboo.util import logs
 def _real_streams() -> None:
     """`sys.stdout` and `sys.stderr` on descriptors 1 and 2, block-buffered, as in a process
     whose output is not a terminal (pytest's capture replaces them with its own files)."""
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
 
 
 def _in_child(body) -> int:
@@ -98,8 +98,8 @@ def test_a_log_that_cannot_be_opened_sends_stdout_to_stderr(tmp_path: Path,
 
 def test_json_stdout_holds_the_document_alone(capfd: pytest.CaptureFixture,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False))  # noqa: SIM115
-    monkeypatch.setattr(sys, "stderr", open(2, "w", closefd=False))  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False))
+    monkeypatch.setattr(sys, "stderr", open(2, "w", closefd=False))
     with json_stdout(True) as out:
         print("the user's factory")
         os.write(1, b"a C library\n")

@@ -23,8 +23,8 @@ from bamboo.plan.redundancy_choice import (
     value,
 )
 from bamboo.sim.core import SimConfig
-from bamboo.sim.policies import AdaptivePolicy, make_policy
 from bamboo.sim.cost_presets import SimModel, get_preset
+from bamboo.sim.policies import AdaptivePolicy, make_policy
 
 HOUR = 3600.0
 secs = st.floats(0.0, 600.0, allow_nan=False)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from bamboo.config import ConfigError
-from bamboo.plan.layout_choice import (BYTES_PER_PARAMETER, Footprint, choose_layout,
-                                       keeps_replica, node_need)
+from bamboo.plan.layout_choice import (
+    BYTES_PER_PARAMETER,
+    Footprint,
+    choose_layout,
+    keeps_replica,
+    node_need,
+)
 
 MiB = 2**20
 LAYER = 1_000_000

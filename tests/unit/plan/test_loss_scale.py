@@ -5,8 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bamboo.plan.loss_scale import (GROWTH_INTERVAL, INIT_SCALE, MIN_SCALE, LossScale,
-                                    scale_at)
+from bamboo.plan.loss_scale import GROWTH_INTERVAL, INIT_SCALE, MIN_SCALE, LossScale, scale_at
 
 
 def test_an_overflow_halves_the_scale_and_a_clean_interval_doubles_it() -> None:

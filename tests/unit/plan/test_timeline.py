@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from bamboo.plan import schedule as S
-from bamboo.run.measured import costs_from_events
 from bamboo.cli.timeline import main
+from bamboo.plan import schedule as S
 from bamboo.plan.reroute_timeline import reroute_assignment, rerouted_step
 from bamboo.plan.timeline import Costs, compare, simulate_step
 from bamboo.plan.timeline_text import render
+from bamboo.run.measured import costs_from_events
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (4, 4), (4, 8), (3, 2), (6, 12)])
@@ -38,7 +38,7 @@ def test_eager_frc_hides_in_bubbles() -> None:
     cmp = compare(P, M, Costs.uniform(P, 0.01, 0.02))
     assert cmp.overhead("eager") == pytest.approx(0.0, abs=1e-12)
     assert cmp.overhead("lazy") == pytest.approx(0.0, abs=1e-12)
-    for node, work, hidden in cmp.frc_hidden():
+    for _node, work, hidden in cmp.frc_hidden():
         assert work == pytest.approx(0.01) and hidden == pytest.approx(work)
     # FRC really ran, inside what was idle time
     off, eager = cmp.timelines["off"], cmp.timelines["eager"]

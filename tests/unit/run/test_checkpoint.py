@@ -19,12 +19,27 @@ import pytest
 import torch
 
 from bamboo.run import checkpoint as ck
+from bamboo.run.checkpoint import (
+    CheckpointError,
+    has_whole_checkpoint,
+    list_checkpoints,
+    load_latest,
+    load_layer_tensors,
+    load_layers,
+    publish,
+    step_dir,
+    write_layers,
+)
 from bamboo.run.checkpoint_storage import LocalStore
-from bamboo.run.checkpoint import (CheckpointError, has_whole_checkpoint, list_checkpoints,
-                               load_latest, load_layer_tensors, load_layers, publish, step_dir,
-                               write_layers)
-from support.checkpoints import (LAYER_META, assert_same, damage_checkpoint, save, state_vectors,
-                                  states, two_checkpoints)
+from support.checkpoints import (
+    LAYER_META,
+    assert_same,
+    damage_checkpoint,
+    save,
+    state_vectors,
+    states,
+    two_checkpoints,
+)
 
 
 def test_round_trip_is_bitwise_and_reads_any_subset(tmp_path):

@@ -193,8 +193,8 @@ def test_failed_and_partial_runs_are_reported(reports: dict[str, list[Path]]) ->
 
 
 def test_loss_plot_marks_each_failure_in_its_colour(reports: dict[str, list[Path]]) -> None:
-    from matplotlib.image import imread
     import numpy as np
+    from matplotlib.image import imread
 
     def has(path: Path, rgb: tuple[int, int, int]) -> bool:
         pixels = (imread(path)[..., :3] * 255).round()

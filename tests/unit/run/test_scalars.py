@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from bamboo.cli import main
-from bamboo.control.scalars import ScalarLog
 from bamboo.config import JobConfig
-
+from bamboo.control.scalars import ScalarLog
 
 
 class _Broken:

@@ -6,8 +6,8 @@ import pytest
 
 from bamboo.plan.redundancy_choice import choose_mode
 from bamboo.sim.core import SimConfig
-from bamboo.sim.policies import AdaptivePolicy
 from bamboo.sim.cost_presets import get_preset
+from bamboo.sim.policies import AdaptivePolicy
 from bamboo.traces.trace import generate_synthetic, load_trace, parse_synthetic_spec
 
 P3 = Path(__file__).resolve().parents[3] / "traces" / "aws-p3-2xlarge.csv"

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from bamboo.sim.costs import CostsError, StepCosts, load_costs, save_costs
 from bamboo.sim.cost_presets import get_preset, preset_from_costs
+from bamboo.sim.costs import CostsError, StepCosts, load_costs, save_costs
 from support.costs import GOOD
 
 
@@ -44,10 +44,10 @@ def test_invalid_costs_name_the_field(tmp_path, mutate, needle):
 def test_simulate_takes_the_names_bamboo_train_takes(tmp_path, capsys):
     """One set of model names: a `bamboo train` model runs with its profiled costs, and
     without them the line says how to get them; --help lists every model and policy."""
-    from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.cli.simulate import build_parser, main
-    from bamboo.sim.policies import POLICIES
+    from bamboo.config.presets import PRESETS as TRAIN_MODELS
     from bamboo.sim.cost_presets import SIM_MODELS
+    from bamboo.sim.policies import POLICIES
     f = tmp_path / "c.json"
     f.write_text(json.dumps(GOOD))
     assert main(["--trace", "synthetic:p=0.1,nodes=12,hours=2", "--model", "gpt2-tiny",

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bamboo.sim.core import SimConfig
-from bamboo.sim.policies import make_policy
 from bamboo.sim.cost_presets import SimModel, get_preset
+from bamboo.sim.policies import make_policy
 from bamboo.traces.trace import ADD, REMOVE, Trace, load_trace
 
 TRACES = Path(__file__).resolve().parents[3] / "traces"
@@ -104,7 +104,9 @@ def test_time_accounting_sums_to_wall_time(events, policy, rollback):
     nxt = 10
     for t, n, add in sorted(events):
         if add:
-            rows.append((t, ADD, nxt)); live.add(nxt); nxt += 1
+            rows.append((t, ADD, nxt))
+            live.add(nxt)
+            nxt += 1
         elif live:
             victim = sorted(live)[n % len(live)]
             live.discard(victim)

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from bamboo.traces.trace import ADD, REMOVE, TraceError, generate_synthetic, load_trace, parse_synthetic_spec
+from bamboo.traces.trace import (
+    ADD,
+    REMOVE,
+    TraceError,
+    generate_synthetic,
+    load_trace,
+    parse_synthetic_spec,
+)
 
 TRACES = Path(__file__).resolve().parents[3] / "traces"
 P3 = TRACES / "aws-p3-2xlarge.csv"
@@ -27,7 +34,7 @@ def test_count_trace_becomes_adds_and_removes(tmp_path):
     assert tr.kinds.count(ADD) == 6 and tr.kinds.count(REMOVE) == 2
     assert tr.duration == 120.0
     live = 0
-    for t, k in zip(tr.times, tr.kinds):
+    for k in tr.kinds:
         live += k
     assert live == 4
     assert load_trace(GCP).allocations > 0
@@ -112,8 +119,8 @@ def test_events_merge_ready_after_its_add_and_before_rows_at_the_same_time():
 
 def test_ready_of_a_node_removed_and_re_added_uses_the_new_add():
     from bamboo.sim.core import SimConfig
-    from bamboo.sim.policies import make_policy
     from bamboo.sim.cost_presets import SimModel
+    from bamboo.sim.policies import make_policy
     from bamboo.traces.trace import ADD, REMOVE, Trace
 
     tiny = SimModel(name="tiny", stages=2, samples_per_step=2, step_s={1: 1.0},

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bamboo.util import strict_json
 from bamboo.run.runlog import EventLog, RunDir
+from bamboo.util import strict_json
 from support.strict import NotStrictJson, check_run_files_strict, strict_loads
 
 UNKNOWN = [float("nan"), float("inf"), -float("inf")]

@@ -11,10 +11,20 @@ from multiprocessing import Pipe
 import pytest
 import torch.distributed as dist
 
-from bamboo.wire.link import CoordinatorGone, CoordinatorLink
-from bamboo.wire.protocol import (Decision, Go, MicroBatchesDone, RoundDone, StepReport,
-                                     Verdict, BoundaryFlag, decide_key, epoch_key, go_key)
 from bamboo.plan.roles import RoleMap
+from bamboo.wire.link import CoordinatorGone, CoordinatorLink
+from bamboo.wire.protocol import (
+    BoundaryFlag,
+    Decision,
+    Go,
+    MicroBatchesDone,
+    RoundDone,
+    StepReport,
+    Verdict,
+    decide_key,
+    epoch_key,
+    go_key,
+)
 
 
 @pytest.fixture
@@ -107,10 +117,10 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
 
     import torch
 
-    from bamboo.wire.protocol import Progress
-    from bamboo.node.worker import TransferFailed, WorkerNode, WorkerSpec
     from bamboo.config import JobConfig
+    from bamboo.node.worker import TransferFailed, WorkerNode, WorkerSpec
     from bamboo.plan.planner import GenerationPlan
+    from bamboo.wire.protocol import Progress
 
     cfg = JobConfig.of(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()
     spec = WorkerSpec(node=0, slot=0, first_gen=0, store_host="127.0.0.1",

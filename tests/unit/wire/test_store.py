@@ -8,7 +8,6 @@ import socket
 from datetime import timedelta
 
 import pytest
-
 import torch.distributed as dist
 
 from bamboo.wire.store import StoreConnections, serve_store

@@ -9,14 +9,29 @@ import threading
 import pytest
 import torch
 
-from bamboo.wire.protocol import (Beat, FromWorker, Job, KillOrder, RoundDone, StepReport,
-                                     WorkerError)
-from bamboo.fleet.remote import register_wire_types
-from bamboo.wire.frames import (Channel, Refusal, WireError, client_handshake, decode, encode,
-                                 serve_handshake, to_bytes)
-from bamboo.node.worker import WorkerSpec
 from bamboo.config import JobConfig, parse_kill
+from bamboo.fleet.remote import register_wire_types
+from bamboo.node.worker import WorkerSpec
 from bamboo.plan.faults import Fault
+from bamboo.wire.frames import (
+    Channel,
+    Refusal,
+    WireError,
+    client_handshake,
+    decode,
+    encode,
+    serve_handshake,
+    to_bytes,
+)
+from bamboo.wire.protocol import (
+    Beat,
+    FromWorker,
+    Job,
+    KillOrder,
+    RoundDone,
+    StepReport,
+    WorkerError,
+)
 
 register_wire_types()
 
@@ -75,7 +90,7 @@ def _handshake(server_token: str, client_token: str) -> tuple[object, object]:
     def serve() -> None:
         try:
             result["server"] = serve_handshake(a, server_token, timeout=5)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 (handed to the test's thread to assert on)
             result["server"] = e
 
     t = threading.Thread(target=serve)
@@ -83,7 +98,7 @@ def _handshake(server_token: str, client_token: str) -> tuple[object, object]:
     try:
         client_handshake(b, client_token, {"pid": 1, "host": "h"}, timeout=5)
         result["client"] = "ok"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 (handed to the test's thread to assert on)
         result["client"] = e
     t.join(10)
     return result["server"], result["client"]

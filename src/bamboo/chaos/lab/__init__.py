@@ -18,8 +18,15 @@ in it killed at once, as when a spot instance is reclaimed.
 Needs root and iproute2 (`ip`, and `tc` for cap/delay); `unsupported_reason()` says why not.
 """
 
-from .hosts import (Host, Lab, LabError, NetemUnavailable, lab_prefix, leftover_namespaces,
-                    unsupported_reason)
+from .hosts import (
+                    Host,
+                    Lab,
+                    LabError,
+                    NetemUnavailable,
+                    lab_prefix,
+                    leftover_namespaces,
+                    unsupported_reason,
+)
 
 __all__ = ["Host", "Lab", "LabError", "NetemUnavailable", "lab_prefix", "leftover_namespaces",
            "unsupported_reason"]

@@ -33,9 +33,18 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from bamboo.chaos.lab.commands import (LabError, NetemUnavailable, del_root_qdisc, lab_prefix,
-                                 leftover_namespaces, namespaces, parse_rate, run_command,
-                                 tbf_args, unsupported_reason)
+from bamboo.chaos.lab.commands import (
+    LabError,
+    NetemUnavailable,
+    del_root_qdisc,
+    lab_prefix,
+    leftover_namespaces,
+    namespaces,
+    parse_rate,
+    run_command,
+    tbf_args,
+    unsupported_reason,
+)
 
 __all__ = ["Host", "Lab", "LabError", "NetemUnavailable", "lab_prefix", "leftover_namespaces",
            "unsupported_reason"]
@@ -77,7 +86,7 @@ def _close_all() -> None:
         if lab._owner_pid == os.getpid():  # never from a forked child
             try:
                 lab.close()
-            except Exception:  # best effort: the others still get closed
+            except Exception:  # noqa: BLE001 (best effort: the others still get closed)
                 pass
 
 
