@@ -39,8 +39,9 @@ runs/demo-data/header.json: $(DEMO_TEXT) | setup
 # deadlines, joins) far more than they compute, so a second one uses the idle core.
 XDIST := -n 2 --dist worksteal
 
-# Static checks ([tool.ruff] in pyproject.toml: lint and import order), before every tier.
-LINT := $(BIN)/ruff check --quiet src tests benchmarks examples
+# Static checks before every tier: ruff (lint and import order) and mypy ([tool.ruff] and
+# [tool.mypy] in pyproject.toml).
+LINT := $(BIN)/ruff check --quiet src tests benchmarks examples && $(BIN)/mypy
 
 test: setup
 	$(LINT)

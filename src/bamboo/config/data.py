@@ -59,6 +59,7 @@ def _check_text(path: Path, sample: int = 1 << 20) -> None:
 def _check_token_dir(job: JobView) -> None:
     from bamboo.config.token_dir import largest_token_id, open_split, read_header
     data = job.data.path
+    assert data is not None, "checked only where --data names a token directory"
     try:
         header = read_header(data)
         p = job.model_preset()

@@ -117,7 +117,7 @@ class JobConfig:
 
     @property
     def active_nodes(self) -> int:
-        return self.data_parallel * self.layout.stages
+        return self.data_parallel * self.layout.stage_count
 
     @property
     def node_cap(self) -> int:
@@ -190,10 +190,10 @@ class JobConfig:
     def check_target(self, flag: str, text: str, k: KillSpec) -> None:
         """A fault aimed at stage S of pipeline D in step K must name a node and a step."""
         key = "kills" if flag == "--kill" else flag.lstrip("-")
-        if k.pipeline >= self.data_parallel or k.stage >= self.layout.stages:
+        if k.pipeline >= self.data_parallel or k.stage >= self.layout.stage_count:
             raise ConfigError(f"{flag} {text} names no node: pipelines are "
                               f"0..{self.data_parallel - 1} and stages "
-                              f"0..{self.layout.stages - 1}", key)
+                              f"0..{self.layout.stage_count - 1}", key)
         if k.step >= self.training.steps:
             raise ConfigError(f"{flag} {text} is past the run's last step "
                               f"{self.training.steps - 1}", key)

@@ -78,5 +78,5 @@ class JoinConfig:
         return self
 
 
-def join_options() -> list:
+def join_options() -> list[Any]:
     return list(option_fields("join", JoinConfig))

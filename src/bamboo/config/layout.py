@@ -99,7 +99,15 @@ class LayoutSection:
     def data_parallel(self) -> int:
         if self.pipelines is not None:
             return self.pipelines
-        return 1 if self.stages == AUTO else self.nodes // self.stages
+        return self.nodes // self.stages if isinstance(self.stages, int) else 1
+
+    @property
+    def stage_count(self) -> int:
+        """P as a number: --stages auto is resolved (`ChosenStages`) before anything counts
+        stages."""
+        if isinstance(self.stages, int):
+            return self.stages
+        raise ConfigError("--stages auto has not chosen a stage count yet", "stages")
 
     @property
     def stages_auto(self) -> bool:
@@ -122,7 +130,7 @@ class LayoutSection:
             return self
         unit = self.data_parallel * self.micro_batch_size
         s = self.global_batch_size
-        if unit < 1 or s % unit:
+        if s is None or unit < 1 or s % unit:
             return self
         return dataclasses.replace(self, micro_batches=s // unit)
 
@@ -135,12 +143,13 @@ class LayoutSection:
             raise ConfigError(f"--nodes {self.nodes} cannot hold one pipeline of "
                               f"{self.stages} stages: use --nodes {self.stages} or more",
                               "nodes", "stages")
-        if self.data_parallel * self.stages > self.nodes:
+        stages = self.stage_count
+        if self.data_parallel * stages > self.nodes:
             raise ConfigError(
-                f"--pipelines {self.data_parallel} x --stages {self.stages} needs "
-                f"{self.data_parallel * self.stages} nodes but --nodes is {self.nodes}: use "
-                f"--nodes {self.data_parallel * self.stages} or --pipelines "
-                f"{self.nodes // self.stages}", "pipelines", "stages", "nodes")
+                f"--pipelines {self.data_parallel} x --stages {stages} needs "
+                f"{self.data_parallel * stages} nodes but --nodes is {self.nodes}: use "
+                f"--nodes {self.data_parallel * stages} or --pipelines "
+                f"{self.nodes // stages}", "pipelines", "stages", "nodes")
         self._check_global_batch()
 
     def _check_global_batch(self) -> None:

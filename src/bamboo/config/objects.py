@@ -117,7 +117,7 @@ def _dumps(obj: Any, cloudpickle: Any) -> bytes:
     workers may have another one, or none)."""
     import io
 
-    class Pickler(cloudpickle.Pickler):  # type: ignore[name-defined, misc]
+    class Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is passed in: Any
         def persistent_id(self, value: Any) -> None:
             torch = sys.modules.get("torch")
             if torch is not None and isinstance(value, torch.Tensor) \
@@ -159,8 +159,9 @@ def _digest(data: bytes) -> str:
         h.update(len(token).to_bytes(8, "little"))
         h.update(token)
 
-    end = -1
-    for op, arg, end in pickletools.genops(data):  # noqa: B007 (end: read after the loop)
+    end: int | None = -1
+    for op, op_arg, end in pickletools.genops(data):  # noqa: B007 (end: read after the loop)
+        arg: Any = op_arg  # of the op's own type, checked by the op's name
         name = op.name
         if name == "FRAME":
             continue

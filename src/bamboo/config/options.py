@@ -96,7 +96,7 @@ class OptionField:
         return f"{self.section}.{self.name}"
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not MISSING:
         return f.default
     if f.default_factory is not MISSING:

@@ -250,7 +250,7 @@ BertConfig() defaults (GPT-2 small, Llama-2-7B, BERT-base), kept here so that no
 needed; a test checks them."""
 _ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size",
             "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
-_SPECIAL_TOKENS = {"gpt2": {"bos_token_id": 50256, "eos_token_id": 50256},
+_SPECIAL_TOKENS: dict[str, dict[str, Any]] = {"gpt2": {"bos_token_id": 50256, "eos_token_id": 50256},
                    "llama": {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None},
                    "bert": {"pad_token_id": 0}}
 _FIXED: dict[str, dict[str, Any]] = {

@@ -69,8 +69,7 @@ def read_header(directory: str | Path) -> TokenHeader:
         raise ValueError(f"{path} has format version {h.get('version')!r}; this bamboo reads "
                          f"version {VERSION}: {again}")
     vocab, dtype, tokens = h.get("vocab_size"), h.get("dtype"), h.get("tokens")
-    good_vocab = isinstance(vocab, int) and 1 <= vocab <= MAX_VOCAB
-    if not good_vocab or dtype not in ("uint16", "uint32") or not isinstance(tokens, dict) \
+    if not isinstance(vocab, int) or not 1 <= vocab <= MAX_VOCAB or dtype not in ("uint16", "uint32") or not isinstance(tokens, dict) \
             or (dtype == "uint16" and vocab > 1 << 16) \
             or not all(isinstance(tokens.get(s), int) and tokens[s] >= 0 for s in SPLITS):
         raise ValueError(f"{path} has a malformed vocab_size, dtype or tokens field: {again}")

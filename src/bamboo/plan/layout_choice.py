@@ -105,7 +105,7 @@ def choose_layout(model: Footprint, *, nodes: int, memory_per_node: int, global_
         near = f"{low} or {low + b}" if low else f"{b}"
         raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of "
                           f"--micro-batch-size {b}: use {near}", "global_batch_size")
-    total, tried = global_batch // b, []
+    total, tried = global_batch // b, list[tuple[int, NodeNeed]]()
     for p in range(1, min(len(model.layer_params), nodes) + 1):
         d = _pipelines(total, nodes // p, least_pipelines)
         if d is None:

@@ -197,7 +197,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
     if machine_of is not None and not holes:  # a replica off its primary's machine
         active = spread(active, machine_of, p, cost=lambda n, k: -sum(
             param_counts[i] for i in _needs(parts, k % p, rc) if i in holdings.get(n, ())))
-    members, transfers = active, []
+    members, transfers = active, list[list[int]]()
     if checkpoint is None:
         members, transfers = _transfers(active, leaving, holdings, needs, param_counts)
     return GenerationPlan(gen=gen, epoch=epoch, members=members, pipelines=d, stages=p,

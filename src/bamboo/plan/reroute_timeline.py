@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bamboo.plan import schedule as S
 from bamboo.plan.timeline import Costs, instruction_cost
@@ -66,7 +67,7 @@ def rerouted_step(stages: int, micro_batches: int, pipelines: int,
     clock = dict.fromkeys(lists, 0.0)
     busy = dict.fromkeys(lists, 0.0)
     pc = dict.fromkeys(lists, 0)
-    sends: dict[tuple, tuple[float, tuple[int, int]]] = {}
+    sends: dict[tuple[Any, ...], tuple[float, tuple[int, int]]] = {}
     while any(pc[n] < len(items) for n, items in lists.items()):
         progressed = False
         for n, items in lists.items():

@@ -102,8 +102,8 @@ class RoleMap:
         for d, row in enumerate(self.holders):
             if any(h == rank and (d, s) not in served for s, h in enumerate(row)):
                 return d
-        for d, row in enumerate(self.replicas):
-            if rank in row:
+        for d, replica_row in enumerate(self.replicas):
+            if rank in replica_row:
                 return d
         return None
 

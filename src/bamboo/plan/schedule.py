@@ -35,20 +35,17 @@ class Instruction:
     """Work of `stage` for one step; `mb` indexes the pipeline's own micro-batches."""
 
     stage: int
+    mb: int
 
 
 @dataclass(frozen=True, slots=True)
 class Forward(Instruction):
     """Run the stage's forward on micro-batch `mb` (stage 0 loads its data first)."""
 
-    mb: int
-
 
 @dataclass(frozen=True, slots=True)
 class Backward(Instruction):
     """Run the stage's backward on micro-batch `mb` and accumulate its gradients."""
-
-    mb: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +54,11 @@ class BackwardInput(Instruction):
     and of every parameter but the linear layers' weights; what those need (each layer's
     input and output gradient) is kept for `BackwardWeight`."""
 
-    mb: int
-
 
 @dataclass(frozen=True, slots=True)
 class BackwardWeight(Instruction):
     """ZB-H1: the stage's parameter gradients for `mb`, from what its `BackwardInput` kept,
     added to the gradient sum."""
-
-    mb: int
 
 
 BACKWARDS = (Backward, BackwardInput, BackwardWeight)
@@ -76,35 +69,25 @@ BACKWARDS = (Backward, BackwardInput, BackwardWeight)
 class SendActivation(Instruction):
     """Send the stage's output for `mb` to the holder of stage + 1."""
 
-    mb: int
-
 
 @dataclass(frozen=True, slots=True)
 class RecvActivation(Instruction):
     """Receive the stage's input for `mb` from the holder of stage - 1."""
-
-    mb: int
 
 
 @dataclass(frozen=True, slots=True)
 class SendGrad(Instruction):
     """Send the gradient of the stage's input for `mb` to the holder of stage - 1."""
 
-    mb: int
-
 
 @dataclass(frozen=True, slots=True)
 class RecvGrad(Instruction):
     """Receive the gradient of the stage's output for `mb` from the holder of stage + 1."""
 
-    mb: int
-
 
 @dataclass(frozen=True, slots=True)
 class RedundantForward(Instruction):
     """Eager FRC: run the replica of `stage` (the successor's) on micro-batch `mb`, locally."""
-
-    mb: int
 
 
 def _forward_group(stage: int, stages: int, mb: int) -> list[Instruction]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bamboo.plan import schedule as S
 
@@ -181,8 +182,8 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
         raise ValueError(f"costs must give one forward and one backward per stage ({stages})")
     if cores is not None and cores < 1:
         raise ValueError("cores must be at least 1")
-    held = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
-    replay = _Replay(stages, micro_batches, mode, costs, cores, held, frc_policy, schedule)
+    lists = [[s] for s in range(stages)] if held is None else [list(h) for h in held]
+    replay = _Replay(stages, micro_batches, mode, costs, cores, lists, frc_policy, schedule)
     phase_a = replay.run()
     _mark_bubbles(replay.nodes, phase_a)
     step_s = _commit_and_optimize(replay.nodes, mode, stages, costs, cores, phase_a)
@@ -213,7 +214,7 @@ class _Replay:
             for n, r in self.replica_of.items()}
         self.owner = {s: n for n, h in enumerate(held) for s in h}
         self.pc = [0] * len(self.lists)
-        self.computing: dict[int, list] = {}  # node -> [instr, kind, remaining, start]
+        self.computing: dict[int, list[Any]] = {}  # node -> [instr, kind, remaining, start]
         self.wake: dict[int, float] = {}  # node -> time its pending receive is satisfied
         self.sends: dict[tuple[type, int, int], float] = {}
         self.nodes = [NodeTimeline(node=n, stages=sorted(h)) for n, h in enumerate(held)]

@@ -2,6 +2,8 @@
 node (`render`, `ascii_timeline`), and the same figures as plain data (`summary`)."""
 from __future__ import annotations
 
+from typing import Any
+
 from bamboo.plan.timeline import Comparison, Timeline
 
 __all__ = ["ascii_timeline", "render", "summary"]
@@ -56,9 +58,9 @@ def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
     return "\n".join(lines)
 
 
-def summary(cmp: Comparison) -> dict:
+def summary(cmp: Comparison) -> dict[str, Any]:
     """The figures of a comparison as plain data."""
-    out = {m: {"step_s": tl.step_s, "phase_a_s": tl.phase_a_s, "overhead": cmp.overhead(m),
+    out: dict[str, Any] = {m: {"step_s": tl.step_s, "phase_a_s": tl.phase_a_s, "overhead": cmp.overhead(m),
                "idle_s": [nt.idle_s for nt in tl.nodes]} for m, tl in cmp.timelines.items()}
     if "eager" in cmp.timelines:
         out["frc_hidden"] = [{"node": n, "frc_s": w, "hidden_s": h} for n, w, h in cmp.frc_hidden()]
