@@ -1,9 +1,8 @@
-"""``python -m bamboo.sim``: the same as ``bamboo simulate`` (an entry point, not part of the
-library: the one module of `bamboo.sim` that imports the command layer above it, as
-`.importlinter` records)."""
+"""``python -m bamboo.sim``: the same as ``bamboo simulate``, through the command's own
+entry (`python -m bamboo`), so that nothing in `bamboo.sim` depends on the command layer."""
 
+import runpy
 import sys
 
-from bamboo.cli.simulate import main
-
-sys.exit(main())
+sys.argv = ["bamboo", "simulate", *sys.argv[1:]]
+runpy.run_module("bamboo", run_name="__main__", alter_sys=True)
