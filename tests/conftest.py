@@ -5,11 +5,12 @@ Helpers live in the `support` package (tests/support/), fixtures here. The folde
 tiers: tests/unit starts no process, tests/integration does.
 
 `make test` runs everything. `make test-fast` (`pytest --fast`) runs the tests that start no
-process: unit, property and decision tests. A test that starts one (a subprocess, a
-multiprocessing child, a fork) is in the `procs` tier: every test that uses the `bamboo`
-fixture is marked so at collection, others by `@pytest.mark.procs` or a module's
-`pytestmark`. Under `--fast` an unmarked test that starts a process fails at once, naming
-the marker it lacks, so the fast tier cannot silently start to spawn workers.
+process: unit, property and decision tests, tests/unit. A test that starts one (a
+subprocess, a multiprocessing child, a fork) is in the `procs` tier, which is the folder
+tests/integration: its every test is marked so at collection, and a test of tests/unit
+marked `procs` or using the `bamboo` fixture stops the collection naming it. Under `--fast`
+a test that starts a process fails at once, so the fast tier cannot silently start to spawn
+workers.
 `make test-smoke` (`pytest -m smoke`) runs one end-to-end test per capability."""
 from __future__ import annotations
 
@@ -68,12 +69,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests = Path(__file__).parent
     smoke = {f"{tests / nodeid.split('::')[0]}::{nodeid.split('::', 1)[1]}"
              for nodeid in SMOKE.values()}
+    unit = tests / "unit"
+    misplaced = []
     for item in items:
-        if "bamboo" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow"):
+        if item.path.is_relative_to(unit):
+            if item.get_closest_marker("procs") or "bamboo" in getattr(item, "fixturenames", ()):
+                misplaced.append(item.nodeid)
+        else:  # the folder is the tier: tests/integration starts processes
             item.add_marker(procs)
         if f"{item.path}::{item.name}" in smoke:
             item.add_marker(pytest.mark.smoke)
             smoke.discard(f"{item.path}::{item.name}")
+    if misplaced:
+        raise pytest.UsageError(f"tests of tests/unit that start processes belong in "
+                                f"tests/integration: {misplaced}")
     collected = {str(item.path) for item in items}
     lost = [n for n in smoke if n.split("::")[0] in collected or not Path(n.split("::")[0]).exists()]
     if config.getoption("markexpr") == "smoke" and lost:
@@ -110,8 +119,8 @@ def _no_process_in_the_fast_tier(request: pytest.FixtureRequest,
         return
 
     def refuse(*args, **kwargs):
-        raise StartsProcess(f"{request.node.nodeid} starts a process: mark it "
-                            f"@pytest.mark.procs (it belongs to make test, not test-fast)")
+        raise StartsProcess(f"{request.node.nodeid} starts a process: move it to "
+                            f"tests/integration (it belongs to make test, not test-fast)")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -35,12 +35,6 @@ def assert_evals_equal(summary: dict, cfg: JobConfig) -> None:
     assert_close(summary["losses"], losses, rel=REL)
 
 
-def test_evaluation_points() -> None:
-    cfg = JobConfig.of(steps=7, eval_every=3)
-    assert [k for k in range(9) if cfg.evaluates_at(k)] == [3, 6, 7]
-    assert not any(JobConfig.of(steps=7).evaluates_at(k) for k in range(9))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [dict(nodes=2, stages=2, micro_batches=4),

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from benchmarks.peers import run
 from benchmarks.peers.job import ENV, Job
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_job_travels_whole_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,26 +23,8 @@ def test_bamboo_is_pinned_only_when_the_job_is() -> None:
     assert flags[flags.index("--pin-cpus") + 1] == "auto"
 
 
-@pytest.mark.procs
-def test_pin_puts_a_worker_on_the_cores_of_its_slot() -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    code = ("from benchmarks.peers.job import Job; import os; "
-            "Job(workers=2, pin=True).pin_worker(1); print(sorted(os.sched_getaffinity(0)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
-    share = len(cores) // 2
-    assert out.stdout.strip() == str(cores[share:2 * share]), out.stderr
 
 
-@pytest.mark.procs
-def test_an_unpinned_job_leaves_the_worker_where_it_was() -> None:
-    code = ("from benchmarks.peers.job import Job; import os; "
-            "Job(workers=2).pin_worker(1); print(sorted(os.sched_getaffinity(0)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
-    assert out.stdout.strip() == str(sorted(os.sched_getaffinity(0))), out.stderr
 
 
 def test_pin_with_more_workers_than_cores_is_refused(capsys: pytest.CaptureFixture) -> None:
