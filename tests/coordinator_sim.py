@@ -2,7 +2,7 @@
 
 `SimCluster` starts a `CoordinatorCore` through its public API (`start`, `handle`,
 `node_exited`, `tick`) with a dict store, a list of events and a fake clock, and plays
-every worker by the protocol (reading the store through `bamboo.wire.protocol`'s
+every worker by the protocol (reading the store through `bamboo.protocol.messages`'s
 keys): vote micro-batches done and the commit round for each step under the newest role epoch, report the step, end a generation with the
 layers it holds, enter the next one. Losses, notices, joins and checkpoints are methods,
 so a test can put them anywhere, including while a generation forms. No torch process,
@@ -24,9 +24,7 @@ from bamboo.control.sources import LocalWorkers
 from bamboo.control.state import Stop
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
-from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
-from bamboo.run.writers import stages_written_by
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     CheckpointPart,
     Done,
     GenerationEnd,
@@ -44,6 +42,8 @@ from bamboo.wire.protocol import (
     go_key,
     plan_key,
 )
+from bamboo.run.checkpoint import checkpoint_location, final_dir, step_dir, write_layers
+from bamboo.run.writers import stages_written_by
 
 
 class DictStore:

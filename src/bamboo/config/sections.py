@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from bamboo.config.calls import check_call
 from bamboo.config.layout import SCHEDULE_NAMES, LayoutSection
 from bamboo.config.metric_spec import check_metrics
+from bamboo.config.modes import RedundancyMode
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSecti
            "CheckpointSection", "EvaluationSection", "LoggingSection", "HEARTBEAT_S",
            "JobView", "SCHEDULE_NAMES", "REDUNDANCY_MODES", "COMM_MODES", "PRECISIONS", "DEVICES", "RECOVERIES"]
 
-REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")
+REDUNDANCY_MODES = ("eager", "lazy", "off", "reroute", "auto")  # RedundancyMode, in --help's order
 COMM_MODES = ("strict", "tagged")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -216,6 +217,11 @@ class RedundancySection:
         implies --redundancy off and needs checkpoints (not --checkpoint-every 0).""")
     check_replicas: bool = option(False, summary=False, help="""Compare every replica's digest
         with its primary's after every step.""")
+
+    @property
+    def kind(self) -> RedundancyMode:
+        """`mode` as the type the run asks its questions of (the one place it is decoded)."""
+        return RedundancyMode(self.mode)
 
     def check(self, job: JobView) -> None:
         if self.mode == "reroute" and job.layout.data_parallel < 2:

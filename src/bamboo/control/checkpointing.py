@@ -19,9 +19,9 @@ from pathlib import Path
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.state import RunContext, Stop
 from bamboo.data.user import data_position
+from bamboo.protocol.messages import CheckpointPart
 from bamboo.run.checkpoint import CheckpointError, checkpoint_location, discard_unpublished, publish
 from bamboo.run.checkpoint_storage import size_text
-from bamboo.wire.protocol import CheckpointPart
 
 __all__ = ["CheckpointAssembly"]
 

@@ -59,9 +59,7 @@ from bamboo.model import layer_param_counts
 from bamboo.node.backend_errors import describe
 from bamboo.plan.faults import Fault
 from bamboo.plan.orders import Order, OrderKind
-from bamboo.run.checkpoint import Checkpoint, checkpoint_location
-from bamboo.run.interface import Interface
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     BoundaryFlag,
     CheckpointPart,
     Done,
@@ -78,6 +76,8 @@ from bamboo.wire.protocol import (
     WorkerError,
     WorkerMessage,
 )
+from bamboo.run.checkpoint import Checkpoint, checkpoint_location
+from bamboo.run.interface import Interface
 
 __all__ = ["CoordinatorCore", "NodeSource"]
 
@@ -120,7 +120,7 @@ class CoordinatorCore:
         cfg, plan = self.cfg, self.ctx.plan
         self.ctx.say(f"started {cfg.layout.nodes} workers: {plan.pipelines} pipeline(s) x "
                      f"{plan.stages} stage(s), model {cfg.model.name}, redundancy "
-                     f"{plan.redundancy if (self.ctx.rc and plan.stages > 1) or plan.redundancy == 'reroute' else 'off'}"
+                     f"{plan.redundancy if (plan.redundancy.keeps_replica and plan.stages > 1) or plan.redundancy.reroutes else 'off'}"
                      + (f", replaying {cfg.cluster.trace} at {cfg.cluster.replay_time_scale:g}x"
                         if self.preemptions.replay else "")
                      + (f"; resumed from step {self.resume.step} ({self.resume.path})"
@@ -287,7 +287,7 @@ class CoordinatorCore:
             cfg=cfg, store=self.store, events=self.events, display=self.display,
             run_path=self.run_path, param_counts=counts,
             partition_costs=cfg.partition_costs(counts), clock=clock,
-            t0=clock(), rc=cfg.redundancy.mode not in ("off", "reroute"), committed=start,
+            t0=clock(), committed=start,
             losses=list(resume.meta.get("losses", []))[:start] if resume else [],
             eval_losses=[e for e in resume.meta.get("eval_losses", []) if e[0] <= start]
             if resume else [],
@@ -323,8 +323,8 @@ class CoordinatorCore:
         self.final_layers = FinalLayers(ctx, self.nodes, self.results)
         self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.auto: Any = None
-        self.modes: Modes = FixedMode(cfg.redundancy.mode)
-        if cfg.redundancy.mode == "auto":
+        self.modes: Modes = FixedMode(cfg.redundancy.kind)
+        if cfg.redundancy.kind.chosen_per_generation:
             from bamboo.control.redundancy_mode import AutoRedundancy
             self.auto = self.modes = AutoRedundancy(ctx, self.nodes, self.results,
                                                     self.failures, self.gens)

@@ -36,7 +36,7 @@ from bamboo.plan.roles import (
     plan_reroute,
     shadow_or_reroute,
 )
-from bamboo.wire.protocol import PHASES, StepReport
+from bamboo.protocol.messages import PHASES, StepReport
 
 __all__ = ["FailureHandler", "ExitOutcome", "ZERO_COUNTS"]
 
@@ -207,7 +207,7 @@ class FailureHandler:
             self.restores = []
         if any(n.rank in (t.source, t.new_holder) for t in self.restores):
             raise Unrecoverable("a peer restore it took part in had not finished")
-        if ctx.plan.redundancy == "reroute" or ctx.roles.reroutes:
+        if ctx.plan.redundancy.reroutes or ctx.roles.reroutes:
             # once a generation re-routes, its later losses are re-routed too: a shadow's
             # failover settles transfers along its own pipeline's row, which a re-routed
             # slot's peers do not share

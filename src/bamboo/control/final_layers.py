@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.control.nodes import NodeState, Supervisor
 from bamboo.control.state import RunContext
-from bamboo.wire.protocol import final_request_key
+from bamboo.protocol.messages import final_request_key
 
 __all__ = ["FinalLayers"]
 
@@ -32,7 +33,7 @@ class FinalLayers:
         a copy of it, primaries first."""
         roles, plan = self.ctx.roles, self.ctx.plan
         out: dict[int, list[int]] = {}
-        for table in (roles.holders, roles.replicas if plan.redundancy != "off" else []):
+        for table in (roles.holders, roles.replicas if plan.redundancy is not RedundancyMode.OFF else []):
             for row in table:
                 for s, rank in enumerate(row):
                     if rank is None:

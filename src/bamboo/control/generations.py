@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.control.interval import CheckpointInterval
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
@@ -25,8 +26,14 @@ from bamboo.plan.partition import partition
 from bamboo.plan.placement import spread
 from bamboo.plan.planner import GenerationPlan, NoLiveCopy, choose_layout, plan_generation
 from bamboo.plan.roles import RoleMap
+from bamboo.protocol.messages import (
+    BoundaryFlag,
+    GenerationEnd,
+    GenerationReady,
+    epoch_key,
+    plan_key,
+)
 from bamboo.run.progress import pipeline_rows
-from bamboo.wire.protocol import BoundaryFlag, GenerationEnd, GenerationReady, epoch_key, plan_key
 
 __all__ = ["Generations", "Modes", "FixedMode"]
 
@@ -35,17 +42,17 @@ class Modes(Protocol):
     """The redundancy mode of each generation: `FixedMode`, or with `--redundancy auto`
     the run's measured choice (`redundancy_mode.AutoRedundancy`)."""
 
-    def choose(self, gen: int) -> str:
+    def choose(self, gen: int) -> RedundancyMode:
         """The mode of generation `gen`; with `gen` < 0, the mode a new one would get now."""
 
 
 class FixedMode:
     """The job's `--redundancy`, the same for every generation."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: RedundancyMode) -> None:
         self.mode = mode
 
-    def choose(self, gen: int) -> str:
+    def choose(self, gen: int) -> RedundancyMode:
         return self.mode
 
 
@@ -136,9 +143,8 @@ class Generations:
         plan.stepwise, plan.lr_scale = ctx.stepwise, scale_at(ctx.lr_scales, plan.start_step)
         if ctx.cfg.model.precision == "fp16":
             plan.loss_scale = ctx.loss_scale_at(plan.start_step).to_json()
-        ctx.rc = plan.redundancy in ("eager", "lazy")
         ctx.plan = plan
-        ctx.roles = plan.roles(ctx.rc)
+        ctx.roles = plan.roles()
         for n in self.nodes:
             n.rank = None
         for rank, name in enumerate(plan.members):
@@ -230,7 +236,8 @@ class Generations:
                 exposed.append(s)
         return exposed
 
-    def layout_with_holes(self, nodes: int, joining: int, mode: str) -> tuple[int, int] | None:
+    def layout_with_holes(self, nodes: int, joining: int,
+                          mode: RedundancyMode) -> tuple[int, int] | None:
         """The current D x P, kept with holes, when `nodes` (`joining` of them standbys)
         cannot fill it but are more than a whole layout takes: each standby fills a slot a
         loss emptied (a re-routed or shadowed one), and the slots still empty are served by
@@ -239,7 +246,7 @@ class Generations:
         or a mode without in-flight cover (off)."""
         plan = self.ctx.plan
         d, p = plan.pipelines, plan.stages
-        if joining <= 0 or d < 2 or mode not in ("reroute", "eager", "lazy"):
+        if joining <= 0 or d < 2 or not (mode.keeps_replica or mode.reroutes):
             return None
         whole_d, whole_p = self.layout_for(nodes)
         if not (whole_d * whole_p < nodes < d * p) or nodes < p:
@@ -390,11 +397,11 @@ class Generations:
         kwargs = dict(gen=ctx.plan.gen + 1, epoch=ctx.roles.epoch + 1, nodes=names,
                       holdings=holdings, leaving=leaving, stages=ctx.cfg.layout.stages,
                       param_counts=ctx.param_counts, partition_costs=ctx.partition_costs,
-                      global_micro_batches=ctx.cfg.global_micro_batches, redundancy=ctx.rc,
+                      global_micro_batches=ctx.cfg.global_micro_batches,
                       max_pipelines=ctx.cfg.layout.pipelines, reason=r.reason,
                       machine_of=self.machine_of)
         mode = modes.choose(ctx.plan.gen + 1)
-        kwargs["redundancy"] = mode in ("eager", "lazy")
+        kwargs["redundancy"] = mode
         kwargs["keep_layout"] = self.layout_with_holes(len(names), len(names) - len(staying),
                                                        mode)
         handled = HandledAs.PEER_RESTORE
@@ -403,7 +410,6 @@ class Generations:
         except NoLiveCopy as e:
             plan = self.restore.plan(kwargs, str(e))
             handled = HandledAs.CHECKPOINT_RESTORE
-        plan.redundancy = mode
         for loss in r.lost:
             if loss.handled_as is HandledAs.PENDING:
                 loss.handled_as = handled

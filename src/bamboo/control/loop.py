@@ -23,11 +23,11 @@ from bamboo.control.sources import LocalWorkers, NodeSource
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
 from bamboo.plan.faults import Fault
+from bamboo.protocol.messages import SHUTDOWN_KEY, WorkerMessage
 from bamboo.run.checkpoint import Checkpoint
 from bamboo.run.interface import Interface
 from bamboo.run.progress import ProgressDisplay
 from bamboo.run.runlog import RunDir, RunDirError, write_atomic
-from bamboo.wire.protocol import SHUTDOWN_KEY, WorkerMessage
 from bamboo.wire.store import serve_store
 
 __all__ = ["Coordinator", "run_job", "RunFailed"]

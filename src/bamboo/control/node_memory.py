@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bamboo.wire.protocol import StepReport
+from bamboo.protocol.messages import StepReport
 
 __all__ = ["MemoryWatch", "GROWTH_STEPS", "GROWTH_BYTES", "MIN_SLOPE_POINTS", "growth_slope"]
 

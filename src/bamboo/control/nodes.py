@@ -22,7 +22,7 @@ from typing import Any
 
 from bamboo.control.kills import Kills
 from bamboo.control.state import RunContext
-from bamboo.wire.protocol import Progress, Refused
+from bamboo.protocol.messages import Progress, Refused
 
 __all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "LOCAL_START_GRACE_S",
            "free_device_slot"]

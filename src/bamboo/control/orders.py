@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from bamboo.control.state import RunContext
 from bamboo.plan.orders import Order, OrderKind, scale_at
-from bamboo.wire.protocol import order_done_key, order_key
+from bamboo.protocol.messages import order_done_key, order_key
 
 __all__ = ["Orders"]
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.control.failures import FailureHandler
 from bamboo.control.generations import Generations
 from bamboo.control.nodes import Supervisor
@@ -195,7 +196,7 @@ class AutoRedundancy:
 
     # -- the choice -------------------------------------------------------------------------
 
-    def choose(self, gen: int) -> str:
+    def choose(self, gen: int) -> RedundancyMode:
         """The mode of generation `gen` (recorded as a `redundancy_mode` event), or with
         `gen` < 0, the mode a new generation would get now (no event).
 
@@ -250,7 +251,7 @@ class AutoRedundancy:
                                   failover_pause_s={m: round(v, 4) for m, v in
                                                     costs.failover_pause_by_mode.items()},
                                   work_floor_s={m: round(v, 4) for m, v in self.floors.items()})
-        return mode
+        return RedundancyMode(mode)  # the planner's words, decoded where the run takes them
 
     @staticmethod
     def modes(costs: ModeCosts) -> tuple[str, ...]:

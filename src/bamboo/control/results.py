@@ -28,13 +28,13 @@ from bamboo.control.steps import PendingStep
 from bamboo.data.user import data_position
 from bamboo.node import procmem
 from bamboo.plan.redundancy_choice import NodeWork, redundant_work_floor
+from bamboo.protocol.messages import LayerParams, StepReport
 from bamboo.run.checkpoint import (
     CheckpointError,
     checkpoint_location,
     final_dir,
     load_layer_tensors,
 )
-from bamboo.wire.protocol import LayerParams, StepReport
 
 __all__ = ["Results"]
 

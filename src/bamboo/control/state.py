@@ -171,8 +171,6 @@ class RunContext:
     """What stages are cut by (`JobConfig.partition_costs`): parameter counts by default."""
     clock: Callable[[], float] = time.monotonic
     t0: float = 0.0
-    rc: bool = True
-    """Redundancy on (eager or lazy) in the current generation."""
     committed: int = 0
     """Steps committed: the next step to run."""
     losses: list[float] = field(default_factory=list)
@@ -207,6 +205,15 @@ class RunContext:
     start_loss_scale: list[float] | None = None
     """`--precision fp16`: the loss scaler's state where the run started (a resumed run's
     checkpoint's); None: the initial one."""
+
+    @property
+    def rc(self) -> bool:
+        """Whether the current generation keeps replicas (its plan's mode; before the first
+        plan, whether the job's mode may: `auto` may)."""
+        if self.plan is not None:
+            return self.plan.redundancy.keeps_replica
+        mode = self.cfg.redundancy.kind
+        return mode.keeps_replica or mode.chosen_per_generation
 
     def loss_scale_at(self, step: int) -> LossScale:
         """The fp16 loss scaler's state at the boundary before `step`."""

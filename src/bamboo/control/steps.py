@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from bamboo.control.metrics import reduce_metrics
 from bamboo.control.nodes import Supervisor
 from bamboo.control.state import RunContext, Stop
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     BoundaryFlag,
     Decision,
     EvalDone,

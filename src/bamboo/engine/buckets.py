@@ -43,7 +43,7 @@ from bamboo.engine.comm import P2P, Interrupted, PeerLost, bury
 from bamboo.engine.stage import StageState
 from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap
-from bamboo.plan.votes import StepReport
+from bamboo.protocol.votes import StepReport
 
 __all__ = ["plan_buckets", "StageBuckets", "BucketReducer", "group_name"]
 

@@ -16,7 +16,7 @@ import torch
 from bamboo.engine.comm import GroupFormer
 from bamboo.engine.stage import StageState
 from bamboo.plan.roles import RoleMap
-from bamboo.plan.votes import Votes
+from bamboo.protocol.votes import Votes
 
 __all__ = ["NodeContext", "Held"]
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.config.presets import ModelPreset
 from bamboo.data.datasets import Batch, Task, on_device
 from bamboo.engine.buckets import BucketReducer
@@ -65,12 +66,12 @@ from bamboo.plan.program import (
     node_instructions,
 )
 from bamboo.plan.roles import RoleMap
-from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Votes
+from bamboo.protocol.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 
 __all__ = ["EngineOptions", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
-"""Phase indices a node marks its progress with (`bamboo.wire.protocol.PHASES` names them)."""
+"""Phase indices a node marks its progress with (`bamboo.protocol.messages.PHASES` names them)."""
 _global_order = functools.lru_cache(maxsize=64)(S.global_order)  # the same at every step
 _COMMITTED, _ABORTED, _REDO = "committed", "aborted", "redo"
 """How one attempt at a step ended (`NodeEngine._attempt`)."""
@@ -86,7 +87,7 @@ class NodeEngine:
     instruction executed, `progress(step, phase)` of each phase begun."""
 
     def __init__(self, *, model: ModelPreset, options: EngineOptions, rank: int,
-                 layout: Layout, parts: Sequence[range], roles: RoleMap, redundancy: str,
+                 layout: Layout, parts: Sequence[range], roles: RoleMap, redundancy: RedundancyMode,
                  task: Task, device: torch.device, link: Votes, group: Any,
                  former: GroupFormer | None = None, hook: InstructionHook | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
@@ -106,8 +107,8 @@ class NodeEngine:
         self.loss_scale = LossScale()
         """`--precision fp16`: the dynamic loss scale at the next step (bamboo.plan.loss_scale;
         the generation's plan gives it, each committed step moves it)."""
-        self.eager = redundancy == "eager"
-        shadowed = redundancy in ("eager", "lazy")
+        self.eager = redundancy.runs_frc
+        shadowed = redundancy.keeps_replica
         self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
         self.P = layout.stages
         self.pipeline = roles.pipeline_of(rank)

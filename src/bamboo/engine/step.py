@@ -13,7 +13,7 @@ from bamboo.engine.comm import Key
 from bamboo.engine.memory import StepMemory
 from bamboo.plan import schedule as S
 from bamboo.plan.roles import Takeover
-from bamboo.plan.votes import StepReport
+from bamboo.protocol.votes import StepReport
 
 __all__ = ["StepState", "TransferLog"]
 

@@ -20,7 +20,7 @@ from bamboo.engine.options import EngineOptions
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
 from bamboo.plan.loss_scale import LossScale
-from bamboo.plan.votes import StepReport
+from bamboo.protocol.votes import StepReport
 
 __all__ = ["Applied", "apply_update", "note_holdings"]
 

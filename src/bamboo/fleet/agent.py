@@ -1,6 +1,6 @@
 """`bamboo agent --join ADDR:PORT`: one machine's workers, for a coordinator elsewhere.
 
-The agent joins the coordinator (a token handshake, bamboo.wire.frames), receives one
+The agent joins the coordinator (a token handshake, bamboo.protocol.frames), receives one
 `Job` per worker it is given (worker k uses the machine's GPU k), starts the workers
 (the same `worker_main` the local cluster forks), relays their reports and heartbeats,
 and reports preemption notices (cloud metadata endpoints, or SIGTERM from Kubernetes'
@@ -30,8 +30,8 @@ from typing import Any
 
 from bamboo.fleet.remote import JoinError, Objects, install_objects, register_wire_types
 from bamboo.node.output import AGENT_LOG_DIR
-from bamboo.wire.frames import Channel, Refusal, WireError, client_handshake
-from bamboo.wire.protocol import (
+from bamboo.protocol.frames import Channel, Refusal, WireError, client_handshake
+from bamboo.protocol.messages import (
     Beat,
     Done,
     Exit,

@@ -1,7 +1,7 @@
 """Several machines, the coordinator's side: the join listener and agents seen as processes.
 
 `bamboo coordinator --bind ADDR:PORT` listens for agents there. Each connection gets its
-own handshake thread with a deadline (bamboo.wire.frames): the agent proves it knows
+own handshake thread with a deadline (bamboo.protocol.frames): the agent proves it knows
 the job's token (HMAC of a random challenge), and a client that connects and closes,
 sends garbage or stalls is dropped without affecting anyone else. Nothing from the
 network is unpickled: messages are JSON frames decoded into this project's dataclasses.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bamboo.wire.frames import Channel, Refusal, register, serve_handshake
-from bamboo.wire.protocol import (
+from bamboo.protocol.frames import Channel, Refusal, register, serve_handshake
+from bamboo.protocol.messages import (
     AGENT_MESSAGES,
     WORKER_MESSAGES,
     Beat,
@@ -79,7 +79,7 @@ class Objects:
 
 CHUNK_BYTES = 6 << 20
 """The most bytes of objects one message carries: base64 makes them 8 MiB, within a frame
-(bamboo.wire.frames.MAX_FRAME). A larger object is cut into chunks of this size."""
+(bamboo.protocol.frames.MAX_FRAME). A larger object is cut into chunks of this size."""
 
 _TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The join token each admitted agent's channel proved (to sign what it is sent)."""

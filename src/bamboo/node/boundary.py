@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from bamboo.plan.orders import Order
-from bamboo.wire.protocol import SHUTDOWN_KEY, order_done_key, order_key
+from bamboo.protocol.messages import SHUTDOWN_KEY, order_done_key, order_key
 
 __all__ = ["BoundaryOrders", "RunOver"]
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from bamboo.config import JobConfig
+from bamboo.protocol.messages import CheckpointPart
 from bamboo.run.checkpoint import (
     CheckpointError,
     checkpoint_location,
@@ -22,7 +23,6 @@ from bamboo.run.checkpoint import (
 )
 from bamboo.run.writers import stages_written_by
 from bamboo.wire.link import CoordinatorLink
-from bamboo.wire.protocol import CheckpointPart
 
 if TYPE_CHECKING:
     from bamboo.engine.engine import NodeEngine

@@ -50,10 +50,7 @@ from bamboo.plan.layout import Layout
 from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.orders import OrderKind
 from bamboo.plan.planner import GenerationPlan
-from bamboo.run.checkpoint import load_layers
-from bamboo.util import logs
-from bamboo.wire.link import CoordinatorLink
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     SHUTDOWN_KEY,
     BoundaryFlag,
     Done,
@@ -69,6 +66,9 @@ from bamboo.wire.protocol import (
     final_request_key,
     plan_key,
 )
+from bamboo.run.checkpoint import load_layers
+from bamboo.util import logs
+from bamboo.wire.link import CoordinatorLink
 from bamboo.wire.store import StoreConnections
 
 __all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
@@ -223,7 +223,7 @@ class WorkerNode:
                         global_micro_batches=cfg.global_micro_batches)
         engine = NodeEngine(model=self.preset, options=self.options, rank=rank, layout=layout,
                             parts=plan.layer_ranges(),
-                            roles=plan.roles(plan.redundancy in ("eager", "lazy")),
+                            roles=plan.roles(),
                             redundancy=plan.redundancy, task=self.task, device=self.device,
                             link=self.link, group=group, former=self._former(plan, rank),
                             hook=self.faults, progress=self._mark)

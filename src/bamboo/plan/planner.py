@@ -28,6 +28,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.plan.partition import partition
 from bamboo.plan.placement import spread
 from bamboo.plan.roles import Reroute, RoleMap
@@ -65,8 +66,9 @@ class GenerationPlan:
     reason: str = ""
     fired_kills: list[str] = field(default_factory=list)
     """`--kill D:S@K` specs already carried out (steps may be redone after a restore)."""
-    redundancy: str = "eager"
-    """eager | lazy | off for this generation (`--redundancy auto` changes it between them)."""
+    redundancy: RedundancyMode = RedundancyMode.EAGER
+    """This generation's mode (`--redundancy auto` changes it between generations); the
+    plan is its only carrier."""
     fresh_start: bool = False
     """Every layer is built from the seed: the run restarts from its initial state."""
     holes: list[list[int]] = field(default_factory=list)
@@ -82,14 +84,18 @@ class GenerationPlan:
     """`--precision fp16`: the loss scaler's state at `start_step` ([scale, growth tracker];
     bamboo.plan.loss_scale); each committed step moves it on every node alike."""
 
+    def __post_init__(self) -> None:
+        self.redundancy = RedundancyMode(self.redundancy)  # from JSON: the word
+
     @property
     def active(self) -> int:
         """Ranks that train: one a slot, holes aside (the ranks after them only leave)."""
         return self.pipelines * self.stages - len(self.holes)
 
-    def roles(self, redundancy: bool) -> RoleMap:
+    def roles(self) -> RoleMap:
+        """The generation's first role map: replicas where its mode keeps them."""
         roles = RoleMap.initial(stages=self.stages, pipelines=self.pipelines,
-                                redundancy=redundancy and self.stages > 1)
+                                redundancy=self.redundancy.keeps_replica and self.stages > 1)
         roles.epoch = self.epoch
         return with_holes(roles, self.holes) if self.holes else roles
 
@@ -151,7 +157,7 @@ def _needs(parts: Sequence[range], stage: int, redundancy: bool) -> list[int]:
 def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[str],
                     holdings: dict[str, set[int]], leaving: Sequence[str] = (),
                     stages: int, param_counts: Sequence[int], global_micro_batches: int,
-                    redundancy: bool, checkpoint: str | None = None,
+                    redundancy: RedundancyMode, checkpoint: str | None = None,
                     max_pipelines: int | None = None, reason: str = "",
                     machine_of: Callable[[str], str | None] | None = None,
                     partition_costs: Sequence[float] | None = None,
@@ -178,7 +184,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
                              global_micro_batches=global_micro_batches,
                              max_pipelines=max_pipelines)
     parts = partition(list(partition_costs or param_counts), p)
-    rc = redundancy and p > 1
+    rc = redundancy.keeps_replica and p > 1
     slots = [(dd, s) for dd in range(d) for s in range(p)]
     taken = _assign(slots, nodes, holdings, parts, rc, param_counts, p)
     holes = [list(slots[k]) for k in range(len(slots)) if k not in taken]
@@ -186,7 +192,8 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
         raise ValueError(f"{len(nodes)} nodes cannot hold every stage of a {d} x {p} layout")
     active = [taken[k] for k in range(len(slots)) if k in taken]
     roles = GenerationPlan(gen=gen, epoch=epoch, members=active, pipelines=d, stages=p,
-                           parts=[], start_step=start_step, holes=holes).roles(rc)
+                           parts=[], start_step=start_step, holes=holes,
+                           redundancy=redundancy).roles()
 
     def needs(rank: int) -> list[int]:
         """Layers rank `rank` needs: its stage, and its replica's when it keeps one."""
@@ -203,7 +210,7 @@ def plan_generation(*, gen: int, epoch: int, start_step: int, nodes: Sequence[st
     return GenerationPlan(gen=gen, epoch=epoch, members=members, pipelines=d, stages=p,
                           parts=[[r.start, r.stop] for r in parts], start_step=start_step,
                           transfers=transfers, checkpoint=checkpoint, leavers=list(leaving),
-                          reason=reason, holes=holes)
+                          reason=reason, holes=holes, redundancy=redundancy)
 
 
 def _assign(slots: list[tuple[int, int]], nodes: Sequence[str], holdings: dict[str, set[int]],

@@ -98,7 +98,7 @@ class NodeWork(NamedTuple):
     optim_s: float
     """Its stage's optimizer step."""
     own_processor: bool
-    """Whether its waits are idle time (see ``bamboo.wire.protocol.Ready``)."""
+    """Whether its waits are idle time (see ``bamboo.protocol.messages.Ready``)."""
 
 
 def redundant_work_floor(nodes: Sequence[NodeWork], stages: int,

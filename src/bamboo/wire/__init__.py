@@ -1,3 +1,3 @@
-"""The message layer between processes: protocol messages, length-prefixed authenticated frames, and the links that carry them."""
+"""The links between processes of one run: a worker's line to the coordinator (its pipe and the store) and the store server they meet on; what they carry is `bamboo.protocol`."""
 
 __all__: list[str] = []

@@ -1,9 +1,9 @@
 """A worker's line to the coordinator: its pipe for reports, the store for decisions.
 
-Reports go up the worker's own pipe as `bamboo.wire.protocol` messages (one writer per
+Reports go up the worker's own pipe as `bamboo.protocol.messages` messages (one writer per
 pipe, guarded by a lock so the heartbeat thread and the training loop never interleave a
 message). Decisions come down through the coordinator's store under the keys that
-`bamboo.wire.protocol` defines. `CoordinatorLink` is the engine's `Votes`.
+`bamboo.protocol.messages` defines. `CoordinatorLink` is the engine's `Votes`.
 
 A vote's answer is never waited for past the moment it became moot: once a newer role
 epoch is published, the coordinator answers an older epoch's vote only with abort/redo,
@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bamboo.plan.roles import RoleMap
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     Decision,
     EvalDone,
     Go,

@@ -9,7 +9,7 @@ import pytest
 
 from bamboo.config import JobConfig
 from bamboo.node.backend_errors import describe, is_backend_text, peer_rank
-from bamboo.wire.protocol import WorkerError
+from bamboo.protocol.messages import WorkerError
 from coordinator_sim import SimCluster
 
 GLOO_RESET = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bamboo.config import JobConfig
-from bamboo.wire.protocol import CheckpointPart
+from bamboo.protocol.messages import CheckpointPart
 from coordinator_sim import SimCluster
 from support.decisions import node_of, run
 

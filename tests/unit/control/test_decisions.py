@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bamboo.config import JobConfig
-from bamboo.wire.protocol import MicroBatchesDone, RoundDone, decide_key, go_key
+from bamboo.protocol.messages import MicroBatchesDone, RoundDone, decide_key, go_key
 from coordinator_sim import SimCluster
 from support.decisions import kill_stage, kill_stages, node_of, run
 
@@ -366,7 +366,7 @@ def test_a_remove_of_a_trace_node_without_a_worker_changes_nothing(tmp_path: Pat
 
 @pytest.mark.timeout(60)
 def test_a_failed_state_transfer_is_said_in_the_projects_words(tmp_path: Path) -> None:
-    from bamboo.wire.protocol import GenerationEnd
+    from bamboo.protocol.messages import GenerationEnd
     sim = SimCluster(cfg(nodes=2, stages=2, steps=6), tmp_path / "run")
     sim.step()
     raw = ("state transfer of generation 0 failed: transfer with rank 1 failed: [/__w/pytorch/"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig
+from bamboo.config.modes import RedundancyMode
 from bamboo.plan.planner import GenerationPlan, plan_generation
 from coordinator_sim import SimCluster
 
@@ -98,7 +99,7 @@ def test_one_standby_fills_one_of_two_holes_at_the_next_boundary(
 
 
 def _keep(nodes: list[str], holdings: dict[str, set[int]], layout: tuple[int, int],
-          redundancy: bool = False) -> GenerationPlan:
+          redundancy: RedundancyMode = RedundancyMode.OFF) -> GenerationPlan:
     return plan_generation(gen=1, epoch=5, start_step=3, nodes=nodes, holdings=holdings,
                            stages=layout[1], param_counts=[10] * 6, global_micro_batches=6,
                            redundancy=redundancy, keep_layout=layout)
@@ -111,7 +112,7 @@ def test_a_kept_layout_gives_every_stage_a_holder_and_reroutes_its_holes() -> No
     held = {"n0": {0, 1, 2, 3}, "n1": {0, 1, 2, 4, 5}, "n2": {0, 1, 2, 4, 5}}
     plan = _keep(["n0", "n1", "n2"], held, (3, 2))
     assert plan.active == 3 and len(plan.holes) == 3
-    roles = plan.roles(False)
+    roles = plan.roles()
     assert sorted(s for r in range(3) for s in roles.stages_of(r)) == [0, 0, 1]
     assert {(r.pipeline, r.stage) for r in roles.reroutes} == {tuple(h) for h in plan.holes}
     for r in roles.reroutes:
@@ -122,8 +123,8 @@ def test_a_kept_layout_gives_every_stage_a_holder_and_reroutes_its_holes() -> No
 
 def test_a_kept_layout_keeps_no_replica_next_to_a_hole() -> None:
     plan = _keep(["n0", "n3", "n4"], {"n0": set(range(6)), "n3": set(range(6))}, (2, 2),
-                 redundancy=True)
-    roles = plan.roles(True)
+                 redundancy=RedundancyMode.LAZY)
+    roles = plan.roles()
     [hole] = plan.holes
     d, s = hole
     assert roles.replicas[d][s] is None and roles.replicas[d][(s + 1) % 2] is None

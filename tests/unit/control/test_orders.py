@@ -12,7 +12,7 @@ from bamboo.control.orders import Orders
 from bamboo.control.state import RunContext
 from bamboo.plan.orders import Order, OrderKind, scale_at
 from bamboo.plan.roles import RoleMap
-from bamboo.wire.protocol import order_done_key, order_key
+from bamboo.protocol.messages import order_done_key, order_key
 from coordinator_sim import DictStore, ListEvents, QuietDisplay
 
 

@@ -17,7 +17,7 @@ import torch
 from bamboo.control.node_memory import GROWTH_STEPS, MemoryWatch, growth_slope
 from bamboo.engine.memory import SavedTensors
 from bamboo.node import procmem
-from bamboo.wire.protocol import StepReport
+from bamboo.protocol.messages import StepReport
 
 # -- in one process: what the saved-tensor hooks keep alive ---------------------------------
 

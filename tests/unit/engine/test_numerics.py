@@ -95,7 +95,7 @@ def test_a_stage_forward_reports_the_same_saved_bytes_counted_or_reused() -> Non
     from bamboo.engine.forward import StageForward
     from bamboo.engine.options import EngineOptions
     from bamboo.engine.step import StepState
-    from bamboo.plan.votes import StepReport
+    from bamboo.protocol.votes import StepReport
 
     st = _stage()  # stage 1 of 4 (gpt2-tiny's layers 2 and 3: d_model 64)
     options = EngineOptions(lr=1e-2, warmup_steps=0, total_steps=4, weight_decay=0.0,

@@ -16,7 +16,7 @@ from bamboo.fleet.remote import (
     objects_messages,
     register_wire_types,
 )
-from bamboo.wire.frames import decode, to_bytes
+from bamboo.protocol.frames import decode, to_bytes
 
 TOKEN = "a" * 32
 

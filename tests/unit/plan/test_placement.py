@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bamboo.config.modes import RedundancyMode
 from bamboo.plan.placement import conflicts, spread
 from bamboo.plan.planner import plan_generation
 
@@ -47,5 +48,5 @@ def test_a_reconfiguration_places_replicas_off_the_primary_machine() -> None:
     plan = plan_generation(gen=1, epoch=1, start_step=0, nodes=nodes,
                            holdings={n: set(range(4)) for n in nodes}, stages=4,
                            param_counts=[10, 10, 10, 10], global_micro_batches=4,
-                           redundancy=True, max_pipelines=1, machine_of=machine.get)
+                           redundancy=RedundancyMode.LAZY, max_pipelines=1, machine_of=machine.get)
     assert conflicts(plan.members[:4], machine.get, 4) == 0

@@ -282,8 +282,8 @@ def test_a_file_url_root_works_like_a_folder(tmp_path):
 
 
 def test_checkpoint_and_final_reports_are_plain_json() -> None:
-    from bamboo.wire import frames as wire
-    from bamboo.wire.protocol import CheckpointPart, LayerParams
+    from bamboo.protocol import frames as wire
+    from bamboo.protocol.messages import CheckpointPart, LayerParams
     wire.register(CheckpointPart, LayerParams)
     for msg in (CheckpointPart(rank=1, step=4, layers=[2, 3]),
                 CheckpointPart(rank=1, step=4, layers=[], error="could not write layer 2"),
@@ -346,7 +346,7 @@ def test_a_missing_or_broken_final_layer_fails_the_run_cleanly(tmp_path, damage)
 
 def test_a_failed_final_write_stops_the_run_naming_it(tmp_path):
     from bamboo.control.state import Stop
-    from bamboo.wire.protocol import LayerParams
+    from bamboo.protocol.messages import LayerParams
     sim = _finished_sim(tmp_path)
     with pytest.raises(Stop, match=r"^the trained model was not saved \(model.pt not written\): "
                                    r"could not write layer 2 to .*: No space left on device$"):

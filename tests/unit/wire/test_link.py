@@ -12,8 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from bamboo.plan.roles import RoleMap
-from bamboo.wire.link import CoordinatorGone, CoordinatorLink
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     BoundaryFlag,
     Decision,
     Go,
@@ -25,6 +24,7 @@ from bamboo.wire.protocol import (
     epoch_key,
     go_key,
 )
+from bamboo.wire.link import CoordinatorGone, CoordinatorLink
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
     from bamboo.config import JobConfig
     from bamboo.node.worker import TransferFailed, WorkerNode, WorkerSpec
     from bamboo.plan.planner import GenerationPlan
-    from bamboo.wire.protocol import Progress
+    from bamboo.protocol.messages import Progress
 
     cfg = JobConfig.of(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()
     spec = WorkerSpec(node=0, slot=0, first_gen=0, store_host="127.0.0.1",

@@ -13,7 +13,7 @@ from bamboo.config import JobConfig, parse_kill
 from bamboo.fleet.remote import register_wire_types
 from bamboo.node.worker import WorkerSpec
 from bamboo.plan.faults import Fault
-from bamboo.wire.frames import (
+from bamboo.protocol.frames import (
     Channel,
     Refusal,
     WireError,
@@ -23,7 +23,7 @@ from bamboo.wire.frames import (
     serve_handshake,
     to_bytes,
 )
-from bamboo.wire.protocol import (
+from bamboo.protocol.messages import (
     Beat,
     FromWorker,
     Job,

@@ -2,9 +2,9 @@
 
 Workers report up their own pipe (an agent relays them over its connection); each report
 is one of the frozen dataclasses below (or the engine's `StepReport`, defined with the
-engine's votes in `bamboo.plan.votes`), so the coordinator dispatches on the type, never on
+engine's votes in `bamboo.protocol.votes`), so the coordinator dispatches on the type, never on
 a string. Decisions come down through the coordinator's store under the keys defined here
-(values: `bamboo.plan.votes`' enums in their text form, plans and role maps as JSON).
+(values: `bamboo.protocol.votes`' enums in their text form, plans and role maps as JSON).
 Liveness and progress go through two shared arrays whose layout is defined here too.
 
     gen/<g>            the plan of generation g (bamboo.plan.planner, JSON)
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bamboo.plan.votes import BoundaryFlag, Decision, Go, StepReport, Verdict
+from bamboo.protocol.votes import BoundaryFlag, Decision, Go, StepReport, Verdict
 
 __all__ = [
     "Go", "Decision", "BoundaryFlag", "Verdict",
@@ -252,7 +252,7 @@ class WorkerError(WorkerMessage):
 
 
 # -- agent <-> coordinator ----------------------------------------------------------------
-# JSON frames (bamboo.wire.frames); an agent runs K workers, each message names one by its
+# JSON frames (bamboo.protocol.frames); an agent runs K workers, each message names one by its
 # local index `worker` (worker k uses the machine's GPU k).
 
 
