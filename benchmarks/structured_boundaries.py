@@ -58,7 +58,7 @@ class Block(nn.Module):
 
     def forward(self, x: object) -> object:
         if self.structured:
-            h, mask = x["hidden"], x["mask"]  # type: ignore[index]
+            h, mask = x["hidden"], x["mask"]  # type: ignore[index]  # a dict of tensors on this path
         else:
             h = x  # the same mask, made here
             mask = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
@@ -72,7 +72,7 @@ class Head(nn.Module):
         self.ln, self.out, self.structured = nn.LayerNorm(D), nn.Linear(D, vocab), structured
 
     def forward(self, x: object) -> torch.Tensor:
-        return self.out(self.ln(x["hidden"] if self.structured else x))  # type: ignore[index]
+        return self.out(self.ln(x["hidden"] if self.structured else x))  # type: ignore[index]  # a dict of tensors on this path
 
 
 def _build(vocab_size: int, structured: bool) -> PipelineModel:
@@ -82,7 +82,7 @@ def _build(vocab_size: int, structured: bool) -> PipelineModel:
     layers = [lambda: Embed(vocab_size, structured)]
     layers += [lambda: Block(structured)] * BLOCKS
     layers += [lambda: Head(vocab_size, structured)]
-    return PipelineModel(layers=layers, boundary=boundary, context=CONTEXT,  # type: ignore[arg-type]
+    return PipelineModel(layers=layers, boundary=boundary, context=CONTEXT,  # type: ignore[arg-type]  # a structured boundary spec
                          vocab_size=vocab_size)
 
 
@@ -126,13 +126,13 @@ def _stage_timings(reps: int, batch: int) -> dict[str, list[float]]:
         assert x.grad is not None
 
     def through(spec: object, module: nn.Module, wire: torch.Tensor) -> None:
-        x = spec.as_input(spec.unpack(wire))  # type: ignore[attr-defined]
-        out = spec.cast(module(x))  # type: ignore[attr-defined]
-        spec.pack(detach(out))  # type: ignore[attr-defined]
-        outs, grads = spec.grad_pairs(out, spec.unpack_grad(spec.pack_grad(  # type: ignore[attr-defined]
+        x = spec.as_input(spec.unpack(wire))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        out = spec.cast(module(x))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        spec.pack(detach(out))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        outs, grads = spec.grad_pairs(out, spec.unpack_grad(spec.pack_grad(  # type: ignore[attr-defined]  # the boundary spec of the structured path
             grad if spec is one else (grad,))))
         torch.autograd.backward(outs, grad_tensors=grads)
-        spec.pack_grad(spec.input_grads(x))  # type: ignore[attr-defined]
+        spec.pack_grad(spec.input_grads(x))  # type: ignore[attr-defined]  # the boundary spec of the structured path
 
     ways = {"today": today, "one": lambda: through(one, blocks[0], wires["one"]),
             "dict": lambda: through(both, blocks[1], wires["dict"])}
@@ -166,12 +166,12 @@ def _bookkeeping(reps: int, batch: int) -> dict[str, float]:
         assert x.grad is not None
 
     def through(spec: object, out: object, wire: torch.Tensor, g: object) -> None:
-        x = spec.as_input(spec.unpack(wire))  # type: ignore[attr-defined]
-        spec.pack(detach(spec.cast(out)))  # type: ignore[attr-defined]
-        spec.grad_pairs(out, spec.unpack_grad(spec.pack_grad(g)))  # type: ignore[attr-defined]
-        for t in spec.grad_inputs(x):  # type: ignore[attr-defined]
+        x = spec.as_input(spec.unpack(wire))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        spec.pack(detach(spec.cast(out)))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        spec.grad_pairs(out, spec.unpack_grad(spec.pack_grad(g)))  # type: ignore[attr-defined]  # the boundary spec of the structured path
+        for t in spec.grad_inputs(x):  # type: ignore[attr-defined]  # the boundary spec of the structured path
             t.grad = grad
-        spec.pack_grad(spec.input_grads(x))  # type: ignore[attr-defined]
+        spec.pack_grad(spec.input_grads(x))  # type: ignore[attr-defined]  # the boundary spec of the structured path
 
     ways = {"today": today, "one": lambda: through(one, h, wires["one"], grad),
             "dict": lambda: through(both, value, wires["dict"], (grad,))}

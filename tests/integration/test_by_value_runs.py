@@ -55,7 +55,7 @@ def test_models_sent_by_value_killed_in_flight_end_equal_to_their_failure_free_r
     mix = _mix_class()
     torch.manual_seed(5)
     model = nn.Sequential(nn.Embedding(256, D), mix(D), mix(D), nn.Linear(D, 256))
-    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     clean = bamboo.train(bamboo.Job(model=model, **SHAPE), out=tmp_path / "clean")
     job = bamboo.Job(model=model, kill=["0:1@2"], **SHAPE)
     killed = bamboo.train(job, out=tmp_path / "killed")
@@ -64,7 +64,7 @@ def test_models_sent_by_value_killed_in_flight_end_equal_to_their_failure_free_r
     assert killed.config["model"] == clean.config["model"] == job.config.model.name
     _equals_the_single_process_loop(killed, job)
     other = nn.Sequential(nn.Embedding(256, D), mix(D), nn.Linear(D, 256))
-    other.context, other.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    other.context, other.vocab_size = CONTEXT, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     with pytest.raises(bamboo.JobError) as e:  # before any worker starts
         bamboo.train(bamboo.Job(model=other, resume=str(tmp_path / "killed"),
                                 **(SHAPE | {"steps": 6})))
@@ -100,7 +100,7 @@ def test_a_model_sent_by_value_reaches_an_agent_on_another_machine(
     monkeypatch.setattr(tempfile, "tempdir", str(here))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Embedding(256, D), _mix_class()(D), nn.Linear(D, 256))
-    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     job = bamboo.Job(model=model, nodes=2, stages=2, steps=3, micro_batches=2,
                      micro_batch_size=2)
     ref, out, port = job.config.model.name, tmp_path / "run", free_port()
@@ -136,7 +136,7 @@ def test_the_command_resumes_a_by_value_run_where_the_machines_copy_is_gone(
     mix = _mix_class()
     torch.manual_seed(11)
     model = nn.Sequential(nn.Embedding(256, D), mix(D), nn.Linear(D, 256))
-    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]
+    model.context, model.vocab_size = CONTEXT, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     shape = dict(SHAPE, nodes=2)
     first = bamboo.train(bamboo.Job(model=model, **shape), out=tmp_path / "run")
     shutil.copytree(tmp_path / "run", tmp_path / "copy")

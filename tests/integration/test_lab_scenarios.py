@@ -61,7 +61,7 @@ class Job:
         with log.open("w") as err:
             p = self.lab.run(host, argv, cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=err, text=True, env=ENV)
-        p.log = log  # type: ignore[attr-defined]
+        p.log = log  # type: ignore[attr-defined]  # the test's note on the process object
         self.agents.append(p)
         return p
 

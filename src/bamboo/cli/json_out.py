@@ -35,7 +35,7 @@ def json_stdout(enabled: bool) -> Iterator[TextIO]:
         return
     os.dup2(2, 1)
     try:
-        yield _Unbuffered(real)  # type: ignore[misc]
+        yield _Unbuffered(real)  # type: ignore[misc]  # a file-like wrapper, not a TextIO subclass
     finally:
         sys.stdout.flush()
         os.dup2(real, 1)

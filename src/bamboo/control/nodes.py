@@ -252,8 +252,8 @@ class Supervisor:
         from bamboo.node.worker import WorkerSpec
         ctx = self.ctx
         return WorkerSpec(node=node, slot=slot, first_gen=first_gen,
-                          store_host=self.store_host,  # type: ignore[arg-type]
-                          store_port=ctx.store.port, config=ctx.cfg,  # type: ignore[attr-defined]
+                          store_host=self.store_host,  # type: ignore[arg-type]  # set before any node is spawned
+                          store_port=ctx.store.port, config=ctx.cfg,  # type: ignore[attr-defined]  # the run's store is a TCPStore, whose port torch types loosely
                           faults=self.kills.faults_for(node, first_gen))
 
     def local_device_slots(self) -> set[int]:

@@ -49,22 +49,11 @@ from bamboo.engine.transport import Transport, make_transport
 from bamboo.engine.update import apply_update, note_holdings
 from bamboo.model import boundary_shapes, loss_fn, model_ties
 from bamboo.model.structure import detach
+from bamboo.plan import program
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
 from bamboo.plan.layout import Layout
 from bamboo.plan.loss_scale import LossScale
-from bamboo.plan.program import (
-    APPLIED,
-    COMMIT_POINTS,
-    MICRO_BATCHES_DONE,
-    REDUCED,
-    ROUND_DONE,
-    CommitPoint,
-    EvalMicroBatch,
-    InstructionHook,
-    NoHook,
-    node_instructions,
-)
 from bamboo.plan.roles import RoleMap
 from bamboo.protocol.votes import BoundaryFlag, Decision, Go, StepReport, Votes
 
@@ -89,7 +78,7 @@ class NodeEngine:
     def __init__(self, *, model: ModelPreset, options: EngineOptions, rank: int,
                  layout: Layout, parts: Sequence[range], roles: RoleMap, redundancy: RedundancyMode,
                  task: Task, device: torch.device, link: Votes, group: Any,
-                 former: GroupFormer | None = None, hook: InstructionHook | None = None,
+                 former: GroupFormer | None = None, hook: program.InstructionHook | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.preset, self.options, self.parts, self.layout = model, options, parts, layout
         stage_of = {layer: stage for stage, r in enumerate(parts) for layer in r}
@@ -98,7 +87,7 @@ class NodeEngine:
             if len(stages := sorted({stage_of[layer] for layer in tie.layers()})) > 1]
         """The ties whose uses are on more than one stage (the commit round adds them)."""
         self.rank, self.roles, self.task, self.device = rank, roles, task, device
-        self.link, self.hook, self.progress = link, hook or NoHook(), progress
+        self.link, self.hook, self.progress = link, hook or program.NoHook(), progress
         self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.lr_scale = 1.0
@@ -188,11 +177,11 @@ class NodeEngine:
         way the step goes on under new roles)."""
         length = self._micro_batches(s)
         self._mark(s.step, _COMMIT)
-        self._passed(s.step, length, MICRO_BATCHES_DONE)
+        self._passed(s.step, length, program.MICRO_BATCHES_DONE)
         if self.link.phase_a_done(s.step, self.roles.epoch) is not Go.GO:
             return _ABORTED
         result = self._commit_round(s, length)
-        self._passed(s.step, length, ROUND_DONE)
+        self._passed(s.step, length, program.ROUND_DONE)
         losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
         metrics = [(g, name, value) for g in sorted(s.losses)
                    for name, value in s.metrics.get(g, {}).items()]
@@ -202,7 +191,7 @@ class NodeEngine:
             return _REDO
         self.flags = set(verdict.flags)
         self._apply(s, result)
-        self._passed(s.step, length, APPLIED)
+        self._passed(s.step, length, program.APPLIED)
         return _COMMITTED
 
     def _report(self, s: StepState, start: float, faults: int) -> StepReport:
@@ -215,10 +204,10 @@ class NodeEngine:
         note_holdings(r, s, self.stages, self.replica, self.options.check_replicas)
         return r
 
-    def _passed(self, step: int, length: int, point: CommitPoint) -> None:
+    def _passed(self, step: int, length: int, point: program.CommitPoint) -> None:
         """The step passed a point of its commit round: instruction `length` + k of its
         program, where the list of its micro-batch work has `length` instructions."""
-        self.hook.on_instruction(step, length + COMMIT_POINTS.index(point), point)
+        self.hook.on_instruction(step, length + program.COMMIT_POINTS.index(point), point)
 
     @property
     def p2p(self) -> P2P:
@@ -261,7 +250,7 @@ class NodeEngine:
                 losses = eval_pass(self.ctx, self._held(), self.p2p, batches, task=self.task,
                                    loss=self.loss, forward=self.forwards.held_out,
                                    after_batch=lambda i: self.hook.on_instruction(
-                                       step, i, EvalMicroBatch(i)), metrics=metrics)
+                                       step, i, program.EvalMicroBatch(i)), metrics=metrics)
                 if self.link.eval_done(step, self.roles.epoch, losses, metrics) is Go.GO:
                     return losses
             except PeerLost as lost:
@@ -293,7 +282,7 @@ class NodeEngine:
         the stages it holds, with eager FRC of its replica, and its share of each re-routed
         slot it serves; micro-batches named by global id."""
         frc = self.replica.stage if self.replica is not None and self.eager else None
-        return node_instructions(self.roles, self.rank, list(self.stages), self.blocks,
+        return program.node_instructions(self.roles, self.rank, list(self.stages), self.blocks,
                                  self.options.schedule, frc_stage=frc,
                                  pipeline=self.pipeline, order_of=self.order_of)
 
@@ -333,7 +322,7 @@ class NodeEngine:
                               replica=self.replica, p2p=self.p2p,
                               num_layers=self.preset.layers, exact=self.options.exact,
                               interrupt=self.interrupted,
-                              after_reduce=lambda: self._passed(s.step, length, REDUCED),
+                              after_reduce=lambda: self._passed(s.step, length, program.REDUCED),
                               ties=self.tied_stages, reducer=self.reducer)
         s.report.reduce_s += time.perf_counter() - start
         s.report.bytes_replica = result.bytes_replica

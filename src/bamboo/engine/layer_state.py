@@ -219,7 +219,7 @@ def _entries_of(cls: type, state: dict[str, Any]
             out.append((str(key), kind, tuple(value.shape), value.dtype,
                         value.device.type == "cpu"))
         else:
-            out.append((str(key), kind, (), kind.scalar_dtype, False))  # type: ignore[arg-type]
+            out.append((str(key), kind, (), kind.scalar_dtype, False))  # type: ignore[arg-type]  # a scalar entry has a scalar dtype, by its kind
     return tuple(out)
 
 

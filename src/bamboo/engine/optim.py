@@ -219,7 +219,7 @@ def _scheduled(schedule: str, optimizer: str | None, lr: float,
     if own == 0.0 and "betas" not in group:
         raise ValueError(f"{target.__name__} cycles a momentum the optimizer has at 0 "
                          f"(no state to carry): give momentum=0.9 or cycle_momentum=False")
-    return tuple(rates), tuple(float(m) for m in momenta)  # type: ignore[arg-type]
+    return tuple(rates), tuple(float(m) for m in momenta)  # type: ignore[arg-type]  # one rate per group, checked above
 
 
 @functools.lru_cache(maxsize=8)

@@ -82,7 +82,7 @@ class Taping:
         kind = x.device.type
         if x.is_floating_point() and torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))  # what autograd keeps under autocast
-        self._tape.entries.append(_Entry(layer, x, get_gradient_edge(out)))  # type: ignore[arg-type]
+        self._tape.entries.append(_Entry(layer, x, get_gradient_edge(out)))  # type: ignore[arg-type]  # get_gradient_edge is typed loosely by torch
 
     @contextlib.contextmanager
     def recording(self, tape: Tape) -> Iterator[None]:
@@ -112,7 +112,7 @@ def input_gradient(out: Any, grad: Any, x: torch.Tensor | Sequence[torch.Tensor]
     if single:
         xs = [x] if x is not None and x.requires_grad else []
     else:
-        xs = list(x)  # type: ignore[arg-type]
+        xs = list(x)  # type: ignore[arg-type]  # a tuple of tensors here, as the branch above says
     inputs: list[Any] = xs + others
     entries = tape.entries if tape is not None else []
     n_direct = len(inputs)

@@ -245,7 +245,7 @@ class AgentListener:
         self.token, self.handshake_s = token, handshake_s
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.sock = socket.create_server(address, family=family, backlog=128)
-        self.address: tuple[str, int] = tuple(self.sock.getsockname()[:2])  # type: ignore[assignment]
+        self.address: tuple[str, int] = tuple(self.sock.getsockname()[:2])  # type: ignore[assignment]  # an inet address: its first two fields
         self.advertise = advertise
         """The host workers reach the store at (None: see the coordinator's store)."""
         self.store_port = store_port if store_port is not None else \

@@ -110,11 +110,11 @@ def _layer_list(obj: object, by_value: bool = False) -> LayerList:
                          description=obj.description, context=obj.context,
                          vocab_size=obj.vocab_size, inputs=obj.inputs)
     if is_pipeline_module(obj):
-        layers, ties = pipeline_module_layers(obj, strict=by_value)  # type: ignore[arg-type]
+        layers, ties = pipeline_module_layers(obj, strict=by_value)  # type: ignore[arg-type]  # narrowed by is_pipeline_module, which mypy cannot see
         return LayerList(layers=tuple(layers), ties=ties, loss=getattr(obj, "loss_fn", None),
                          description="DeepSpeed PipelineModule")
     if is_hf_model(obj):
-        hf = hf_object_layers(obj)  # type: ignore[arg-type]
+        hf = hf_object_layers(obj)  # type: ignore[arg-type]  # narrowed by is_hf_model, which mypy cannot see
         return LayerList(layers=tuple(hf.layers), ties=hf.ties, description=hf.description,
                          context=hf.context, vocab_size=hf.vocab_size)
     if isinstance(obj, nn.Sequential):
@@ -326,7 +326,7 @@ def _convert(obj: object, said: _Said, data_inputs: Boundary | Unreadable | None
     boundary, output = said.boundary, said.output
     if boundary is None or output is None:
         specs = _derived_specs(model.layers, inputs if inputs is not None
-                               else token_inputs(context), fed)  # type: ignore[arg-type]
+                               else token_inputs(context), fed)  # type: ignore[arg-type]  # inputs is a spec or a tuple of them; both are accepted
         if boundary is None and len(model.layers) > 1:
             boundary = specs[:-1]
         output = output or specs[-1]

@@ -88,7 +88,7 @@ class _TiedFactory:
         self.spec, self.built = spec, built
 
     def __call__(self) -> nn.Module:
-        module = (self.spec.build() if self.built is None  # type: ignore[attr-defined]
+        module = (self.spec.build() if self.built is None  # type: ignore[attr-defined]  # a DeepSpeed LayerSpec, typed Any: DeepSpeed is optional
                   else Copy(self.built)())
         forward_fn = getattr(self.spec, "forward_fn", None)
         return module if forward_fn is None else _TiedForward(module, forward_fn)
@@ -148,7 +148,7 @@ def layer_factories(items: Sequence[object], deepspeed: bool,
             factories.append(_TiedFactory(item, tied.get(str(getattr(item, "key", "")))))
             _tie_uses(item, i, ties, attrs_of)
         elif is_layer_spec(item):
-            factories.append(item.build)  # type: ignore[attr-defined]
+            factories.append(item.build)  # type: ignore[attr-defined]  # a DeepSpeed LayerSpec, recognised by is_layer_spec
         elif isinstance(item, nn.Module):
             factories.append(Copy(item))
         elif callable(item):
@@ -166,7 +166,7 @@ def pipeline_module_layers(obj: nn.Module, strict: bool) -> tuple[list[Factory],
     its own stage's layers: ModelError when `strict` (an object sent by value, whose
     parameters are the point), else its LayerSpecs, built anew (a build function's, which
     every process calls)."""
-    specs = list(obj._layer_specs)  # type: ignore[attr-defined]
+    specs = list(obj._layer_specs)  # type: ignore[attr-defined]  # a PipelineModule's private list of specs
     modules = dict(obj.named_children())
     built = {i: modules[str(i)] for i in range(len(specs)) if str(i) in modules}
     tied = dict(getattr(obj, "tied_modules", None) or {})

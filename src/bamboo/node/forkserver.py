@@ -62,7 +62,7 @@ def _fit_socket_path() -> None:
     """Give multiprocessing a temp directory short enough for the fork server's Unix
     socket. Under a long TMPDIR Python 3.11 fails with "AF_UNIX path too long" (3.12 falls
     back by itself); /tmp is used then, and removed at exit as Python removes its own."""
-    config = process.current_process()._config  # type: ignore[attr-defined]
+    config = process.current_process()._config  # type: ignore[attr-defined]  # multiprocessing's private per-process config
     if config.get("tempdir") is not None:
         return
     if len(os.fsencode(tempfile.gettempdir() + _SOCKET_NAME)) <= _SUN_PATH_MAX:
@@ -100,7 +100,7 @@ def in_server_child() -> bool:
 
 def server_pid() -> int | None:
     """The pid of the fork server this process started (None: none started)."""
-    return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]  # multiprocessing's private fork-server state
 
 
 LOST_SERVER_EXIT = 255

@@ -72,6 +72,6 @@ def _line_buffered() -> None:
     what it printed before."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIO may lack reconfigure; the try below handles it
         except (AttributeError, ValueError, OSError):  # replaced by something else
             pass

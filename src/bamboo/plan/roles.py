@@ -298,7 +298,7 @@ def shadow_or_reroute(shadow: FailoverPlan | None, reroute: FailoverPlan | None)
     if shadow is None and reroute is None:
         raise Unrecoverable("neither a shadow nor a data-parallel peer covers the loss")
     if shadow is None or reroute is None:
-        return shadow or reroute  # type: ignore[return-value]
+        return shadow or reroute  # type: ignore[return-value]  # at most one is None here, so the result is a plan
     busiest = {plan is shadow: max(slot_loads(plan.roles).values(), default=0.0)
                for plan in (shadow, reroute)}
     return reroute if busiest[False] < busiest[True] - 1e-9 else shadow

@@ -75,7 +75,7 @@ class Costs:
 
     @classmethod
     def uniform(cls, stages: int, f: float, b: float, **kw: object) -> Costs:
-        return cls(forward=(f,) * stages, backward=(b,) * stages, **kw)  # type: ignore[arg-type]
+        return cls(forward=(f,) * stages, backward=(b,) * stages, **kw)  # type: ignore[arg-type]  # Costs' other fields, passed through by name
 
     def split_backward(self, stage: int) -> tuple[float, float]:
         """(input gradient, weight gradient) seconds of `stage` under ZB-H1."""
@@ -273,7 +273,7 @@ class _Replay:
             return _DONE
         need = S.matching_send(instr)
         if need is None:
-            kind, cost = instruction_cost(self.costs, instr)  # type: ignore[misc]
+            kind, cost = instruction_cost(self.costs, instr)  # type: ignore[misc]  # a compute instruction here: its cost is a pair
             self.computing[n] = [instr, kind, cost, self.t]
             self.pc[n] += 1
             return _BUSY

@@ -88,10 +88,10 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
     from bamboo.run.runlog import RunDir
 
     def run(**kw: object) -> tuple[dict, Path]:
-        kills = [parse_kill(k) for k in kw.pop("kills", [])]  # type: ignore[union-attr]
+        kills = [parse_kill(k) for k in kw.pop("kills", [])]  # type: ignore[union-attr]  # the kills keyword is a list of specs when given
         cfg = JobConfig.of(model=model, stages=stages, micro_batch_size=micro_batch_size,
                            steps=steps, kills=kills, **user_data,
-                           **kw).validate()  # type: ignore[arg-type]
+                           **kw).validate()  # type: ignore[arg-type]  # the JobConfig keywords the caller passes through
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
         return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
 

@@ -32,7 +32,7 @@ def _machine_dir_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def sequential(d: int = 8) -> nn.Sequential:
     torch.manual_seed(11)
     model = nn.Sequential(nn.Embedding(256, d), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 256))
-    model.context, model.vocab_size = 8, 256  # type: ignore[assignment]
+    model.context, model.vocab_size = 8, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     return model
 
 
@@ -101,7 +101,7 @@ def test_what_cannot_be_sent_is_refused_in_one_line(model: object, expected: str
 def test_a_model_over_8_mib_is_sent_by_value_with_its_parameters() -> None:
     """Once refused over 8 MiB: now any size travels (a file here, parts to an agent)."""
     big = nn.Sequential(nn.Embedding(256, 1500), nn.Linear(1500, 1500), nn.Linear(1500, 256))
-    big.context, big.vocab_size = 4, 256  # type: ignore[assignment]
+    big.context, big.vocab_size = 4, 256  # type: ignore[assignment]  # attributes Bamboo reads off a plain module
     ref = bamboo.Job(model=big, **SHAPE).config.model.name
     assert len(objects.data_of(ref)) > 8 << 20
     middle = load_model(ref).layers[1]()

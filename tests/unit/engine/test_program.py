@@ -38,7 +38,7 @@ def test_the_options_come_from_the_config_in_one_place() -> None:
         cfg.training.warmup_steps, cfg.training.weight_decay, cfg.training.grad_clip,
         cfg.runtime.comm)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        o.lr = 1.0  # type: ignore[misc]
+        o.lr = 1.0  # type: ignore[misc]  # a frozen options object, changed on purpose
 
 
 @pytest.mark.parametrize("schedule", sorted(S.SCHEDULES))

@@ -91,7 +91,7 @@ def test_a_use_of_another_shape_or_no_such_parameter_is_refused_in_one_line(
 
 
 def _stage(p: object, layers: range) -> StageState:
-    return StageState(preset=p, stage=0, layer_indices=layers, seed=1,  # type: ignore[arg-type]
+    return StageState(preset=p, stage=0, layer_indices=layers, seed=1,  # type: ignore[arg-type]  # a preset built in the test
                       device=torch.device("cpu"), lr=1e-3, weight_decay=0.0,
                       accumulate_dtype=torch.float64)
 

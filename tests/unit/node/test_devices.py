@@ -157,7 +157,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Supervisor:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"),
                           store=SimpleNamespace(port=1), committed=0, run_path=Path("run"))
-    return Supervisor(ctx, 64, Kills(ctx), "127.0.0.1")  # type: ignore[arg-type]
+    return Supervisor(ctx, 64, Kills(ctx), "127.0.0.1")  # type: ignore[arg-type]  # stand-ins for the context and kills
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ def test_fused_step_counts_move_to_the_parameters_device() -> None:
     q = nn.Parameter(torch.zeros(3))
     opt = SimpleNamespace(state={p: {"step": torch.tensor(4.0), "exp_avg": None},
                                  q: {"step": torch.tensor(2.0)}})
-    steps_on_param_device(opt, (), {})  # type: ignore[arg-type]
+    steps_on_param_device(opt, (), {})  # type: ignore[arg-type]  # a stand-in optimizer
     assert opt.state[p]["step"].device.type == "meta"
     assert opt.state[p]["step"].dtype == torch.float32
     assert opt.state[q]["step"].device.type == "cpu"
@@ -317,7 +317,7 @@ def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]  # the spec of a file always has a loader
     return module
 
 
