@@ -57,8 +57,8 @@ class FixedMode:
 
 
 class Generations:
-    """The one writer of the run's plan, role map (`rc`, `plan`, `roles`) and of the
-    reconfiguration under way (`reconf`, and every field of it)."""
+    """The one writer of the run's plan and role map (`plan`, `roles`; `rc` derives from the
+    plan) and of the reconfiguration under way (`reconf`, and every field of it)."""
 
     def __init__(self, ctx: RunContext, nodes: Supervisor, restore: RestorePoints,
                  kills: Kills, interval: CheckpointInterval) -> None:
