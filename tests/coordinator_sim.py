@@ -20,10 +20,11 @@ import torch
 from bamboo.config import JobConfig
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node, NodeState
-from bamboo.control.sources import LocalWorkers
 from bamboo.control.state import Stop
+from bamboo.launch.local import LocalWorkers
 from bamboo.plan.planner import GenerationPlan
 from bamboo.plan.roles import RoleMap
+from bamboo.protocol.launch import Offer, Started, WorkerSpec
 from bamboo.protocol.messages import (
     CheckpointPart,
     Done,
@@ -120,8 +121,13 @@ class FakeProcess:
         if self.exitcode is None:
             self.exitcode = -9
 
+    notices: int = 0
+
     def join(self, timeout: float | None = None) -> None:
         pass
+
+    def terminate_notice(self) -> None:
+        self.notices += 1
 
     def close(self) -> None:
         assert self.exitcode is not None, "closed while running"
@@ -149,14 +155,16 @@ class SimWorker:
 
 
 class SimNodes(LocalWorkers):
-    """The simulation's `NodeSource`: local workers as the real one brings them, each a
+    """The simulation's launcher: local workers as the real one brings them, each a
     scripted worker with a fake process."""
 
     def __init__(self, sim: SimCluster) -> None:
+        super().__init__()
         self.sim = sim
 
-    def start_node(self, core: CoordinatorCore, first_gen: int) -> Node:
-        return self.sim._admit(first_gen=first_gen).node
+    def start(self, spec: WorkerSpec, heartbeats: Any, offer: Offer | None = None) -> Started:
+        self.sim.started.append(spec.node)
+        return Started(FakeProcess(pid=10_000 + spec.node), FakePipe())  # type: ignore[arg-type]  # a pipe the simulation never reads
 
 
 class SimCluster:
@@ -169,7 +177,9 @@ class SimCluster:
         self.work, self.own_processor = work, own_processor
         self.clock = FakeClock()
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.workers: dict[int, SimWorker] = {}
+        self._workers: dict[int, SimWorker] = {}
+        self.started: list[int] = []
+        """Nodes the launcher started that have no scripted worker yet."""
         self.stopped: str | None = None
         self.core = CoordinatorCore(cfg.replace(out=str(run_dir.resolve())), run_dir,
                                     QuietDisplay(), SimNodes(self))
@@ -179,11 +189,17 @@ class SimCluster:
 
     # -- processes --------------------------------------------------------------------------
 
+    @property
+    def workers(self) -> dict[int, SimWorker]:
+        """The scripted worker of every node started so far."""
+        while self.started:
+            node = self.started.pop(0)
+            self._workers[node] = SimWorker(self.core.nodes[node])
+        return self._workers
+
     def _admit(self, first_gen: int) -> SimWorker:
-        node = self.core.nodes.admit(lambda spec, slot: (FakeProcess(pid=10_000 + spec.node),
-                                                         FakePipe()), first_gen=first_gen)
-        self.workers[node.node] = w = SimWorker(node)
-        return w
+        node = self.core.nodes.admit(first_gen=first_gen)
+        return self.workers[node.node]
 
     def join(self) -> SimWorker:
         """A new node starts (a trace add, an agent) and waits as a standby."""

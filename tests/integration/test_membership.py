@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from bamboo.fleet.membership import EtcdMembership, LeaseExpired, MembershipError, MembershipEvent
+from bamboo.node.membership import EtcdMembership, LeaseExpired, MembershipError, MembershipEvent
 from support.servers import one_free_port as free_port
 
 pytestmark = pytest.mark.procs  # every test here starts processes

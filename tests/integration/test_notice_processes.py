@@ -17,7 +17,7 @@ def test_sigterm_to_a_process_becomes_a_notice():
     """A separate process, as Kubernetes would signal it: it reports the notice and exits 0."""
     code = textwrap.dedent("""
         import sys, time
-        from bamboo.fleet.notices import NoticeWatcher, SigtermNotice
+        from bamboo.node.notices import NoticeWatcher, SigtermNotice
         got = []
         with NoticeWatcher([SigtermNotice(grace_s=5)], got.append, interval_s=0.02):
             print("ready", flush=True)

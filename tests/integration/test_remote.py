@@ -195,7 +195,7 @@ def test_with_etcd_a_frozen_machine_is_fenced_by_its_lease(tmp_path: Path, etcd_
     fork server and worker: SIGSTOP to its process group) stops its keep-alives; etcd
     expires the lease, the coordinator's watch sees it and fences n0, the shadow takes
     over, and the run ends equal to the failure-free one."""
-    from bamboo.fleet.membership import EtcdMembership
+    from bamboo.node.membership import EtcdMembership
     out, port = tmp_path / "run", free_port()
     coord = start(["coordinator", "--bind", f"127.0.0.1:{port}", "--etcd", etcd_url,
                     "--nodes", "2", "--stages", "2", "--pipelines", "1", "--max-nodes", "3",

@@ -16,6 +16,7 @@ import torch
 from bamboo.chaos.bits import COUNTERS
 from bamboo.config import JobConfig, parse_kill
 from bamboo.control import RunFailed, run_job
+from bamboo.launch.local import LocalWorkers
 from bamboo.plan.faults import Fault
 from bamboo.run.progress import ProgressDisplay
 from bamboo.run.runlog import RunDir
@@ -53,6 +54,7 @@ def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | N
     try:
         cfg = cfg.replace(check_replicas=check_replicas)
         return run_job(cfg, RunDir(out), ProgressDisplay(cfg.training.steps, enabled=False),
+                       LocalWorkers(),
                        extra_faults=faults or {})
     except RunFailed as e:
         return e.summary | {"exit_code": e.exit_code}

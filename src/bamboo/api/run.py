@@ -222,7 +222,7 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
     if start is None:  # `resume="auto"` and its run already completed
         return load_result(cfg.logging.out)
     warm_up(debug)
-    from bamboo.control.sources import LocalWorkers
+    from bamboo.launch.local import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
     display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
                                   prog="bamboo.train")

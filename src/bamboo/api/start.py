@@ -21,7 +21,7 @@ from bamboo.run.runlog import RunDir, default_run_dir
 from bamboo.util.logs import by
 
 if TYPE_CHECKING:
-    from bamboo.control.sources import NodeSource
+    from bamboo.protocol.launch import Launcher
     from bamboo.run.progress import ProgressDisplay
 
 __all__ = ["Start", "prepare", "execute", "warm_up", "check_optimizer", "check_trace",
@@ -82,7 +82,7 @@ def _save_objects(cfg: JobConfig, run_path: Path) -> None:
         objects.save(refs, run_path / "objects")
 
 
-def execute(start: Start, source: NodeSource, display: ProgressDisplay, *,
+def execute(start: Start, source: Launcher, display: ProgressDisplay, *,
             crash: dict[int, list] | None = None, debug: bool = False,
             http: tuple[str, int] | None = None,
             interface: Interface = Interface.CLI) -> dict[str, Any]:

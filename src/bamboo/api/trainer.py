@@ -112,7 +112,7 @@ class Trainer:
     def _open(self, start: Any, quiet: bool, debug: bool) -> None:
         from bamboo.api.start import warm_up
         from bamboo.control.loop import Coordinator
-        from bamboo.control.sources import LocalWorkers
+        from bamboo.launch.local import LocalWorkers
         from bamboo.run.interface import Interface
         from bamboo.run.progress import ProgressDisplay
         warm_up(debug)

@@ -39,8 +39,8 @@ def agent_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = agent_parser().parse_args(argv)
     from bamboo.config.join import parse_address
-    from bamboo.fleet.agent import AgentOptions, run_agent
-    from bamboo.fleet.remote import JoinError
+    from bamboo.node.agent import AgentOptions, run_agent
+    from bamboo.protocol.agent_wire import JoinError
     try:
         address = parse_address(args.join, "--join")
         if (args.token is None) == (args.token_file is None):

@@ -13,7 +13,7 @@ from bamboo.config.join import JoinConfig, join_options
 from bamboo.config.options import add_flags
 
 if TYPE_CHECKING:
-    from bamboo.control.sources import NodeSource
+    from bamboo.protocol.launch import Launcher
 
 __all__ = ["main", "coordinator_parser", "CoordinatorCommand"]
 
@@ -53,12 +53,11 @@ class CoordinatorCommand:
         names = {f.key for f in join_options()}
         self.join = JoinConfig(**{k: v for k, v in vars(args).items() if k in names}).validate()
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
+    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
         """Agents that join the listener (with the job's token) and, with --etcd, their
-        leases (`bamboo.fleet.remote.open_join`); EXIT_USAGE when it cannot start."""
+        leases (`bamboo.launch.agents.open_join`); EXIT_USAGE when it cannot start."""
         assert self.join is not None, "check() comes first"
-        from bamboo.control.sources import Agents
-        from bamboo.fleet.remote import JoinError, open_join
+        from bamboo.launch.agents import Agents, JoinError, open_join
         try:
             listener, membership, announce = open_join(self.join, run.path,
                                                        cfg.runtime.lease_s)

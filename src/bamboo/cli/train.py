@@ -18,7 +18,7 @@ from bamboo.util import strict_json
 
 if TYPE_CHECKING:
     from bamboo.api.start import Start
-    from bamboo.control.sources import NodeSource
+    from bamboo.protocol.launch import Launcher
 
 __all__ = ["main", "run", "train_parser", "job_config", "JobCommand", "TrainCommand"]
 
@@ -115,8 +115,8 @@ class JobCommand(Protocol):
     def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
         """ConfigError for a flag of this command that is wrong (cfg None: before the job)."""
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
-        """The run's nodes' source (`bamboo.control.sources`), or an exit code when it
+    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
+        """The run's nodes' source (`bamboo.launch`), or an exit code when it
         cannot start."""
 
 
@@ -134,8 +134,8 @@ class TrainCommand:
             check_fits(cfg, cfg.node_cap)
             check_step_length(cfg)
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
-        from bamboo.control.sources import LocalWorkers
+    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
+        from bamboo.launch.local import LocalWorkers
         return LocalWorkers()
 
 
@@ -195,7 +195,7 @@ def _print_summary(run_dir: str, out: TextIO) -> None:
     print(strict_json.dumps(load_result(run_dir).summary, indent=2), file=out)
 
 
-def _train(args: argparse.Namespace, prog: str, start: Start, source: NodeSource, *,
+def _train(args: argparse.Namespace, prog: str, start: Start, source: Launcher, *,
            crash: dict[int, list], http: tuple[str, int] | None, out: TextIO) -> int:
     """The run itself, once every check passed, then its report: the exit code."""
     from bamboo.api.start import execute, warm_up

@@ -23,7 +23,7 @@ unpickled):
 - the directories `add_dir` named (a run directory's `objects/`, written by `save`);
 - this machine's directory (`machine_dir()`: per user, mode 0700, in the temp directory),
   where `send` and `install` put them for the workers this machine starts; an agent
-  `install`s what its coordinator sent with the job (`bamboo.fleet.remote.Objects`, in
+  `install`s what its coordinator sent with the job (`bamboo.protocol.agent_wire.Objects`, in
   parts for a large one, signed with the job's token: `sign`, `verify`).
 
 Torch-free: unpickling a model imports torch, importing this module does not.

@@ -28,7 +28,8 @@ exit that changed roles or restarts every worker, the trace nodes to start, a pl
 restore point), and the core hands it on. Each field of the shared `RunContext` has one
 writer (the table in `state`).
 
-Where nodes come from is a `sources.NodeSource` (`LocalWorkers`, `Agents`). A worker's
+Where nodes run is a `bamboo.protocol.launch.Launcher` (`supply.NodeSupply` asks it for
+nodes; `bamboo.launch` has the local processes and the agents). A worker's
 software error stops the run with that error (never failed over: a deterministic bug
 would only cascade through the shadows). Decisions end the run by raising `Stop`.
 """
@@ -52,13 +53,14 @@ from bamboo.control.orders import Orders
 from bamboo.control.preemptions import Preemptions
 from bamboo.control.restore import RestorePoints
 from bamboo.control.results import Results
-from bamboo.control.sources import NodeSource
 from bamboo.control.state import Events, RunContext, Stop, Store
 from bamboo.control.steps import StepProtocol
+from bamboo.control.supply import NodeSupply
 from bamboo.model import layer_param_counts
 from bamboo.node.backend_errors import describe
 from bamboo.plan.faults import Fault
 from bamboo.plan.orders import Order, OrderKind
+from bamboo.protocol.launch import Launcher
 from bamboo.protocol.messages import (
     BoundaryFlag,
     CheckpointPart,
@@ -79,7 +81,7 @@ from bamboo.protocol.messages import (
 from bamboo.run.checkpoint import Checkpoint, checkpoint_location
 from bamboo.run.interface import Interface
 
-__all__ = ["CoordinatorCore", "NodeSource"]
+__all__ = ["CoordinatorCore"]
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +92,14 @@ _ROOT_CAUSE_GRACE_S = 2.0
 class CoordinatorCore:
     """One run's decisions; see the module docstring for the calls that drive it."""
 
-    def __init__(self, cfg: JobConfig, run_path: Path, display: Any, source: NodeSource, *,
+    def __init__(self, cfg: JobConfig, run_path: Path, display: Any, launcher: Launcher, *,
                  extra_faults: dict[int, list[Fault]] | None = None,
                  resume: Checkpoint | None = None, debug: bool = False,
                  stepwise: bool = False, interface: Interface = Interface.CLI) -> None:
-        self.cfg, self.run_path, self.display, self.source = cfg, run_path, display, source
+        self.cfg, self.run_path, self.display = cfg, run_path, display
+        self.launcher = launcher
+        """Where the run's nodes run (`bamboo.protocol.launch`)."""
+        self.supply = NodeSupply(launcher)
         self.interface = interface
         """Where the run was started from (its messages' words)."""
         self.stepwise = stepwise
@@ -110,11 +115,11 @@ class CoordinatorCore:
     def start(self, store: Store, events: Events, clock: Callable[[], float], *,
               store_host: str | None = "127.0.0.1") -> None:
         """Build the parts around `store` and `events`, load the trace, bring the first
-        nodes (`source.initial`) and publish the first plan."""
+        nodes (`supply.initial`) and publish the first plan."""
         self.store, self.events, self.store_host = store, events, store_host
         self._build_parts(clock)
         self.preemptions.load_trace()
-        self.source.initial(self)
+        self.supply.initial(self)
         self.gens.enter(self.gens.first_plan(self.modes))
         self.view.layout_changed()
         cfg, plan = self.cfg, self.ctx.plan
@@ -176,7 +181,7 @@ class CoordinatorCore:
         trace's next event, the next plan, and whether the run has stalled."""
         self.nodes.check_leases()
         self.view.note_waits()
-        self.source.poll(self)
+        self.supply.poll(self)
         for trace_node in self.preemptions.tick():
             self.spawn(first_gen=self.ctx.plan.gen + 1, trace_node=trace_node)
         self.try_plan()
@@ -250,8 +255,8 @@ class CoordinatorCore:
 
     def spawn(self, *, first_gen: int, trace_node: int | None = None,
               owns_trace_node: bool = True) -> Node:
-        """One more node from the source, announced with its role (a `node_up` event)."""
-        n = self.source.start_node(self, first_gen)
+        """One more node from the launcher, announced with its role (a `node_up` event)."""
+        n = self.supply.start_node(self, first_gen)
         self.nodes.plays(n, trace_node)
         replay = self.preemptions.replay
         if trace_node is not None and owns_trace_node:
@@ -265,7 +270,7 @@ class CoordinatorCore:
     def try_plan(self) -> None:
         """Publish the next generation's plan when a reconfiguration can have one; a plan
         from a restore point takes the step protocol and the checkpoints back to it."""
-        none_coming = self.preemptions.trace_finished() and self.source.none_coming(self) \
+        none_coming = self.preemptions.trace_finished() and self.supply.none_coming(self) \
             and not self.nodes.coming()
         committed = self.ctx.committed
         plan = self.gens.try_plan(self.modes, trace_finished=none_coming)
@@ -310,7 +315,7 @@ class CoordinatorCore:
         ctx = self.ctx = self._context(clock)
         self.kills = Kills(ctx, self.extra_faults)
         self.nodes = Supervisor(ctx, 2 * max(cfg.layout.nodes, cfg.node_cap) + 4, self.kills,
-                                self.store_host)
+                                self.store_host, self.launcher)
         self.preemptions = Preemptions(ctx, self.nodes, self.kills)
         self.steps = StepProtocol(ctx, self.nodes, check_replicas=cfg.redundancy.check_replicas)
         interval = CheckpointInterval(ctx)
@@ -431,7 +436,7 @@ class CoordinatorCore:
             r = self.ctx.reconf
             if r is not None and not any(n.is_alive for n in self.nodes):
                 raise Stop(f"{r.why or 'every node was lost'}; no live node for "
-                           f"{now - r.started:.0f} s, waiting for {self.source.awaited(self)}: "
+                           f"{now - r.started:.0f} s, waiting for {self.supply.awaited(self)}: "
                            f"stopped the run" + (f" (the last checkpoint is in "
                                                  f"{checkpoint_location(self.cfg)})"
                                                  if self.checkpoints.last else ""))

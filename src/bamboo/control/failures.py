@@ -92,7 +92,7 @@ class FailureHandler:
             return ExitOutcome()
         if n.state is NodeState.DONE and code == 0:
             return ExitOutcome()
-        if n.machine is None and (death := self.nodes.fork_server_death(code)) is not None:
+        if (death := self.nodes.launcher_broken(code)) is not None:
             raise Stop(f"{death} (worker {n.name} exited with code {code})")
         if code is not None and code < 0:
             return self.on_lost(n, self._signal_name(n, -code))

@@ -19,10 +19,10 @@ from typing import Any
 from bamboo.config import JobConfig
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
-from bamboo.control.sources import LocalWorkers, NodeSource
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
 from bamboo.plan.faults import Fault
+from bamboo.protocol.launch import Launcher
 from bamboo.protocol.messages import SHUTDOWN_KEY, WorkerMessage
 from bamboo.run.checkpoint import Checkpoint
 from bamboo.run.interface import Interface
@@ -36,10 +36,10 @@ _POLL_S = 0.1
 
 
 class Coordinator:
-    """One training run, its nodes from `source`: local worker processes, or agents."""
+    """One training run, its nodes from `launcher`: local worker processes, or agents."""
 
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-                 source: NodeSource, *, extra_faults: dict[int, list[Fault]] | None = None,
+                 launcher: Launcher, *, extra_faults: dict[int, list[Fault]] | None = None,
                  debug: bool = False, resume: Checkpoint | None = None,
                  http: tuple[str, int] | None = None,
                  interface: Interface = Interface.CLI, stepwise: bool = False) -> None:
@@ -51,8 +51,7 @@ class Coordinator:
         """`--http`: (host, port) to serve /healthz and /metrics on (bamboo.control.http)."""
         self.resume = resume
         self.user_stop = UserStop(interface)
-        self.source = source
-        self.core = CoordinatorCore(cfg, run.path, display, self.source,
+        self.core = CoordinatorCore(cfg, run.path, display, launcher,
                                     extra_faults=extra_faults, resume=resume, debug=debug,
                                     stepwise=stepwise, interface=interface)
         self.health: Any = None
@@ -142,7 +141,7 @@ class Coordinator:
             self.core.nodes.stop_all()
         if not self.closed:
             self.closed = True
-            self.source.close(self.final_status)
+            self.core.supply.close(self.final_status)
         self.display.close()
         if self.scalars is not None:
             self.scalars.close()
@@ -157,16 +156,17 @@ class Coordinator:
             self.health = None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        """The user's signal: only recorded (the first also tells the source)."""
-        if self.source.interrupted is None:
-            self.source.interrupted = signum
+        """The user's signal: only recorded (the first also tells the node supply)."""
+        if self.core.supply.interrupted is None:
+            self.core.supply.interrupted = signum
         self.user_stop.signal(signum)
 
     def _start_store(self) -> None:
-        """The store where the source says: for local workers on loopback and any free
-        port; for agents on the fixed --store-port (`sources.Agents.store_address`)."""
+        """The store where the launcher says: for local workers on loopback and any free
+        port; for agents on the fixed --store-port (`bamboo.launch.agents.Agents`)."""
         timeout = timedelta(seconds=self.cfg.runtime.comm_timeout_s)
-        bind_host, port, self.store_host = self.source.store_address()
+        address = self.core.supply.store_address()
+        bind_host, port, self.store_host = address.bind_host, address.port, address.advertised
         try:
             self.store = serve_store(bind_host, port, timeout)
         except (RuntimeError, OSError) as e:
@@ -213,7 +213,7 @@ class Coordinator:
         return summary
 
     def _failed(self, message: str, exit_code: int, write_summary: bool = True) -> RunFailed:
-        if self.source.interrupted is None:
+        if self.core.supply.interrupted is None:
             self.final_status = "failed"
         summary = self.core.fail(message) if hasattr(self.core, "ctx") else {
             "status": "failed", "error": message, "steps_completed": 0, "losses": []}
@@ -251,15 +251,15 @@ class Coordinator:
 
 
 def run_job(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-            source: NodeSource | None = None, *,
+            launcher: Launcher, *,
             extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
             resume: Checkpoint | None = None,
             http: tuple[str, int] | None = None,
             interface: Interface = Interface.CLI) -> dict[str, Any]:
-    """Run the job `cfg` to its end, its nodes from `source` (default: local worker
-    processes; `sources.Agents` for agents that join): the summary, or RunFailed
+    """Run the job `cfg` to its end, its nodes from `launcher` (`bamboo.launch`: local worker
+    processes, or agents that join): the summary, or RunFailed
     (HttpServeError when `http`, --http's address, cannot be served). `interface`: the one
     the run was started from, whose words the user's stop says how to continue in."""
-    return Coordinator(cfg, run, display, source if source is not None else LocalWorkers(),
+    return Coordinator(cfg, run, display, launcher,
                        extra_faults=extra_faults, debug=debug, resume=resume, http=http,
                        interface=interface).run()

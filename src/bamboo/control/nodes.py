@@ -9,23 +9,21 @@ generation, who waits as a standby, who may be planned.
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
 from bamboo.control.kills import Kills
 from bamboo.control.state import RunContext
-from bamboo.protocol.messages import Progress, Refused
+from bamboo.protocol.launch import Launcher, LaunchError, Offer, ReportChannel, WorkerSpec
+from bamboo.protocol.messages import Progress
 
-__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "LOCAL_START_GRACE_S",
-           "free_device_slot"]
+__all__ = ["NodeState", "Node", "Supervisor", "START_GRACE_S", "LOCAL_START_GRACE_S"]
 
 START_GRACE_S = 60.0
 """The heartbeat lease of an agent's worker before its first beat (it may import torch
@@ -35,24 +33,6 @@ LOCAL_START_GRACE_S = 8.0
 """The same for a local worker, counted from the moment the warm fork server forked it
 (torch is already imported there): it beats within about a second here, so one frozen as
 it starts is fenced after this plus `--lease`, not after a minute."""
-
-
-def free_device_slot(taken: Iterable[int], devices: int | None = None) -> int:
-    """A device slot for a new local worker, given the slots live workers hold (`taken`).
-    A worker's GPU is its slot modulo the `devices` visible GPUs
-    (`devices.choose_device_index`); slots are never shared. The new slot lands on the
-    GPU with the fewest live workers (the lowest index on a tie), so while a GPU is free no
-    two live workers share one, and a replacement takes the GPU of a worker that ended.
-    `devices` unknown (None or 0: no GPU here): the lowest free slot."""
-    used = set(taken)
-    step = devices if devices and devices > 0 else 1
-    load = [0] * step
-    for t in used:
-        load[t % step] += 1
-    slot = min(range(step), key=lambda g: (load[g], g))
-    while slot in used:
-        slot += step
-    return slot
 
 
 def _oom_killed(pid: int, path: str = "/dev/kmsg") -> bool:
@@ -129,7 +109,7 @@ class Node:
     node: int
     slot: int
     process: Any
-    conn: Connection
+    conn: ReportChannel
     trace_node: int | None = None
     state: NodeState = NodeState.STARTING
     exited: bool = False
@@ -141,10 +121,12 @@ class Node:
     kill_sent: bool = False
     """The coordinator sent (or ordered) its SIGKILL."""
     machine: str | None = None
-    """The agent's machine it runs on (None: a local worker, a machine of its own)."""
+    """The machine it shares with other nodes (an agent's; None: a local worker, a machine
+    of its own)."""
+    host: str | None = None
+    """The host it runs on, where that is not this one."""
     device_slot: int | None = None
-    """A local worker's slot on this machine (its GPU, `WorkerSpec.device_index`); an
-    agent's workers have the agent's slots."""
+    """Its slot on its machine (its GPU, `WorkerSpec.device_index`)."""
     own_processor: bool = False
     """Its `Ready` said it has a processor of its own (see `protocol.Ready`)."""
 
@@ -188,8 +170,9 @@ class Node:
 class Supervisor:
     """The nodes of the run and their processes."""
 
-    def __init__(self, ctx: RunContext, slots: int, kills: Kills, store_host: str | None) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: RunContext, slots: int, kills: Kills, store_host: str | None,
+                 launcher: Launcher) -> None:
+        self.ctx, self.launcher = ctx, launcher
         self.kills = kills
         """Which faults a new worker starts with."""
         self.store_host = store_host
@@ -202,9 +185,6 @@ class Supervisor:
         self.free_slots = list(range(slots))
         self.nodes: dict[int, Node] = {}
         self.next_node = 0
-        self.expired: list[str] = []
-        """Node names whose etcd lease expired (filled by the membership watch)."""
-        self._local_gpus: int | None = None
 
 
     def __iter__(self) -> Iterator[Node]:
@@ -236,98 +216,33 @@ class Supervisor:
         self.progress.reset(slot, self.ctx.clock() + START_GRACE_S)
         return node, slot
 
-    def admit(self, start: Callable[[Any, int], tuple[Any, Connection]], *, first_gen: int,
-              trace_node: int | None = None, machine: str | None = None) -> Node:
-        """Take a node id and a slot, start its process with `start(spec, slot)`."""
+    def admit(self, *, first_gen: int, trace_node: int | None = None,
+              offer: Offer | None = None) -> Node:
+        """Take a node id and a slot and have the launcher start the node (in `offer`'s
+        room; None: on demand); LaunchError, with nothing taken, when it cannot."""
         node, slot = self._take_slot()
-        process, conn = start(self._spec(node, slot, first_gen), slot)
-        grace = START_GRACE_S if machine is not None else LOCAL_START_GRACE_S
-        self.progress.reset(slot, self.ctx.clock() + grace)  # from now: the process exists
-        n = Node(node, slot, process, conn, trace_node=trace_node, machine=machine)
-        self.nodes[node] = n
-        return n
-
-    def _spec(self, node: int, slot: int, first_gen: int) -> Any:
-        """What node `node` starts with: the job, the store, its faults."""
-        from bamboo.node.worker import WorkerSpec
         ctx = self.ctx
-        return WorkerSpec(node=node, slot=slot, first_gen=first_gen,
-                          store_host=self.store_host,  # type: ignore[arg-type]  # set before any node is spawned
-                          store_port=ctx.store.port, config=ctx.cfg,  # type: ignore[attr-defined]  # the run's store is a TCPStore, whose port torch types loosely
-                          faults=self.kills.faults_for(node, first_gen))
-
-    def local_device_slots(self) -> set[int]:
-        """Device slots held by this machine's local workers: every one whose process has
-        not ended, unless the coordinator already sent it SIGKILL (a checkpoint-restart's
-        fresh worker takes the GPU of the one it replaces). One with a notice keeps its
-        slot until it is gone: it still trains and drains meanwhile."""
-        return {n.device_slot for n in self.nodes.values()
-                if n.machine is None and n.device_slot is not None and not n.exited
-                and not (n.kill_sent and n.kill_at is None)}
-
-    def local_gpus(self) -> int | None:
-        """The GPUs local workers will see (CUDA_VISIBLE_DEVICES applied; None: they run on
-        the CPU). Asked once; torch counts through NVML where it can, and the fork server
-        is a fresh process, so the workers inherit no CUDA state from this one."""
-        if self._local_gpus is None:
-            device = self.ctx.cfg.runtime.device
-            count = 0
-            if device != "cpu":
-                import torch
-                count = torch.cuda.device_count()
-            self._local_gpus = count
-        return self._local_gpus or None
-
-    def spawn_local(self, *, first_gen: int, trace_node: int | None = None) -> Node:
-        """A worker process from the fork server, on a free device slot (its GPU)."""
-        from bamboo.node import forkserver
-        from bamboo.node.worker import worker_main
-
-        device_slot = free_device_slot(self.local_device_slots(), self.local_gpus())
-
-        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
-            spec = dataclasses.replace(spec, device_index=device_slot,
-                                       local_workers=self.ctx.cfg.node_cap)
-            ctx = forkserver.context()
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_main, args=(spec, writer, self.beats, self.cells,
-                                                            str(self.log_path(spec.name))),
-                                  name=f"bamboo-{spec.name}")
-            process.start()
-            writer.close()
-            return process, reader
-
-        n = self.admit(start, first_gen=first_gen, trace_node=trace_node)
-        n.device_slot = device_slot
+        spec = WorkerSpec(node=node, slot=slot, first_gen=first_gen,
+                          store_host=self.store_host or "",  # "": the address each agent joined on
+                          store_port=ctx.store.port,  # type: ignore[attr-defined]  # the run's store is a TCPStore, whose port torch types loosely
+                          config=ctx.cfg, faults=self.kills.faults_for(node, first_gen))
+        try:
+            started = self.launcher.start(spec, self.progress, offer)
+        except LaunchError:
+            self.next_node -= 1
+            self.free_slots.insert(0, slot)
+            raise
+        grace = START_GRACE_S if started.machine is not None else LOCAL_START_GRACE_S
+        self.progress.reset(slot, ctx.clock() + grace)  # from now: the process exists
+        n = Node(node, slot, started.process, started.reports, trace_node=trace_node,
+                 machine=started.machine, host=started.host, device_slot=started.device_slot)
+        self.nodes[node] = n
         return n
 
     def log_path(self, name: str) -> Path:
         """Where the local worker `name` writes its stdout and stderr (`bamboo.node.output`)."""
         from bamboo.node.output import LOG_DIR
         return self.ctx.run_path.resolve() / LOG_DIR / f"{name}.log"
-
-    def admit_agent(self, agent: Any, *, first_gen: int, etcd: dict | None,
-                    limit: int | None = None) -> list[Node]:
-        """Workers on an agent's machine become nodes, as many as it offers (at most
-        `limit`) and --max-nodes allows; an agent given none is told why."""
-        alive = self.alive_count()
-        room = min(len(agent.free), self.ctx.cfg.node_cap - alive, len(self.free_slots))
-        if limit is not None:
-            room = min(room, limit)
-        if room <= 0:
-            if not agent.workers:
-                why = f"{alive} nodes already (--max-nodes {self.ctx.cfg.node_cap})"
-                agent.send(Refused(why=why))
-                agent.lost()  # it retries while its --rejoin-s lasts
-                self.ctx.events.write("agent_refused", host=agent.hello.host, why=why)
-            return []
-
-        def start(spec: Any, slot: int) -> tuple[Any, Connection]:
-            process = agent.start_worker(spec, slot, etcd, self.ctx.cfg.runtime.lease_s)
-            return process, process.reader
-
-        return [self.admit(start, first_gen=first_gen, machine=agent.machine)
-                for _ in range(room)]
 
     # -- liveness ---------------------------------------------------------------------------
 
@@ -339,8 +254,7 @@ class Supervisor:
             silent = now - self.beats[n.slot]
             if n.is_leased and silent > self.ctx.cfg.runtime.lease_s and n.process.is_alive():
                 self.fence(n, f"stopped answering for {silent:.1f} s", silent_s=round(silent, 2))
-        while self.expired:
-            name = self.expired.pop(0)
+        for name in self.launcher.expired():
             n = self.nodes.get(int(name[1:])) if name[1:].isdigit() else None
             if n is not None and n.is_leased:
                 self.fence(n, "etcd lease expired", why="etcd lease expired")
@@ -393,18 +307,10 @@ class Supervisor:
         """`n` plays trace node `trace_node` (`--trace`; None: no trace node)."""
         n.trace_node = trace_node
 
-    @staticmethod
-    def fork_server_death(code: int | None = None) -> str | None:
-        """Why the local workers died, when it is that their fork server (the parent of
-        every one of them, which they die with) has ended; None while it runs. A worker's
-        exit code 255 (its fork server gone before its status came) waits a moment for the
-        server to be seen ended."""
-        from bamboo.node import forkserver
-        how = forkserver.server_death(wait_s=2.0 if code == forkserver.LOST_SERVER_EXIT else 0.0)
-        if how is None:
-            return None
-        return (f"the fork server (pid {forkserver.server_pid()}) that starts the local "
-                f"workers {how}, and every local worker died with it")
+    def launcher_broken(self, code: int | None = None) -> str | None:
+        """Why every node of the launcher died at once (its fork server ended), asked when a
+        node exited with `code`; None while it works."""
+        return self.launcher.broken(code)
 
     @staticmethod
     def oom_killed(n: Node) -> bool:

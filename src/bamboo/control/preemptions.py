@@ -15,8 +15,6 @@
 """
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 from bamboo.control.kills import Kills
@@ -109,13 +107,7 @@ class Preemptions:
             self.nodes.kill(n)
             return
         self.nodes.kill(n, at=self.ctx.clock() + notice)
-        if hasattr(n.process, "terminate_notice"):  # an agent on another machine
-            n.process.terminate_notice()
-            return
-        try:
-            os.kill(n.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        n.process.terminate_notice()
 
     def tick(self) -> list[int]:
         """Due kills of noticed nodes, and the trace's due events: the trace nodes whose

@@ -15,9 +15,9 @@ fails when a second module writes a field (of the context, or of a node).
 | --- | --- | --- |
 | `cfg`, `store`, `events`, `display`, `run_path`, `param_counts`, `partition_costs`, `clock`, `t0`, `resume_step`, `resume_path` | `core` (`CoordinatorCore._context`, once, before any part exists) | every part |
 | `rc` (derived: `plan`'s mode, or the job's before the first plan; no writer) | none | `failures`, `generations`, `health` |
-| `plan` | `generations.Generations.enter` | `core`, `display`, `failures`, `final_layers`, `health`, `preemptions`, `redundancy_mode`, `results`, `sources`, `steps` |
+| `plan` | `generations.Generations.enter` | `core`, `display`, `failures`, `final_layers`, `health`, `preemptions`, `redundancy_mode`, `results`, `supply`, `steps` |
 | `roles` | `generations.Generations` (`enter`, `publish_roles` for a failover/peer restore/re-route that `failures` planned, `abandon`) | `core`, `display`, `failures`, `final_layers`, `health`, `kills`, `preemptions`, `steps` |
-| `reconf` and each field of it (`ending`, `holdings`, `abandoned`, `lost`, `why`, `restarting`) | `generations.Generations` (`begin`, `abandon`, `restarting`, `not_ending`, `on_end`, `try_plan`) | `core`, `display`, `failures`, `health`, `sources`, `steps` |
+| `reconf` and each field of it (`ending`, `holdings`, `abandoned`, `lost`, `why`, `restarting`) | `generations.Generations` (`begin`, `abandon`, `restarting`, `not_ending`, `on_end`, `try_plan`) | `core`, `display`, `failures`, `health`, `supply`, `steps` |
 | `committed`, `losses` | `steps.StepProtocol` (`_commit`; `rewind` when the core enters a plan from a restore point) | `checkpointing`, `core`, `failures`, `generations`, `health`, `kills`, `preemptions`, `redundancy_mode`, `restore`, `results`, `user_stop` |
 | `metrics` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `health`, `results` |
 | `layouts` | `steps.StepProtocol._note_layout` | `results` (summary) |

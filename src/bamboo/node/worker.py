@@ -25,7 +25,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
 
-from bamboo.config import JobConfig
 from bamboo.data.user import job_task
 from bamboo.engine.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost, form_interruptibly
 from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
@@ -45,11 +43,12 @@ from bamboo.node.devices import worker_device
 from bamboo.node.netif import collective_binding
 from bamboo.node.pinning import pin_this_process
 from bamboo.node.storage import StorageWrites, one_line
-from bamboo.plan.faults import Fault, FaultPlan
+from bamboo.plan.faults import FaultPlan
 from bamboo.plan.layout import Layout
 from bamboo.plan.loss_scale import LossScale
 from bamboo.plan.orders import OrderKind
 from bamboo.plan.planner import GenerationPlan
+from bamboo.protocol.launch import WorkerSpec
 from bamboo.protocol.messages import (
     SHUTDOWN_KEY,
     BoundaryFlag,
@@ -71,40 +70,11 @@ from bamboo.util import logs
 from bamboo.wire.link import CoordinatorLink
 from bamboo.wire.store import StoreConnections
 
-__all__ = ["WorkerSpec", "worker_main", "HEARTBEAT_S"]
+__all__ = ["worker_main", "HEARTBEAT_S"]
 
 from bamboo.config import HEARTBEAT_S
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerSpec:
-    """Everything a worker needs to start."""
-
-    node: int
-    """Node id: the worker is `n{node}` for the whole run."""
-    slot: int
-    """Its index in the shared heartbeat and progress arrays."""
-    first_gen: int
-    """The first generation whose plan it waits for."""
-    store_host: str
-    store_port: int
-    config: JobConfig
-    faults: tuple[Fault, ...] = ()
-    device_index: int | None = None
-    """With CUDA: the worker's slot on its machine, which picks its GPU (see
-    `choose_device_index`): an agent's worker k has slot k; a local run gives each worker
-    a slot no live local worker holds, on the least used GPU (`Supervisor.spawn_local`,
-    `free_device_slot`). None: slot 0. Never the node id (node ids keep growing as
-    replacements join)."""
-    local_workers: int = 1
-    """How many workers this machine runs at most at once: under `--pin-cpus auto` each gets
-    an equal share of its cores, by `device_index` (`bamboo.node.pinning`)."""
-
-    @property
-    def name(self) -> str:
-        return f"n{self.node}"
 
 
 class TransferFailed(RuntimeError):

@@ -188,7 +188,7 @@ def _mac(token: str, challenge: str) -> str:
     return hmac.new(token.encode(), challenge.encode(), hashlib.sha256).hexdigest()
 
 
-def serve_handshake(channel: Channel, token: str, timeout: float) -> dict:
+def serve_handshake(channel: Channel, token: str, timeout: float) -> dict[str, Any]:
     """The coordinator's side: challenge, then the agent's proof and hello (a dict). Raises
     Refusal (after telling the agent) for a wrong proof, WireError/OSError/EOFError for a
     client that does not speak the protocol."""
@@ -212,7 +212,8 @@ def serve_handshake(channel: Channel, token: str, timeout: float) -> dict:
     return hello
 
 
-def client_handshake(channel: Channel, token: str, hello: dict, timeout: float) -> None:
+def client_handshake(channel: Channel, token: str, hello: dict[str, Any], timeout: float
+                     ) -> None:
     """The agent's side. Raises Refusal with the coordinator's reason."""
     greeting = channel.recv(timeout=timeout)
     if not isinstance(greeting, dict) or "challenge" not in greeting:

@@ -279,7 +279,7 @@ class Job(AgentMessage):
     worker: int
     spec: Any
     """The worker's WorkerSpec (its store_host None: the address the agent joined on)."""
-    etcd: dict | None = None
+    etcd: dict[str, str] | None = None
     lease_s: float = 10.0
     """The coordinator pings at least every second: silence this long means it is gone."""
 
@@ -327,7 +327,7 @@ class FromWorker(AgentMessage):
 class Beat(AgentMessage):
     """The agent's relay of its workers' heartbeat slots: [worker, age, step, phase] each."""
 
-    slots: list
+    slots: list[list[float]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -84,6 +84,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
     from bamboo.config import JobConfig, parse_kill
     from bamboo.control import run_job
+    from bamboo.launch.local import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDir
 
@@ -93,7 +94,8 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
                            steps=steps, kills=kills, **user_data,
                            **kw).validate()  # type: ignore[arg-type]  # the JobConfig keywords the caller passes through
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
-        return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False)), out
+        return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False),
+                       LocalWorkers()), out
 
     victim = min(2, stages - 1)
     clean, clean_dir = run(nodes=stages, micro_batches=micro_batches)

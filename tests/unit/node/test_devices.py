@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,12 +19,13 @@ from torch import nn
 
 from bamboo.config import JobConfig
 from bamboo.config.presets import preset
-from bamboo.control.kills import Kills
-from bamboo.control.nodes import Supervisor, free_device_slot
 from bamboo.engine.optim import adamw_options, make_optimizer, steps_on_param_device
+from bamboo.launch.local import LocalWorkers, free_device_slot
 from bamboo.model import build_layers
 from bamboo.node.devices import choose_device_index, configure_tf32
 from bamboo.node.devices import worker_device as _device
+from bamboo.protocol.launch import Started, WorkerSpec
+from bamboo.protocol.messages import Progress
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -129,12 +130,14 @@ class _FakeProcess:
     def __init__(self, target, args, name) -> None:
         self.spec = args[0]
         self.pid = next(self.pids)
+        self.exitcode: int | None = None
+        self.sentinel = -1
 
     def start(self) -> None:
         pass
 
     def is_alive(self) -> bool:
-        return True
+        return self.exitcode is None
 
     def kill(self) -> None:
         pass
@@ -149,57 +152,60 @@ class _FakeContext:
         return end, end
 
 
-def _supervisor(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Supervisor:
-    """A coordinator's supervisor whose local workers are fake processes, on a machine
-    with `gpus` visible GPUs (0: CPU workers)."""
+def _launcher(monkeypatch: pytest.MonkeyPatch, gpus: int) -> Callable[[], Started]:
+    """Starts of local workers as fake processes, on a machine with `gpus` visible GPUs
+    (0: CPU workers)."""
     from bamboo.node import forkserver
     monkeypatch.setattr(forkserver, "context", lambda: _FakeContext)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    ctx = SimpleNamespace(clock=time.monotonic, cfg=JobConfig.of(device="cuda" if gpus else "cpu"),
-                          store=SimpleNamespace(port=1), committed=0, run_path=Path("run"))
-    return Supervisor(ctx, 64, Kills(ctx), "127.0.0.1")  # type: ignore[arg-type]  # stand-ins for the context and kills
+    launcher = LocalWorkers()
+    cfg = JobConfig.of(device="cuda" if gpus else "cpu", out="run")
+    nodes = iter(range(10_000))
+    heartbeats = Progress(None, None)
+
+    def start() -> Started:
+        spec = WorkerSpec(node=next(nodes), slot=0, first_gen=0, store_host="127.0.0.1",
+                          store_port=1, config=cfg)
+        return launcher.start(spec, heartbeats)
+    return start
 
 
-@pytest.fixture
-def supervisor(monkeypatch: pytest.MonkeyPatch) -> Supervisor:
-    return _supervisor(monkeypatch, 0)
+def _ended(n: Started) -> None:
+    n.process.process.exitcode = 0  # type: ignore[attr-defined]  # the local handle's process
 
 
-def test_replacement_takes_the_free_slot_not_node_mod_count(supervisor: Supervisor) -> None:
-    nodes = [supervisor.spawn_local(first_gen=0) for _ in range(4)]
-    assert [n.process.spec.device_index for n in nodes] == [0, 1, 2, 3]
+def _spec(n: Started) -> WorkerSpec:
+    return n.process.process.spec  # type: ignore[attr-defined]  # the fake process keeps it
+
+
+def test_replacement_takes_the_free_slot_not_node_mod_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    start = _launcher(monkeypatch, 0)
+    nodes = [start() for _ in range(4)]
+    assert [_spec(n).device_index for n in nodes] == [0, 1, 2, 3]
     assert [n.device_slot for n in nodes] == [0, 1, 2, 3]
-    supervisor.exited(nodes[2])  # n2 ended: its GPU is free
-    n4 = supervisor.spawn_local(first_gen=1)
-    assert n4.node == 4 and n4.process.spec.device_index == 2  # not 4 % 4 == 0
-    n5 = supervisor.spawn_local(first_gen=1)
-    assert n5.process.spec.device_index == 4  # all of 0..3 live: the next one
+    _ended(nodes[2])  # n2 ended: its GPU is free
+    n4 = start()
+    assert _spec(n4).node == 4 and _spec(n4).device_index == 2  # not 4 % 4 == 0
+    n5 = start()
+    assert _spec(n5).device_index == 4  # all of 0..3 live: the next one
     # SIGKILL already sent (a fence, a checkpoint-restart): the slot goes to the new one.
-    nodes[0].kill_sent = True
-    assert supervisor.spawn_local(first_gen=2).device_slot == 0
-    # A notice (SIGKILL later): the node still trains and drains, it keeps its slot.
-    nodes[1].kill_sent, nodes[1].kill_at = True, time.monotonic() + 30
-    assert supervisor.spawn_local(first_gen=2).device_slot == 5
-
-
-def test_agent_workers_hold_no_local_slot(supervisor: Supervisor) -> None:
-    local = supervisor.spawn_local(first_gen=0)
-    remote = supervisor.admit(lambda spec, slot: (_FakeProcess(None, (spec,), "r"), None),
-                              first_gen=0, machine="host-b")
-    assert remote.device_slot is None and local.device_slot == 0
-    assert supervisor.spawn_local(first_gen=0).device_slot == 1
-    assert supervisor.local_device_slots() == {0, 1}
+    nodes[0].process.kill()
+    assert start().device_slot == 0
+    # n1 with a notice (its SIGKILL comes later, never sent yet): it still trains and
+    # drains, and keeps its slot.
+    assert start().device_slot == 5
 
 
 def test_gpus_of_a_local_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    sup = _supervisor(monkeypatch, 2)
-    nodes = [sup.spawn_local(first_gen=0) for _ in range(3)]
+    start = _launcher(monkeypatch, 2)
+    nodes = [start() for _ in range(3)]
     assert [n.device_slot for n in nodes] == [0, 1, 2]  # GPUs 0, 1, 0
-    sup.exited(nodes[1])
-    n3 = sup.spawn_local(first_gen=1)  # GPU 1 is free: slot 1 again, not 3 (GPU 1 too)
-    assert n3.device_slot == 1 and n3.process.spec.device_index == 1
-    sup.exited(nodes[0])
-    assert sup.spawn_local(first_gen=1).device_slot == 0
+    _ended(nodes[1])
+    n3 = start()  # GPU 1 is free: slot 1 again, not 3 (GPU 1 too)
+    assert n3.device_slot == 1 and _spec(n3).device_index == 1
+    _ended(nodes[0])
+    assert start().device_slot == 0
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 3, 4])
@@ -208,21 +214,21 @@ def test_never_two_live_workers_on_one_slot_nor_on_a_gpu_while_one_is_free(
     """Random starts and ends of local workers: live workers' slots stay distinct; a new
     worker gets a GPU no live worker uses while there is one; and a run that never has
     more live workers than GPUs never puts two on one GPU."""
-    sup = _supervisor(monkeypatch, gpus)
+    start = _launcher(monkeypatch, gpus)
     rng = random.Random(gpus)
-    live: list = []
+    live: list[Started] = []
     peak = 0
     for _ in range(400):
         if live and (rng.random() < 0.45 or len(live) >= 6):
-            sup.exited(live.pop(rng.randrange(len(live))))
+            _ended(live.pop(rng.randrange(len(live))))
             continue
         before = {choose_device_index(n.device_slot, None, gpus) for n in live} if gpus else set()
-        n = sup.spawn_local(first_gen=0)
+        n = start()
         live.append(n)
         peak = max(peak, len(live))
         slots = [m.device_slot for m in live]
         assert len(set(slots)) == len(slots)
-        assert n.process.spec.device_index == n.device_slot
+        assert _spec(n).device_index == n.device_slot
         if not gpus:
             continue
         gpu = choose_device_index(n.device_slot, None, gpus)

@@ -118,8 +118,9 @@ def test_an_abandoned_group_formation_does_not_hold_up_the_node(store) -> None:
     import torch
 
     from bamboo.config import JobConfig
-    from bamboo.node.worker import TransferFailed, WorkerNode, WorkerSpec
+    from bamboo.node.worker import TransferFailed, WorkerNode
     from bamboo.plan.planner import GenerationPlan
+    from bamboo.protocol.launch import WorkerSpec
     from bamboo.protocol.messages import Progress
 
     cfg = JobConfig.of(nodes=2, stages=2, steps=2, comm_timeout_s=30).validate()

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig, parse_kill
-from bamboo.fleet.remote import register_wire_types
-from bamboo.node.worker import WorkerSpec
 from bamboo.plan.faults import Fault
+from bamboo.protocol.agent_wire import register_wire_types
 from bamboo.protocol.frames import (
     Channel,
     Refusal,
@@ -23,6 +22,7 @@ from bamboo.protocol.frames import (
     serve_handshake,
     to_bytes,
 )
+from bamboo.protocol.launch import WorkerSpec
 from bamboo.protocol.messages import (
     Beat,
     FromWorker,

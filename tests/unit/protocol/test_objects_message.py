@@ -1,6 +1,6 @@
 """A job's objects sent by value reach an agent with its first `Job`: each signed with the
 job's token, carried as a JSON frame, and kept on the agent's machine only when its
-signature and hash hold (bamboo.fleet.remote.objects_messages / install_objects; a large one in parts)."""
+signature and hash hold (bamboo.protocol.agent_wire.objects_messages / install_objects; a large one in parts)."""
 from __future__ import annotations
 
 import tempfile
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bamboo.config import JobConfig, objects
-from bamboo.fleet.remote import (
+from bamboo.protocol.agent_wire import (
     CHUNK_BYTES,
     Objects,
     install_objects,

@@ -1,4 +1,4 @@
-"""Several machines, the coordinator's side: the join listener and agents seen as processes.
+"""The coordinator's side of agents' connections: the join listener, and agents' workers seen as processes.
 
 `bamboo coordinator --bind ADDR:PORT` listens for agents there. Each connection gets its
 own handshake thread with a deadline (bamboo.protocol.frames): the agent proves it knows
@@ -18,20 +18,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import secrets
 import signal
 import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from bamboo.protocol.frames import Channel, Refusal, register, serve_handshake
+from bamboo.protocol.agent_wire import objects_messages, register_wire_types
+from bamboo.protocol.frames import Channel, Refusal, serve_handshake
 from bamboo.protocol.messages import (
-    AGENT_MESSAGES,
-    WORKER_MESSAGES,
     Beat,
     Exit,
     Finished,
@@ -44,12 +40,7 @@ from bamboo.protocol.messages import (
     Progress,
 )
 
-if TYPE_CHECKING:
-    from bamboo.config.join import JoinConfig
-
-__all__ = ["JoinError", "write_join_token", "open_join", "AgentListener",
-           "RemoteAgent", "RemoteProcess", "register_wire_types", "Objects", "objects_messages", "CHUNK_BYTES",
-           "install_objects"]
+__all__ = ["AgentListener", "RemoteAgent", "RemoteProcess"]
 
 HANDSHAKE_S = 10.0
 """A joining client must finish the handshake within this many seconds."""
@@ -59,168 +50,8 @@ _IO_S = 10.0
 """A send to an agent that does not read for this long ends its connection."""
 
 
-class JoinError(RuntimeError):
-    """An agent could not join; str() is the one line for the user."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Objects:
-    """The objects a job sent by value (bamboo.config.objects), sent to an agent before the
-    first `Job` that names them: {reference: [base64 of the bytes, HMAC-SHA256 of the
-    reference and the whole bytes under the job's token]}. The agent checks both before it
-    keeps them (`install_objects`): it unpickles only what the holder of its token sent.
-    An object over `CHUNK_BYTES` travels in `parts` messages of one reference each, part
-    `part` holding that slice of its bytes; the agent keeps it once the last part is in."""
-
-    objects: dict
-    part: int = 0
-    parts: int = 1
-
-
-CHUNK_BYTES = 6 << 20
-"""The most bytes of objects one message carries: base64 makes them 8 MiB, within a frame
-(bamboo.protocol.frames.MAX_FRAME). A larger object is cut into chunks of this size."""
-
 _TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """The join token each admitted agent's channel proved (to sign what it is sent)."""
-
-
-def objects_messages(config: Any, token: str, sent: set[str]) -> list[Objects]:
-    """The `Objects` messages of `config`'s by-value references not in `sent` (which gains
-    them): small ones together, up to `CHUNK_BYTES` a message; each larger one in parts."""
-    import base64
-
-    from bamboo.config import objects
-    refs = [r for r in objects.references(config.to_dict()) if r not in sent]
-    messages: list[Objects] = []
-    batch: dict[str, list[str]] = {}
-    size = 0
-    for ref in refs:
-        data = objects.data_of(ref)
-        mac = objects.sign(token, ref, data)
-        if len(data) > CHUNK_BYTES:
-            parts = -(-len(data) // CHUNK_BYTES)
-            messages += [Objects(objects={ref: [base64.b64encode(
-                data[k * CHUNK_BYTES:(k + 1) * CHUNK_BYTES]).decode(), mac]}, part=k,
-                parts=parts) for k in range(parts)]
-            continue
-        if batch and size + len(data) > CHUNK_BYTES:
-            messages.append(Objects(objects=batch))
-            batch, size = {}, 0
-        batch[ref] = [base64.b64encode(data).decode(), mac]
-        size += len(data)
-    if batch:
-        messages.append(Objects(objects=batch))
-    sent.update(refs)
-    return messages
-
-
-def install_objects(msg: Objects, token: str, pending: dict[str, list[bytes]] | None = None
-                    ) -> list[str]:
-    """An agent's side: each object checked (signature, hash) and kept on this machine for
-    its workers; the references kept. A part of a larger object waits in `pending` (the
-    agent's, across messages) until its last part arrives. ObjectError (one line) for one
-    that fails a check."""
-    import base64
-    import binascii
-
-    from bamboo.config import objects
-    kept = []
-    for ref, entry in msg.objects.items():
-        try:
-            encoded, mac = entry
-            data = base64.b64decode(encoded, validate=True)
-        except (TypeError, ValueError, binascii.Error):
-            raise objects.ObjectError(f"a malformed object {str(ref)[:80]!r}") from None
-        if msg.parts > 1:
-            data = _joined(ref, data, msg, {} if pending is None else pending)
-            if data is None:
-                continue
-        objects.verify(token, ref, data, mac)
-        objects.install(ref, data)
-        kept.append(ref)
-    return kept
-
-
-def _joined(ref: str, data: bytes, msg: Objects, pending: dict[str, list[bytes]]
-            ) -> bytes | None:
-    """The whole bytes of `ref` once part `msg.part` (the last) is in, else None (kept in
-    `pending`); ObjectError for a part out of order."""
-    from bamboo.config import objects
-    parts = pending.setdefault(ref, [])
-    if msg.part != len(parts) or len(msg.objects) != 1:
-        pending.pop(ref, None)
-        raise objects.ObjectError(f"part {msg.part} of the object {str(ref)[:80]!r} came out of "
-                                  f"order")
-    parts.append(data)
-    if msg.part < msg.parts - 1:
-        return None
-    return b"".join(pending.pop(ref))
-
-
-def write_join_token(path: Path, token: str | None = None) -> str:
-    """`token` (default: a fresh one) stored readable by its owner only (0600), whole or not
-    at all: a script waiting for the file never reads half a token."""
-    token = token or secrets.token_hex(16)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return token
-
-
-def open_join(join: JoinConfig, run_path: Path,
-              lease_s: float) -> tuple[AgentListener, Any, str | None]:
-    """`bamboo coordinator`'s way in for agents: the join listener on --bind with the job's
-    token (--token-file, or a fresh one written to `run_path`/join-token once the listener
-    is up) and, with --etcd, the membership. (listener, membership or None, the line that
-    tells the user the generated token, or None); JoinError (one line) when it cannot."""
-    token_file = Path(join.token_file) if join.token_file else run_path / "join-token"
-    generated = not token_file.exists()
-    if generated:
-        token = secrets.token_hex(16)
-    else:
-        token = token_file.read_text().strip()
-        if len(token) < 16:
-            raise JoinError(f"--token-file {token_file} holds a token of {len(token)} "
-                            f"characters: use at least 16 (openssl rand -hex 32)")
-    run_path.mkdir(parents=True, exist_ok=True)
-    try:
-        listener = AgentListener(join.address(), token, advertise=join.advertise,
-                                 store_port=join.store_port, join_timeout_s=join.join_timeout_s)
-    except OSError as e:
-        raise JoinError(f"cannot listen on {join.bind} ({e.strerror or e}): choose another "
-                        f"--bind") from None
-    if generated:  # only now: whoever waits for the file may connect at once
-        write_join_token(token_file, token)
-    membership = None
-    if join.etcd:
-        from bamboo.fleet.membership import EtcdMembership, MembershipError
-        try:
-            membership = EtcdMembership.host(join.etcd, token, job=run_path.resolve().name,
-                                             ttl_s=min(3.0, lease_s))
-        except MembershipError as e:
-            listener.close()
-            if generated:  # leave nothing behind for a job that never started
-                token_file.unlink(missing_ok=True)
-                if not any(run_path.iterdir()):
-                    run_path.rmdir()
-            raise JoinError(str(e)) from None
-    announce = None if join.token_file else \
-        f"join token: {token} (also in {token_file}, mode 0600)"
-    return listener, membership, announce
-
-
-def register_wire_types() -> None:
-    """Every class that may travel between an agent and the coordinator."""
-    from bamboo.config import SECTION_CLASSES, JobConfig, KillSpec
-    from bamboo.node.worker import WorkerSpec
-    from bamboo.plan.faults import Fault
-    register(*AGENT_MESSAGES, *WORKER_MESSAGES, WorkerSpec, JobConfig, *SECTION_CLASSES,
-             KillSpec, Fault, Objects)
 
 
 def _hello(data: dict) -> Hello:
@@ -321,8 +152,10 @@ class AgentListener:
 class RemoteAgent:
     """One agent's connection: K workers on one machine."""
 
-    def __init__(self, channel: Channel, hello: Hello, progress: Progress) -> None:
-        self.channel, self.hello, self.progress = channel, hello, progress
+    def __init__(self, channel: Channel, hello: Hello) -> None:
+        self.channel, self.hello = channel, hello
+        self.progress: Progress | None = None
+        """The run's heartbeat arrays, given with its first worker (`Agents.start`)."""
         self.machine = hello.machine or f"{hello.host}-{hello.pid}"
         self.free = list(range(hello.workers))
         """Local worker indices (GPUs) with no worker on them."""
@@ -366,7 +199,7 @@ class RemoteAgent:
         try:
             while True:
                 msg = self.channel.recv(timeout=None)
-                if isinstance(msg, Beat):
+                if isinstance(msg, Beat) and self.progress is not None:
                     now = time.monotonic()
                     for k, age, step, phase in msg.slots:
                         w = self.workers.get(int(k))

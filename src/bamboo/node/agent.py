@@ -28,8 +28,8 @@ from multiprocessing.connection import wait
 from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
-from bamboo.fleet.remote import JoinError, Objects, install_objects, register_wire_types
 from bamboo.node.output import AGENT_LOG_DIR
+from bamboo.protocol.agent_wire import JoinError, Objects, install_objects, register_wire_types
 from bamboo.protocol.frames import Channel, Refusal, WireError, client_handshake
 from bamboo.protocol.messages import (
     Beat,
@@ -102,7 +102,7 @@ class _EtcdPresence:
 def _join_membership(etcd: dict | None, node: int, token: str, say: Any) -> _EtcdPresence | None:
     if not etcd:
         return None
-    from bamboo.fleet.membership import EtcdMembership, MembershipError
+    from bamboo.node.membership import EtcdMembership, MembershipError
     try:
         m = EtcdMembership.connect(etcd["url"], job=etcd["job"])
         presence = _EtcdPresence(m, f"n{node}", token, {"host": socket.gethostname(),
@@ -335,7 +335,7 @@ def run_agent(opts: AgentOptions) -> int:
     watcher = None
     sources = [s for s in opts.notice_sources if s != "sigterm"]
     if sources:
-        from bamboo.fleet.notices import NoticeWatcher, make_source
+        from bamboo.node.notices import NoticeWatcher, make_source
         watcher = NoticeWatcher([make_source(s, opts.metadata_url) for s in sources],
                                 lambda n: noticed.append(n.source)).start()
     try:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bamboo.fleet.notices import (
+from bamboo.node.notices import (
     AwsSpotNotice,
     AzurePreemptNotice,
     GcpPreemptedNotice,
@@ -111,7 +111,7 @@ def test_watcher_survives_failing_source_and_logs_once(caplog):
     broken = GcpPreemptedNotice("http://127.0.0.1:1", timeout_s=0.2)
     sig = SigtermNotice(grace_s=30)
     try:
-        with caplog.at_level(logging.WARNING, logger="bamboo.fleet.notices"):
+        with caplog.at_level(logging.WARNING, logger="bamboo.node.notices"):
             with NoticeWatcher([broken, sig], got.append, interval_s=0.02):
                 time.sleep(0.3)
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,3 @@
+"""Where nodes run: the implementations of `bamboo.protocol.launch.Launcher` (local processes, agents on other machines)."""
+
+__all__: list[str] = []
