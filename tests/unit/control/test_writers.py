@@ -215,3 +215,81 @@ def test_the_core_writes_no_parts_field() -> None:
             and n.func.attr in MUTATORS else []
         bad += [f"{n.lineno}: {ast.unparse(t)}" for t in targets if into_part(t)]
     assert not bad, bad
+
+
+LOSS_FIELDS = {"handled_as", "pause_s", "reconfiguration_s", "repaired", "in_flight",
+               "written", "shadow", "counts", "phase", "active_before"}
+"""The fields of a `state.Loss` a part changes after making it (names no other object of
+bamboo/control writes)."""
+
+
+def attribute_writes(source: str, fields: set[str]) -> list[tuple[str, int, str]]:
+    """(field, line, receiver) of every write of `<receiver>.<field>` in `source`: an
+    assignment, an augmented assignment, a `del`, or a mutating call on it (or on an item
+    of it); a receiver is the expression before the field (`loss`, `self.ctx.plan`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and t.attr in fields:
+                found.append((t.attr, node.lineno, ast.unparse(t.value)))
+    return found
+
+
+def test_each_loss_is_written_by_the_failure_handler_alone() -> None:
+    """Every `Loss` is written by `failures.FailureHandler` only; the generations part
+    returns the losses a new generation covers, and the core hands them on."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(CONTROL.glob("*.py")):
+        for field, _, receiver in attribute_writes(path.read_text(), LOSS_FIELDS):
+            if receiver != "self":
+                found.setdefault(path.stem, set()).add(field)
+    assert set(found) == {"failures"}, f"a Loss written outside failures.py: {found}"
+    assert {"handled_as", "pause_s", "written"} <= found["failures"]  # the scan sees them
+    stray = "def f(gens, r):\n    for x in r.lost:\n        x.handled_as = 1\n" \
+            "    r.lost[0].counts.update(a=1)\n"
+    assert [(f, line) for f, line, _ in attribute_writes(stray, LOSS_FIELDS)] == [
+        ("handled_as", 3), ("counts", 4)]
+
+
+def test_a_generation_plan_is_frozen_and_never_written() -> None:
+    """A plan is complete when made: frozen, and no module writes a field of one (a
+    receiver named `plan`, or an attribute `.plan`) after it is made."""
+    import dataclasses
+
+    from bamboo.plan.planner import GenerationPlan
+
+    fields = {f.name for f in dataclasses.fields(GenerationPlan)}
+    plan = GenerationPlan(gen=0, epoch=0, members=["n0"], pipelines=1, stages=1,
+                          parts=[[0, 2]], start_step=0)
+    try:
+        plan.fired_kills = ["0:0@1"]  # type: ignore[misc]  # the write the test expects refused
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("GenerationPlan is not frozen")
+    assert GenerationPlan.from_json(plan.to_json()) == plan
+
+    def plans(receiver: str) -> bool:
+        return receiver.split(".")[-1].endswith("plan") or receiver == "planned"
+
+    bad = [f"{path.relative_to(ROOT)}:{line}: {receiver}.{field}"
+           for path in sorted((ROOT / "src" / "bamboo").rglob("*.py"))
+           for field, line, receiver in attribute_writes(path.read_text(), fields)
+           if plans(receiver)]
+    assert not bad, f"a generation plan written after it was made: {bad}"
+    stray = "def enter(self, plan):\n    plan.stepwise = True\n    self.ctx.plan.holes.append(1)\n"
+    assert [(f, r) for f, _, r in attribute_writes(stray, fields) if plans(r)] == [
+        ("stepwise", "plan"), ("holes", "self.ctx.plan")]
