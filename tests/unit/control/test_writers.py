@@ -293,3 +293,58 @@ def test_a_generation_plan_is_frozen_and_never_written() -> None:
     stray = "def enter(self, plan):\n    plan.stepwise = True\n    self.ctx.plan.holes.append(1)\n"
     assert [(f, r) for f, _, r in attribute_writes(stray, fields) if plans(r)] == [
         ("stepwise", "plan"), ("holes", "self.ctx.plan")]
+
+
+ENGINE = ROOT / "src" / "bamboo" / "engine"
+STEP_NAMES = {"s", "self.s", "scratch"}
+"""What the engine's modules call a `StepState` (a parameter annotated so is named `s`)."""
+STEP_METHODS = {"restart", "adopt", "received", "forwarded", "apply"}
+"""`StepState`'s own methods that write it."""
+
+
+def test_the_engine_alone_writes_a_step() -> None:
+    """A step's buffers (`StepState`) are written in engine.py only (directly, or through
+    the StepState's own methods, which write `self` in step.py): the transfers, a forward,
+    the transport and a failover return what they produce or receive."""
+    import dataclasses
+
+    from bamboo.engine.step import StepState
+
+    fields = {f.name for f in dataclasses.fields(StepState)}
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "src" / "bamboo").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # the name makes the scan sound: a step is always `s`
+            if isinstance(node, ast.arg) and node.annotation is not None and \
+                    ast.unparse(node.annotation) == "StepState":
+                assert node.arg == "s", f"{path.name}:{node.lineno}: a step named {node.arg}"
+        writes = {f for f, _, receiver in attribute_writes(path.read_text(), fields)
+                  if receiver in STEP_NAMES}
+        calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr in STEP_METHODS
+                 and ast.unparse(n.func.value) in STEP_NAMES}
+        if writes | calls:
+            found[str(path.relative_to(ENGINE.parent))] = writes | calls
+    assert set(found) == {"engine/engine.py"}, f"a step written outside the engine: {found}"
+    assert {"inputs", "out_grads", "outputs", "apply", "forwarded"} <= found["engine/engine.py"]
+
+
+def test_a_step_report_is_built_once_by_the_engine() -> None:
+    """`StepReport` is frozen and made in engine.py alone (at the step's commit)."""
+    import dataclasses
+
+    from bamboo.protocol.votes import StepReport
+
+    report = StepReport(step=0, rank=0, stages=[])
+    try:
+        report.brc = 1  # type: ignore[misc]  # the write the test expects refused
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("StepReport is not frozen")
+    makers = {str(path.relative_to(ENGINE.parent))
+              for path in (ROOT / "src" / "bamboo").rglob("*.py")
+              for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+              and ast.unparse(n.func).split(".")[-1] in ("StepReport", "replace")
+              and "StepReport" in ast.unparse(n)}
+    assert makers == {"engine/engine.py"}, makers
