@@ -9,7 +9,8 @@ One writer per field. Every field of the shared state has exactly one part that 
 it; the others only read it. A part that needs another's field changed calls that part's
 method, or returns what happened to the core, which hands it on: the parts are built
 without callbacks (`CoordinatorCore._build_parts`). `tests/unit/control/test_writers.py`
-fails when a second module writes a field (of the context, or of a node).
+fails when a second module writes a field (of the context, of a node, of a loss or of a
+plan).
 
 | field | its one writer | readers |
 | --- | --- | --- |

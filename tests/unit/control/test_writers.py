@@ -6,6 +6,10 @@ augmented assignment or a `del` through `ctx.<field>` (or an alias of it, `r =
 ctx.reconf`), and a mutating call on it (`ctx.losses.append`, `ctx.reconf.ending.discard`).
 Each field must be written by its one owner module. The parts are built without
 callbacks: `CoordinatorCore._build_parts` passes no lambda and no bound method.
+
+The same rule beyond the context: a node's fields (the supervisor), each `Loss` (the
+failure handler), the generation's plan (frozen, written by no one after it is made), a
+step's buffers (`engine/engine.py`) and its report (frozen, built once by the engine).
 """
 from __future__ import annotations
 
