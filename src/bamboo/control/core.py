@@ -273,9 +273,11 @@ class CoordinatorCore:
         none_coming = self.preemptions.trace_finished() and self.supply.none_coming(self) \
             and not self.nodes.coming()
         committed = self.ctx.committed
-        plan = self.gens.try_plan(self.modes, trace_finished=none_coming)
-        if plan is None:
+        new = self.gens.try_plan(self.modes, trace_finished=none_coming)
+        if new is None:
             return
+        self.failures.covered(new.lost, new.covered_as)
+        plan = new.plan
         if plan.start_step < committed:  # restored: the steps after its start are redone
             self.steps.rewind(plan.start_step)
             self.checkpoints.forget_after(plan.start_step)

@@ -15,12 +15,14 @@ becomes, in this order of preference:
   last checkpoint loaded, as torchrun would.
 
 This module is the only writer of `node_lost`: each loss is written exactly once, when
-its handling is known (for in-flight ones, when its step's records are in).
+its handling is known (for in-flight ones, when its step's records are in). It is also
+the one writer of every `Loss` (a new generation's restore reaches it through `covered`).
 """
 from __future__ import annotations
 
 import signal
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bamboo.control.generations import Generations
@@ -336,6 +338,13 @@ class FailureHandler:
         `node_lost` event in the order they were written (a standby's: 0)."""
         order = self.written_order + [x for x in self.losses if not x.written]
         return [round(x.cost_s, 4) for x in order]
+
+    def covered(self, lost: Iterable[Loss], how: HandledAs) -> None:
+        """A new generation covers the losses `lost` of the reconfiguration before it (a
+        peer or a checkpoint restore): those nothing in flight covered are handled as `how`."""
+        for x in lost:
+            if x.handled_as is HandledAs.PENDING:
+                x.handled_as = how
 
     def stopped(self) -> None:
         """The run stops: losses it could not survive are written as `stopped`; losses

@@ -10,6 +10,7 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -35,7 +36,7 @@ from bamboo.protocol.messages import (
 )
 from bamboo.run.progress import pipeline_rows
 
-__all__ = ["Generations", "Modes", "FixedMode"]
+__all__ = ["Generations", "Modes", "FixedMode", "NextGeneration"]
 
 
 class Modes(Protocol):
@@ -54,6 +55,17 @@ class FixedMode:
 
     def choose(self, gen: int) -> RedundancyMode:
         return self.mode
+
+
+@dataclass(frozen=True, slots=True)
+class NextGeneration:
+    """A generation `Generations.try_plan` published: its `plan`, and the losses of the
+    reconfiguration before it (`lost`), covered as `covered_as` (a peer or a checkpoint
+    restore) where nothing in flight covered them."""
+
+    plan: GenerationPlan
+    lost: tuple[Loss, ...]
+    covered_as: HandledAs
 
 
 class Generations:
@@ -135,14 +147,17 @@ class Generations:
                               checkpoint=str(ctx.resume_path) if resumed else None,
                               reason="resume" if resumed else "start")
 
-    def enter(self, plan: GenerationPlan) -> None:
-        """Make `plan` the current generation and publish it (its layout is news for the
-        run's view: `display.RunView.layout_changed`)."""
+    def enter(self, planned: GenerationPlan) -> GenerationPlan:
+        """Make `planned`, completed with the run's state at its start (the kills carried
+        out, the step-by-step loop's learning-rate scale, the fp16 loss scale), the current
+        generation and publish it (its layout is news for the run's view:
+        `display.RunView.layout_changed`); the plan published."""
         ctx = self.ctx
-        plan.fired_kills = self.kills.fired_kills()
-        plan.stepwise, plan.lr_scale = ctx.stepwise, scale_at(ctx.lr_scales, plan.start_step)
-        if ctx.cfg.model.precision == "fp16":
-            plan.loss_scale = ctx.loss_scale_at(plan.start_step).to_json()
+        fp16 = ctx.cfg.model.precision == "fp16"
+        plan = replace(planned, fired_kills=self.kills.fired_kills(), stepwise=ctx.stepwise,
+                       lr_scale=scale_at(ctx.lr_scales, planned.start_step),
+                       loss_scale=ctx.loss_scale_at(planned.start_step).to_json() if fp16
+                       else planned.loss_scale)
         ctx.plan = plan
         ctx.roles = plan.roles()
         for n in self.nodes:
@@ -153,6 +168,7 @@ class Generations:
         self.started = ctx.clock()
         ctx.store.set(epoch_key(plan.epoch), ctx.roles.to_json())
         ctx.store.set(plan_key(plan.gen), plan.to_json())
+        return plan
 
     def on_ready(self, n: Node, msg: GenerationReady) -> bool:
         """True when this made the generation run."""
@@ -373,8 +389,10 @@ class Generations:
 
     # -- the next one -----------------------------------------------------------------------
 
-    def try_plan(self, modes: Modes, *, trace_finished: bool) -> GenerationPlan | None:
-        """Publish the next generation once every live member of the old one has ended it."""
+    def try_plan(self, modes: Modes, *, trace_finished: bool) -> NextGeneration | None:
+        """Publish the next generation once every live member of the old one has ended it;
+        with it, the losses it accounts for and how it covers them (the failure handler,
+        their one writer, notes that)."""
         ctx, r = self.ctx, self.ctx.reconf
         if r is None or r.ending:
             return None
@@ -410,15 +428,12 @@ class Generations:
         except NoLiveCopy as e:
             plan = self.restore.plan(kwargs, str(e))
             handled = HandledAs.CHECKPOINT_RESTORE
-        for loss in r.lost:
-            if loss.handled_as is HandledAs.PENDING:
-                loss.handled_as = handled
         self.reconfigurations += 1
         decided = ctx.clock()
         per_param = bytes_per_parameter(ctx.cfg.training.optimizer, ctx.cfg.training.lr)
         moved = round(sum(ctx.param_counts[layer] for layer, _, _ in plan.transfers) * per_param)
         ctx.reconf = None
-        self.enter(plan)
+        plan = self.enter(plan)
         self.times.append({"gen": plan.gen, "t": r.started, "decision_s": decided - r.started,
                            "bytes": moved, "from_nodes": len(old), "to_nodes": plan.active})
         ctx.events.write("reconfigured", gen=plan.gen, reason=r.reason, step=plan.start_step,
@@ -431,7 +446,7 @@ class Generations:
                 + (f", {len(plan.transfers)} layer state(s) moved" if plan.transfers else "")
                 + (f", restored from {Path(plan.checkpoint).name}" if plan.checkpoint else "")
                 + (", restarted from the initial state" if plan.fresh_start else ""))
-        return plan
+        return NextGeneration(plan=plan, lost=tuple(r.lost), covered_as=handled)
 
     def rows(self) -> list:
         roles = self.ctx.roles

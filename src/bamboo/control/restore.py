@@ -10,6 +10,7 @@ committed step) to its `start_step`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,9 @@ class RestorePoints:
         if ctx.committed:
             ctx.say(f"{why}: restarting from the initial state (step 0)")
         self._go_back(0, None)
-        plan = plan_generation(start_step=0, checkpoint="", **kwargs)
-        plan.checkpoint = None  # every layer is built from the seed, as at the start
-        plan.fresh_start = True
-        return plan
+        plan = plan_generation(start_step=0, checkpoint="", **kwargs)  # "": no transfers
+        # every layer is built from the seed, as at the start
+        return replace(plan, checkpoint=None, fresh_start=True)
 
     def _go_back(self, step: int, path: str | None) -> None:
         ctx = self.ctx

@@ -9,7 +9,8 @@ One writer per field. Every field of the shared state has exactly one part that 
 it; the others only read it. A part that needs another's field changed calls that part's
 method, or returns what happened to the core, which hands it on: the parts are built
 without callbacks (`CoordinatorCore._build_parts`). `tests/unit/control/test_writers.py`
-fails when a second module writes a field (of the context, or of a node).
+fails when a second module writes a field (of the context, of a node, of a loss or of a
+plan).
 
 | field | its one writer | readers |
 | --- | --- | --- |
@@ -26,6 +27,12 @@ fails when a second module writes a field (of the context, or of a node).
 | `skipped_steps` | `steps.StepProtocol` (`_commit`, `rewind`, as `losses`) | `checkpointing`, `generations`, `results` |
 | `start_loss_scale` | `core` (`CoordinatorCore._context`, once) | through `loss_scale_at` |
 | `lr_scales`, `end_step` | `orders.Orders.give` (a step-by-step run's orders; `core._context` sets where a resume starts) | `checkpointing`, `core`, `generations`, `results` |
+
+Each `Loss` (a lost node, until its `node_lost` event is out) is written by
+`failures.FailureHandler` alone: a new generation that restores what nothing in flight
+covered reaches it through `FailureHandler.covered`, by way of the core. The generation's
+plan (`GenerationPlan`) is frozen: `Generations.enter` completes it with the run's state
+once, before publishing it, and no one writes it after.
 
 A node's fields (`nodes.Node`) follow the same rule: the supervisor writes them (`state`
 through `Supervisor.set_state`; a kill through `kill`, `kill_due`, `fence`, `retire`; `ready`,

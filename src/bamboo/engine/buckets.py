@@ -43,7 +43,6 @@ from bamboo.engine.comm import P2P, Interrupted, PeerLost, bury
 from bamboo.engine.stage import StageState
 from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap
-from bamboo.protocol.votes import StepReport
 
 __all__ = ["plan_buckets", "StageBuckets", "BucketReducer", "group_name"]
 
@@ -217,14 +216,15 @@ class BucketReducer:
         """Stage -> its buckets begun early in this attempt."""
         self._last: dict[S.Instruction, StageBuckets] = {}
         """The instruction after which a stage's sum is complete -> its buckets."""
-        self.report: StepReport | None = None
+        self.launched_early = 0
+        """Buckets launched before a commit round since the reducer was made (the step's
+        report takes each step's difference)."""
 
     def plan(self, *, roles: RoleMap, stages: dict[int, StageState], p2p: P2P,
-             schedule: Sequence[S.Instruction], done: set, report: StepReport) -> None:
+             schedule: Sequence[S.Instruction], done: set) -> None:
         """At the start of an attempt's micro-batch work: the stages this node begins early,
-        and the instruction after which each one's sum is complete (`report` counts the
-        buckets launched so)."""
-        self._last, self.report = {}, report
+        and the instruction after which each one's sum is complete."""
+        self._last = {}
         if not self.early_allowed:
             return
         last: dict[int, S.Instruction] = {}
@@ -257,8 +257,7 @@ class BucketReducer:
         del self._last[instr]
         buckets.launch_rest()
         self.pending[buckets.st.stage] = buckets
-        if self.report is not None:
-            self.report.buckets_early += len(buckets.buckets)
+        self.launched_early += len(buckets.buckets)
 
     def take(self, stage: int, epoch: int, p2p: P2P) -> StageBuckets | None:
         """The round's: `stage`'s buckets begun early under these roles, if any."""

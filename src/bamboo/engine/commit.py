@@ -28,11 +28,12 @@ nodes unmatched, and the coordinator can simply ask every survivor to run it aga
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from bamboo.config.presets import ModelPreset
 from bamboo.engine.buckets import BucketReducer
 from bamboo.engine.comm import (
     DP_DOWN,
@@ -48,12 +49,21 @@ from bamboo.engine.comm import (
     PeerLost,
 )
 from bamboo.engine.stage import StageState
+from bamboo.model import model_ties
 from bamboo.plan.roles import RoleMap
 
-__all__ = ["RoundResult", "commit_round", "TiedStages"]
+__all__ = ["RoundResult", "commit_round", "TiedStages", "tied_stages"]
 
 TiedStages = list[tuple[str, list[int]]]
 """Each tie held by more than one stage: (key, its stages in order), by key."""
+
+
+def tied_stages(preset: ModelPreset, parts: Sequence[range]) -> TiedStages:
+    """The ties of `preset` whose uses are on more than one of the stages `parts` (the
+    commit round adds them)."""
+    stage_of = {layer: stage for stage, r in enumerate(parts) for layer in r}
+    return [(tie.key, stages) for tie in model_ties(preset)
+            if len(stages := sorted({stage_of[layer] for layer in tie.layers()})) > 1]
 
 
 @dataclass(slots=True)

@@ -17,47 +17,47 @@ This module is the dispatcher (as DeepSpeed's `_exec_schedule`) over the node's 
 (`plan.program.node_instructions`): one method per instruction, the commit round, the
 optimizer step. After each instruction, and at each of the commit round's points, it tells
 its instruction hook (a fault plan). Failover, the transport and the held-out pass get the
-node's facts (`context.NodeContext`) and what it holds (`context.Held`), never the engine.
+node's facts (`context.NodeContext`) and what it holds (`context.Held`), never the engine;
+what they produce or receive comes back here, the step's one writer, which builds the
+step's report once, when it commits.
 """
 from __future__ import annotations
 
 import functools
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bamboo.config.modes import RedundancyMode
 from bamboo.config.presets import ModelPreset
-from bamboo.data.datasets import Batch, Task, on_device
+from bamboo.data.datasets import Batch, on_device
 from bamboo.engine.buckets import BucketReducer
-from bamboo.engine.comm import P2P, GroupFormer, Interrupted, PeerLost
-from bamboo.engine.commit import RoundResult, TiedStages, commit_round
+from bamboo.engine.comm import P2P, Interrupted, PeerLost
+from bamboo.engine.commit import RoundResult, commit_round, tied_stages
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.evaluation import Losses, MetricRows, eval_pass
 from bamboo.engine.failover import GenerationEnded, Recovery, recover
 from bamboo.engine.forward import StageForward
 from bamboo.engine.memory import storage_bytes
-from bamboo.engine.options import EngineOptions
+from bamboo.engine.options import Assignment, EngineOptions, Observers, Placement
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageState, build_stage
 from bamboo.engine.step import StepState
 from bamboo.engine.transfers import recv_activation, recv_grad, send_activation, send_grad
 from bamboo.engine.transport import Transport, make_transport
-from bamboo.engine.update import apply_update, note_holdings
-from bamboo.model import boundary_shapes, loss_fn, model_ties
+from bamboo.engine.update import apply_update, holdings
+from bamboo.model import boundary_shapes, loss_fn
 from bamboo.model.structure import detach
 from bamboo.plan import program
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import EVAL_FAULT_INDEX
-from bamboo.plan.layout import Layout
 from bamboo.plan.loss_scale import LossScale
-from bamboo.plan.roles import RoleMap
-from bamboo.protocol.votes import BoundaryFlag, Decision, Go, StepReport, Votes
+from bamboo.protocol.votes import BoundaryFlag, Decision, Go, StepReport
 
-__all__ = ["EngineOptions", "NodeEngine", "GenerationEnded", "EVAL_FAULT_INDEX"]
+__all__ = ["EngineOptions", "Assignment", "Placement", "Observers", "NodeEngine",
+           "GenerationEnded", "EVAL_FAULT_INDEX"]
 
 _FORWARD, _BACKWARD, _COMMIT, _OPTIMIZER = range(4)
 """Phase indices a node marks its progress with (`bamboo.protocol.messages.PHASES` names them)."""
@@ -67,27 +67,19 @@ _COMMITTED, _ABORTED, _REDO = "committed", "aborted", "redo"
 
 
 class NodeEngine:
-    """Runs the stages `roles` gives this rank, one step at a time.
+    """Runs the stages its roles give its rank, one step at a time: the `model` with the job's
+    `options`, as assigned (`runs`), where `place`d, told to `observers` (`options.py`)."""
 
-    Job-wide settings come as `options`; the rest is this node's in this generation: the
-    model, its `layout` and `parts` (each stage's layers), the initial `roles` and the
-    generation's `redundancy`, the data `task`, the `device`, the coordinator `link`, the
-    process `group` and the `former` of the groups after a loss; `hook` hears of every
-    instruction executed, `progress(step, phase)` of each phase begun."""
-
-    def __init__(self, *, model: ModelPreset, options: EngineOptions, rank: int,
-                 layout: Layout, parts: Sequence[range], roles: RoleMap, redundancy: RedundancyMode,
-                 task: Task, device: torch.device, link: Votes, group: Any,
-                 former: GroupFormer | None = None, hook: program.InstructionHook | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, *, model: ModelPreset, options: EngineOptions, runs: Assignment,
+                 place: Placement, observers: Observers | None = None) -> None:
+        rank, layout, parts, roles = runs.rank, runs.layout, runs.parts, runs.roles
         self.preset, self.options, self.parts, self.layout = model, options, parts, layout
-        stage_of = {layer: stage for stage, r in enumerate(parts) for layer in r}
-        self.tied_stages: TiedStages = [
-            (tie.key, stages) for tie in model_ties(model)
-            if len(stages := sorted({stage_of[layer] for layer in tie.layers()})) > 1]
-        """The ties whose uses are on more than one stage (the commit round adds them)."""
-        self.rank, self.roles, self.task, self.device = rank, roles, task, device
-        self.link, self.hook, self.progress = link, hook or program.NoHook(), progress
+        self.rank, self.roles, self.task, self.device = rank, roles, place.task, place.device
+        self.tied_stages = tied_stages(model, parts)
+        self.build = functools.partial(build_stage, model, options, parts, self.device)  # by index
+        seen = observers or Observers()
+        self.link, self.hook, self.memory = place.link, seen.hook or program.NoHook(), seen.memory
+        self.progress = seen.progress or (lambda step, phase: None)
         self.flags: set[BoundaryFlag] = set()
         """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
         self.lr_scale = 1.0
@@ -96,10 +88,11 @@ class NodeEngine:
         self.loss_scale = LossScale()
         """`--precision fp16`: the dynamic loss scale at the next step (bamboo.plan.loss_scale;
         the generation's plan gives it, each committed step moves it)."""
-        self.eager = redundancy.runs_frc
-        shadowed = redundancy.keeps_replica
-        self.keep_outputs = shadowed  # a shadow adopting a stage needs its inputs
+        self.eager = runs.redundancy.runs_frc
+        self.keep_outputs = shadowed = runs.redundancy.keeps_replica  # a shadow needs inputs
         self.P = layout.stages
+        self.order_of = functools.partial(_global_order, self.P, schedule=options.schedule)
+        """The `--schedule`'s global order for a pipeline of M micro-batches (local ids)."""
         self.pipeline = roles.pipeline_of(rank)
         self.blocks = [layout.micro_batches(d) for d in range(layout.pipelines)]
         """Global micro-batch ids of each pipeline: the engine's instructions, buffers and
@@ -109,19 +102,19 @@ class NodeEngine:
                             for i, g in enumerate(block)}
         self.global_mbs = self.blocks[self.pipeline]
         self.weight = 1.0 / layout.global_micro_batches
-        self.specs = boundary_shapes(model, task.micro_batch_size)
-        self.loss = task.loss or loss_fn(model)
+        self.specs = boundary_shapes(model, self.task.micro_batch_size)
+        self.loss = self.task.loss or loss_fn(model)
         self.stages = {s: self.build(s) for s in roles.stages_of(rank)}
         replica = roles.replica_of(rank) if shadowed else None
         self.replica = self.build(replica) if replica is not None else None
         self.ctx = NodeContext(rank=rank, pipeline=self.pipeline, P=self.P, parts=parts,
-                               specs=self.specs, device=device, global_mbs=self.global_mbs,
-                               link=link, former=former)
-        self.transport: Transport = make_transport(self.ctx, options.comm, group)
-        self.forwards = StageForward(options=options, device=device, P=self.P, parts=parts,
+                               specs=self.specs, device=self.device, global_mbs=self.global_mbs,
+                               link=self.link, former=place.former)
+        self.transport: Transport = make_transport(self.ctx, options.comm, place.group)
+        self.forwards = StageForward(options=options, device=self.device, P=self.P, parts=parts,
                                      specs=self.specs, loss=self.loss, weight=self.weight,
-                                     metrics=task.metrics)
-        link.on_epoch = self.p2p.wake.set
+                                     metrics=self.task.metrics)
+        self.link.on_epoch = self.p2p.wake.set
         self.reducer = BucketReducer(bucket_bytes=options.bucket_bytes, exact=options.exact)
         self._dispatch: dict[type, Callable[[StepState, Any], None]] = {
             S.Forward: self._forward, S.Backward: self._backward,
@@ -131,18 +124,6 @@ class NodeEngine:
             S.RedundantForward: self._redundant_forward,
         }
 
-    def build(self, stage: int) -> StageState:
-        """A fresh stage: seeded parameters, gradient sums in float64 under --exact; under
-        zb-h1 its linear layers taped in every forward (`split_backward`)."""
-        o = self.options
-        st = StageState(preset=self.preset, stage=stage, layer_indices=self.parts[stage],
-                        seed=o.seed, device=self.device, lr=o.lr, weight_decay=o.weight_decay,
-                        optimizer=o.optimizer,
-                        accumulate_dtype=torch.float64 if o.exact else torch.float32)
-        if S.defers_weight(o.schedule, stage):
-            st.taping = Taping(st.module)
-        return st
-
     # -- one step ---------------------------------------------------------------------------
 
     def run_step(self, step: int) -> StepReport:
@@ -150,12 +131,13 @@ class NodeEngine:
         start = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         s = StepState(step)
-        s.report = StepReport(step=step, rank=self.rank, stages=[])
         self.p2p.wait_s, self.p2p.bytes_sent, self.link.vote_s = 0.0, 0, 0.0
+        before = (self.transport.counts.rebuilds, self.transport.counts.rebuild_s,
+                  self.transport.counts.resent_grads, self.reducer.launched_early)
         self.hook.begin(step, self._holds)
         fp16 = self.options.precision == "fp16"
         self.forwards.loss_scale = self.loss_scale.scale if fp16 else 1.0
-        s.report.loss_scale = self.forwards.loss_scale
+        s.tally.loss_scale = self.forwards.loss_scale
         while True:
             wait, outcome = False, _REDO
             try:
@@ -168,15 +150,21 @@ class NodeEngine:
             except Interrupted:
                 pass
             self._recover(s, wait)
-            s.report.attempts += outcome == _REDO  # an aborted go is no attempt of its own
-        return self._report(s, start, faults)
+            s.tally.attempts += outcome == _REDO  # an aborted go is no attempt of its own
+        report = self._report(s, start, faults, before)
+        del s  # the step's buffers are dropped before the process's memory is sampled
+        if self.memory is not None:
+            m = self.memory()
+            report.update(rss_bytes=m.rss, rss_peak_bytes=m.rss_peak,
+                          cuda_peak_bytes=m.cuda_peak, cuda_reserved_bytes=m.cuda_reserved)
+        return StepReport(**report)  # built once, here
 
     def _attempt(self, s: StepState) -> str:
         """The step's remaining micro-batch work, its votes and commit round: `_COMMITTED`;
         `_ABORTED` when the go vote said abort, `_REDO` when the commit said redo (either
         way the step goes on under new roles)."""
         length = self._micro_batches(s)
-        self._mark(s.step, _COMMIT)
+        self.progress(s.step, _COMMIT)
         self._passed(s.step, length, program.MICRO_BATCHES_DONE)
         if self.link.phase_a_done(s.step, self.roles.epoch) is not Go.GO:
             return _ABORTED
@@ -194,15 +182,21 @@ class NodeEngine:
         self._passed(s.step, length, program.APPLIED)
         return _COMMITTED
 
-    def _report(self, s: StepState, start: float, faults: int) -> StepReport:
-        """The committed step's report: what it held, lost, took and sent."""
-        r = s.report
-        r.losses = [(g, loss, self.weight) for g, loss in sorted(s.losses.items())]
-        r.step_s = time.perf_counter() - start
-        r.page_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        r.wait_s, r.vote_s, r.bytes_sent = self.p2p.wait_s, self.link.vote_s, self.p2p.bytes_sent
-        note_holdings(r, s, self.stages, self.replica, self.options.check_replicas)
-        return r
+    def _report(self, s: StepState, start: float, faults: int,
+                before: tuple[int, float, int, int]) -> dict[str, Any]:
+        """The committed step's report's fields but the process's memory; `before`: the
+        transport's counts and the reducer's at its start, as `run_step` takes them."""
+        c = self.transport.counts
+        return dict(step=s.step, rank=self.rank,
+                    losses=[(g, loss, self.weight) for g, loss in sorted(s.losses.items())],
+                    step_s=time.perf_counter() - start,
+                    page_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                    wait_s=self.p2p.wait_s, vote_s=self.link.vote_s, bytes_sent=self.p2p.bytes_sent,
+                    rebuilds=c.rebuilds - before[0], rebuild_s=c.rebuild_s - before[1],
+                    resent_grads=c.resent_grads - before[2],
+                    buckets_early=self.reducer.launched_early - before[3],
+                    **s.tally.as_report(),
+                    **holdings(s, self.stages, self.replica, self.options.check_replicas))
 
     def _passed(self, step: int, length: int, point: program.CommitPoint) -> None:
         """The step passed a point of its commit round: instruction `length` + k of its
@@ -220,8 +214,12 @@ class NodeEngine:
         abandoned the generation."""
         recovery = Recovery(transport=self.transport, build=self.build,
                             frc_results_complete=self.forwards.frc_results_complete)
+        changes = recover(self.ctx, recovery, self._held(), s, wait)
         try:
-            self._install(recover(self.ctx, recovery, self._held(), s, wait))
+            while True:  # each change to the step applied before the failover goes on
+                s.apply(self.ctx, next(changes))
+        except StopIteration as done:
+            self._install(done.value)
         except GenerationEnded as end:
             self._install(end.held)
             raise
@@ -242,7 +240,6 @@ class NodeEngine:
         the result is the failure-free run's. GenerationEnded as in `run_step`."""
         self.hook.begin(step, self._holds)
         scratch = StepState(step)  # what a role change applies to: nothing of a step is done yet
-        scratch.report = StepReport(step=step, rank=self.rank, stages=[])
         while True:
             wait = False
             try:
@@ -265,17 +262,7 @@ class NodeEngine:
         GenerationEnded when the coordinator abandoned the generation."""
         if not self.interrupted():
             return
-        scratch = StepState(step)
-        scratch.report = StepReport(step=step, rank=self.rank, stages=[])
-        self._recover(scratch, wait=False)
-
-    def _mark(self, step: int, phase: int) -> None:
-        if self.progress is not None:
-            self.progress(step, phase)
-
-    def order_of(self, micro_batches: int) -> dict[S.Instruction, int]:
-        """The `--schedule`'s global order for a pipeline of `micro_batches` (local ids)."""
-        return _global_order(self.P, micro_batches, self.options.schedule)
+        self._recover(StepState(step), wait=False)
 
     def instructions(self) -> list[S.Instruction]:
         """This node's list now (`program.node_instructions`): its own pipeline's work on
@@ -291,11 +278,11 @@ class NodeEngine:
         self.transport.prepare(self.roles)
         schedule = self.instructions()
         self.reducer.plan(roles=self.roles, stages=self.stages, p2p=self.p2p, schedule=schedule,
-                          done=s.done, report=s.report)
+                          done=s.done)
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue
-            self._mark(s.step, _BACKWARD if isinstance(instr, (*S.BACKWARDS, S.SendGrad, S.RecvGrad))
+            self.progress(s.step, _BACKWARD if isinstance(instr, (*S.BACKWARDS, S.SendGrad, S.RecvGrad))
                        else _FORWARD)
             with self.reducer.around(instr):  # a stage's sum complete: its buckets go out
                 self._dispatch[type(instr)](s, instr)
@@ -324,21 +311,21 @@ class NodeEngine:
                               interrupt=self.interrupted,
                               after_reduce=lambda: self._passed(s.step, length, program.REDUCED),
                               ties=self.tied_stages, reducer=self.reducer)
-        s.report.reduce_s += time.perf_counter() - start
-        s.report.bytes_replica = result.bytes_replica
+        s.tally.reduce_s += time.perf_counter() - start
+        s.tally.bytes_replica = result.bytes_replica
         return result
 
     def _apply(self, s: StepState, result: RoundResult) -> None:
         """Phase C: one optimizer step on every stage held and on the replica
         (`update.apply_update`)."""
-        self._mark(s.step, _OPTIMIZER)
+        self.progress(s.step, _OPTIMIZER)
         start = time.perf_counter()
         done = apply_update(stages=self.stages, replica=self.replica, result=result,
                             options=self.options, step=s.step, lr_scale=self.lr_scale,
                             loss_scale=self.loss_scale, scale=self.forwards.loss_scale)
         self.loss_scale = done.loss_scale
-        s.report.grad_norm, s.report.lr, s.report.skipped = done.grad_norm, done.lr, done.skipped
-        s.report.optim_s += time.perf_counter() - start
+        s.tally.grad_norm, s.tally.lr, s.tally.skipped = done.grad_norm, done.lr, done.skipped
+        s.tally.optim_s += time.perf_counter() - start
 
     # -- instructions -----------------------------------------------------------------------
 
@@ -362,20 +349,21 @@ class NodeEngine:
         start = time.perf_counter()
         key = (i.stage, i.mb)
         x = self._data(s, i.mb) if i.stage == 0 else s.inputs[key]
-        out, loss = self.forwards.run(self.stages[i.stage], i.mb, x, s,
-                                      targets=lambda: self._batch(s, i.mb).targets)
-        s.outputs[key] = out
+        f = self.forwards.run(self.stages[i.stage], i.mb, x, s.step,
+                              targets=lambda: self._batch(s, i.mb).targets)
+        s.forwarded(i.stage, i.mb, f, frc=False)
+        s.outputs[key] = out = f.out
         meter = s.memory
         if key in s.transfers.received_acts:  # the received input, held until the backward
             meter.hold(("fwd", *key), storage_bytes(x))
-        if loss is not None:
-            s.losses[i.mb] = loss
+        if f.loss is not None:
+            s.losses[i.mb] = f.loss
         elif self.keep_outputs:
             s.saved_out[key] = detach(out)
             meter.hold(("kept", *key), storage_bytes(out))  # for a shadow: the whole step
         else:
             meter.hold(("fwd", *key), storage_bytes(out))  # until its backward
-        s.report.compute_s += time.perf_counter() - start
+        s.tally.compute_s += time.perf_counter() - start
 
     def _redundant_forward(self, s: StepState, i: S.RedundantForward) -> None:
         """Its input is ready here: run it now (`--frc-at slot`), or at the node's next wait."""
@@ -391,7 +379,7 @@ class NodeEngine:
             i = s.frc_pending.pop(0)
             if self.replica is not None and self.replica.stage == i.stage and i.mb not in s.frc:
                 self._run_frc(s, i)
-                s.report.frc_in_waits += in_wait
+                s.tally.frc_in_waits += in_wait
                 return True
         return False
 
@@ -402,13 +390,14 @@ class NodeEngine:
             self.ctx.boundary_spec(i.stage, input_side=True).as_input(
                 s.saved_out[(i.stage - 1, i.mb)])
         with self.forwards.frc_stream():
-            out, loss = self.forwards.run(self.replica, i.mb, x, s,
-                                          targets=lambda: self._batch(s, i.mb).targets, frc=True)
-        s.frc[i.mb] = (x, out, loss)
-        if loss is None:  # the FRC output stays on the device until a failover or the end
-            s.memory.hold(("frc", i.stage, i.mb), storage_bytes(out))
-        s.report.frc_s += time.perf_counter() - start
-        s.report.frc_forwards += 1
+            f = self.forwards.run(self.replica, i.mb, x, s.step,
+                                  targets=lambda: self._batch(s, i.mb).targets, frc=True)
+        s.forwarded(i.stage, i.mb, f, frc=True)
+        s.frc[i.mb] = (x, f.out, f.loss)
+        if f.loss is None:  # the FRC output stays on the device until a failover or the end
+            s.memory.hold(("frc", i.stage, i.mb), storage_bytes(f.out))
+        s.tally.frc_s += time.perf_counter() - start
+        s.tally.frc_forwards += 1
 
     def _backward(self, s: StepState, i: S.Backward) -> None:
         start = time.perf_counter()
@@ -433,8 +422,8 @@ class NodeEngine:
         if not meter.release(("fwd", stage, mb)):
             meter.release(("frc", stage, mb))  # an adopted FRC forward's (after a failover)
         if stage in s.adopted:
-            s.report.brc += 1
-        s.report.compute_s += time.perf_counter() - start
+            s.tally.brc += 1
+        s.tally.compute_s += time.perf_counter() - start
 
     def _accumulate(self, stage: int, mb: int) -> None:
         """Into the stage's gradient sum; a served pipeline's micro-batch into its own."""
@@ -464,7 +453,7 @@ class NodeEngine:
         self._accumulate(i.stage, i.mb)
         if tape is not None:
             s.weight_work[key] = tape
-        s.report.compute_s += time.perf_counter() - start
+        s.tally.compute_s += time.perf_counter() - start
 
     def _backward_weight(self, s: StepState, i: S.BackwardWeight) -> None:
         """ZB-H1's second half: the linear layers' gradients of micro-batch `mb`, into the sum."""
@@ -476,18 +465,23 @@ class NodeEngine:
         self._backward_done(s, i.stage, i.mb, start)
 
     def _send_activation(self, s: StepState, i: S.SendActivation) -> None:
-        send_activation(self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb))
+        _put(s.inputs, (i.stage + 1, i.mb),
+             send_activation(self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb)))
 
     def _recv_activation(self, s: StepState, i: S.RecvActivation) -> None:
-        recv_activation(self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb),
-                        self.interrupted, idle=lambda: self._frc_at_wait(s))
+        _put(s.inputs, (i.stage, i.mb), recv_activation(
+            self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb), self.interrupted,
+            idle=lambda: self._frc_at_wait(s)))
 
     def _send_grad(self, s: StepState, i: S.SendGrad) -> None:
-        send_grad(self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb))
+        _put(s.out_grads, (i.stage - 1, i.mb),
+             send_grad(self.ctx, self.p2p, s, i, self.worker(i.stage - 1, i.mb)))
+        del s.in_grads[(i.stage, i.mb)]
 
     def _recv_grad(self, s: StepState, i: S.RecvGrad) -> None:
-        recv_grad(self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb),
-                  self.interrupted, idle=lambda: self._frc_at_wait(s))
+        _put(s.out_grads, (i.stage, i.mb), recv_grad(
+            self.ctx, self.p2p, s, i, self.worker(i.stage + 1, i.mb), self.interrupted,
+            idle=lambda: self._frc_at_wait(s)))
 
     def _holds(self, pipeline: int, stage: int) -> bool:
         """Whether this node holds `stage` of `pipeline` now (a fault's target)."""
@@ -497,3 +491,10 @@ class NodeEngine:
     def held(self) -> list[StageState]:
         """Every stage this node holds state for: its primaries, then its replica."""
         return list(self.stages.values()) + ([self.replica] if self.replica is not None else [])
+
+
+def _put(buffers: dict, key: tuple[int, int], value: Any) -> None:
+    """What a transfer gave the step (None: nothing, a send to a peer or a receive passed
+    in memory), into its buffer."""
+    if value is not None:
+        buffers[key] = value

@@ -8,13 +8,15 @@ transport (`bamboo.engine.transport`) makes the lost stage's successor get what 
 again; peer restores send or receive a stage's whole state. Nothing restarts and the step
 ends with the bits a failure-free step gives.
 
-`recover` reads the node's facts (`context.NodeContext`) and what it holds (`context.Held`)
-and returns what it holds under the newest roles; the engine installs that. It changes the
-step's buffers (`StepState`), never the engine.
+`recover` reads the node's facts (`context.NodeContext`), what it holds (`context.Held`)
+and the step's buffers (`StepState`), and returns what the node holds under the newest
+roles; the engine installs that. It writes neither the engine nor the step: as it goes it
+yields what the step gets from it (`Restarted`, `Adopted`, `Settled`), which the engine
+applies to the step at once, before the failover goes on.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,13 +24,13 @@ import torch
 from bamboo.engine.comm import RESTORE, Interrupted, PeerLost
 from bamboo.engine.context import Held, NodeContext
 from bamboo.engine.stage import StageState
-from bamboo.engine.step import StepState
+from bamboo.engine.step import Adopted, Restarted, Settled, StepChange, StepState
 from bamboo.engine.transport import Transport
-from bamboo.model.structure import detach
-from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap, Takeover
 
 __all__ = ["GenerationEnded", "Recovery", "recover"]
+
+Changes = Generator[StepChange, None, None]
 
 
 class GenerationEnded(Exception):
@@ -52,14 +54,16 @@ class Recovery:
     frc_results_complete: Callable[[], None]
 
 
-def recover(ctx: NodeContext, r: Recovery, held: Held, s: StepState, wait: bool) -> Held:
-    """Catch up with the roles: what the node holds under the newest ones. A peer lost while
-    applying them (a restore's source, a member of the group being formed) only means more
-    roles to wait for. GenerationEnded when the coordinator abandons the generation."""
+def recover(ctx: NodeContext, r: Recovery, held: Held, s: StepState,
+            wait: bool) -> Generator[StepChange, None, Held]:
+    """Catch up with the roles: yields each change to the step as it happens, and returns
+    what the node holds under the newest roles. A peer lost while applying them (a
+    restore's source, a member of the group being formed) only means more roles to wait
+    for. GenerationEnded when the coordinator abandons the generation."""
     catch_up = _CatchUp(ctx, r, held, s)
     while True:
         try:
-            catch_up.run(wait)
+            yield from catch_up.run(wait)
             return catch_up.held
         except PeerLost as lost:
             wait = lost.peer not in catch_up.held.roles.dead
@@ -69,12 +73,20 @@ def recover(ctx: NodeContext, r: Recovery, held: Held, s: StepState, wait: bool)
 
 class _CatchUp:
     """One recovery under way: `held` is what the node holds so far (each role map applied
-    and each stage installed replaces it), kept across the retries of `recover`."""
+    and each stage installed replaces it), the peer restores still to carry out and
+    whether a re-route restarted the step since the transport last settled, kept across
+    the retries of `recover` (a recovery returns with no restore left and settled)."""
 
     def __init__(self, ctx: NodeContext, r: Recovery, held: Held, s: StepState) -> None:
         self.ctx, self.r, self.held, self.s = ctx, r, held, s
+        self.restores: list[tuple[str, Takeover]] = []
+        """Peer restores of the latest role change still to carry out: ("send" | "recv",
+        move); a re-route keeps them (a peer restore moves a stage's state, not the step's)."""
+        self.restarted = False
+        """A re-route restarted the step since the transport last settled: nothing of it
+        was sent or received under the new roles, so there is nothing to settle."""
 
-    def run(self, wait: bool) -> None:
+    def run(self, wait: bool) -> Changes:
         """Apply every role map the coordinator published since ours, then let the
         transport settle the step's transfers, then carry out restores."""
         ctx, s, transport = self.ctx, self.s, self.r.transport
@@ -82,15 +94,20 @@ class _CatchUp:
         if maps:
             transport.roles_arriving()
         for roles in maps:
-            self._apply_roles(roles)
-        transport.settle(s, self.held.roles)
+            yield from self._apply_roles(roles)
+        before = transport.p2p
+        received = transport.settle(s, self.held.roles, self.restarted)
+        if transport.p2p is not before:  # a new group: the restarted step is settled
+            self.restarted = False
+        if received:
+            yield Settled(received)
         p2p = transport.p2p
-        for action, t in [r for r in s.restores if r[0] == "send"]:
+        for action, t in [r for r in self.restores if r[0] == "send"]:
             state = self.held.stages[t.stage].state_vector()
             p2p.send(state, t.new_holder, (RESTORE, t.stage, 0))
-            s.restores.remove((action, t))
-        while s.restores:
-            _, t = s.restores[0]
+            self.restores.remove((action, t))
+        while self.restores:
+            _, t = self.restores[0]
             st = self.r.build(t.stage)
             buf = torch.empty(st.state_size(), dtype=torch.uint8, device=ctx.device)
             # A lost source raises PeerLost: the coordinator, seeing the source gone
@@ -98,10 +115,10 @@ class _CatchUp:
             work = p2p.post_recv(buf, t.source, (RESTORE, t.stage, 0))
             p2p.wait_interruptible(work, t.source, ctx.interrupted(self.held.roles))
             st.load_state_vector(buf)
-            self._install(t, st)
-            s.restores.pop(0)
+            yield from self._install(t, st)
+            self.restores.pop(0)
 
-    def _apply_roles(self, new: RoleMap) -> None:
+    def _apply_roles(self, new: RoleMap) -> Changes:
         ctx, s = self.ctx, self.s
         if new.abandon:
             raise GenerationEnded(self.held)
@@ -110,57 +127,33 @@ class _CatchUp:
         if new.rerouted:  # `--redundancy reroute`: the step runs again, whole, under these roles
             for st in self.held.stages.values():
                 st.reset_grads()
-            s.restart()
+            self.restarted = True
+            yield Restarted()
         for t in new.takeovers:
             if t.pipeline == ctx.pipeline and t.new_holder == ctx.rank:
-                self._adopt(t)
+                yield from self._adopt(t)
             else:
                 self.r.transport.takeover(s, t, self.held.stages)
             if t.source == ctx.rank:
-                s.restores.append(("send", t))
+                self.restores.append(("send", t))
         replica = self.held.replica
         if replica is not None and new.replica_of(ctx.rank) != replica.stage:
             self.held = replace(self.held, replica=None)
 
-    def _adopt(self, t: Takeover) -> None:
+    def _adopt(self, t: Takeover) -> Changes:
         """Take over stage `t.stage` for the rest of this step and after: at once from the
-        replica, or once its state has arrived from `t.source` (`s.restores`)."""
+        replica, or once its state has arrived from `t.source` (`restores`)."""
         if t.kind == "failover":
             st = self.held.replica
             assert st is not None and st.stage == t.stage
             self.held = replace(self.held, replica=None)
             st.to_device_optimizer()  # --frc-offload kept its optimizer state in host memory
             self.r.frc_results_complete()
-            self._install(t, st)
+            yield from self._install(t, st)
         else:
-            self.s.restores.append(("recv", t))
+            self.restores.append(("recv", t))
 
-    def _install(self, t: Takeover, st: StageState) -> None:
-        """Make `st` this node's stage `t.stage` and set up the step's work on it."""
-        s, stage = self.s, t.stage
-        self.held = replace(self.held, stages={**self.held.stages, stage: st})
-        s.adopted.add(stage)
-        for mb in self.ctx.global_mbs:
-            key = (stage, mb)
-            if stage > 0 and (stage - 1, mb) in s.saved_out:
-                s.inputs[key] = self.ctx.boundary_spec(stage, input_side=True).as_input(
-                    s.saved_out[(stage - 1, mb)])
-                s.done.add(S.RecvActivation(stage, mb))
-            if mb in s.frc and t.kind == "failover":
-                x, out, loss = s.frc.pop(mb)
-                s.inputs[key], s.outputs[key] = x, out
-                if mb in s.frc_tapes:
-                    s.tapes[key] = s.frc_tapes.pop(mb)
-                if loss is not None:
-                    s.losses[mb] = loss
-                else:
-                    s.saved_out[key] = detach(out)
-                s.done.update({S.RecvActivation(stage, mb), S.Forward(stage, mb)})
-                s.report.frc_reused += 1
-            sent_grads = s.transfers.sent_grads
-            if (stage + 1, mb) in sent_grads and not s.backward_begun(stage, mb):
-                s.out_grads[key] = self.ctx.boundary_spec(stage, input_side=False).unpack_grad(
-                    sent_grads[(stage + 1, mb)])  # this node is also the successor
-        s.frc.clear()
-        s.frc_tapes.clear()
-        s.frc_pending.clear()
+    def _install(self, t: Takeover, st: StageState) -> Changes:
+        """Make `st` this node's stage `t.stage`; the engine sets up the step's work on it."""
+        self.held = replace(self.held, stages={**self.held.stages, t.stage: st})
+        yield Adopted(t.stage, from_replica=t.kind == "failover")

@@ -26,7 +26,7 @@ from bamboo.engine.memory import SavedCounts, SavedTensors, signature
 from bamboo.engine.options import EngineOptions
 from bamboo.engine.split_backward import Tape
 from bamboo.engine.stage import StageState
-from bamboo.engine.step import StepState
+from bamboo.engine.step import Forwarded
 from bamboo.model import forward_seed, run_layers
 from bamboo.model.structure import detach, float32, leaves
 
@@ -88,20 +88,18 @@ class StageForward:
         finally:
             module.train()
 
-    def run(self, st: StageState, mb: int, x: torch.Tensor, s: StepState,
-            targets: Callable[[], torch.Tensor],
-            frc: bool = False) -> tuple[torch.Tensor, float | None]:
-        """Forward of `stage` on `x`; the last stage returns its weighted loss and value
-        (against `targets()`).
+    def run(self, st: StageState, mb: int, x: torch.Tensor, step: int,
+            targets: Callable[[], torch.Tensor], frc: bool = False) -> Forwarded:
+        """Forward of `stage` on `x` in `step`; the last stage's output is its weighted loss,
+        with its value (against `targets()`).
 
         Runs under the precision's autocast; a stage's output leaves in its boundary
         spec's dtype (what the successor's receive buffers are), the loss is taken in fp32.
         Counts the bytes autograd keeps for the backward (parameters and the input leaf
-        excluded: they are held anyway; counted once per input signature, `SavedCounts`),
-        the activation memory of this forward, into the report and the step's meter (held
-        until the backward releases it); eager FRC's go to host memory under --frc-offload.
-        Under zb-h1 the forward's tape (what the weight gradient needs) goes to `s.tapes`
-        (an FRC forward's to `s.frc_tapes`).
+        excluded: they are held anyway; counted once per input signature, `SavedCounts`):
+        the activation memory of this forward, which the engine holds in the step's meter
+        until the backward releases it; eager FRC's go to host memory under --frc-offload.
+        Under zb-h1 the result carries the forward's tape (what the weight gradient needs).
         """
         stage = st.stage
         offload = frc and self.options.frc_offload
@@ -115,9 +113,10 @@ class StageForward:
         tape = Tape() if taped else None
         taping = st.taping.recording(tape) if tape is not None else contextlib.nullcontext()
         hooks = saved.hooks() if saved is not None else contextlib.nullcontext()
+        metrics = None
         with hooks, taping:
             with self.autocast():
-                out = self._layers(st, x, s.step, mb)
+                out = self._layers(st, x, step, mb)
             if stage != self.P - 1:
                 out = self.specs[self.parts[stage].stop - 1].cast(out)  # float tensors only
                 loss = None
@@ -125,24 +124,16 @@ class StageForward:
                 labels = on_device(targets(), self.device)
                 loss = self.loss(float32(out), labels)
                 if self.metrics:
-                    s.metrics[mb] = metric_values(self.metrics, out, labels)
+                    metrics = metric_values(self.metrics, out, labels)
         device_bytes, host_bytes = (known, 0) if saved is None else \
             (saved.device_bytes, saved.host_bytes)
         if key is not None and saved is not None:
             self.saved_counts.counted(key, device_bytes)
-        if tape is not None:
-            if frc:
-                s.frc_tapes[mb] = tape
-            else:
-                s.tapes[(stage, mb)] = tape
-        if frc:
-            s.report.frc_saved_bytes += device_bytes + host_bytes
-        else:
-            s.report.saved_bytes += device_bytes
-        s.memory.hold(("frc" if frc else "fwd", stage, mb), device_bytes, host_bytes)
-        if loss is None:
-            return out, None
-        return loss * (self.weight * self.loss_scale), float(loss.detach())
+        value = None
+        if loss is not None:
+            out, value = loss * (self.weight * self.loss_scale), float(loss.detach())
+        return Forwarded(out=out, loss=value, tape=tape,
+                         metrics=metrics, device_bytes=device_bytes, host_bytes=host_bytes)
 
     def frc_stream(self) -> Any:
         """On CUDA, eager FRC runs on a stream of its own, after the work that produced its

@@ -1,13 +1,77 @@
-"""The engine's options: what the job's configuration says about how a node trains, in one
-frozen section built in one place (`EngineOptions.from_config`)."""
+"""What a node's engine is given: the job's options (what the job's configuration says
+about how a node trains, in one frozen section built in one place,
+`EngineOptions.from_config`), what it runs in a generation (`Assignment`), where it runs
+(`Placement`) and who hears of its progress (`Observers`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 from bamboo.config import JobConfig
+from bamboo.config.modes import RedundancyMode
+from bamboo.data.datasets import Task
+from bamboo.engine.comm import GroupFormer
+from bamboo.plan.layout import Layout
+from bamboo.plan.program import InstructionHook
+from bamboo.plan.roles import RoleMap
+from bamboo.protocol.votes import Votes
 
-__all__ = ["EngineOptions"]
+__all__ = ["EngineOptions", "Assignment", "Placement", "Observers", "ProcessMemory"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Assignment:
+    """What one node runs in one generation: its `rank`, the `layout`, each stage's layers
+    (`parts`), the generation's first role map (`roles`) and its `redundancy` mode."""
+
+    rank: int
+    layout: Layout
+    parts: Sequence[range]
+    roles: RoleMap
+    redundancy: RedundancyMode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where it runs: the data `task`, the `device`, the coordinator `link`, the
+    generation's process `group` and the `former` of the groups after a loss."""
+
+    task: Task
+    device: torch.device
+    link: Votes
+    group: Any
+    former: GroupFormer | None = None
+
+
+class ProcessMemory(Protocol):
+    """The process's memory at one moment (`bamboo.node.procmem.MemorySample`)."""
+
+    @property
+    def rss(self) -> int: ...
+
+    @property
+    def rss_peak(self) -> int: ...
+
+    @property
+    def cuda_peak(self) -> int: ...
+
+    @property
+    def cuda_reserved(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Observers:
+    """Who hears of the engine's progress: `hook` of every instruction executed (a fault
+    plan), `progress(step, phase)` of each phase begun, and `memory()` samples the
+    process's memory once each step's buffers are dropped (for its report)."""
+
+    hook: InstructionHook | None = None
+    progress: Callable[[int, int], None] | None = None
+    memory: Callable[[], ProcessMemory] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,7 +21,7 @@ derives from the optimizer's own per-parameter state.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,10 +39,13 @@ from bamboo.engine.layer_state import (
 )
 from bamboo.engine.memory import to_host
 from bamboo.engine.optim import make_optimizer, set_lr
+from bamboo.engine.options import EngineOptions
+from bamboo.engine.split_backward import Taping
 from bamboo.model import build_layers, model_ties
 from bamboo.model.ties import get_param
+from bamboo.plan.schedule import defers_weight
 
-__all__ = ["StageState"]
+__all__ = ["StageState", "build_stage"]
 
 
 def _offloadable(value: Any) -> bool:
@@ -364,3 +367,15 @@ class StageState:
         return [(i, [(n, p.detach().to("cpu", torch.float32).clone())
                      for n, p in layer.named_parameters()])
                 for i, layer in zip(self.layer_indices, self.module)]
+
+
+def build_stage(preset: ModelPreset, o: EngineOptions, parts: Sequence[range],
+                device: torch.device, stage: int) -> StageState:
+    """A fresh `stage` of a node's engine: seeded parameters, gradient sums in float64
+    under --exact; under zb-h1 its linear layers taped in every forward (`split_backward`)."""
+    st = StageState(preset=preset, stage=stage, layer_indices=parts[stage], seed=o.seed,
+                    device=device, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer,
+                    accumulate_dtype=torch.float64 if o.exact else torch.float32)
+    if defers_weight(o.schedule, stage):
+        st.taping = Taping(st.module)
+    return st

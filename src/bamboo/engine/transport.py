@@ -12,28 +12,45 @@
 
 The engine calls, in this order: `prepare(roles)` before a step's instructions; on new
 roles `roles_arriving()`, `roles_applied(new)` then `takeover(step, t, stages)` for each
-takeover the node does not adopt itself; and `settle(step, roles)` once every role map is
-applied. A transport knows the node by its `NodeContext`, never the engine.
+takeover the node does not adopt itself; and `settle(step, roles, restarted)` once every
+role map is applied, which returns what it received (the engine puts it in the step's
+buffers). A transport knows the node by its `NodeContext`, never the engine; of the step
+it writes only the transfer log, and it counts its own work (`TransportCounts`, which the
+step's report takes).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from bamboo.engine.comm import ACTIVATION, GRADIENT, MANIFEST, P2P, form_interruptibly
 from bamboo.engine.context import NodeContext
-from bamboo.engine.step import StepState
+from bamboo.engine.step import Received, StepState
 from bamboo.plan import schedule as S
 from bamboo.plan.roles import RoleMap, Takeover
 
-__all__ = ["Transport", "StrictTransport", "TaggedTransport", "make_transport"]
+__all__ = ["Transport", "StrictTransport", "TaggedTransport", "make_transport",
+           "TransportCounts"]
+
+@dataclass(slots=True)
+class TransportCounts:
+    """What a transport did since it was made (the engine takes each step's difference)."""
+
+    rebuilds: int = 0
+    """strict: process groups formed among the survivors."""
+    rebuild_s: float = 0.0
+    """strict: seconds those formations took, with settling the step's transfers."""
+    resent_grads: int = 0
+    """Gradients sent again to a lost stage's new holder."""
 
 
 class Transport(Protocol):
     p2p: P2P
+    counts: TransportCounts
 
     def prepare(self, roles: RoleMap) -> None: ...
 
@@ -43,7 +60,7 @@ class Transport(Protocol):
 
     def takeover(self, s: StepState, t: Takeover, stages: Collection[int]) -> None: ...
 
-    def settle(self, s: StepState, roles: RoleMap) -> None: ...
+    def settle(self, s: StepState, roles: RoleMap, restarted: bool) -> Received: ...
 
 
 def make_transport(ctx: NodeContext, comm: str, group: object) -> Transport:
@@ -54,7 +71,7 @@ def make_transport(ctx: NodeContext, comm: str, group: object) -> Transport:
 
 class TaggedTransport:
     def __init__(self, ctx: NodeContext, group: object) -> None:
-        self.ctx = ctx
+        self.ctx, self.counts = ctx, TransportCounts()
         self.p2p = P2P(group, strict=False, device=ctx.device, former=ctx.former, name="g")
 
     def prepare(self, roles: RoleMap) -> None:
@@ -80,7 +97,7 @@ class TaggedTransport:
         for (st, mb), grad in sorted(log.sent_grads.items()):
             if st == successor:
                 self.p2p.send(grad, t.new_holder, (GRADIENT, st, mb))
-                s.report.resent_grads += 1
+                self.counts.resent_grads += 1
         spec = e.boundary_spec(successor, input_side=True)
         for st, mb in sorted(log.received_acts):
             if st == successor:
@@ -88,10 +105,10 @@ class TaggedTransport:
                 work = self.p2p.post_recv(buf, t.new_holder, (ACTIVATION, t.stage, mb))
                 log.dup_recvs.append((work, t.new_holder))
 
-    def settle(self, s: StepState, roles: RoleMap) -> None:
-        """After a re-route: the survivors' new group (tags as before)."""
+    def settle(self, s: StepState, roles: RoleMap, restarted: bool) -> Received:
+        """After a re-route: the survivors' new group (tags as before); nothing received."""
         if not self.p2p.abandoned:
-            return
+            return []
         e = self.ctx
         start = time.perf_counter()
         members = roles.active_ranks()
@@ -100,14 +117,14 @@ class TaggedTransport:
         self.p2p = P2P(group, strict=False, ranks=members, device=e.device, former=e.former,
                        name=f"e{roles.epoch}")
         e.link.on_epoch = self.p2p.wake.set
-        s.restarted = False
-        s.report.rebuild_s += time.perf_counter() - start
-        s.report.rebuilds += 1
+        self.counts.rebuild_s += time.perf_counter() - start
+        self.counts.rebuilds += 1
+        return []
 
 
 class StrictTransport:
     def __init__(self, ctx: NodeContext, group: object) -> None:
-        self.ctx = ctx
+        self.ctx, self.counts = ctx, TransportCounts()
         self.p2p = P2P(group, strict=True, device=ctx.device, former=ctx.former, name="g")
 
     def prepare(self, roles: RoleMap) -> None:
@@ -131,12 +148,13 @@ class StrictTransport:
     def takeover(self, s: StepState, t: Takeover, stages: Collection[int]) -> None:
         pass  # what the successor must receive again is settled on the new group
 
-    def settle(self, s: StepState, roles: RoleMap) -> None:
+    def settle(self, s: StepState, roles: RoleMap, restarted: bool) -> Received:
         """Form the survivors' group for the current roles and settle the step's transfers
-        on it; Interrupted when newer roles come first (a member was lost meanwhile: the
-        next catch-up forms that epoch's group)."""
+        on it (unless a re-route `restarted` the step since the last settle: nothing of it
+        is in flight); what that received. Interrupted when newer roles come first (a
+        member was lost meanwhile: the next catch-up forms that epoch's group)."""
         if not self.p2p.abandoned:
-            return
+            return []
         e = self.ctx
         start = time.perf_counter()
         members = roles.active_ranks()
@@ -148,11 +166,10 @@ class StrictTransport:
         self.p2p = P2P(group, strict=True, gradient_group=gradients, ranks=members,
                        device=e.device, former=e.former, name=name)
         e.link.on_epoch = self.p2p.wake.set
-        if not s.restarted:  # a re-route started the step again: nothing is in flight
-            self._settle_transfers(s, roles)
-        s.restarted = False
-        s.report.rebuild_s += time.perf_counter() - start
-        s.report.rebuilds += 1
+        received = [] if restarted else self._settle_transfers(s, roles)
+        self.counts.rebuild_s += time.perf_counter() - start
+        self.counts.rebuilds += 1
+        return received
 
     def _boundaries(self, roles: RoleMap) -> list[tuple[int, int, bool]]:
         """(t, peer, upstream) for each stage boundary t|t+1 of this node's pipeline that this
@@ -167,12 +184,13 @@ class StrictTransport:
                 out.append((t, b if a == e.rank else a, a == e.rank))
         return out
 
-    def _settle_transfers(self, s: StepState, roles: RoleMap) -> None:
+    def _settle_transfers(self, s: StepState, roles: RoleMap) -> Received:
         """After a rebuild, what was in flight on the dropped group is gone. At each shared
         boundary the two nodes swap manifests (one batch: which activations and gradients of
         this step each has sent and has received there), then the sender sends again, in
         micro-batch order, what it sent and the receiver lacks; what the receiver already has
-        (from the lost node, say) is not sent again. The schedule then goes on."""
+        (from the lost node, say) is not sent again. The schedule then goes on, with what
+        this node received."""
         e, log, M = self.ctx, s.transfers, self.ctx.M
         mbs = e.global_mbs
         boundaries = self._boundaries(roles)
@@ -202,7 +220,7 @@ class StrictTransport:
                 key = (out_kind, out_stage, mb)
                 if flags[i if upstream else M + i] == 0 and key in log.sent:
                     sends.append((log.sent[key], peer, key))
-                    s.report.resent_grads += out_kind == GRADIENT
+                    self.counts.resent_grads += out_kind == GRADIENT
                 elif flags[i if upstream else M + i]:
                     log.peer_has.add(key)
             for i, mb in enumerate(mbs):
@@ -214,13 +232,9 @@ class StrictTransport:
                     recvs.append((buf, peer, (in_kind, in_stage, mb)))
                     sinks.append((instr, spec))
         self._exchange(sends, recvs, roles)
-        for (instr, spec), (buf, _, _) in zip(sinks, recvs):
-            if isinstance(instr, S.RecvGrad):
-                s.out_grads[(instr.stage, instr.mb)] = spec.unpack_grad(buf)
-            else:
-                s.inputs[(instr.stage, instr.mb)] = spec.as_input(spec.unpack(buf))
-                log.received_acts.add((instr.stage, instr.mb))
-            s.done.add(instr)
+        return [(instr, spec.unpack_grad(buf) if isinstance(instr, S.RecvGrad)
+                 else spec.as_input(spec.unpack(buf)))
+                for (instr, spec), (buf, _, _) in zip(sinks, recvs)]
 
     def _exchange(self, sends: list, recvs: list, roles: RoleMap) -> None:
         interrupted = self.ctx.interrupted(roles)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,9 +21,8 @@ from bamboo.engine.options import EngineOptions
 from bamboo.engine.stage import StageState
 from bamboo.engine.step import StepState
 from bamboo.plan.loss_scale import LossScale
-from bamboo.protocol.votes import StepReport
 
-__all__ = ["Applied", "apply_update", "note_holdings"]
+__all__ = ["Applied", "apply_update", "holdings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +66,18 @@ def apply_update(*, stages: dict[int, StageState], replica: StageState | None,
     return Applied(norm, lr, False, loss_scale)
 
 
-def note_holdings(r: StepReport, s: StepState, stages: dict[int, StageState],
-                  replica: StageState | None, check_replicas: bool) -> None:
-    """Into the step's report `r`: the stages held, their state's bytes and parameters, the
-    step's peak memory and, when replicas are checked, every held stage's digest."""
+def holdings(s: StepState, stages: dict[int, StageState], replica: StageState | None,
+             check_replicas: bool) -> dict[str, Any]:
+    """The step report's fields on what the node holds after the step: the stages held,
+    their state's bytes and parameters, the step's peak memory and, when replicas are
+    checked, every held stage's digest."""
     held = list(stages.values()) + ([replica] if replica is not None else [])
-    r.stages = sorted(stages)
-    r.state_bytes = sum(st.state_size() for st in held)  # parameters, optimizer state
-    r.params_held = sum(st.numel for st in held)
-    r.device_bytes, r.host_bytes = s.memory.node_peak(held, list(stages.values()))
+    device_bytes, host_bytes = s.memory.node_peak(held, list(stages.values()))
+    digests = {}
     if check_replicas:
-        r.digests = {f"stage{k}": st.digest() for k, st in stages.items()}
+        digests = {f"stage{k}": st.digest() for k, st in stages.items()}
         if replica is not None:
-            r.digests[f"replica{replica.stage}"] = replica.digest()
+            digests[f"replica{replica.stage}"] = replica.digest()
+    return dict(stages=sorted(stages), state_bytes=sum(st.state_size() for st in held),
+                params_held=sum(st.numel for st in held), device_bytes=device_bytes,
+                host_bytes=host_bytes, digests=digests)

@@ -35,7 +35,14 @@ import torch.distributed.checkpoint
 
 from bamboo.data.user import job_task
 from bamboo.engine.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost, form_interruptibly
-from bamboo.engine.engine import EngineOptions, GenerationEnded, NodeEngine
+from bamboo.engine.engine import (
+    Assignment,
+    EngineOptions,
+    GenerationEnded,
+    NodeEngine,
+    Observers,
+    Placement,
+)
 from bamboo.engine.stage import StageState
 from bamboo.node import forkserver, output, procmem
 from bamboo.node.boundary import BoundaryOrders, RunOver
@@ -60,7 +67,6 @@ from bamboo.protocol.messages import (
     Notice,
     Progress,
     Ready,
-    StepReport,
     WorkerError,
     final_request_key,
     plan_key,
@@ -191,12 +197,14 @@ class WorkerNode:
         layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
                         stages=plan.stages,
                         global_micro_batches=cfg.global_micro_batches)
-        engine = NodeEngine(model=self.preset, options=self.options, rank=rank, layout=layout,
-                            parts=plan.layer_ranges(),
-                            roles=plan.roles(),
-                            redundancy=plan.redundancy, task=self.task, device=self.device,
-                            link=self.link, group=group, former=self._former(plan, rank),
-                            hook=self.faults, progress=self._mark)
+        engine = NodeEngine(
+            model=self.preset, options=self.options,
+            runs=Assignment(rank=rank, layout=layout, parts=plan.layer_ranges(),
+                            roles=plan.roles(), redundancy=plan.redundancy),
+            place=Placement(task=self.task, device=self.device, link=self.link, group=group,
+                            former=self._former(plan, rank)),
+            observers=Observers(hook=self.faults, progress=self._mark,
+                                memory=self._sample_memory))
         engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
         engine.loss_scale = LossScale.from_json(plan.loss_scale)
         try:
@@ -241,7 +249,6 @@ class WorkerNode:
             except GenerationEnded:
                 break
             done_step = step + 1
-            self._sample_memory(report)
             self.link.send(report)
             if BoundaryFlag.CHECKPOINT in engine.flags:
                 self.storage.checkpoint_part(engine, step + 1)
@@ -280,11 +287,9 @@ class WorkerNode:
                     self.link.report(LayerParams, layers=layers, error=error)
             time.sleep(0.05)
 
-    def _sample_memory(self, report: StepReport) -> None:
-        """The process's real memory at the end of the step, into its report."""
-        m = procmem.sample(self.device if self.device.type == "cuda" else None)
-        report.rss_bytes, report.rss_peak_bytes = m.rss, m.rss_peak
-        report.cuda_peak_bytes, report.cuda_reserved_bytes = m.cuda_peak, m.cuda_reserved
+    def _sample_memory(self) -> procmem.MemorySample:
+        """The process's real memory at the end of a step (the engine's report carries it)."""
+        return procmem.sample(self.device if self.device.type == "cuda" else None)
 
     def join_group(self, plan: GenerationPlan, rank: int) -> dist.ProcessGroup:
         """The generation's process group. Building it waits for every member, so it is

@@ -44,9 +44,11 @@ class NoLiveCopy(RuntimeError):
         self.layers = layers
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class GenerationPlan:
-    """Everything a node needs to enter generation `gen` (published as JSON)."""
+    """Everything a node needs to enter generation `gen` (published as JSON). Frozen: every
+    field is given when it is made (the coordinator completes a plan with the run's state
+    by `dataclasses.replace`, once, before it publishes it)."""
 
     gen: int
     epoch: int
@@ -85,7 +87,8 @@ class GenerationPlan:
     bamboo.plan.loss_scale); each committed step moves it on every node alike."""
 
     def __post_init__(self) -> None:
-        self.redundancy = RedundancyMode(self.redundancy)  # from JSON: the word
+        # from JSON: the word (the one write, while the frozen plan is made)
+        object.__setattr__(self, "redundancy", RedundancyMode(self.redundancy))
 
     @property
     def active(self) -> int:

@@ -59,11 +59,11 @@ class Verdict:
         return cls(Decision(decision), frozenset(BoundaryFlag(f) for f in flags))
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class StepReport:
-    """What one node tells the coordinator after a committed step. The engine fills it in
-    during the step (the one message built up in place); it is sent once and not changed
-    after."""
+    """What one node tells the coordinator after a committed step. Frozen: the engine
+    builds it once, when the step commits, from what it counted during the step; it is
+    sent once."""
 
     step: int
     rank: int

@@ -6,6 +6,10 @@ augmented assignment or a `del` through `ctx.<field>` (or an alias of it, `r =
 ctx.reconf`), and a mutating call on it (`ctx.losses.append`, `ctx.reconf.ending.discard`).
 Each field must be written by its one owner module. The parts are built without
 callbacks: `CoordinatorCore._build_parts` passes no lambda and no bound method.
+
+The same rule beyond the context: a node's fields (the supervisor), each `Loss` (the
+failure handler), the generation's plan (frozen, written by no one after it is made), a
+step's buffers (`engine/engine.py`) and its report (frozen, built once by the engine).
 """
 from __future__ import annotations
 
@@ -215,3 +219,136 @@ def test_the_core_writes_no_parts_field() -> None:
             and n.func.attr in MUTATORS else []
         bad += [f"{n.lineno}: {ast.unparse(t)}" for t in targets if into_part(t)]
     assert not bad, bad
+
+
+LOSS_FIELDS = {"handled_as", "pause_s", "reconfiguration_s", "repaired", "in_flight",
+               "written", "shadow", "counts", "phase", "active_before"}
+"""The fields of a `state.Loss` a part changes after making it (names no other object of
+bamboo/control writes)."""
+
+
+def attribute_writes(source: str, fields: set[str]) -> list[tuple[str, int, str]]:
+    """(field, line, receiver) of every write of `<receiver>.<field>` in `source`: an
+    assignment, an augmented assignment, a `del`, or a mutating call on it (or on an item
+    of it); a receiver is the expression before the field (`loss`, `self.ctx.plan`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and t.attr in fields:
+                found.append((t.attr, node.lineno, ast.unparse(t.value)))
+    return found
+
+
+def test_each_loss_is_written_by_the_failure_handler_alone() -> None:
+    """Every `Loss` is written by `failures.FailureHandler` only; the generations part
+    returns the losses a new generation covers, and the core hands them on."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(CONTROL.glob("*.py")):
+        for field, _, receiver in attribute_writes(path.read_text(), LOSS_FIELDS):
+            if receiver != "self":
+                found.setdefault(path.stem, set()).add(field)
+    assert set(found) == {"failures"}, f"a Loss written outside failures.py: {found}"
+    assert {"handled_as", "pause_s", "written"} <= found["failures"]  # the scan sees them
+    stray = "def f(gens, r):\n    for x in r.lost:\n        x.handled_as = 1\n" \
+            "    r.lost[0].counts.update(a=1)\n"
+    assert [(f, line) for f, line, _ in attribute_writes(stray, LOSS_FIELDS)] == [
+        ("handled_as", 3), ("counts", 4)]
+
+
+def test_a_generation_plan_is_frozen_and_never_written() -> None:
+    """A plan is complete when made: frozen, and no module writes a field of one (a
+    receiver named `plan`, or an attribute `.plan`) after it is made."""
+    import dataclasses
+
+    from bamboo.plan.planner import GenerationPlan
+
+    fields = {f.name for f in dataclasses.fields(GenerationPlan)}
+    plan = GenerationPlan(gen=0, epoch=0, members=["n0"], pipelines=1, stages=1,
+                          parts=[[0, 2]], start_step=0)
+    try:
+        plan.fired_kills = ["0:0@1"]  # type: ignore[misc]  # the write the test expects refused
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("GenerationPlan is not frozen")
+    assert GenerationPlan.from_json(plan.to_json()) == plan
+
+    def plans(receiver: str) -> bool:
+        return receiver.split(".")[-1].endswith("plan") or receiver == "planned"
+
+    bad = [f"{path.relative_to(ROOT)}:{line}: {receiver}.{field}"
+           for path in sorted((ROOT / "src" / "bamboo").rglob("*.py"))
+           for field, line, receiver in attribute_writes(path.read_text(), fields)
+           if plans(receiver)]
+    assert not bad, f"a generation plan written after it was made: {bad}"
+    stray = "def enter(self, plan):\n    plan.stepwise = True\n    self.ctx.plan.holes.append(1)\n"
+    assert [(f, r) for f, _, r in attribute_writes(stray, fields) if plans(r)] == [
+        ("stepwise", "plan"), ("holes", "self.ctx.plan")]
+
+
+ENGINE = ROOT / "src" / "bamboo" / "engine"
+STEP_NAMES = {"s", "self.s", "scratch"}
+"""What the engine's modules call a `StepState` (a parameter annotated so is named `s`)."""
+STEP_METHODS = {"restart", "adopt", "received", "forwarded", "apply"}
+"""`StepState`'s own methods that write it."""
+
+
+def test_the_engine_alone_writes_a_step() -> None:
+    """A step's buffers (`StepState`) are written in engine.py only (directly, or through
+    the StepState's own methods, which write `self` in step.py): the transfers, a forward,
+    the transport and a failover return what they produce or receive."""
+    import dataclasses
+
+    from bamboo.engine.step import StepState
+
+    fields = {f.name for f in dataclasses.fields(StepState)}
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "src" / "bamboo").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # the name makes the scan sound: a step is always `s`
+            if isinstance(node, ast.arg) and node.annotation is not None and \
+                    ast.unparse(node.annotation) == "StepState":
+                assert node.arg == "s", f"{path.name}:{node.lineno}: a step named {node.arg}"
+        writes = {f for f, _, receiver in attribute_writes(path.read_text(), fields)
+                  if receiver in STEP_NAMES}
+        calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr in STEP_METHODS
+                 and ast.unparse(n.func.value) in STEP_NAMES}
+        if writes | calls:
+            found[str(path.relative_to(ENGINE.parent))] = writes | calls
+    assert set(found) == {"engine/engine.py"}, f"a step written outside the engine: {found}"
+    assert {"inputs", "out_grads", "outputs", "apply", "forwarded"} <= found["engine/engine.py"]
+
+
+def test_a_step_report_is_built_once_by_the_engine() -> None:
+    """`StepReport` is frozen and made in engine.py alone (at the step's commit)."""
+    import dataclasses
+
+    from bamboo.protocol.votes import StepReport
+
+    report = StepReport(step=0, rank=0, stages=[])
+    try:
+        report.brc = 1  # type: ignore[misc]  # the write the test expects refused
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("StepReport is not frozen")
+    makers = {str(path.relative_to(ENGINE.parent))
+              for path in (ROOT / "src" / "bamboo").rglob("*.py")
+              for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+              and ast.unparse(n.func).split(".")[-1] in ("StepReport", "replace")
+              and "StepReport" in ast.unparse(n)}
+    assert makers == {"engine/engine.py"}, makers

@@ -94,8 +94,6 @@ def test_saved_counts_reuse_a_count_recount_and_give_up_on_a_signature_that_vari
 def test_a_stage_forward_reports_the_same_saved_bytes_counted_or_reused() -> None:
     from bamboo.engine.forward import StageForward
     from bamboo.engine.options import EngineOptions
-    from bamboo.engine.step import StepState
-    from bamboo.protocol.votes import StepReport
 
     st = _stage()  # stage 1 of 4 (gpt2-tiny's layers 2 and 3: d_model 64)
     options = EngineOptions(lr=1e-2, warmup_steps=0, total_steps=4, weight_decay=0.0,
@@ -106,10 +104,9 @@ def test_a_stage_forward_reports_the_same_saved_bytes_counted_or_reused() -> Non
     x = torch.randn(2, 16, 64, requires_grad=True)
     reports = []
     for step in range(4):
-        s = StepState(step=step, report=StepReport(step=step, rank=0, stages=[1]))
-        out, _ = fwd.run(st, 0, x, s, targets=lambda: None)
-        out.sum().backward()
-        reports.append(s.report.saved_bytes)
+        f = fwd.run(st, 0, x, step, targets=lambda: None)
+        f.out.sum().backward()
+        reports.append(f.device_bytes)
     assert reports[0] > 0 and reports == [reports[0]] * 4
     assert fwd.saved_counts.known((1, signature(x))) == reports[0]  # reused, not recounted
 
