@@ -105,15 +105,17 @@ def write_run_report(path: Path, quiet: bool) -> None:
 
 class JobCommand(Protocol):
     """What `bamboo train` and `bamboo coordinator` do differently around the same run:
-    their parser, their own checks, and where the run's nodes come from."""
+    their parser, their own flags' checks, and where the run's nodes come from."""
 
     prog: str
+    nodes_here: bool
+    """The nodes are worker processes of this machine (`bamboo.api.start.launch`)."""
 
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
         """The command's parser (the job's flags and the command's own)."""
 
-    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        """ConfigError for a flag of this command that is wrong (cfg None: before the job)."""
+    def check(self, args: argparse.Namespace) -> None:
+        """ConfigError for a flag of this command (not the job's) that is wrong."""
 
     def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
         """The run's nodes' source (`bamboo.control.sources`), or an exit code when it
@@ -124,15 +126,13 @@ class TrainCommand:
     """`bamboo train`: the nodes are worker processes this command starts."""
 
     prog = "bamboo train"
+    nodes_here = True
 
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
         return train_parser(given_only)
 
-    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        if cfg is not None:  # the local workers share this machine's memory
-            from bamboo.model.fits import check_fits, check_step_length
-            check_fits(cfg, cfg.node_cap)
-            check_step_length(cfg)
+    def check(self, args: argparse.Namespace) -> None:
+        pass
 
     def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> NodeSource | int:
         from bamboo.control.sources import LocalWorkers
@@ -145,9 +145,10 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str], command: JobCommand) -> int:
     """The command's whole sequence, each stage a guard that ends in one line and an exit
-    code: parse, job file, checks without torch, resume, run directory, the nodes' source
-    (agents and etcd), then the run and its report. Under --json, stdout holds the summary
-    alone (`json_out`)."""
+    code: parse, the job (its file and flags, checked without torch), the command's own
+    flags, the job's launch (`bamboo.api.start.launch`: its checks, resume and run
+    directory), the nodes' source (agents and etcd), then the run and its report. Under
+    --json, stdout holds the summary alone (`json_out`)."""
     args = command.parser().parse_args(argv)
     from bamboo.cli.json_out import json_stdout
     with json_stdout(args.json) as out:
@@ -156,8 +157,13 @@ def run(argv: list[str], command: JobCommand) -> int:
 
 def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: TextIO) -> int:
     prog = command.prog
+    crash: dict[int, list] = {}
+
+    def check_crash(cfg: JobConfig) -> None:  # --crash names a node of the layout chosen
+        crash.update(_crash_faults(cfg, args.crash))
+
     try:
-        command.check(args, None)
+        command.check(args)
         http = None
         if args.http is not None:
             from bamboo.config.join import parse_address
@@ -165,17 +171,9 @@ def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: Te
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        from bamboo.config import objects  # a resumed run's objects sent by value
-        objects.add_run_dirs(getattr(args, "resume", None), getattr(args, "out", None))
         cfg = job_config(args, argv, command.parser(given_only=True))
-        if cfg.layout.stages == "auto":
-            from bamboo.model.layout_fit import resolve_stages
-            cfg, line = resolve_stages(cfg, cfg.node_cap)
-            print(f"{prog}: {line}", file=sys.stderr)
-        command.check(args, cfg)
-        crash = _crash_faults(cfg, args.crash)
-        from bamboo.api.start import prepare
-        start = prepare(cfg, prog)
+        from bamboo.api.start import launch
+        start = launch(cfg, prog, nodes_here=command.nodes_here, check=check_crash)
         if start is None:  # --resume auto: the run had finished; its summary is the answer
             if args.json:
                 _print_summary(cfg.logging.out, out)

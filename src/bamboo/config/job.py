@@ -160,7 +160,11 @@ class JobConfig:
 
     def validate(self) -> JobConfig:
         """Check every option (its declaration), every section (what needs two options),
-        then the job as a whole; raise ConfigError with a one-line fix."""
+        then the job as a whole; raise ConfigError with a one-line fix. The run directories
+        the job names (`--resume`, `--out`) are searched for its objects sent by value from
+        here on: a resume finds them there on a machine whose own copy is gone."""
+        from bamboo.config import objects
+        objects.add_run_dirs(self.checkpoints.resume, self.logging.out)
         try:
             p = self._preset()
         except ConfigError:

@@ -2,8 +2,9 @@
 nodes' memory and the redundancy mode handed to the planner (`bamboo.plan.layout_choice`),
 and the job it returns with the chosen P, D and M, checked whole.
 
-`bamboo train`, `bamboo coordinator` and `bamboo.train` call `resolve_stages` first, then
-the fit checks of `bamboo.model.fits` on the job it returns.
+`bamboo.api.start.launch` (behind `bamboo train`, `bamboo coordinator`, `bamboo.train` and
+`bamboo.Trainer`) calls `resolve_stages` first, then the fit checks of `bamboo.model.fits` on
+the job it returns.
 """
 from __future__ import annotations
 
