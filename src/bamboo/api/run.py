@@ -22,6 +22,7 @@ from typing import Any
 
 from bamboo.api.job import Job, JobError, guard_worker_import
 from bamboo.config import ConfigError, JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.run.interface import Interface
 from bamboo.run.runlog import EventLog, RunDir
 from bamboo.run.sameness import Verdict, compare
@@ -176,7 +177,7 @@ def run_config(job: Job, out: str | Path | None, prog: str) -> JobConfig:
     if out is None:
         return cfg  # validated when the job was made
     try:
-        return cfg.validate()
+        return cfg.validate(SIZING)
     except ConfigError as e:
         raise JobError(f"{prog}: {e}", *e.options) from None
 

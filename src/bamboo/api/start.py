@@ -54,9 +54,10 @@ def launch(cfg: JobConfig, prog: str, *, nodes_here: bool = True,
     run (its layout chosen), before anything is written; `run_dir`: the RunDir class to make
     the directory with; `interface`: whose words say what to do next (`--resume auto`, or
     `resume="auto"`). ConfigError with one line."""
+    from bamboo.data.sizing import SIZING
     from bamboo.model.fits import check_fits, check_step_length
     from bamboo.model.layout_fit import resolve_stages
-    cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
+    cfg, chosen = resolve_stages(cfg, cfg.node_cap, SIZING)  # --stages auto: P, D and M
     if chosen is not None:
         log.info("%s", chosen, extra=by(prog))
     if not nodes_here and (cfg.cluster.trace is not None
@@ -64,8 +65,8 @@ def launch(cfg: JobConfig, prog: str, *, nodes_here: bool = True,
         raise ConfigError("--trace and --recovery checkpoint-restart need local workers: use "
                           "bamboo train")
     if nodes_here:  # the local workers share this machine's memory
-        check_fits(cfg, cfg.node_cap)
-    check_step_length(cfg, nodes_here=nodes_here)
+        check_fits(cfg, cfg.node_cap, SIZING)
+    check_step_length(cfg, nodes_here=nodes_here, sizing=SIZING)
     if check is not None:
         check(cfg)
     return _prepare(cfg, prog, run_dir, interface)

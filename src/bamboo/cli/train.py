@@ -69,9 +69,10 @@ def job_config(args: argparse.Namespace, argv: list[str],
         return config_of({k: v for k, v in vars(args).items() if k in keys and (
             k in overrides or v != keys[k].default)}, where=None)
     from bamboo.config.jobfile import load_job_config
+    from bamboo.data.sizing import SIZING
     if "kills" in overrides:
         overrides["kills"] = [parse_kill(k) for k in overrides["kills"]]
-    return load_job_config(args.config, overrides)
+    return load_job_config(args.config, overrides, SIZING)
 
 
 def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:

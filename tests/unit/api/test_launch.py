@@ -8,6 +8,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[3] / "src" / "bamboo"
 
 LAUNCH = "api/start.py"
@@ -69,3 +71,24 @@ def test_nothing_imports_the_command_layer_but_its_entry_point() -> None:
             if any(n == "bamboo.cli" or n.startswith("bamboo.cli.") for n in names):
                 importers.append(where)
     assert importers == ["__main__.py"], importers
+
+
+def test_the_package_root_wires_no_layer_into_another() -> None:
+    """The root imports nothing of bamboo when it runs (its public names load on first use):
+    no hook is installed into the configuration."""
+    root = ast.parse((SRC / "__init__.py").read_text(encoding="utf-8"))
+    run_time = [n for n in root.body if not (isinstance(n, ast.If) and
+                                             ast.unparse(n.test) == "TYPE_CHECKING")]
+    imported = [node.module for stmt in run_time for node in ast.walk(stmt)
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bamboo")]
+    assert imported == [], imported
+
+
+def test_the_configuration_sizes_your_model_only_with_the_sizer_it_is_given() -> None:
+    from bamboo.config import ConfigError, JobConfig
+    from bamboo.data.sizing import SIZING
+    job = JobConfig.of(model="tests.support.your_model:tabular_model", nodes=2, stages=2,
+                       dataset="tests.support.your_model:Tabular(n=48)")
+    with pytest.raises(ConfigError, match="no sizer was given here"):
+        job.validate()
+    assert job.validate(SIZING).model_preset(SIZING).family == "custom"
