@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bamboo.data.sizing import SIZING
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -112,7 +114,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     from bamboo.config.presets import preset
     from bamboo.model import layer_param_counts
-    params = sum(layer_param_counts(preset(args.model)))
+    params = sum(layer_param_counts(preset(args.model, SIZING)))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; model "
           f"{args.model} ({params / 1e6:.1f} M parameters, state {3 * params * 4 / 1e9:.2f} GB "
           f"with AdamW), {args.nodes} workers, {args.stages} stages, M={args.micro_batches}, "

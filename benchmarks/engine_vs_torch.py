@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bamboo.data.sizing import SIZING
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -61,7 +63,7 @@ def torch_worker(rank: int, world: int, port: int, args: argparse.Namespace, sch
         torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    p = preset(args.model)
+    p = preset(args.model, SIZING)
     parts = partition(layer_param_counts(p), world)
     module = nn.Sequential(*build_layers(p, parts[rank], seed=0))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))

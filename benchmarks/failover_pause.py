@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bamboo.data.sizing import SIZING
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -114,7 +116,7 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
 
     torch.set_num_threads(1)
-    p = preset(args.model)
+    p = preset(args.model, SIZING)
     parts = partition(layer_param_counts(p), args.stages)
     stages = [StageState(preset=p, stage=s, layer_indices=parts[s], seed=0,
                          device=torch.device("cpu"), lr=3e-3, weight_decay=0.01)

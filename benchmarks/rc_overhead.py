@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bamboo.data.sizing import SIZING
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -99,7 +101,7 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
     from bamboo.plan.partition import partition
 
     torch.set_num_threads(1)
-    p = preset(args.model)
+    p = preset(args.model, SIZING)
     parts = partition(layer_param_counts(p), args.stages)
     task = make_task(p, seed=0, global_micro_batches=args.micro_batches,
                      micro_batch_size=args.micro_batch_size)
@@ -163,7 +165,7 @@ def output_bytes(args: argparse.Namespace) -> list[int]:
     from bamboo.model import boundary_shapes, layer_param_counts
     from bamboo.plan.partition import partition
 
-    p = preset(args.model)
+    p = preset(args.model, SIZING)
     parts = partition(layer_param_counts(p), args.stages)
     specs = boundary_shapes(p, args.micro_batch_size)
     out = []

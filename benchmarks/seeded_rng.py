@@ -21,6 +21,7 @@ from torch import nn
 
 from bamboo.config.presets import preset
 from bamboo.data.datasets import make_task
+from bamboo.data.sizing import SIZING
 from bamboo.model import build_layers, forward_seed, loss_fn, run_layers
 
 
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    p = preset(args.model)
+    p = preset(args.model, SIZING)
     indices = range(p.layers - args.layers, p.layers)  # the last stage: loss included
     stage = nn.Sequential(*build_layers(p, indices, seed=0))
     front = nn.Sequential(*build_layers(p, range(p.layers - args.layers), seed=0))

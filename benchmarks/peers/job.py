@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bamboo.data.sizing import SIZING
+
 ENV = "PEERS_JOB"
 
 
@@ -79,8 +81,8 @@ class Parts:
         cfg = JobConfig.of(model=job.model, nodes=job.workers, stages=1,
                            micro_batches=job.micro_batches // job.workers,
                            micro_batch_size=job.micro_batch_size, steps=job.steps,
-                           seed=job.seed).validate()
-        p = cfg.model_preset()
+                           seed=job.seed).validate(SIZING)
+        p = cfg.model_preset(SIZING)
         self.job = job
         self.grad_clip = cfg.training.grad_clip
         self.model = nn.Sequential(*build_layers(p, range(p.layers), job.seed))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig
+from bamboo.data.sizing import SIZING
 from support.models import TINY
 from support.reference import train_reference
 from support.runs import assert_close
@@ -48,7 +49,7 @@ def test_the_example_script_survives_its_kill_equal_to_the_single_process_loop(
         ("completed", 1, 1)
     assert (summary["redone_steps"], summary["checkpoint_restores"]) == (0, 0)
     cfg = JobConfig.of(model=name, steps=5, seed=3, micro_batches=4, micro_batch_size=4)
-    losses, params = train_reference(cfg.validate())
+    losses, params = train_reference(cfg.validate(SIZING))
     assert_close(summary["losses"], losses, rel=1e-5)
     assert f"parameters {summary['param_sha256'][:12]} in {out}" in done.stdout
     saved = torch.load(out / "model.pt", weights_only=True)
@@ -172,7 +173,7 @@ def test_sgd_with_momentum_and_a_one_cycle_schedule_survive_a_kill_bit_equal(
     assert config["optimizer"] == "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"
     cfg = JobConfig.of(model="gpt2-tiny", steps=5, seed=1, micro_batches=4, micro_batch_size=2,
                        optimizer=config["optimizer"], lr_schedule=config["lr_schedule"])
-    losses, _ = train_reference(cfg.validate())
+    losses, _ = train_reference(cfg.validate(SIZING))
     assert_close(summary["losses"], losses, rel=1e-6)
 
 
@@ -192,7 +193,7 @@ def test_a_checkpoint_carries_sgds_momentum_and_a_resume_keeps_the_optimizer(bam
     s = run.summary
     assert (s["checkpoint_restores"], s["failovers"], s["config"]["optimizer"]) == (1, 0, sgd)
     cfg = JobConfig.of(steps=5, seed=1, micro_batches=2, micro_batch_size=2, optimizer=sgd)
-    losses, _ = train_reference(cfg.validate())
+    losses, _ = train_reference(cfg.validate(SIZING))
     assert_close(s["losses"], losses, rel=1e-6)
     again = bamboo([*common, "--steps", "7", "--resume", "auto"])
     assert again.code == 2

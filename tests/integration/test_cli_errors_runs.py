@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bamboo.data.sizing import SIZING
 from support.cli import assert_one_line_error
 from support.procs import REPO, mounted_tmpfs
 
@@ -92,7 +93,7 @@ def test_the_example_job_file_is_valid(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(example.stdout)
     from bamboo.config.jobfile import load_job_config
-    cfg = load_job_config(job, {})
+    cfg = load_job_config(job, {}, SIZING)
     assert (cfg.model.name, cfg.layout.nodes, cfg.layout.stages) == ("gpt2-tiny", 4, 4)
 
 

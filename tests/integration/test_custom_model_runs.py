@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig
+from bamboo.data.sizing import SIZING
 from support.models import EXAMPLE, TINY, write_module
 from support.procs import run_events
 from support.reference import train_reference
@@ -33,7 +34,7 @@ def test_a_module_on_pythonpath_trains_like_the_single_process_loop(
                      "--micro-batches", "2", "--micro-batch-size", "4", "--json", "--quiet"])
     assert result.code == 0, result.stderr
     losses, params = train_reference(JobConfig.of(model=name, steps=3, micro_batches=2,
-                                               micro_batch_size=4).validate())
+                                               micro_batch_size=4).validate(SIZING))
     assert result.summary["config"]["model"] == name
     assert_close(result.summary["losses"], losses, rel=1e-5)
     saved = torch.load(result.out / "model.pt", weights_only=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bamboo.config import JobConfig
+from bamboo.data.sizing import SIZING
 from support.reference import train_reference
 from support.runs import REL, assert_close, param_l2
 from support.strict import strict_loads
@@ -70,7 +71,7 @@ def test_a_deepspeed_pipeline_script_survives_its_kill(tmp_path: Path) -> None:
     assert torch.equal(saved["layers.0.weight"], saved["layers.4.module.weight"])
     losses, params = train_reference(JobConfig.of(
         model=config["model"], steps=5, seed=3, micro_batches=4, micro_batch_size=4,
-        grad_clip=1.0, optimizer=config["optimizer"]).validate())
+        grad_clip=1.0, optimizer=config["optimizer"]).validate(SIZING))
     assert_close(killed["losses"], losses, rel=1e-5)
     assert_close(killed["param_l2"], param_l2(params), rel=1e-5)
 
@@ -116,7 +117,7 @@ def test_a_vision_transformer_on_an_image_dataset_survives_its_kill(tmp_path: Pa
     evals: list[list[float]] = []
     metrics: list[dict[str, float]] = []
     eval_metrics: list[list] = []
-    losses, params = train_reference(cfg.validate(), evals, metrics, eval_metrics)
+    losses, params = train_reference(cfg.validate(SIZING), evals, metrics, eval_metrics)
     assert_close(killed["losses"], losses, rel=REL)
     assert_close(killed["param_l2"], param_l2(params), rel=REL)
     assert_close([m["accuracy"] for m in killed["metrics"]],

@@ -11,6 +11,7 @@ import torch
 
 import bamboo
 from bamboo.config import JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import Fault
 from bamboo.plan.program import COMMIT_POINTS, REDUCED
@@ -62,7 +63,7 @@ def test_a_tied_embedding_and_head_survive_kills_equal_and_resume_onto_one_stage
     # tolerance, as is the single-process loop.
     assert_close(one["losses"], clean["losses"], rel=1e-5)
     assert_close(one["param_l2"], clean["param_l2"], rel=1e-5)
-    losses, params = train_reference(JobConfig.of(**{**common, "micro_batches": 4}).validate())
+    losses, params = train_reference(JobConfig.of(**{**common, "micro_batches": 4}).validate(SIZING))
     assert_close(clean["losses"], losses, rel=1e-5)
     saved = torch.load(tmp_path / "clean" / "model.pt", weights_only=True)
     assert saved.keys() == params.keys()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bamboo.config import JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.data.user import job_task
 from bamboo.engine.optim import clip_coefficient, make_optimizer, set_lr
 from bamboo.engine.options import EngineOptions
@@ -31,7 +32,7 @@ def train_reference(cfg: JobConfig, evals: list[list[float]] | None = None,
     The job's own Dataset, loss and metrics (`--dataset`, `--loss`, `--metric`) are used as
     the workers build them (`bamboo.data.user.job_task`)."""
     torch.set_num_threads(1)
-    p = cfg.model_preset()
+    p = cfg.model_preset(SIZING)
     G = cfg.global_micro_batches
     model = nn.Sequential(*build_layers(p, range(p.layers), cfg.training.seed))
     task = job_task(cfg, p)

@@ -16,6 +16,7 @@ import torch
 from bamboo.chaos.bits import COUNTERS
 from bamboo.config import JobConfig, parse_kill
 from bamboo.control import RunFailed, run_job
+from bamboo.data.sizing import SIZING
 from bamboo.launch.local import LocalWorkers
 from bamboo.plan.faults import Fault
 from bamboo.run.progress import ProgressDisplay
@@ -44,7 +45,7 @@ def config(flags: dict | None = None, /, **more) -> JobConfig:
     are written as on the command line ("0:2@5")."""
     flags = {**(flags or {}), **more}
     kills = [parse_kill(k) for k in flags.pop("kills", [])]
-    return JobConfig.of(kills=kills, **flags).validate()
+    return JobConfig.of(kills=kills, **flags).validate(SIZING)
 
 
 def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | None = None,
@@ -66,7 +67,7 @@ def reference(steps: int, global_micro_batches: int, micro_batch_size: int) -> t
     default model and seed), from the plain single-process loop."""
     losses, params = train_reference(JobConfig.of(
         nodes=1, stages=1, steps=steps, micro_batches=global_micro_batches,
-        micro_batch_size=micro_batch_size).validate())
+        micro_batch_size=micro_batch_size).validate(SIZING))
     return losses, param_l2(params)
 
 

@@ -29,6 +29,7 @@ from bamboo.api.paths import LOADED_BY_PATH
 from bamboo.config import ConfigError, JobConfig, KillSpec, all_options, options_by_key, parse_kill
 from bamboo.config.jobfile import coerce
 from bamboo.config.sections import SCHEDULE_NAMES
+from bamboo.data.sizing import SIZING
 
 __all__ = ["Job", "JobError", "config_of", "option_names", "guard_worker_import"]
 
@@ -55,7 +56,7 @@ def config_of(values: dict[str, Any], *, where: str | None = "Job") -> JobConfig
     error (None: the error as the command line says it)."""
     prefix = f"{where}: " if where else ""
     try:
-        return JobConfig.of(**_flat(values, prefix, where is not None)).validate()
+        return JobConfig.of(**_flat(values, prefix, where is not None)).validate(SIZING)
     except JobError:
         raise
     except ConfigError as e:

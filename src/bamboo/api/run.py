@@ -22,6 +22,7 @@ from typing import Any
 
 from bamboo.api.job import Job, JobError, guard_worker_import
 from bamboo.config import ConfigError, JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.run.interface import Interface
 from bamboo.run.runlog import EventLog, RunDir
 from bamboo.run.sameness import Verdict, compare
@@ -176,26 +177,19 @@ def run_config(job: Job, out: str | Path | None, prog: str) -> JobConfig:
     if out is None:
         return cfg  # validated when the job was made
     try:
-        return cfg.validate()
+        return cfg.validate(SIZING)
     except ConfigError as e:
         raise JobError(f"{prog}: {e}", *e.options) from None
 
 
 def prepared(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir,
              interface: Interface = Interface.TRAIN) -> Any:
-    """The checks of a job's run here (`cfg`: `run_config`'s): its layout chosen, its fit,
-    its run directory, the checkpoint it continues. The `bamboo.api.start.Start` to run, or
-    None when `resume="auto"` finds its run already complete. JobError with one line."""
-    from bamboo.api.start import prepare
+    """The job's run here (`cfg`: `run_config`'s) through `bamboo.api.start.launch`: the
+    `Start` to run, or None when `resume="auto"` finds its run already complete. JobError
+    with one line."""
+    from bamboo.api.start import launch
     try:
-        from bamboo.model.fits import check_fits, check_step_length
-        from bamboo.model.layout_fit import resolve_stages
-        cfg, chosen = resolve_stages(cfg, cfg.node_cap)  # --stages auto: P, D and M
-        if chosen is not None:
-            log.info("%s", chosen, extra=by(prog))
-        check_fits(cfg, cfg.node_cap)  # the local workers share this machine's memory
-        check_step_length(cfg)
-        return prepare(cfg, prog, run_dir, interface)
+        return launch(cfg, prog, run_dir=run_dir, interface=interface)
     except ConfigError as e:
         raise JobError(f"{prog}: {e}", *e.options) from None
 

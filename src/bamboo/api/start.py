@@ -1,10 +1,11 @@
 """From a validated job to a running one: the checks before any worker starts, and the run.
 
-One sequence for `bamboo train`, `bamboo coordinator` and `bamboo.train`: the trace parsed,
-`--resume auto` resolved, the run directory checked (a finished run is never overwritten),
-the checkpoint to continue loaded and checked against the job (`prepare`), then the run in
-this process (`execute`). Each check raises ConfigError with one line; `prog` names the
-caller in warnings.
+One sequence for `bamboo train`, `bamboo coordinator`, `bamboo.train` and `bamboo.Trainer`,
+`launch`: `--stages auto` resolved, the job's fit on its nodes, the trace parsed, `--resume
+auto` resolved, the run directory checked (a finished run is never overwritten), the
+checkpoint to continue loaded and checked against the job; then the run in this process
+(`execute`). Each check raises ConfigError with one line; `prog` names the caller in warnings
+and notes, `interface` says in its user's words what to do next.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from bamboo.run.runlog import RunDir, default_run_dir
 from bamboo.util.logs import by
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from bamboo.protocol.launch import Launcher
     from bamboo.run.progress import ProgressDisplay
 
-__all__ = ["Start", "prepare", "execute", "warm_up", "check_optimizer", "check_trace",
+__all__ = ["Start", "launch", "execute", "warm_up", "check_optimizer", "check_trace",
            "check_same_job"]
 
 log = logging.getLogger(__name__)
@@ -40,13 +43,38 @@ class Start:
     """The checkpoint to continue from (`bamboo.run.checkpoint.Checkpoint`), or None."""
 
 
-def prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir] = RunDir,
-            interface: Interface = Interface.CLI) -> Start | None:
-    """The checks of a job before it runs; None when `--resume auto` finds its run already
-    complete (nothing to do). `run_dir`: the RunDir class to make the directory with;
-    `interface`: whose words say what to do next (`--resume auto`, or `resume="auto"`)."""
-    from bamboo.config import objects  # the run a resume continues holds its objects
-    objects.add_run_dirs(cfg.checkpoints.resume, cfg.logging.out)
+def launch(cfg: JobConfig, prog: str, *, nodes_here: bool = True,
+           check: Callable[[JobConfig], None] | None = None, run_dir: type[RunDir] = RunDir,
+           interface: Interface = Interface.CLI) -> Start | None:
+    """Every check of a job before it runs, and its run directory: the `Start` to run, or
+    None when `--resume auto` finds its run already complete (nothing to do).
+
+    `nodes_here`: the nodes are worker processes of this machine (their memory is its
+    memory), else agents on others; `check`: the caller's own checks of the job as it will
+    run (its layout chosen), before anything is written; `run_dir`: the RunDir class to make
+    the directory with; `interface`: whose words say what to do next (`--resume auto`, or
+    `resume="auto"`). ConfigError with one line."""
+    from bamboo.data.sizing import SIZING
+    from bamboo.model.fits import check_fits, check_step_length
+    from bamboo.model.layout_fit import resolve_stages
+    cfg, chosen = resolve_stages(cfg, cfg.node_cap, SIZING)  # --stages auto: P, D and M
+    if chosen is not None:
+        log.info("%s", chosen, extra=by(prog))
+    if not nodes_here and (cfg.cluster.trace is not None
+                           or cfg.redundancy.recovery != "redundancy"):
+        raise ConfigError("--trace and --recovery checkpoint-restart need local workers: use "
+                          "bamboo train")
+    if nodes_here:  # the local workers share this machine's memory
+        check_fits(cfg, cfg.node_cap, SIZING)
+    check_step_length(cfg, nodes_here=nodes_here, sizing=SIZING)
+    if check is not None:
+        check(cfg)
+    return _prepare(cfg, prog, run_dir, interface)
+
+
+def _prepare(cfg: JobConfig, prog: str, run_dir: type[RunDir],
+             interface: Interface) -> Start | None:
+    """The checks of a job whose layout is settled, and its run directory (`launch`)."""
     check_trace(cfg, prog)
     check_optimizer(cfg)
     from bamboo.data.user import check_job_data
@@ -82,7 +110,7 @@ def _save_objects(cfg: JobConfig, run_path: Path) -> None:
         objects.save(refs, run_path / "objects")
 
 
-def execute(start: Start, source: Launcher, display: ProgressDisplay, *,
+def execute(start: Start, launcher: Launcher, display: ProgressDisplay, *,
             crash: dict[int, list] | None = None, debug: bool = False,
             http: tuple[str, int] | None = None,
             interface: Interface = Interface.CLI) -> dict[str, Any]:
@@ -91,7 +119,7 @@ def execute(start: Start, source: Launcher, display: ProgressDisplay, *,
     the words of `interface`."""
     warm_up(debug)
     from bamboo.control import run_job
-    return run_job(start.cfg, start.run, display, source, extra_faults=crash or {},
+    return run_job(start.cfg, start.run, display, launcher, extra_faults=crash or {},
                    debug=debug, resume=start.resume, http=http, interface=interface)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from bamboo.cli.parsing import EXIT_USAGE
 from bamboo.cli.train import run, train_parser
-from bamboo.config import ConfigError, JobConfig
+from bamboo.config import JobConfig
 from bamboo.config.join import JoinConfig, join_options
 from bamboo.config.options import add_flags
 
@@ -32,9 +32,10 @@ def coordinator_parser(given_only: bool = False) -> argparse.ArgumentParser:
 
 class CoordinatorCommand:
     """`bamboo coordinator`: the nodes are agents that join over the network
-    (`train.JobCommand`; the run's source is `bamboo.control.sources.Agents`)."""
+    (`train.JobCommand`; the run's launcher is `bamboo.launch.agents.Agents`)."""
 
     prog = "bamboo coordinator"
+    nodes_here = False
 
     def __init__(self) -> None:
         self.join: JoinConfig | None = None
@@ -42,18 +43,11 @@ class CoordinatorCommand:
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
         return coordinator_parser(given_only)
 
-    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        if cfg is not None:
-            if cfg.cluster.trace is not None or cfg.redundancy.recovery != "redundancy":
-                raise ConfigError("--trace and --recovery checkpoint-restart need local "
-                                  "workers: use bamboo train")
-            from bamboo.model.fits import check_step_length
-            check_step_length(cfg, nodes_here=False)
-            return
+    def check(self, args: argparse.Namespace) -> None:
         names = {f.key for f in join_options()}
         self.join = JoinConfig(**{k: v for k, v in vars(args).items() if k in names}).validate()
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
+    def launcher(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
         """Agents that join the listener (with the job's token) and, with --etcd, their
         leases (`bamboo.launch.agents.open_join`); EXIT_USAGE when it cannot start."""
         assert self.join is not None, "check() comes first"

@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     """`bamboo profile`: 0 when the costs file is written, 2 (one line on stderr) for bad flags."""
     args = profile_parser().parse_args(argv)
     from bamboo.config import ConfigError, JobConfig
+    from bamboo.data.sizing import SIZING
     try:
         stages = 1 if args.layers_only else args.stages  # each layer alone: no stages
         job = JobConfig.of(model=args.model, nodes=stages, stages=stages,
                            micro_batches=args.micro_batches,
                            micro_batch_size=args.micro_batch_size,
                            steps=args.steps, data=args.data, dataset=args.dataset,
-                           loss=args.loss).validate()
+                           loss=args.loss).validate(SIZING)
         if args.data is not None and not args.layers_only:
             raise ConfigError("--data goes with --layers-only (the step costs use synthetic data)")
         if args.repeats < 1 or args.steps < 4:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bamboo.sim.profile import profile_costs, profile_layers
     if args.layers_only:
-        profile_layers(args.model, job.model_preset().vocab, args.micro_batch_size,
+        profile_layers(args.model, job.model_preset(SIZING).vocab, args.micro_batch_size,
                        args.repeats, args.data, args.out, args.dataset, args.loss)
         return 0
     from bamboo.sim.costs import save_costs

@@ -69,9 +69,10 @@ def job_config(args: argparse.Namespace, argv: list[str],
         return config_of({k: v for k, v in vars(args).items() if k in keys and (
             k in overrides or v != keys[k].default)}, where=None)
     from bamboo.config.jobfile import load_job_config
+    from bamboo.data.sizing import SIZING
     if "kills" in overrides:
         overrides["kills"] = [parse_kill(k) for k in overrides["kills"]]
-    return load_job_config(args.config, overrides)
+    return load_job_config(args.config, overrides, SIZING)
 
 
 def _crash_faults(cfg: JobConfig, specs: list[str]) -> dict[int, list]:
@@ -105,18 +106,20 @@ def write_run_report(path: Path, quiet: bool) -> None:
 
 class JobCommand(Protocol):
     """What `bamboo train` and `bamboo coordinator` do differently around the same run:
-    their parser, their own checks, and where the run's nodes come from."""
+    their parser, their own flags' checks, and where the run's nodes come from."""
 
     prog: str
+    nodes_here: bool
+    """The nodes are worker processes of this machine (`bamboo.api.start.launch`)."""
 
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
         """The command's parser (the job's flags and the command's own)."""
 
-    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        """ConfigError for a flag of this command that is wrong (cfg None: before the job)."""
+    def check(self, args: argparse.Namespace) -> None:
+        """ConfigError for a flag of this command (not the job's) that is wrong."""
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
-        """The run's nodes' source (`bamboo.launch`), or an exit code when it
+    def launcher(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
+        """Where the run's nodes run (a `bamboo.launch` launcher), or an exit code when it
         cannot start."""
 
 
@@ -124,17 +127,15 @@ class TrainCommand:
     """`bamboo train`: the nodes are worker processes this command starts."""
 
     prog = "bamboo train"
+    nodes_here = True
 
     def parser(self, given_only: bool = False) -> argparse.ArgumentParser:
         return train_parser(given_only)
 
-    def check(self, args: argparse.Namespace, cfg: JobConfig | None) -> None:
-        if cfg is not None:  # the local workers share this machine's memory
-            from bamboo.model.fits import check_fits, check_step_length
-            check_fits(cfg, cfg.node_cap)
-            check_step_length(cfg)
+    def check(self, args: argparse.Namespace) -> None:
+        pass
 
-    def source(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
+    def launcher(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
         from bamboo.launch.local import LocalWorkers
         return LocalWorkers()
 
@@ -145,9 +146,10 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str], command: JobCommand) -> int:
     """The command's whole sequence, each stage a guard that ends in one line and an exit
-    code: parse, job file, checks without torch, resume, run directory, the nodes' source
-    (agents and etcd), then the run and its report. Under --json, stdout holds the summary
-    alone (`json_out`)."""
+    code: parse, the job (its file and flags, checked without torch), the command's own
+    flags, the job's launch (`bamboo.api.start.launch`: its checks, resume and run
+    directory), the launcher (agents and etcd), then the run and its report. Under
+    --json, stdout holds the summary alone (`json_out`)."""
     args = command.parser().parse_args(argv)
     from bamboo.cli.json_out import json_stdout
     with json_stdout(args.json) as out:
@@ -156,8 +158,13 @@ def run(argv: list[str], command: JobCommand) -> int:
 
 def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: TextIO) -> int:
     prog = command.prog
+    crash: dict[int, list] = {}
+
+    def check_crash(cfg: JobConfig) -> None:  # --crash names a node of the layout chosen
+        crash.update(_crash_faults(cfg, args.crash))
+
     try:
-        command.check(args, None)
+        command.check(args)
         http = None
         if args.http is not None:
             from bamboo.config.join import parse_address
@@ -165,17 +172,9 @@ def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: Te
                 http = parse_address(args.http, "--http")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        from bamboo.config import objects  # a resumed run's objects sent by value
-        objects.add_run_dirs(getattr(args, "resume", None), getattr(args, "out", None))
         cfg = job_config(args, argv, command.parser(given_only=True))
-        if cfg.layout.stages == "auto":
-            from bamboo.model.layout_fit import resolve_stages
-            cfg, line = resolve_stages(cfg, cfg.node_cap)
-            print(f"{prog}: {line}", file=sys.stderr)
-        command.check(args, cfg)
-        crash = _crash_faults(cfg, args.crash)
-        from bamboo.api.start import prepare
-        start = prepare(cfg, prog)
+        from bamboo.api.start import launch
+        start = launch(cfg, prog, nodes_here=command.nodes_here, check=check_crash)
         if start is None:  # --resume auto: the run had finished; its summary is the answer
             if args.json:
                 _print_summary(cfg.logging.out, out)
@@ -183,10 +182,10 @@ def _run(args: argparse.Namespace, argv: list[str], command: JobCommand, out: Te
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    source = command.source(args, start.cfg, start.run)
-    if isinstance(source, int):
-        return source
-    return _train(args, prog, start, source, crash=crash, http=http, out=out)
+    launcher = command.launcher(args, start.cfg, start.run)
+    if isinstance(launcher, int):
+        return launcher
+    return _train(args, prog, start, launcher, crash=crash, http=http, out=out)
 
 
 def _print_summary(run_dir: str, out: TextIO) -> None:
@@ -195,7 +194,7 @@ def _print_summary(run_dir: str, out: TextIO) -> None:
     print(strict_json.dumps(load_result(run_dir).summary, indent=2), file=out)
 
 
-def _train(args: argparse.Namespace, prog: str, start: Start, source: Launcher, *,
+def _train(args: argparse.Namespace, prog: str, start: Start, launcher: Launcher, *,
            crash: dict[int, list], http: tuple[str, int] | None, out: TextIO) -> int:
     """The run itself, once every check passed, then its report: the exit code."""
     from bamboo.api.start import execute, warm_up
@@ -210,9 +209,9 @@ def _train(args: argparse.Namespace, prog: str, start: Start, source: Launcher, 
         from bamboo.control.http import HttpServeError
         serve_error = HttpServeError
     try:
-        summary = execute(start, source, display, crash=crash, debug=args.debug, http=http)
+        summary = execute(start, launcher, display, crash=crash, debug=args.debug, http=http)
     except serve_error as e:  # --http's address is taken or not this machine's
-        source.close(None)
+        launcher.close(None)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunDirError as e:  # the run's own files could not be written (a full disk)

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 from bamboo.config.options import ConfigError
 
 if TYPE_CHECKING:
+    from bamboo.config.presets import CustomSizing
     from bamboo.config.sections import JobView
 
 __all__ = ["check_data", "check_layer_costs"]
 
 
-def check_data(job: JobView, family: str) -> None:
+def check_data(job: JobView, family: str, sizing: CustomSizing | None = None) -> None:
     data, model = job.data.path, job.model.name
     if data is None:
         return
@@ -22,13 +23,13 @@ def check_data(job: JobView, family: str) -> None:
         raise ConfigError(f"--data is for token models; {model} trains on synthetic images", "data")
     path = Path(data)
     if path.is_dir():
-        _check_token_dir(job)
+        _check_token_dir(job, sizing)
         return
     if not path.is_file():
         raise ConfigError(f"--data file '{data}' does not exist: give a directory written "
                           f"by `bamboo data prepare` or a path to a UTF-8 text file", "data")
     _check_text(path)
-    need = job.model_preset().context + 1
+    need = job.model_preset(sizing).context + 1
     size = path.stat().st_size
     if size < need:
         raise ConfigError(f"--data file '{data}' has {size} bytes; {model} needs at least "
@@ -56,13 +57,13 @@ def _check_text(path: Path, sample: int = 1 << 20) -> None:
                           f"text file, or tokenize your data with `bamboo data prepare`", "data")
 
 
-def _check_token_dir(job: JobView) -> None:
+def _check_token_dir(job: JobView, sizing: CustomSizing | None) -> None:
     from bamboo.config.token_dir import largest_token_id, open_split, read_header
     data = job.data.path
     assert data is not None, "checked only where --data names a token directory"
     try:
         header = read_header(data)
-        p = job.model_preset()
+        p = job.model_preset(sizing)
     except ValueError as e:  # read_header's lines start with the directory's name
         raise ConfigError(f"--data {e}" if str(e).startswith("'") else f"--data {data}: {e}",
                           "data") from None

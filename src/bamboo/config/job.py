@@ -24,9 +24,9 @@ from bamboo.config.options import (
     option_fields,
 )
 from bamboo.config.presets import (
+    CustomSizing,
     ModelPreset,
     custom_preset,
-    dataset_inputs,
     is_custom_name,
     preset,
     with_vocab,
@@ -130,24 +130,26 @@ class JobConfig:
         every, steps = self.evaluation.every, self.training.steps
         return every > 0 and 0 < step <= steps and (step % every == 0 or step == steps)
 
-    def model_preset(self) -> ModelPreset:
+    def model_preset(self, sizing: CustomSizing | None = None) -> ModelPreset:
         """The model's preset, its vocabulary that of the --data directory when there is one
-        (ValueError with one line when the model cannot take it)."""
-        p = self._preset()
+        (ValueError with one line when the model cannot take it). Your own model is sized by
+        `sizing` (this package builds no model)."""
+        p = self._preset(sizing)
         data = self.data.path
         if data is None or p.family == "cnn" or not Path(data).is_dir():
             return p
         from bamboo.config.token_dir import read_header
-        return with_vocab(p, read_header(data).vocab_size)
+        return with_vocab(p, read_header(data).vocab_size, sizing)
 
-    def _preset(self) -> ModelPreset:
+    def _preset(self, sizing: CustomSizing | None) -> ModelPreset:
         """The model's preset; your own model trained on a Dataset built for the inputs the
-        Dataset's first sample hands it (`dataset_inputs`): its shapes come from the data."""
+        Dataset's first sample hands it (`sizing.dataset_inputs`): its shapes come from the
+        data."""
         name, d = self.model.name, self.data
-        if d.dataset is None or not is_custom_name(name):
-            return preset(name)
-        inputs = dataset_inputs(d.dataset, d.collate)  # ConfigError naming --dataset
-        return custom_preset(name, None, inputs)
+        if d.dataset is None or not is_custom_name(name) or sizing is None:
+            return preset(name, sizing)
+        inputs = sizing.dataset_inputs(d.dataset, d.collate)  # ConfigError naming --dataset
+        return custom_preset(name, None, inputs, sizing.model)
 
     def partition_costs(self, param_counts: list[int]) -> list[float]:
         """What stages are cut by: --layer-costs' seconds, else parameter counts."""
@@ -158,11 +160,16 @@ class JobConfig:
 
     # -- checking --------------------------------------------------------------------------
 
-    def validate(self) -> JobConfig:
+    def validate(self, sizing: CustomSizing | None = None) -> JobConfig:
         """Check every option (its declaration), every section (what needs two options),
-        then the job as a whole; raise ConfigError with a one-line fix."""
+        then the job as a whole, your own model sized by `sizing` (`model_preset`); raise
+        ConfigError with a one-line fix. The run directories
+        the job names (`--resume`, `--out`) are searched for its objects sent by value from
+        here on: a resume finds them there on a machine whose own copy is gone."""
+        from bamboo.config import objects
+        objects.add_run_dirs(self.checkpoints.resume, self.logging.out)
         try:
-            p = self._preset()
+            p = self._preset(sizing)
         except ConfigError:
             raise
         except ValueError as e:  # presets name the model; say which flag gave it
@@ -183,7 +190,7 @@ class JobConfig:
             getattr(self, name).check(self)
         _check_byte_vocabulary(self, p)
         from bamboo.config.data import check_data, check_layer_costs
-        check_data(self, p.family)
+        check_data(self, p.family, sizing)
         check_layer_costs(self, p.layers)
         return self
 

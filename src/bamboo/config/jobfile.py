@@ -34,6 +34,7 @@ import yaml
 
 from bamboo.config.job import SECTIONS, JobConfig, all_options, options_by_key
 from bamboo.config.options import ConfigError, OptionField
+from bamboo.config.presets import CustomSizing
 from bamboo.config.sections import KillSpec, parse_kill
 
 __all__ = ["load_job_config", "example_config", "field_paths"]
@@ -243,7 +244,8 @@ def _flatten(doc: Any, path: Path) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def load_job_config(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+def load_job_config(path: str | Path, overrides: dict[str, Any] | None = None,
+                    sizing: CustomSizing | None = None) -> JobConfig:
     """The validated JobConfig of a job file, with `overrides` (flags given) taking precedence.
 
     `overrides` maps option keys (argparse dests) to values; it holds only the flags the
@@ -265,7 +267,7 @@ def load_job_config(path: str | Path, overrides: dict[str, Any] | None = None) -
         values[key] = coerce(value, by_key[key].type, by_key[key].flag)
         where.pop(key, None)
     try:
-        return JobConfig.of(**values).validate()
+        return JobConfig.of(**values).validate(sizing)
     except ConfigError as e:
         named = [where[k] for k in e.options if k in where]
         if not named:

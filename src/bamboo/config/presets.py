@@ -6,9 +6,9 @@ apart from the modules (`bamboo.model` builds them from these facts).
 That includes `hf:` names (transformers' GPT-2, Llama and BERT, see docs/models.md): they are
 parsed and sized here without importing torch or transformers. Your own model, named
 `MODULE:FUNCTION` (bamboo.model.api), is sized by building it, which needs torch and the
-model package: this package never imports them. The package root (`bamboo/__init__.py`, the
-one place that wires layers together) hands `set_custom_model_sizer` the function that does,
-so `custom_preset` works in every process that imports any part of bamboo.
+model package: this package never imports them. Whoever asks for such a model's facts hands
+the function that builds it as an argument (`CustomSizing`: `bamboo.data.sizing.SIZING`, from
+a layer that may build models and read Datasets).
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from typing import Any
 
 __all__ = ["ModelPreset", "PRESETS", "preset", "HF_PREFIX", "HF_SIZES", "HFName", "parse_hf_name",
            "CAUSAL_FAMILIES", "drop_special_tokens", "custom_preset", "with_vocab",
-           "set_custom_model_sizer", "CustomModelSizer", "set_dataset_inputs", "dataset_inputs",
-           "is_custom_name", "DatasetInputs"]
+           "CustomModelSizer", "DatasetInputs", "CustomSizing", "is_custom_name"]
 
 CAUSAL_FAMILIES = frozenset({"gpt2", "llama", "custom"})
 """Families trained on next-token prediction (bert is masked-LM, cnn classifies images)."""
@@ -98,12 +97,13 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def preset(name: str) -> ModelPreset:
-    """The preset called `name` (or an hf: model); ValueError with one line otherwise."""
+def preset(name: str, sizing: CustomSizing | None = None) -> ModelPreset:
+    """The preset called `name` (or an hf: model, or your own model sized by `sizing`);
+    ValueError with one line otherwise."""
     if name.startswith(HF_PREFIX):
         return _hf_preset(name)
     if ":" in name:
-        return custom_preset(name)
+        return custom_preset(name, sizer=sizing.model if sizing is not None else None)
     try:
         return PRESETS[name]
     except KeyError:
@@ -125,8 +125,9 @@ def drop_special_tokens(config: dict[str, Any], vocab: int, defaults: dict[str, 
             config[key] = [t for t in token if isinstance(t, int) and t < vocab] or None
 
 
-def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
-    """`p` sized for data of `vocab` token ids (a prepared --data directory's tokenizer).
+def with_vocab(p: ModelPreset, vocab: int, sizing: CustomSizing | None = None) -> ModelPreset:
+    """`p` sized for data of `vocab` token ids (a prepared --data directory's tokenizer; your
+    own model built anew by `sizing`).
 
     bert's model vocabulary is one more: id `vocab` is its [MASK]. An hf: model with
     pretrained weights keeps its embedding: ValueError when the data's ids do not fit.
@@ -157,7 +158,7 @@ def with_vocab(p: ModelPreset, vocab: int) -> ModelPreset:
     if p.family in ("gpt2", "llama", "bert"):
         return replace(p, vocab=need)
     if p.family == "custom":
-        return custom_preset(p.name, need, p.inputs)
+        return custom_preset(p.name, need, p.inputs, sizing.model if sizing is not None else None)
     raise ValueError(f"model {p.name}: family '{p.family}' cannot follow the data's "
                      f"vocabulary; add it to bamboo.config.presets.with_vocab")
 
@@ -170,21 +171,15 @@ DatasetInputs = Callable[[str, str | None], str]
 """(`--dataset` text, `--collate` text or None) -> what the Dataset's first sample hands
 layer 0, per sample, as text (bamboo.model.spec_text)."""
 
-_custom_sizer: list[CustomModelSizer] = []
-_dataset_inputs: list[DatasetInputs] = []
 
+@dataclass(frozen=True, slots=True)
+class CustomSizing:
+    """What sizes your own `MODULE:FUNCTION` model, which this package cannot build: given
+    as an argument by the caller (`bamboo.data.sizing.SIZING`)."""
 
-def set_custom_model_sizer(sizer: CustomModelSizer) -> None:
-    """Install what sizes a `MODULE:FUNCTION` model (`bamboo.model.sizing`, by the package
-    root): this package cannot build a model itself."""
-    _custom_sizer[:] = [sizer]
-    custom_preset.cache_clear()
-
-
-def set_dataset_inputs(reader: DatasetInputs) -> None:
-    """Install what reads a Dataset's first sample (`bamboo.data.user`, by the package root):
-    this package cannot build a Dataset itself."""
-    _dataset_inputs[:] = [reader]
+    model: CustomModelSizer
+    dataset_inputs: DatasetInputs
+    """What a Dataset's first sample hands layer 0 (the inputs a model on it is built for)."""
 
 
 def is_custom_name(name: str) -> bool:
@@ -192,29 +187,21 @@ def is_custom_name(name: str) -> bool:
     return ":" in name and not name.startswith(HF_PREFIX)
 
 
-def dataset_inputs(dataset: str, collate: str | None) -> str:
-    """What the Dataset `dataset` (collated by `collate`) hands layer 0 per sample, as text;
-    ValueError (one line, naming --dataset) when it cannot be read."""
-    if not _dataset_inputs:
-        raise ValueError("nothing can read a Dataset in this process; import bamboo (its root "
-                         "installs the reader)")
-    return _dataset_inputs[0](dataset, collate)
-
-
 @functools.cache
-def custom_preset(name: str, vocab: int | None = None, inputs: str = "") -> ModelPreset:
+def custom_preset(name: str, vocab: int | None = None, inputs: str = "",
+                  sizer: CustomModelSizer | None = None) -> ModelPreset:
     """Your own model, `pkg.module:function` or `path/to/file.py:function` (see
-    bamboo.model.api), built for `vocab` tokens (the function's default when None) and for
-    `inputs` (what a Dataset's first sample hands layer 0, as text; "" without a Dataset),
-    by the sizer `set_custom_model_sizer` installed.
+    bamboo.model.api), built by `sizer` for `vocab` tokens (the function's default when None)
+    and for `inputs` (what a Dataset's first sample hands layer 0, as text; "" without a
+    Dataset).
 
-    The preset's name is the import path, so `custom_preset(p.name, vocab)` re-derives it for
-    another vocabulary.
+    The preset's name is the import path, so `custom_preset(p.name, vocab, p.inputs, sizer)`
+    re-derives it for another vocabulary.
     """
-    if not _custom_sizer:
-        raise ValueError(f"model '{name}': nothing can build a MODULE:FUNCTION model in this "
-                         f"process; import bamboo (its root installs the model sizer)")
-    return _custom_sizer[0](name, vocab, inputs)
+    if sizer is None:
+        raise ValueError(f"model '{name}': a MODULE:FUNCTION model is sized by building it, "
+                         f"and no sizer was given here (bamboo.data.sizing.SIZING)")
+    return sizer(name, vocab, inputs)
 
 
 # -- hf: models, worked out without importing torch or transformers ---------------------

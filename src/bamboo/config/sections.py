@@ -22,7 +22,7 @@ from bamboo.config.modes import RedundancyMode
 from bamboo.config.options import ConfigError, non_negative_int, option, positive_int
 
 if TYPE_CHECKING:
-    from bamboo.config.presets import ModelPreset
+    from bamboo.config.presets import CustomSizing, ModelPreset
 
 __all__ = ["KillSpec", "parse_kill", "ModelSection", "DataSection", "LayoutSection",
            "TrainingSection", "RedundancySection", "RuntimeSection", "ClusterSection",
@@ -474,6 +474,6 @@ class JobView(Protocol):
     @property
     def node_cap(self) -> int: ...
 
-    def model_preset(self) -> ModelPreset: ...
+    def model_preset(self, sizing: CustomSizing | None = None) -> ModelPreset: ...
 
     def check_target(self, flag: str, text: str, k: KillSpec) -> None: ...

@@ -56,6 +56,7 @@ from bamboo.control.results import Results
 from bamboo.control.state import Events, RunContext, Stop, Store
 from bamboo.control.steps import StepProtocol
 from bamboo.control.supply import NodeSupply
+from bamboo.data.sizing import SIZING
 from bamboo.model import layer_param_counts
 from bamboo.node.backend_errors import describe
 from bamboo.plan.faults import Fault
@@ -289,7 +290,7 @@ class CoordinatorCore:
     def _context(self, clock: Callable[[], float]) -> RunContext:
         cfg, resume = self.cfg, self.resume
         start = resume.step if resume is not None else 0
-        counts = layer_param_counts(cfg.model_preset())
+        counts = layer_param_counts(cfg.model_preset(SIZING))
         return RunContext(
             cfg=cfg, store=self.store, events=self.events, display=self.display,
             run_path=self.run_path, param_counts=counts,

@@ -21,9 +21,11 @@ from typing import Any
 from bamboo.config import ConfigError, JobConfig, objects
 from bamboo.config.calls import Call, parse_call
 from bamboo.config.metric_spec import parse_metric
+from bamboo.config.presets import CustomSizing
 from bamboo.data.datasets import Batch, Metric, Samples, Task, make_task, on_device
 from bamboo.data.sampling import position_after
 from bamboo.model.api import import_object
+from bamboo.model.sizing import size_custom_model
 
 __all__ = ["DatasetSamples", "build_dataset", "build_function", "job_task", "check_job_data",
            "first_inputs",
@@ -159,7 +161,7 @@ def check_job_data(cfg: JobConfig) -> None:
     if d.dataset is not None and cfg.evaluation.every and d.eval_dataset is None:
         raise ConfigError("--eval-every with --dataset needs --eval-dataset (the held-out "
                           "samples): give one, or --eval-every 0", "eval_every", "eval_dataset")
-    task = job_task(cfg, None if d.dataset is not None else cfg.model_preset())
+    task = job_task(cfg, None if d.dataset is not None else cfg.model_preset(_SIZING))
     for what, call in (("--dataset", lambda: task.batch(0, 0)),
                        ("--eval-dataset", lambda: task.eval_batch(0) if d.eval_dataset else None)):
         try:
@@ -192,12 +194,17 @@ def first_inputs(dataset: str, collate: str | None) -> str:
         return unreadable_text(f"--dataset: its first sample failed: {_line(e)}")
 
 
+_SIZING = CustomSizing(model=size_custom_model, dataset_inputs=first_inputs)
+"""`bamboo.data.sizing.SIZING`'s functions, this module's own (that module reads Datasets
+through this one)."""
+
+
 def _model_inputs(cfg: JobConfig) -> tuple[Any, bool] | None:
     """(what the job's model's layer 0 takes per sample, whether the model declares it), or
     None for bamboo's presets, which declare nothing (a GPT-2 takes token ids up to its
     context, the CNN images of its own): only your model can be told what it takes."""
     from bamboo.model.api import model_of
-    p = cfg.model_preset()
+    p = cfg.model_preset(_SIZING)
     if p.family != "custom":
         return None
     model = model_of(p)
@@ -252,7 +259,7 @@ def _check_on_outputs(cfg: JobConfig, task: Task) -> None:
 
     from bamboo.model import build_layer
     from bamboo.model.meta import shapes_only
-    batch, p = task.batch(0, 0), cfg.model_preset()
+    batch, p = task.batch(0, 0), cfg.model_preset(_SIZING)
     try:
         with shapes_only(), torch.no_grad():
             x = on_device(batch.inputs, "meta")

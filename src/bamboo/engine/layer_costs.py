@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bamboo.config.layer_costs import LayerCosts
+from bamboo.data.sizing import SIZING
 
 __all__ = ["measure_layer_costs", "first_batch"]
 
@@ -36,7 +37,7 @@ def first_batch(model: str, micro_batch_size: int, seed: int = 0, data: str | No
 
     job = JobConfig.of(model=model, data=data, dataset=dataset, loss=loss, seed=seed,
                        micro_batches=1, micro_batch_size=micro_batch_size)
-    p = job.model_preset()
+    p = job.model_preset(SIZING)
     task = job_task(job, p)
     return task.batch(0, 0), task.loss or loss_fn(p)
 
@@ -54,7 +55,7 @@ def measure_layer_costs(model: str, micro_batch_size: int, repeats: int, seed: i
     from bamboo.model.structure import detach, float32, leaves, map_floats
 
     torch.set_num_threads(1)
-    p = JobConfig.of(model=model, data=data, dataset=dataset).model_preset()
+    p = JobConfig.of(model=model, data=data, dataset=dataset).model_preset(SIZING)
     batch, criterion = first_batch(model, micro_batch_size, seed, data, dataset, loss)
     x, seconds = batch.inputs, []
     for index in range(p.layers):

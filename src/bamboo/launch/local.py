@@ -52,6 +52,8 @@ class LocalProcess:
         self.process, self.device_slot = process, device_slot
         self.killed = False
         """SIGKILL was sent: its GPU may go to the worker that replaces it."""
+        self._closed_exitcode: int | None = None
+        self.closed = False
 
     @property
     def pid(self) -> int | None:
@@ -63,7 +65,8 @@ class LocalProcess:
 
     @property
     def exitcode(self) -> int | None:
-        return self.process.exitcode
+        # the coordinator closes a reaped process; its exit code stays readable
+        return self._closed_exitcode if self.closed else self.process.exitcode
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -83,7 +86,10 @@ class LocalProcess:
         self.process.join(timeout)
 
     def close(self) -> None:
-        self.process.close()
+        if not self.closed:
+            self._closed_exitcode = self.process.exitcode
+            self.process.close()
+            self.closed = True
 
 
 class LocalWorkers:
@@ -116,14 +122,15 @@ class LocalWorkers:
         process.start()
         writer.close()
         handle = LocalProcess(process, slot)
-        self.started = [p for p in self.started if p.exitcode is None] + [handle]
+        self.started = [p for p in self.started if not p.closed and p.exitcode is None] + [handle]
         return Started(handle, reader, device_slot=slot)
 
     def _held_slots(self) -> set[int]:
         """Device slots of local workers still running, unless already sent SIGKILL (a
         checkpoint-restart's fresh worker takes the GPU of the one it replaces). One with a
         notice keeps its slot until it is gone: it still trains and drains meanwhile."""
-        return {p.device_slot for p in self.started if p.exitcode is None and not p.killed}
+        return {p.device_slot for p in self.started
+                if not p.closed and p.exitcode is None and not p.killed}
 
     def _visible_gpus(self, device: str) -> int | None:
         """The GPUs local workers will see (CUDA_VISIBLE_DEVICES applied; None: they run on

@@ -25,6 +25,7 @@ import math
 import os
 
 from bamboo.config import ConfigError, JobConfig
+from bamboo.config.presets import CustomSizing
 from bamboo.plan.layout_choice import NodeNeed
 
 __all__ = ["node_memory_lower_bound", "machine_memory_bytes", "check_fits",
@@ -38,10 +39,10 @@ _BYTES_PER_INSTRUCTION = 56
 """The smallest a slotted dataclass instance with a few fields takes in CPython."""
 
 
-def node_memory_lower_bound(cfg: JobConfig) -> NodeNeed:
+def node_memory_lower_bound(cfg: JobConfig, sizing: CustomSizing | None = None) -> NodeNeed:
     from bamboo.model import boundary_shapes, layer_param_counts
     from bamboo.plan.partition import partition
-    p = cfg.model_preset()
+    p = cfg.model_preset(sizing)
     counts = layer_param_counts(p)
     stages, micro_batches = cfg.layout.stages, cfg.layout.micro_batches
     parts = partition(cfg.partition_costs(counts), stages)
@@ -77,13 +78,13 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
 
 
-def check_fits(cfg: JobConfig, local_workers: int) -> None:
+def check_fits(cfg: JobConfig, local_workers: int, sizing: CustomSizing | None = None) -> None:
     """ConfigError (one line) when `local_workers` nodes of this job cannot fit in this
-    machine's memory, by the lower bound above."""
+    machine's memory, by the lower bound above (your own model sized by `sizing`)."""
     machine = machine_memory_bytes()
     if machine is None or local_workers < 1:
         return
-    need = node_memory_lower_bound(cfg)
+    need = node_memory_lower_bound(cfg, sizing)
     if need.total * local_workers <= machine:
         return
     biggest = max((("parameters and optimizer state", need.state_bytes),
@@ -103,12 +104,13 @@ def _positions(p) -> int:
     return 1 if p.family == "cnn" else max(1, p.context)
 
 
-def step_seconds_lower_bound(cfg: JobConfig, device: str) -> float:
+def step_seconds_lower_bound(cfg: JobConfig, device: str,
+                             sizing: CustomSizing | None = None) -> float:
     """Seconds one step takes at the least on `device` ("cpu" or "cuda"): the pipeline's
     micro-batches, one after another, through its largest stage."""
     from bamboo.model import layer_param_counts
     from bamboo.plan.partition import partition
-    p = cfg.model_preset()
+    p = cfg.model_preset(sizing)
     counts = layer_param_counts(p)
     parts = partition(cfg.partition_costs(counts), cfg.layout.stages)
     largest = max(sum(counts[i] for i in part) for part in parts)
@@ -116,7 +118,8 @@ def step_seconds_lower_bound(cfg: JobConfig, device: str) -> float:
     return cfg.layout.micro_batches * flops / OPTIMISTIC_FLOPS[device]
 
 
-def check_step_length(cfg: JobConfig, *, nodes_here: bool = True) -> None:
+def check_step_length(cfg: JobConfig, *, nodes_here: bool = True,
+                      sizing: CustomSizing | None = None) -> None:
     """ConfigError (one line) when even the lower bound of one step is longer than the run
     waits for a step (`--comm-timeout` plus a grace): such a run could only stall. With
     `nodes_here` false (the nodes run on other machines), `--device auto` counts as a GPU."""
@@ -124,7 +127,7 @@ def check_step_length(cfg: JobConfig, *, nodes_here: bool = True) -> None:
     if nodes_here and device == "cuda":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    least, limit = step_seconds_lower_bound(cfg, device), cfg.runtime.step_stall_s
+    least, limit = step_seconds_lower_bound(cfg, device, sizing), cfg.runtime.step_stall_s
     if least <= limit:
         return
     m, b = cfg.layout.micro_batches, cfg.layout.micro_batch_size

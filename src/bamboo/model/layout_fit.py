@@ -2,8 +2,9 @@
 nodes' memory and the redundancy mode handed to the planner (`bamboo.plan.layout_choice`),
 and the job it returns with the chosen P, D and M, checked whole.
 
-`bamboo train`, `bamboo coordinator` and `bamboo.train` call `resolve_stages` first, then
-the fit checks of `bamboo.model.fits` on the job it returns.
+`bamboo.api.start.launch` (behind `bamboo train`, `bamboo coordinator`, `bamboo.train` and
+`bamboo.Trainer`) calls `resolve_stages` first, then the fit checks of `bamboo.model.fits` on
+the job it returns.
 """
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import math
 
 from bamboo.config import ConfigError, JobConfig
 from bamboo.config.layout import AUTO, ChosenStages, parse_size
+from bamboo.config.presets import CustomSizing
 from bamboo.plan.layout_choice import Footprint, choose_layout, keeps_replica
 
 __all__ = ["resolve_stages", "footprint", "node_memory"]
 
 
-def footprint(cfg: JobConfig) -> Footprint:
+def footprint(cfg: JobConfig, sizing: CustomSizing | None = None) -> Footprint:
     """The job's model as the planner sees it: per-layer parameters, what stages are cut by
     (--layer-costs, else parameters) and each layer's output for one micro-batch."""
     from bamboo.config.data import check_layer_costs
     from bamboo.model import boundary_shapes, layer_param_counts
-    p = cfg.model_preset()
+    p = cfg.model_preset(sizing)
     check_layer_costs(cfg, p.layers)
     counts = layer_param_counts(p)
     boundaries = boundary_shapes(p, cfg.layout.micro_batch_size)
@@ -45,7 +47,8 @@ def node_memory(cfg: JobConfig, local_workers: int) -> tuple[int, str]:
     return share, f"1/{max(1, local_workers)} of this machine's memory ({share / 2**30:.1f} GiB)"
 
 
-def resolve_stages(cfg: JobConfig, local_workers: int) -> tuple[JobConfig, str | None]:
+def resolve_stages(cfg: JobConfig, local_workers: int,
+                   sizing: CustomSizing | None = None) -> tuple[JobConfig, str | None]:
     """The job with --stages auto replaced by the planner's P, D and M (validated), and the
     line saying what was chosen and why; the job as it is (and None) for a fixed --stages.
     ConfigError (one line) when no layout fits."""
@@ -54,7 +57,7 @@ def resolve_stages(cfg: JobConfig, local_workers: int) -> tuple[JobConfig, str |
         return cfg, None
     memory, source = node_memory(cfg, local_workers)
     mode = cfg.redundancy.mode
-    choice = choose_layout(footprint(cfg), nodes=layout.nodes, memory_per_node=memory,
+    choice = choose_layout(footprint(cfg, sizing), nodes=layout.nodes, memory_per_node=memory,
                            global_batch=layout.batch_samples,
                            micro_batch_size=layout.micro_batch_size,
                            replica=keeps_replica(mode),
@@ -65,4 +68,4 @@ def resolve_stages(cfg: JobConfig, local_workers: int) -> tuple[JobConfig, str |
     line = (f"--stages auto: {p} stage{'s' if p > 1 else ''} x {d} pipeline"
             f"{'s' if d > 1 else ''}, {m} micro-batch{'es' if m > 1 else ''} of "
             f"{layout.micro_batch_size} ({choice.why})")
-    return dataclasses.replace(cfg, layout=chosen).validate(), line
+    return dataclasses.replace(cfg, layout=chosen).validate(sizing), line

@@ -1,9 +1,9 @@
 """The facts (`ModelPreset`) of your own `MODULE:FUNCTION` model, found by building it.
 
 `bamboo.config` sizes presets without torch, but a model of yours is only known once its
-function runs; the package root installs `size_custom_model` as the configuration's
-sizer (`bamboo.config.presets.set_custom_model_sizer`), so the configuration can check
-a layout against your model without importing this package itself.
+function runs; `size_custom_model` is the sizer handed to the configuration as an argument
+(`bamboo.data.sizing.SIZING`), so the configuration can check a layout against your model
+without importing this package itself.
 """
 from __future__ import annotations
 

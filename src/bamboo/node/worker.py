@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
 
+from bamboo.data.sizing import SIZING
 from bamboo.data.user import job_task
 from bamboo.engine.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost, form_interruptibly
 from bamboo.engine.engine import (
@@ -116,7 +117,7 @@ class WorkerNode:
         self.bind = collective_binding(spec.store_host, spec.store_port)
         self.progress = progress
         cfg = self.cfg = spec.config
-        self.preset = cfg.model_preset()
+        self.preset = cfg.model_preset(SIZING)
         self.task = job_task(cfg, self.preset)
         self.options = EngineOptions.from_config(cfg)
         self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)

@@ -119,8 +119,9 @@ def _expected_layers(meta: dict) -> int | None:
     if not isinstance(meta, dict) or meta.get("unit") != "layer" or "model" not in meta:
         return None
     from bamboo.config.presets import preset
+    from bamboo.data.sizing import SIZING
     try:
-        return preset(str(meta["model"])).layers
+        return preset(str(meta["model"]), SIZING).layers
     except (ValueError, OSError, KeyError, TypeError):  # a model this version cannot read
         return None
 

@@ -51,6 +51,7 @@ def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """The run's preset (sized to model.pt's vocabulary), its job config and every layer's
     parameters (name -> tensor); ValueError with one line for what is not a usable run."""
     from bamboo.config.presets import preset, with_vocab
+    from bamboo.data.sizing import SIZING
     if not run_dir.is_dir():
         raise ValueError(f"run directory '{run_dir}' does not exist; give a directory "
                          f"bamboo train wrote (--out)")
@@ -68,7 +69,7 @@ def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
         raise ValueError(f"the run's model '{model}' is a custom model; export writes causal "
                          f"language models: {EXPORTABLE}")
     try:
-        p = preset(model)
+        p = preset(model, SIZING)
     except ValueError as e:
         raise ValueError(f"the run's model cannot be set up again: {e}") from None
     if p.family not in _EMBEDDING:
@@ -96,7 +97,7 @@ def read_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
         raise ValueError(f"{file} does not hold every layer of {model}: was it written by "
                          f"this model's run?")
     vocab = layers[0][embedding].shape[0]
-    return with_vocab(p, vocab), config, layers
+    return with_vocab(p, vocab, SIZING), config, layers
 
 
 def _gpt2_state(layers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -44,13 +44,14 @@ def stage_times(model: str, stages: int, micro_batch_size: int, repeats: int,
     from torch import nn
 
     from bamboo.config import JobConfig
+    from bamboo.data.sizing import SIZING
     from bamboo.engine.layer_costs import first_batch
     from bamboo.model import build_layers, layer_param_counts
     from bamboo.model.structure import detach, float32, leaves, map_floats
     from bamboo.plan.partition import partition
 
     torch.set_num_threads(1)
-    p = JobConfig.of(model=model, dataset=dataset).model_preset()
+    p = JobConfig.of(model=model, dataset=dataset).model_preset(SIZING)
     parts = partition(layer_param_counts(p), stages)
     batch, criterion = first_batch(model, micro_batch_size, seed, dataset=dataset, loss=loss)
     modules = [nn.Sequential(*build_layers(p, r, seed)) for r in parts]
@@ -84,6 +85,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
     """Failover pause, peer-restore pause, commit and optimizer time from real local runs."""
     from bamboo.config import JobConfig, parse_kill
     from bamboo.control import run_job
+    from bamboo.data.sizing import SIZING
     from bamboo.launch.local import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
     from bamboo.run.runlog import RunDir
@@ -92,7 +94,7 @@ def _engine_runs(model: str, stages: int, micro_batches: int, micro_batch_size: 
         kills = [parse_kill(k) for k in kw.pop("kills", [])]  # type: ignore[union-attr]  # the kills keyword is a list of specs when given
         cfg = JobConfig.of(model=model, stages=stages, micro_batch_size=micro_batch_size,
                            steps=steps, kills=kills, **user_data,
-                           **kw).validate()  # type: ignore[arg-type]  # the JobConfig keywords the caller passes through
+                           **kw).validate(SIZING)  # type: ignore[arg-type]  # the JobConfig keywords the caller passes through
         out = Path(tempfile.mkdtemp(prefix="bamboo-profile-")) / "run"
         return run_job(cfg, RunDir(out), ProgressDisplay(steps, enabled=False),
                        LocalWorkers()), out

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import bamboo
-from bamboo.api.start import check_same_job, prepare
+from bamboo.api.start import check_same_job, launch
 from bamboo.config import ConfigError, objects
 from bamboo.model.api import PipelineModel, TensorSpec, load_model
 from bamboo.model.forms import pipeline_model
@@ -120,7 +120,7 @@ def test_the_run_directory_holds_the_bytes_and_a_resume_with_another_object_is_r
         tmp_path: Path) -> None:
     job = bamboo.Job(model=sequential(), out=tmp_path / "run", **SHAPE)
     ref = job.config.model.name
-    start = prepare(job.config, "test")
+    start = launch(job.config, "test")
     saved = start.run.path / "objects" / f"{objects.digest_of(ref)}.pkl"
     assert saved.read_bytes() == objects.data_of(ref)
     assert job.options()["model"] == ref  # summary.json's config: by value, and its sha256

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bamboo.config import ConfigError, JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.data.user import check_job_data, job_task
 from support.models import write_module
 
@@ -79,7 +80,7 @@ def mine(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _job(mine: str, model: str, dataset: str, **flags: object) -> JobConfig:
     base = dict(model=f"{mine}:{model}", dataset=f"{mine}:{dataset}", nodes=2, stages=2,
                 micro_batches=2, micro_batch_size=4, steps=2)
-    return JobConfig.of(**(base | flags)).validate()
+    return JobConfig.of(**(base | flags)).validate(SIZING)
 
 
 @pytest.mark.parametrize("model, dataset", [

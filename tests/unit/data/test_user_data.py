@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import bamboo
 from bamboo.config import ConfigError, JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.data.user import (
     DatasetSamples,
     check_job_data,
@@ -79,12 +80,12 @@ def mine(tmp_path: Path) -> str:
 
 def _job(**flags) -> JobConfig:
     base = dict(model=MODEL, nodes=2, stages=2, micro_batches=2, micro_batch_size=4, steps=4)
-    return JobConfig.of(**(base | flags)).validate()
+    return JobConfig.of(**(base | flags)).validate(SIZING)
 
 
 def test_the_job_task_takes_its_dataset_loss_and_metrics_by_name() -> None:
     cfg = _job(dataset=DATASET, eval_dataset=EVAL_DATASET, loss=LOSS, metrics=[METRIC])
-    task = job_task(cfg, cfg.model_preset())
+    task = job_task(cfg, cfg.model_preset(SIZING))
     batch = task.batch(1, 1)
     expected = [TokenClasses(40)[i] for i in task.sample_indices(1, 1)]
     assert torch.equal(batch.inputs, torch.stack([x for x, _ in expected]))

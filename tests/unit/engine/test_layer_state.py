@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bamboo.config.presets import preset
+from bamboo.data.sizing import SIZING
 from bamboo.engine import layer_state as ls
 from bamboo.engine.layer_state import HEADER, Kind, group_options, layer_layout, read_state
 from bamboo.engine.optim import bytes_per_parameter, check_optimizer, make_optimizer
@@ -136,7 +137,7 @@ def test_a_state_before_the_first_step_clears_a_stepped_one() -> None:
 def test_a_stage_of_layers_without_parameters_holds_only_headers() -> None:
     """ReLU and Dropout of the tabular model: no optimizer, an empty gradient, a state of
     one header a layer, which round-trips; its step is a no-op."""
-    st = StageState(preset=preset(MODEL), stage=1, layer_indices=range(1, 3), seed=0,
+    st = StageState(preset=preset(MODEL, SIZING), stage=1, layer_indices=range(1, 3), seed=0,
                     device=torch.device("cpu"), lr=0.1, weight_decay=0.0, optimizer=TRIPLE)
     assert set(st.layer_indices) <= set(PARAMETERLESS)
     assert (st.optimizer, st.numel, st.grad_sum.numel()) == (None, 0, 0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bamboo.config.presets import custom_preset, preset, with_vocab
+from bamboo.data.sizing import SIZING
 from bamboo.model import boundary_shapes, build_layer, build_layers, layer_param_counts, loss_fn
 from bamboo.model.api import PipelineModel, TensorSpec
 from support.models import EXAMPLE, HEADER, TINY, write_module
@@ -103,21 +104,21 @@ def test_a_bad_model_is_one_line(case: str, tmp_path: Path, capsys: pytest.Captu
 
 def test_the_preset_comes_from_the_build_function(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
-    p = preset(EXAMPLE)
+    p = preset(EXAMPLE, SIZING)
     assert (p.name, p.family, p.layers, p.context, p.vocab, p.d_model) == \
         (EXAMPLE, "custom", 4, 64, 256, 64)
     assert "example transformer" in p.description
-    assert preset("examples/custom_model.py:build").layers == 4
+    assert preset("examples/custom_model.py:build", SIZING).layers == 4
     try:  # an hf: name has a colon too
-        assert preset("hf:gpt2").family == "gpt2"
+        assert preset("hf:gpt2", SIZING).family == "gpt2"
     except ValueError as e:  # without transformers installed
         assert "transformers" in str(e), e
 
 
 def test_another_vocabulary_rebuilds_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
-    p = with_vocab(preset(EXAMPLE), 300)
-    assert p == custom_preset(EXAMPLE, 300)
+    p = with_vocab(preset(EXAMPLE, SIZING), 300, SIZING)
+    assert p == custom_preset(EXAMPLE, 300, sizer=SIZING.model)
     assert (p.name, p.vocab) == (EXAMPLE, 300)
     assert boundary_shapes(p, 2)[-1].shape == (2, 64, 300)
     first, last = build_layers(p, [0, 3], seed=1)
@@ -130,10 +131,10 @@ def test_a_build_function_must_pass_the_vocabulary_on(tmp_path: Path) -> None:
         "vocab_size=vocab_size", "vocab_size=256").replace("nn.Embedding(vocab_size, D)",
                                                            "nn.Embedding(256, D)").replace(
         "nn.Linear(D, vocab_size)", "nn.Linear(D, 256)"))
-    assert preset(f"{file}:build").vocab == 256
+    assert preset(f"{file}:build", SIZING).vocab == 256
     with pytest.raises(ValueError, match=r"build\(vocab_size=300\) returned a model with "
                                          r"vocab_size=256: pass vocab_size on"):
-        custom_preset(f"{file}:build", 300)
+        custom_preset(f"{file}:build", 300, sizer=SIZING.model)
 
 
 def test_boundaries_may_differ_and_hold_in_a_real_forward(tmp_path: Path) -> None:
@@ -146,7 +147,7 @@ def test_boundaries_may_differ_and_hold_in_a_real_forward(tmp_path: Path) -> Non
         extra=", loss=lambda out, y: torch.nn.functional.cross_entropy("
               "out.reshape(-1, out.shape[-1]), y.reshape(-1)),"
               " output=TensorSpec((CONTEXT, vocab_size))")
-    p = preset(f"{write_module(tmp_path, 'widths', source)}:build")
+    p = preset(f"{write_module(tmp_path, 'widths', source)}:build", SIZING)
     assert (p.layers, p.d_model) == (3, 0)
     specs = boundary_shapes(p, 2)
     assert [(s.shape, s.dtype) for s in specs] == [
@@ -181,4 +182,4 @@ def test_a_job_file_names_a_model_by_import_path(tmp_path: Path) -> None:
     from bamboo.config.jobfile import load_job_config
     job = tmp_path / "job.yaml"
     job.write_text("model: examples.custom_model:build\nlayout:\n  nodes: 2\n  stages: 2\n")
-    assert load_job_config(str(job), {}).model.name == "examples.custom_model:build"
+    assert load_job_config(str(job), {}, SIZING).model.name == "examples.custom_model:build"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bamboo.config.presets import custom_preset
+from bamboo.data.sizing import SIZING
 from bamboo.model import boundary_shapes, build_layer, layer_param_counts, loss_fn
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model, next_token_loss
 from bamboo.model.forms import pipeline_model
@@ -205,7 +206,7 @@ def test_every_process_builds_the_same_sequential(tmp_path: Path) -> None:
         load_model.cache_clear()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(node_seed)
-            p = custom_preset(name, 256)
+            p = custom_preset(name, 256, sizer=SIZING.model)
             params.append([build_layer(p, i, seed=3).state_dict() for i in range(p.layers)])
     for one, other in zip(*params, strict=True):
         assert one.keys() == other.keys()

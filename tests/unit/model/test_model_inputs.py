@@ -13,6 +13,7 @@ from torch import nn
 
 from bamboo.config import ConfigError, JobConfig
 from bamboo.config.presets import custom_preset
+from bamboo.data.sizing import SIZING
 from bamboo.model import boundary_shapes, build_layer, layer_param_counts
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
 from bamboo.model.forms import pipeline_model
@@ -185,7 +186,7 @@ def test_the_trace_feeds_float_images(models: str) -> None:
     """Layer 0 raises on anything but float32 [B, C, H, W]: the trace fed it images."""
     model = load_model(f"{models}:images")
     assert model.vocab_size is None and model.input_spec == TensorSpec((3, 8, 8))
-    layer = build_layer(custom_preset(f"{models}:images"), 0, seed=1)
+    layer = build_layer(custom_preset(f"{models}:images", sizer=SIZING.model), 0, seed=1)
     assert layer(zeros_of(model.input_spec, batch=2)).shape == (2, 4, 8)
 
 
@@ -197,7 +198,7 @@ def test_the_trace_feeds_tuples_and_dicts(models: str, function: str, inputs: ob
     model = load_model(f"{models}:{function}")
     assert model.input_spec == inputs
     x = zeros_of(inputs)
-    layer = build_layer(custom_preset(f"{models}:{function}"), 0, seed=1)
+    layer = build_layer(custom_preset(f"{models}:{function}", sizer=SIZING.model), 0, seed=1)
     assert layer(x).shape == (1, *model.boundaries[0].shape)
 
 
@@ -209,7 +210,7 @@ def test_bool_inputs_are_fed_true_and_the_rest_zeros() -> None:
 
 
 def test_a_model_without_a_vocabulary_is_sized_with_none(models: str) -> None:
-    p = custom_preset(f"{models}:images")
+    p = custom_preset(f"{models}:images", sizer=SIZING.model)
     assert (p.vocab, p.context, p.layers) == (0, 4, 3)
     assert len(layer_param_counts(p)) == 3
     assert [s.shape for s in boundary_shapes(p, 2)] == [(2, 4, 8), (2, 32), (2, 3)]
@@ -275,13 +276,13 @@ def test_a_dataset_job_needs_no_byte_vocabulary(models: str, tmp_path: Path) -> 
     """Byte tokens 0..255 are the synthetic data's and a text file's: a model without a
     vocabulary (or a small one) is refused for them, in one line, and trains on a Dataset."""
     with pytest.raises(ConfigError) as e:
-        _job(model=f"{models}:images").validate()
+        _job(model=f"{models}:images").validate(SIZING)
     assert str(e.value) == (f"--model '{models}:images': has no vocab_size, and byte tokens "
                             f"0..255 need one (the synthetic data and text files): give "
                             f"vocab_size a default of 256 or more, or train on a --dataset")
     text = tmp_path / "text.txt"
     text.write_text("some text to train on " * 20)
     with pytest.raises(ConfigError, match=r"vocab_size=10 is too small for byte tokens 0\.\.255"):
-        _job(model=f"{models}:pairs", data=str(text)).validate()
-    _job(model=f"{models}:images", dataset=f"{models}:Samples()").validate()
-    _job(model=f"{models}:pairs", dataset=f"{models}:Samples()").validate()
+        _job(model=f"{models}:pairs", data=str(text)).validate(SIZING)
+    _job(model=f"{models}:images", dataset=f"{models}:Samples()").validate(SIZING)
+    _job(model=f"{models}:pairs", dataset=f"{models}:Samples()").validate(SIZING)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bamboo.config.presets import custom_preset
+from bamboo.data.sizing import SIZING
 from bamboo.engine.layer_costs import measure_layer_costs
 from bamboo.engine.memory import SavedTensors
 from bamboo.engine.split_backward import Tape, Taping, input_gradient, weight_gradient
@@ -123,7 +124,7 @@ def test_one_tensor_passes_as_it_is_no_copy_no_packing() -> None:
 def test_the_example_model_is_traced_and_its_boundaries_sized() -> None:
     model = load_model(NAME)
     assert model.boundaries[:-1] == (BOUNDARY,) * 3
-    specs = boundary_shapes(custom_preset(NAME), 2)
+    specs = boundary_shapes(custom_preset(NAME, sizer=SIZING.model), 2)
     assert all(isinstance(s, StructuredSpec) for s in specs[:-1])
     assert specs[0].specs == (BoundarySpec((2, CONTEXT, D), torch.float32),
                               BoundarySpec((2, CONTEXT), torch.float32),

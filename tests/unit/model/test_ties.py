@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from bamboo.config.presets import custom_preset
+from bamboo.data.sizing import SIZING
 from bamboo.engine.stage import StageState
 from bamboo.model import build_layer, build_layers, model_ties
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
@@ -60,7 +61,7 @@ def tied(tmp_path: Path) -> str:
 
 def test_every_copy_starts_as_the_first_use_and_one_stage_shares_one_parameter(
         tied: str) -> None:
-    p = custom_preset(tied, 256)
+    p = custom_preset(tied, 256, sizer=SIZING.model)
     assert [(t.key, t.uses) for t in model_ties(p)] == [("embed", ((0, "weight"), (3, "weight")))]
     embedding, head = build_layer(p, 0, seed=1), build_layer(p, 3, seed=1)
     assert torch.equal(head.weight, embedding.weight)
@@ -111,7 +112,7 @@ def _flat(st: StageState, grads: dict[tuple[int, str], torch.Tensor]) -> torch.T
 def test_the_norm_counts_a_tied_weight_once_whatever_the_stages(tied: str) -> None:
     """Each layer's squared norm has the same bits whether the tie's uses share a stage or
     not; the tied weight is counted under layer 0 only; each stage names its copy's slice."""
-    p = custom_preset(tied, 256)
+    p = custom_preset(tied, 256, sizer=SIZING.model)
     torch.manual_seed(0)
     whole = build_layers(p, range(4), seed=1)
     grads = {(i, n): torch.randn_like(t) for i, layer in enumerate(whole)

@@ -15,6 +15,7 @@ from torch import nn
 
 import bamboo
 from bamboo.config import ConfigError, JobConfig
+from bamboo.data.sizing import SIZING
 from bamboo.data.user import first_inputs
 from bamboo.model.api import PipelineModel, TensorSpec, model_of
 from bamboo.model.spec_text import Unreadable, spec_of_text, spec_text
@@ -51,9 +52,9 @@ def test_a_plain_sequential_gets_its_shapes_from_the_dataset(make, dataset: str,
     inputs, so every process that reads the job builds the same model."""
     model = make()
     job = bamboo.Job(model=model, dataset=dataset, **SHAPE)
-    p = job.config.model_preset()
+    p = job.config.model_preset(SIZING)
     assert spec_of_text(p.inputs) == spec_of_text(first_inputs(dataset, None))
-    again = JobConfig.of(**job.options()).model_preset()  # as a worker reads the job
+    again = JobConfig.of(**job.options()).model_preset(SIZING)  # as a worker reads the job
     assert again == p
     built = model_of(p)
     assert built.boundaries == boundaries and built.vocab_size is None
@@ -66,8 +67,8 @@ def test_a_build_function_is_called_with_only_the_keywords_it_declares(tmp_path:
     source = ("from torch import nn\n\n\ndef build():\n"
               "    return nn.Sequential(nn.Linear(20, 8), nn.Linear(8, 2))\n")
     name = f"{write_module(tmp_path, 'no_keywords', source)}:build"
-    cfg = JobConfig.of(model=name, dataset=TABULAR, **SHAPE).validate()
-    assert model_of(cfg.model_preset()).boundaries == (TensorSpec((8,)), TensorSpec((2,)))
+    cfg = JobConfig.of(model=name, dataset=TABULAR, **SHAPE).validate(SIZING)
+    assert model_of(cfg.model_preset(SIZING)).boundaries == (TensorSpec((8,)), TensorSpec((2,)))
 
 
 def test_a_first_sample_that_does_not_pass_names_the_layer_and_the_shapes(
@@ -84,7 +85,7 @@ def test_a_first_sample_that_does_not_pass_names_the_layer_and_the_shapes(
               "    return [nn.Conv2d(3, 4, 3), nn.Linear(7, 2)]\n")
     name = f"{write_module(tmp_path, 'bad_images', source)}:build"
     with pytest.raises(ConfigError) as c:
-        JobConfig.of(model=name, dataset=IMAGES, **SHAPE).validate()
+        JobConfig.of(model=name, dataset=IMAGES, **SHAPE).validate(SIZING)
     text = str(c.value)
     assert text.startswith(f"--model '{name}': build() returned list, the Dataset's first "
                            f"sample (float32 [3, 8, 8] per sample) does not pass through it: "
@@ -144,7 +145,7 @@ def test_a_pipeline_model_that_declares_only_its_layers_gets_its_shapes_from_the
     model = PipelineModel(layers=[lambda: nn.Linear(20, 8), lambda: nn.Linear(8, 2)],
                           loss=nn.functional.cross_entropy)
     assert model.is_open and model.boundaries == ()
-    p = bamboo.Job(model=model, dataset=TABULAR, **SHAPE).config.model_preset()
+    p = bamboo.Job(model=model, dataset=TABULAR, **SHAPE).config.model_preset(SIZING)
     built = model_of(p)
     assert built.boundaries == (TensorSpec((8,)), TensorSpec((2,)))
     assert built.inputs == TensorSpec((20,)) and built.loss is not None and not built.is_open
