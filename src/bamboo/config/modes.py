@@ -30,6 +30,12 @@ class RedundancyMode(enum.StrEnum):
         return self in (RedundancyMode.EAGER, RedundancyMode.LAZY)
 
     @property
+    def may_keep_replica(self) -> bool:
+        """Whether memory must be planned for the successor's replica: where the mode keeps
+        one, and under `auto`, which may choose eager or lazy at any generation."""
+        return self.keeps_replica or self.chosen_per_generation
+
+    @property
     def runs_frc(self) -> bool:
         """Whether the replica's forward runs in every step, before any loss."""
         return self is RedundancyMode.EAGER

@@ -224,7 +224,7 @@ class RedundancySection:
         return RedundancyMode(self.mode)
 
     def check(self, job: JobView) -> None:
-        if self.mode == "reroute" and job.layout.data_parallel < 2:
+        if self.kind.reroutes and job.layout.data_parallel < 2:
             raise ConfigError(f"--redundancy reroute needs at least 2 pipelines (got "
                               f"{job.layout.data_parallel}): give --nodes at least twice "
                               f"--stages, or choose eager, lazy or off", "redundancy", "pipelines",

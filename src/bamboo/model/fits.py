@@ -47,8 +47,7 @@ def node_memory_lower_bound(cfg: JobConfig, sizing: CustomSizing | None = None) 
     stages, micro_batches = cfg.layout.stages, cfg.layout.micro_batches
     parts = partition(cfg.partition_costs(counts), stages)
     per_stage = [sum(counts[i] for i in part) for part in parts]
-    from bamboo.plan.layout_choice import keeps_replica  # off and reroute keep none
-    replica = keeps_replica(cfg.redundancy.mode) and stages > 1
+    replica = cfg.redundancy.kind.may_keep_replica and stages > 1
     state = max(per_stage[s] + (per_stage[(s + 1) % stages] if replica else 0)
                 for s in range(stages)) * 16
     boundaries = boundary_shapes(p, cfg.layout.micro_batch_size)

@@ -14,7 +14,7 @@ import math
 from bamboo.config import ConfigError, JobConfig
 from bamboo.config.layout import AUTO, ChosenStages, parse_size
 from bamboo.config.presets import CustomSizing
-from bamboo.plan.layout_choice import Footprint, choose_layout, keeps_replica
+from bamboo.plan.layout_choice import Footprint, choose_layout
 
 __all__ = ["resolve_stages", "footprint", "node_memory"]
 
@@ -56,12 +56,12 @@ def resolve_stages(cfg: JobConfig, local_workers: int,
     if layout.stages != AUTO:
         return cfg, None
     memory, source = node_memory(cfg, local_workers)
-    mode = cfg.redundancy.mode
+    mode = cfg.redundancy.kind
     choice = choose_layout(footprint(cfg, sizing), nodes=layout.nodes, memory_per_node=memory,
                            global_batch=layout.batch_samples,
                            micro_batch_size=layout.micro_batch_size,
-                           replica=keeps_replica(mode),
-                           least_pipelines=2 if mode == "reroute" else 1, memory_source=source)
+                           replica=mode.may_keep_replica,
+                           least_pipelines=2 if mode.reroutes else 1, memory_source=source)
     chosen = dataclasses.replace(layout, stages=ChosenStages(choice.stages),
                                  pipelines=choice.pipelines, micro_batches=choice.micro_batches)
     p, d, m = choice.stages, choice.pipelines, choice.micro_batches

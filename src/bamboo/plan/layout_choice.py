@@ -20,19 +20,13 @@ from bamboo.config import ConfigError
 from bamboo.plan.partition import partition
 
 __all__ = ["Footprint", "NodeNeed", "LayoutChoice", "node_need", "choose_layout",
-           "keeps_replica", "BYTES_PER_PARAMETER", "BYTES_PER_INSTRUCTION"]
+           "BYTES_PER_PARAMETER", "BYTES_PER_INSTRUCTION"]
 
 BYTES_PER_PARAMETER = 16
 """fp32 parameter, gradient and AdamW's two moments."""
 
 BYTES_PER_INSTRUCTION = 56
 """The smallest a slotted dataclass instance with a few fields takes in CPython."""
-
-
-def keeps_replica(mode: str) -> bool:
-    """Whether a node holds a replica of its successor's stage under redundancy `mode`:
-    eager and lazy do (auto may choose either), off and reroute do not."""
-    return mode not in ("off", "reroute")
 
 
 @dataclass(frozen=True, slots=True)

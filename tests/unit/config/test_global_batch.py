@@ -110,15 +110,17 @@ def test_the_planner_counts_a_node_as_the_fit_check_does(mode: str, stages: int,
                                                          micro_batches: int) -> None:
     """The planner's bound is the fit check's (`bamboo.model.fits`), so a layout it picks is
     never one the check refuses; off and reroute count no replica."""
+    from bamboo.config.modes import RedundancyMode
     from bamboo.model.fits import node_memory_lower_bound
     from bamboo.model.layout_fit import footprint
-    from bamboo.plan.layout_choice import keeps_replica, node_need
+    from bamboo.plan.layout_choice import node_need
+    keeps_replica = RedundancyMode(mode).may_keep_replica
     cfg = JobConfig.of(nodes=8, stages=stages, pipelines=2, micro_batches=micro_batches,
                        redundancy=mode).validate()
-    need, bound = node_need(footprint(cfg), stages, micro_batches, keeps_replica(mode)), \
+    need, bound = node_need(footprint(cfg), stages, micro_batches, keeps_replica), \
         node_memory_lower_bound(cfg)
     assert (bound.state_bytes > node_need(footprint(cfg), stages, micro_batches,
-                                          False).state_bytes) == keeps_replica(mode)
+                                          False).state_bytes) == keeps_replica
     assert (need.state_bytes, need.activation_bytes, need.schedule_bytes) == \
         (bound.state_bytes, bound.activation_bytes, bound.schedule_bytes)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from bamboo.config import ConfigError
+from bamboo.config.modes import RedundancyMode
 from bamboo.plan.layout_choice import (
     BYTES_PER_PARAMETER,
     Footprint,
     choose_layout,
-    keeps_replica,
     node_need,
 )
 
@@ -49,8 +49,9 @@ def test_the_smallest_p_whose_stage_with_its_replica_fits() -> None:
 
 
 def test_the_redundancy_modes_that_keep_a_replica() -> None:
-    assert [m for m in ("eager", "lazy", "off", "reroute", "auto") if keeps_replica(m)] == \
-        ["eager", "lazy", "auto"]
+    """Memory is planned for a replica where the mode keeps one, and under auto."""
+    assert [m.value for m in RedundancyMode if m.may_keep_replica] == ["eager", "lazy", "auto"]
+    assert [m.value for m in RedundancyMode if m.keeps_replica] == ["eager", "lazy"]
 
 
 def test_pipelines_are_the_most_the_global_batch_divides_into() -> None:
