@@ -34,6 +34,21 @@ MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "sort", "rev
             "symmetric_difference_update", "popitem"}
 
 
+def _written(node: ast.AST) -> list[ast.expr]:
+    """What `node` writes: assignment targets, deleted names, the receiver of a mutator."""
+    if isinstance(node, ast.Assign):
+        return [t for target in node.targets
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    if isinstance(node, ast.Delete):
+        return list(node.targets)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in MUTATORS:
+        return [node.func.value]
+    return []
+
+
 def _is_ctx(node: ast.expr) -> bool:
     """`ctx`, `self.ctx`, `core.ctx`, ...: the run's context."""
     return (isinstance(node, ast.Name) and node.id == "ctx") or \
@@ -80,17 +95,7 @@ def writes(source: str) -> list[tuple[str, int]]:
     for fn in scopes:
         aliases = _aliases(fn)
         for node in ast.walk(fn):
-            targets: list[ast.expr] = []
-            if isinstance(node, ast.Assign):
-                targets = [t for target in node.targets
-                           for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            elif isinstance(node, ast.Delete):
-                targets = node.targets
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in MUTATORS:
-                targets = [node.func.value]
+            targets = _written(node)
             for t in targets:
                 if isinstance(t, ast.Name):
                     continue  # rebinding a local name writes nothing shared
@@ -233,17 +238,7 @@ def attribute_writes(source: str, fields: set[str]) -> list[tuple[str, int, str]
     of it); a receiver is the expression before the field (`loss`, `self.ctx.plan`)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = [t for target in node.targets
-                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        elif isinstance(node, ast.Delete):
-            targets = node.targets
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in MUTATORS:
-            targets = [node.func.value]
+        targets = _written(node)
         for t in targets:
             while isinstance(t, ast.Subscript):
                 t = t.value
