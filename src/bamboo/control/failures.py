@@ -285,8 +285,9 @@ class FailureHandler:
             return
         loss.written = True
         self.written_order.append(loss)
-        fields = dict(node=loss.node, step=loss.step, phase=loss.phase,
-                      handled_as=str(loss.handled_as))
+        fields: dict[str, object] = dict(node=loss.node, step=loss.step, phase=loss.phase,
+                                         handled_as=str(loss.handled_as))
+        fields.update(self.nodes.by_name(loss.node).labels)
         if loss.handled_as is not HandledAs.DRAIN:
             fields.update(shadow=loss.shadow, signal=loss.signal)
         if loss.handled_as is not HandledAs.STOPPED:
