@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("ray", reason="the ray extra (make setup installs it)")
 
-from support.agents import assert_failure_free, start, stop, wait_step  # noqa: E402 - after the skip
-from support.procs import BAMBOO, REPO, run_bamboo, run_events  # noqa: E402 - after the skip
-from support.ray_cluster import RayCluster, agents_of, wait_gone  # noqa: E402 - after the skip
+from support.agents import assert_failure_free, start, stop, wait_step
+from support.procs import BAMBOO, REPO, run_bamboo, run_events
+from support.ray_cluster import RayCluster, wait_gone
 
 RAYLETS = 4
 JOB = ["--model", "gpt2-tiny", "--nodes", "4", "--stages", "2", "--no-report", "--quiet"]

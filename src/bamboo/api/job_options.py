@@ -282,9 +282,8 @@ class JobOptions:
                 CPU=4,GPU=1 or CPU=1,spot=1 (default: GPU=1 where the cluster has GPUs, else
                 CPU=1). (--ray-resources)
             ray_working_dir (str | PathLike[str] | None, default None): The directory Ray ships
-                to every node for the job's code (default: the directory of the script or
-                command's working directory; none for a job of built-in models).
-                (--ray-working-dir)
+                to every node for the job's code: its modules import there (default: none;
+                objects sent by value travel with the job). (--ray-working-dir)
             ray_wait_s (float, default 120.0): How long to wait for Ray to place the first nodes
                 (or to replace lost ones) before stopping, naming what is missing (default 120).
                 (--ray-wait-s)

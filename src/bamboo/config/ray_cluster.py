@@ -5,6 +5,7 @@ it), read by `bamboo.launch.on_ray`; without `--ray` the nodes are local worker 
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,6 +61,10 @@ def _resources(value: str) -> str | None:
     return None
 
 
+def _directory(value: str) -> str | None:
+    return None if os.path.isdir(value) else f"'{value}' is not a directory"
+
+
 def _wait(value: float) -> str | None:
     return None if value > 0 else f"must be > 0 seconds (got {value:g})"
 
@@ -76,9 +81,10 @@ class RaySection:
                                    check=_resources, help="""What one node asks of Ray, e.g.
         CPU=4,GPU=1 or CPU=1,spot=1 (default: GPU=1 where the cluster has GPUs, else
         CPU=1).""")
-    working_dir: str | None = option(None, key="ray_working_dir", metavar="DIR", help="""The
-        directory Ray ships to every node for the job's code (default: the directory of the
-        script or command's working directory; none for a job of built-in models).""")
+    working_dir: str | None = option(None, key="ray_working_dir", metavar="DIR",
+                                     check=_directory, help="""The directory Ray ships to
+        every node for the job's code: its modules import there (default: none; objects sent
+        by value travel with the job).""")
     wait_s: float = option(RAY_WAIT_S, key="ray_wait_s", metavar="S", check=_wait,
                            help=f"""How long to wait for Ray to place the first nodes (or to
         replace lost ones) before stopping, naming what is missing (default
