@@ -127,10 +127,14 @@ def test_a_drain_for_preemption_drains_that_node_at_a_step_boundary(ray_cluster:
     finally:
         stop([proc])
     assert_failure_free(summary, nodes=4, stages=2, steps=12)
-    lost = [e for e in run_events(out) if e["event"] == "node_lost"]
-    assert [(e["node"], e["handled_as"], e["ray_node_id"]) for e in lost] == [
-        (victim["node"], "drain", victim["ray_node_id"])]
-    assert summary["drains"] == 1
+    events = run_events(out)
+    lost = [e for e in events if e["event"] == "node_lost"]
+    assert [(e["node"], e["handled_as"], e["ray_node_id"], e["host"]) for e in lost] == [
+        (victim["node"], "drain", victim["ray_node_id"], victim["host"])]
+    [notice] = [e for e in events if e["event"] == "notice"]
+    assert notice["source"].startswith("ray drain, ") and notice["source"].endswith(" s left")
+    assert (notice["node"], notice["ray_node_id"]) == (victim["node"], victim["ray_node_id"])
+    assert summary["drains"] == 1 and summary["preemptions"] == 1  # a drain is one
 
 
 @pytest.mark.timeout(300)
