@@ -49,6 +49,9 @@ WORKDIR /opt/bamboo/src
 COPY constraints.txt ./
 RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" torch
 
+# Ray, for KubeRay's pods (deploy/kuberay: `bamboo train --ray auto`); the `ray` extra's pin.
+RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" ray
+
 COPY pyproject.toml README.md ./
 COPY src ./src
 RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" . \

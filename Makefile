@@ -10,7 +10,7 @@ setup: $(STAMP) system-deps
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[test,peers]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[test,peers,ray]'
 	@# byte-compiled on every core (pip compiles on one: 78 s against 35 + 25 s here); a file
 	@# that does not compile is left to the interpreter, as pip leaves it
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true

@@ -59,6 +59,8 @@ SMOKE = {
     "a coordinator and its agents": "integration/test_remote.py::"
         "test_agents_join_with_the_token_and_train_to_the_failure_free_result",
     "etcd": "integration/test_remote.py::test_with_etcd_a_frozen_machine_is_fenced_by_its_lease",
+    "a Ray cluster": "integration/test_ray.py::test_a_raylet_killed_with_its_processes_is_a_"
+                     "preemption_and_one_that_joins_stands_by",
     "the demo's job and trace": "integration/test_reconfig.py::"
         "test_the_demo_job_survives_its_trace_and_writes_the_report",
 }

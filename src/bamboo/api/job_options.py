@@ -93,6 +93,11 @@ class JobOptions:
         out: str | PathLike[str] | None = None,
         tensorboard: str | PathLike[str] | None = None,
         wandb: str | None = None,
+        # -- ray --
+        ray: str | None = None,
+        ray_resources: str | None = None,
+        ray_working_dir: str | PathLike[str] | None = None,
+        ray_wait_s: float = 120.0,
     ) -> None:
         """Make a training job: the model, and the options `bamboo train` takes as flags.
 
@@ -269,4 +274,17 @@ class JobOptions:
                 files to this directory (tensorboard --logdir DIR). (--tensorboard)
             wandb (str | None, default None): Log the same scalars to this Weights & Biases
                 project (WANDB_MODE=offline works without network). (--wandb)
+            ray (str | None, default None): Run the nodes as actors on the Ray cluster at
+                ADDRESS (HOST:PORT of its head; auto: RAY_ADDRESS or the head running on this
+                machine). One actor per node, placed by Ray; a Ray node lost is a preemption, a
+                drain a notice. (--ray)
+            ray_resources (str | None, default None): What one node asks of Ray, e.g.
+                CPU=4,GPU=1 or CPU=1,spot=1 (default: GPU=1 where the cluster has GPUs, else
+                CPU=1). (--ray-resources)
+            ray_working_dir (str | PathLike[str] | None, default None): The directory Ray ships
+                to every node for the job's code: its modules import there (default: none;
+                objects sent by value travel with the job). (--ray-working-dir)
+            ray_wait_s (float, default 120.0): How long to wait for Ray to place the first nodes
+                (or to replace lost ones) before stopping, naming what is missing (default 120).
+                (--ray-wait-s)
         """

@@ -215,10 +215,15 @@ def train(job: Job, out: str | Path | None = None, *, on_event: EventCallback | 
                      _watched(on_event) if on_event is not None else RunDir, Interface.TRAIN)
     if start is None:  # `resume="auto"` and its run already completed
         return load_result(cfg.logging.out)
+    from bamboo.api.start import launcher_for
+    from bamboo.protocol.launch import LaunchError
+    try:
+        launcher = launcher_for(start, "ray=")
+    except LaunchError as e:
+        raise JobError(f"bamboo.train: {e}", "ray") from None
     warm_up(debug)
-    from bamboo.launch.local import LocalWorkers
     from bamboo.run.progress import ProgressDisplay
     display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
                                   prog="bamboo.train")
-    summary = execute(start, LocalWorkers(), display, debug=debug, interface=Interface.TRAIN)
+    summary = execute(start, launcher, display, debug=debug, interface=Interface.TRAIN)
     return RunResult.of(summary, start.run.path)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from bamboo.protocol.launch import Launcher
     from bamboo.run.progress import ProgressDisplay
 
-__all__ = ["Start", "launch", "execute", "warm_up", "check_optimizer", "check_trace",
+__all__ = ["Start", "launch", "launcher_for", "execute", "warm_up", "check_optimizer", "check_trace",
            "check_same_job"]
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,14 @@ def launch(cfg: JobConfig, prog: str, *, nodes_here: bool = True,
     from bamboo.data.sizing import SIZING
     from bamboo.model.fits import check_fits, check_step_length
     from bamboo.model.layout_fit import resolve_stages
+    nodes_here = nodes_here and cfg.ray.address is None
     cfg, chosen = resolve_stages(cfg, cfg.node_cap, SIZING)  # --stages auto: P, D and M
     if chosen is not None:
         log.info("%s", chosen, extra=by(prog))
     if not nodes_here and (cfg.cluster.trace is not None
                            or cfg.redundancy.recovery != "redundancy"):
         raise ConfigError("--trace and --recovery checkpoint-restart need local workers: use "
-                          "bamboo train")
+                          "bamboo train without --ray", "trace", "recovery", "ray")
     if nodes_here:  # the local workers share this machine's memory
         check_fits(cfg, cfg.node_cap, SIZING)
     check_step_length(cfg, nodes_here=nodes_here, sizing=SIZING)
@@ -108,6 +109,17 @@ def _save_objects(cfg: JobConfig, run_path: Path) -> None:
         objects.install(ref, objects.data_of(ref))
     if refs:
         objects.save(refs, run_path / "objects")
+
+
+def launcher_for(start: Start, flag: str = "--ray") -> Launcher:
+    """Where a job run from this machine (`bamboo train`, `bamboo.train`, `bamboo.Trainer`)
+    runs its nodes: actors on the Ray cluster its `ray` option names, else local worker
+    processes. LaunchError (one line, naming `flag`) when the cluster cannot be used."""
+    if start.cfg.ray.address is not None:
+        from bamboo.launch.on_ray import RayNodes
+        return RayNodes.open(start.cfg, start.run.path, flag)
+    from bamboo.launch.local import LocalWorkers
+    return LocalWorkers()
 
 
 def execute(start: Start, launcher: Launcher, display: ProgressDisplay, *,

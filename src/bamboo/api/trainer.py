@@ -110,18 +110,22 @@ class Trainer:
         self._open(start, quiet, debug)
 
     def _open(self, start: Any, quiet: bool, debug: bool) -> None:
-        from bamboo.api.start import warm_up
+        from bamboo.api.start import launcher_for, warm_up
         from bamboo.control.loop import Coordinator
-        from bamboo.launch.local import LocalWorkers
+        from bamboo.protocol.launch import LaunchError
         from bamboo.run.interface import Interface
         from bamboo.run.progress import ProgressDisplay
+        try:
+            launcher = launcher_for(start, "ray=")
+        except LaunchError as e:
+            raise JobError(f"bamboo.Trainer: {e}", "ray") from None
         warm_up(debug)
         self.cfg = start.cfg
         self.run_dir: Path = start.run.path
         """The run directory: summary.json, events.jsonl, checkpoints/, model.pt."""
         display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
                                   prog="bamboo.Trainer")
-        self._coordinator = Coordinator(start.cfg, start.run, display, LocalWorkers(),
+        self._coordinator = Coordinator(start.cfg, start.run, display, launcher,
                                         debug=debug, resume=start.resume, stepwise=True,
                                         interface=Interface.TRAINER)
         self._coordinator.open()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ def agent_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=AGENT_LOG_DIR, metavar="DIR",
                    help=f"where each worker's stdout and stderr go, as n<id>.log (default "
                    f"{AGENT_LOG_DIR}, in the agent's working folder)")
+    p.add_argument("--machine", metavar="NAME", help="this machine's name in the job's events "
+                   "(default HOST-PID)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop with the process that started this agent (a Ray actor)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -64,7 +69,9 @@ def main(argv: list[str]) -> int:
             (lambda text: print(f"bamboo agent: {text}", file=sys.stderr, flush=True))
         opts = AgentOptions(address=address, token=token, workers=args.workers,
                             rejoin_s=args.rejoin_s, notice_sources=sources,
-                            metadata_url=args.metadata_url, log_dir=args.log_dir, say=say)
+                            metadata_url=args.metadata_url, log_dir=args.log_dir, say=say,
+                            machine=args.machine,
+                            parent_pid=os.getppid() if args.exit_with_parent else None)
         server = _agent_health(http, opts) if http else None
         try:
             return run_agent(opts)

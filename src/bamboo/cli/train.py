@@ -30,6 +30,7 @@ SECTION_TITLES = {
     "cluster": "the local cluster: injected preemptions and trace replay",
     "checkpoints": "checkpoints", "evaluation": "evaluation",
     "logging": "the run directory and logging",
+    "ray": "Ray: the nodes as actors on a Ray cluster",
 }
 
 
@@ -136,8 +137,15 @@ class TrainCommand:
         pass
 
     def launcher(self, args: argparse.Namespace, cfg: JobConfig, run: Any) -> Launcher | int:
-        from bamboo.launch.local import LocalWorkers
-        return LocalWorkers()
+        """Local worker processes, or with --ray actors on that Ray cluster; 1 (said in one
+        line) when the cluster cannot be used."""
+        from bamboo.api.start import Start, launcher_for
+        from bamboo.protocol.launch import LaunchError
+        try:
+            return launcher_for(Start(cfg, run, None))
+        except LaunchError as e:
+            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            return 1
 
 
 def main(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ from bamboo.config.presets import (
     preset,
     with_vocab,
 )
+from bamboo.config.ray_cluster import RaySection
 from bamboo.config.sections import (
     CheckpointSection,
     ClusterSection,
@@ -51,7 +52,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelSection, "data": DataSection, "layout": LayoutSection,
     "training": TrainingSection, "redundancy": RedundancySection, "runtime": RuntimeSection,
     "cluster": ClusterSection, "checkpoints": CheckpointSection,
-    "evaluation": EvaluationSection, "logging": LoggingSection,
+    "evaluation": EvaluationSection, "logging": LoggingSection, "ray": RaySection,
 }
 """Section name -> its class, in the order flags, files and the example show them."""
 
@@ -81,6 +82,7 @@ class JobConfig:
     checkpoints: CheckpointSection = field(default_factory=CheckpointSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    ray: RaySection = field(default_factory=RaySection)
 
     # -- building -------------------------------------------------------------------------
 

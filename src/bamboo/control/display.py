@@ -38,7 +38,9 @@ class RunView:
             role = (d, tuple(stages))
             if self.roles_seen.get(n.node) != role:
                 d0, s0 = self.gens.initial_role(n.node)
-                if n.node in self.roles_seen or role != (d0, (s0,) if s0 is not None else ()):
+                # a node on a machine of its launcher's (agents, Ray) had no role in its node_up
+                if n.node in self.roles_seen or n.machine is not None or \
+                        role != (d0, (s0,) if s0 is not None else ()):
                     self.ctx.events.write("role", node=n.name, pid=n.process.pid, pipeline=d,
                                           stage=stages[0] if stages else None, stages=stages)
                 self.roles_seen[n.node] = role

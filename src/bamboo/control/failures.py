@@ -285,8 +285,12 @@ class FailureHandler:
             return
         loss.written = True
         self.written_order.append(loss)
-        fields = dict(node=loss.node, step=loss.step, phase=loss.phase,
-                      handled_as=str(loss.handled_as))
+        fields: dict[str, object] = dict(node=loss.node, step=loss.step, phase=loss.phase,
+                                         handled_as=str(loss.handled_as))
+        node = self.nodes.by_name(loss.node)
+        if node.host is not None:  # a node on another machine: which one (a Ray node's id too)
+            fields["host"] = node.host
+        fields.update(node.labels)
         if loss.handled_as is not HandledAs.DRAIN:
             fields.update(shadow=loss.shadow, signal=loss.signal)
         if loss.handled_as is not HandledAs.STOPPED:

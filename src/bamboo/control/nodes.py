@@ -13,7 +13,7 @@ import enum
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,8 @@ class Node:
     """Its slot on its machine (its GPU, `WorkerSpec.device_index`)."""
     own_processor: bool = False
     """Its `Ready` said it has a processor of its own (see `protocol.Ready`)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """What its launcher says of where it runs (`Started.labels`), in its node events."""
 
     @property
     def name(self) -> str:
@@ -235,7 +237,8 @@ class Supervisor:
         grace = START_GRACE_S if started.machine is not None else LOCAL_START_GRACE_S
         self.progress.reset(slot, ctx.clock() + grace)  # from now: the process exists
         n = Node(node, slot, started.process, started.reports, trace_node=trace_node,
-                 machine=started.machine, host=started.host, device_slot=started.device_slot)
+                 machine=started.machine, host=started.host, device_slot=started.device_slot,
+                 labels=dict(started.labels))
         self.nodes[node] = n
         return n
 
@@ -254,10 +257,10 @@ class Supervisor:
             silent = now - self.beats[n.slot]
             if n.is_leased and silent > self.ctx.cfg.runtime.lease_s and n.process.is_alive():
                 self.fence(n, f"stopped answering for {silent:.1f} s", silent_s=round(silent, 2))
-        for name in self.launcher.expired():
+        for name, why in self.launcher.expired():
             n = self.nodes.get(int(name[1:])) if name[1:].isdigit() else None
             if n is not None and n.is_leased:
-                self.fence(n, "etcd lease expired", why="etcd lease expired")
+                self.fence(n, why, why=why)
 
     def heard_from(self, n: Node) -> None:
         """A message from `n` is also a heartbeat."""

@@ -91,8 +91,9 @@ class Preemptions:
         if n.exited or n.state not in (NodeState.STARTING, NodeState.READY):
             return False
         self.nodes.set_state(n, NodeState.NOTICED)
+        where_run = {"host": n.host, **n.labels} if n.host is not None else dict(n.labels)
         self.ctx.events.write("notice", node=n.name, source=source, step=self.ctx.committed,
-                              role=where)
+                              role=where, **where_run)
         self.ctx.say(f"node {n.name} ({where}) got a preemption notice ({source}); it "
                      f"drains at the next step boundary")
         return True

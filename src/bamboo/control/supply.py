@@ -137,7 +137,7 @@ class NodeSupply:
             # roles come with the first plan (placed across machines): `role`
             core.events.write("node_up", node=n.name, pid=n.process.pid, host=n.host,
                               machine=n.machine, worker=n.device_slot,
-                              pipeline=None, stage=None)
+                              pipeline=None, stage=None, **n.labels)
         for arrival, names in arrivals.items():
             core.ctx.say(f"{arrival}: {', '.join(names)}")
 

@@ -42,7 +42,7 @@ class Agents:
         self.listener, self.membership = listener, membership
         self.remote: list[RemoteAgent] = []
         """The machines whose workers are nodes."""
-        self._expired: list[str] = []
+        self._expired: list[tuple[str, str]] = []
         if membership is not None:
             membership.watch(self._on_membership)
 
@@ -104,9 +104,9 @@ class Agents:
 
     def _on_membership(self, event: MembershipEvent) -> None:
         if event.kind == "expired":
-            self._expired.append(event.node_id)
+            self._expired.append((event.node_id, "etcd lease expired"))
 
-    def expired(self) -> list[str]:
+    def expired(self) -> list[tuple[str, str]]:
         names, self._expired = self._expired, []
         return names
 

@@ -150,7 +150,7 @@ class LocalWorkers:
     def decline(self, offer: Offer, why: str) -> str | None:
         return None
 
-    def expired(self) -> list[str]:
+    def expired(self) -> list[tuple[str, str]]:
         return []
 
     def broken(self, exit_code: int | None = None) -> str | None:

@@ -70,6 +70,11 @@ class AgentOptions:
     log_dir: str = AGENT_LOG_DIR
     """Where each worker's stdout and stderr go (`n<id>.log`, `bamboo.node.output`)."""
     say: Callable[[str], None] = lambda text: None
+    machine: str | None = None
+    """The machine's name in the job (default HOST-PID; a Ray actor names its Ray node)."""
+    parent_pid: int | None = None
+    """Exit, and take the workers along, when this process (the agent's starter: a Ray actor)
+    is gone."""
 
 
 class _EtcdPresence:
@@ -236,7 +241,7 @@ class _Session:
         elif isinstance(msg, NoticeOrder):
             w = self.workers.get(msg.worker)
             if w is not None:
-                self.send(FromWorker(worker=w.k, msg=Notice(rank=w.spec.node, source="coordinator")))
+                self.send(FromWorker(worker=w.k, msg=Notice(rank=w.spec.node, source=msg.source)))
         elif isinstance(msg, Finished):
             self.opts.say(f"the run ended ({msg.status})")
             return "finished"
@@ -310,7 +315,7 @@ def _connect(opts: AgentOptions) -> Channel:
     sock = socket.create_connection((host, port), timeout=_CONNECT_S)
     channel = Channel(sock, io_timeout=_CONNECT_S)
     hello = Hello(pid=os.getpid(), host=socket.gethostname(), workers=opts.workers,
-                  machine=f"{socket.gethostname()}-{os.getpid()}")
+                  machine=opts.machine or f"{socket.gethostname()}-{os.getpid()}")
     try:
         client_handshake(channel, opts.token, dataclasses.asdict(hello), _CONNECT_S)
         channel.set_io_timeout(_IO_S)
@@ -330,6 +335,9 @@ def run_agent(opts: AgentOptions) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from bamboo.node import forkserver
     forkserver.start()  # torch imports in the background while the agent joins
+    if opts.parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(opts.parent_pid, opts.say),
+                         daemon=True, name="parent-watch").start()
     noticed: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: noticed.append("SIGTERM"))
     watcher = None
@@ -343,6 +351,15 @@ def run_agent(opts: AgentOptions) -> int:
     finally:
         if watcher is not None:
             watcher.stop()
+
+
+def _exit_with_parent(parent: int, say: Callable[[str], None]) -> None:
+    """End this agent at once when `parent` is gone (re-parented): its fork server and
+    workers go with it, as on a machine that vanished."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    say(f"the process that started this agent (pid {parent}) is gone: stopping")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _serve(opts: AgentOptions, noticed: list[str]) -> int:

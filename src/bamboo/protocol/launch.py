@@ -14,7 +14,8 @@ run, so a new launcher is one class beside those two. Torch-free.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bamboo.config import JobConfig
@@ -121,6 +122,8 @@ class Started:
     """Its slot on its machine (its GPU), when the launcher chose one."""
     worker: int | None = None
     """Its index among its machine's workers, when the machine runs several."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Where it runs in the launcher's words (`ray_node_id`), added to its node events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,9 @@ class Launcher(Protocol):
         """An offered room the run will not use (`why`: --max-nodes is reached). The host
         whose offer was thereby refused outright (told `why`, it goes away), or None."""
 
-    def expired(self) -> list[str]:
-        """Names of nodes whose membership lease ran out since the last call (fenced then)."""
+    def expired(self) -> list[tuple[str, str]]:
+        """Nodes known dead by other means than their own process since the last call (an
+        etcd lease that ran out, a Ray node reported dead), fenced then: (name, why)."""
 
     def broken(self, exit_code: int | None = None) -> str | None:
         """Why this launcher's nodes all died at once and no more can start here (one line),

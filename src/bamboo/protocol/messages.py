@@ -298,9 +298,12 @@ class KillOrder(AgentMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoticeOrder(AgentMessage):
-    """Deliver a preemption notice to the worker (trace replay, `--kill ...+notice`)."""
+    """Deliver a preemption notice to the worker (trace replay, `--kill ...+notice`, a Ray
+    node draining)."""
 
     worker: int
+    source: str = "coordinator"
+    """Who gave the notice, as the worker's `Notice` names it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

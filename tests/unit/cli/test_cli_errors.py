@@ -19,7 +19,7 @@ TYPED_FLAGS = {"--nodes": "int", "--pipelines": "int", "--micro-batches": "int",
                "--threads": "int", "--comm-timeout": "float", "--bucket-mb": "float", "--lease": "float",
                "--time-scale": "float", "--boot-s": "float", "--max-nodes": "int", "--notice-s": "float",
                "--checkpoint-every": "int", "--keep-checkpoints": "int", "--eval-every": "int",
-               "--eval-batches": "int"}
+               "--eval-batches": "int", "--ray-wait-s": "float"}
 """Flags argparse converts: a word instead of a number is its own one-line error."""
 
 

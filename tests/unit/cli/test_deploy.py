@@ -32,6 +32,7 @@ import yaml
 from bamboo.cli.agent import agent_parser
 from bamboo.cli.coordinator import coordinator_parser
 from bamboo.config import JOIN_PORT, JobConfig
+from support.kube import check_model as _check
 from support.procs import REPO
 
 k8s = pytest.importorskip("kubernetes.client", reason="the `kubernetes` test dependency")
@@ -88,45 +89,6 @@ def _one(kind: str, name: str) -> dict:
 
 
 # -- strict structural check against the client's models -----------------------------------
-
-
-def _check(value: Any, type_name: str, where: str, errors: list[str]) -> None:
-    # the client spells containers `List[X]` / `Dict[str, X]` (older: `list[X]` / `dict(str, X)`)
-    if type_name.lower().startswith("list["):
-        if not isinstance(value, list):
-            errors.append(f"{where}: expected a list")
-            return
-        for i, item in enumerate(value):
-            _check(item, type_name[5:-1], f"{where}[{i}]", errors)
-        return
-    if type_name.lower().startswith(("dict(", "dict[")):
-        inner = type_name[len("dict(str, "):-1]
-        if not isinstance(value, dict):
-            errors.append(f"{where}: expected a mapping")
-            return
-        for key, item in value.items():
-            _check(item, inner, f"{where}.{key}", errors)
-        return
-    primitive = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float),
-                 "datetime": (str,)}
-    if type_name == "object":
-        return  # IntOrString and free-form fields
-    if type_name in primitive:
-        ok = isinstance(value, primitive[type_name]) and not (
-            type_name in ("int", "float") and isinstance(value, bool))
-        if not ok:
-            errors.append(f"{where}: expected {type_name}, got {type(value).__name__} {value!r}")
-        return
-    model = getattr(k8s, type_name)
-    if not isinstance(value, dict):
-        errors.append(f"{where}: expected a {type_name} mapping")
-        return
-    json_to_attr = {json_name: attr for attr, json_name in model.attribute_map.items()}
-    for key, item in value.items():
-        if key not in json_to_attr:
-            errors.append(f"{where}: unknown field '{key}' for {type_name}")
-            continue
-        _check(item, model.openapi_types[json_to_attr[key]], f"{where}.{key}", errors)
 
 
 @pytest.mark.parametrize("index", range(len(CHECKED)),

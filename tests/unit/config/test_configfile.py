@@ -257,6 +257,11 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "keep_checkpoints": [(0, "--keep-checkpoints must be an integer >= 1 (got 0)")],
     "checkpoint_dir": [("relative/ckpt", "--checkpoint-dir relative/ckpt must be an absolute "
                                          "path or a URL")],
+    "ray": [("ray://head:10001", "is a Ray Client address"), (6379, "expected a string")],
+    "ray_resources": [("GPU=one", "'GPU=one' is not NAME=AMOUNT"),
+                      ("CPU=1", "--ray-resources applies to a run on Ray")],
+    "ray_working_dir": [(MISSING, "is not a directory")],
+    "ray_wait_s": [(0, "--ray-wait-s must be > 0 seconds"), ("soon", "expected a number")],
     "out": [("{job}", "exists and is not a directory"), ("{job}/run", "is a file, not a directory")],
 }
 """Option key -> wrong values in a job file; every option of `field_paths()` has one."""
