@@ -45,12 +45,10 @@ RUN set -eux; \
 
 WORKDIR /opt/bamboo/src
 
-# torch first, in its own layer: it is most of the image and changes least.
+# torch first, in its own layer: it is most of the image and changes least. Ray beside it,
+# for KubeRay's pods (deploy/kuberay: `bamboo train --ray auto`), at the `ray` extra's pin.
 COPY constraints.txt ./
-RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" torch
-
-# Ray, for KubeRay's pods (deploy/kuberay: `bamboo train --ray auto`); the `ray` extra's pin.
-RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" ray
+RUN pip install --no-cache-dir -c constraints.txt --extra-index-url "${TORCH_INDEX}" torch ray
 
 COPY pyproject.toml README.md ./
 COPY src ./src

@@ -110,7 +110,7 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     import torch
 
     from bamboo.config.presets import preset
-    from bamboo.engine.stage import StageState
+    from bamboo.engine.stage import StageOptimizer, StageState
     from bamboo.model import layer_param_counts
     from bamboo.plan.partition import partition
     from bamboo.run.checkpoint import load_latest, load_layers, publish, step_dir, write_layers
@@ -119,7 +119,7 @@ def checkpoint_times(args: argparse.Namespace, root: Path) -> dict:
     p = preset(args.model, SIZING)
     parts = partition(layer_param_counts(p), args.stages)
     stages = [StageState(preset=p, stage=s, layer_indices=parts[s], seed=0,
-                         device=torch.device("cpu"), lr=3e-3, weight_decay=0.01)
+                         device=torch.device("cpu"), optim=StageOptimizer(3e-3, 0.01))
               for s in range(args.stages)]
     for st in stages:  # one step, so AdamW has its moments
         st.apply(torch.full((st.numel,), 1e-3), 1.0, 1e-3)

@@ -96,7 +96,7 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
 
     from bamboo.config.presets import preset
     from bamboo.data.datasets import make_task
-    from bamboo.engine.stage import StageState
+    from bamboo.engine.stage import StageOptimizer, StageState
     from bamboo.model import layer_param_counts, loss_fn
     from bamboo.plan.partition import partition
 
@@ -107,7 +107,7 @@ def profile_costs(args: argparse.Namespace, iters: int = 15) -> tuple[Costs, lis
                      micro_batch_size=args.micro_batch_size)
     loss = loss_fn(p)
     stages = [StageState(preset=p, stage=s, layer_indices=parts[s], seed=0,
-                         device=torch.device("cpu"), lr=3e-3, weight_decay=0.01)
+                         device=torch.device("cpu"), optim=StageOptimizer(3e-3, 0.01))
               for s in range(args.stages)]
     fwd = {s: [] for s in range(args.stages)}
     bwd = {s: [] for s in range(args.stages)}

@@ -15,7 +15,7 @@ import torch
 
 from bamboo.chaos.bits import COUNTERS
 from bamboo.config import JobConfig, parse_kill
-from bamboo.control import RunFailed, run_job
+from bamboo.control import RunFailed, RunOptions, run_job
 from bamboo.data.sizing import SIZING
 from bamboo.launch.local import LocalWorkers
 from bamboo.plan.faults import Fault
@@ -55,8 +55,7 @@ def run_in_process(cfg: JobConfig, out: Path, faults: dict[int, list[Fault]] | N
     try:
         cfg = cfg.replace(check_replicas=check_replicas)
         return run_job(cfg, RunDir(out), ProgressDisplay(cfg.training.steps, enabled=False),
-                       LocalWorkers(),
-                       extra_faults=faults or {})
+                       LocalWorkers(), RunOptions(extra_faults=faults or {}))
     except RunFailed as e:
         return e.summary | {"exit_code": e.exit_code}
 

@@ -57,3 +57,28 @@ def test_the_measure_counts_what_it_should(tmp_path: Path) -> None:
     back, allowed = shape.back_arrows(tmp_path)
     assert back == {("low", "high"): ["bamboo.low.a -> bamboo.high.b (l.131)"]}
     assert allowed == {}
+
+
+CONSTRUCTOR_CAP = 8
+WIDE_BY_DESIGN = {"api/job_options.py:JobOptions"}
+"""`bamboo.Job`'s typed signature: one keyword a job option, generated from their declaration."""
+
+
+def test_no_constructor_takes_more_than_eight_arguments() -> None:
+    """A class whose `__init__` takes more than 8 arguments (self aside) groups them into small
+    typed objects instead (`RunOptions`, `StageOptimizer`, the commit round's holdings)."""
+    import ast
+    wide = []
+    for path in sorted((REPO / "src" / "bamboo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    a = f.args
+                    count = (len(a.posonlyargs) + len(a.args) - 1 + len(a.kwonlyargs)
+                             + (a.vararg is not None) + (a.kwarg is not None))
+                    name = f"{path.relative_to(REPO / 'src' / 'bamboo')}:{node.name}"
+                    if count > CONSTRUCTOR_CAP and name not in WIDE_BY_DESIGN:
+                        wide.append(f"{name} ({count})")
+    assert wide == []

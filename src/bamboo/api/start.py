@@ -130,9 +130,10 @@ def execute(start: Start, launcher: Launcher, display: ProgressDisplay, *,
     RunFailed (`bamboo.control.run_job`), whose stop by the user says how to continue in
     the words of `interface`."""
     warm_up(debug)
-    from bamboo.control import run_job
-    return run_job(start.cfg, start.run, display, launcher, extra_faults=crash or {},
-                   debug=debug, resume=start.resume, http=http, interface=interface)
+    from bamboo.control import RunOptions, run_job
+    return run_job(start.cfg, start.run, display, launcher,
+                   RunOptions(extra_faults=crash or {}, debug=debug, resume=start.resume,
+                              http=http, interface=interface))
 
 
 def warm_up(debug: bool = False) -> None:

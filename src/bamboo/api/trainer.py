@@ -112,6 +112,7 @@ class Trainer:
     def _open(self, start: Any, quiet: bool, debug: bool) -> None:
         from bamboo.api.start import launcher_for, warm_up
         from bamboo.control.loop import Coordinator
+        from bamboo.control.run_options import RunOptions
         from bamboo.protocol.launch import LaunchError
         from bamboo.run.interface import Interface
         from bamboo.run.progress import ProgressDisplay
@@ -125,9 +126,8 @@ class Trainer:
         """The run directory: summary.json, events.jsonl, checkpoints/, model.pt."""
         display = ProgressDisplay(start.cfg.training.steps, enabled=not quiet,
                                   prog="bamboo.Trainer")
-        self._coordinator = Coordinator(start.cfg, start.run, display, launcher,
-                                        debug=debug, resume=start.resume, stepwise=True,
-                                        interface=Interface.TRAINER)
+        self._coordinator = Coordinator(start.cfg, start.run, display, launcher, RunOptions(
+            debug=debug, resume=start.resume, stepwise=True, interface=Interface.TRAINER))
         self._coordinator.open()
         self._core = self._coordinator.core
         self._start_step = self._core.committed

@@ -53,13 +53,13 @@ from bamboo.control.orders import Orders
 from bamboo.control.preemptions import Preemptions
 from bamboo.control.restore import RestorePoints
 from bamboo.control.results import Results
+from bamboo.control.run_options import RunOptions
 from bamboo.control.state import Events, RunContext, Stop, Store
 from bamboo.control.steps import StepProtocol
 from bamboo.control.supply import NodeSupply
 from bamboo.data.sizing import SIZING
 from bamboo.model import layer_param_counts
 from bamboo.node.backend_errors import describe
-from bamboo.plan.faults import Fault
 from bamboo.plan.orders import Order, OrderKind
 from bamboo.protocol.launch import Launcher
 from bamboo.protocol.messages import (
@@ -79,8 +79,7 @@ from bamboo.protocol.messages import (
     WorkerError,
     WorkerMessage,
 )
-from bamboo.run.checkpoint import Checkpoint, checkpoint_location
-from bamboo.run.interface import Interface
+from bamboo.run.checkpoint import checkpoint_location
 
 __all__ = ["CoordinatorCore"]
 
@@ -93,19 +92,19 @@ _ROOT_CAUSE_GRACE_S = 2.0
 class CoordinatorCore:
     """One run's decisions; see the module docstring for the calls that drive it."""
 
-    def __init__(self, cfg: JobConfig, run_path: Path, display: Any, launcher: Launcher, *,
-                 extra_faults: dict[int, list[Fault]] | None = None,
-                 resume: Checkpoint | None = None, debug: bool = False,
-                 stepwise: bool = False, interface: Interface = Interface.CLI) -> None:
+    def __init__(self, cfg: JobConfig, run_path: Path, display: Any, launcher: Launcher,
+                 options: RunOptions | None = None) -> None:
+        options = options or RunOptions()
         self.cfg, self.run_path, self.display = cfg, run_path, display
         self.launcher = launcher
         """Where the run's nodes run (`bamboo.protocol.launch`)."""
         self.supply = NodeSupply(launcher)
-        self.interface = interface
+        self.interface = options.interface
         """Where the run was started from (its messages' words)."""
-        self.stepwise = stepwise
+        self.stepwise = options.stepwise
         """The user's loop drives the run through orders (`give`; `bamboo.Trainer`)."""
-        self.extra_faults, self.resume, self.debug = extra_faults, resume, debug
+        self.extra_faults = dict(options.extra_faults)
+        self.resume, self.debug = options.resume, options.debug
         self.peer_lost_message = ""
         self.peer_lost_at: float | None = None
         self.last_news = 0.0

@@ -19,13 +19,11 @@ from typing import Any
 from bamboo.config import JobConfig
 from bamboo.control.core import CoordinatorCore
 from bamboo.control.nodes import Node
+from bamboo.control.run_options import RunOptions
 from bamboo.control.state import RunFailed, Stop
 from bamboo.control.user_stop import UserStop
-from bamboo.plan.faults import Fault
 from bamboo.protocol.launch import Launcher
 from bamboo.protocol.messages import SHUTDOWN_KEY, WorkerMessage
-from bamboo.run.checkpoint import Checkpoint
-from bamboo.run.interface import Interface
 from bamboo.run.progress import ProgressDisplay
 from bamboo.run.runlog import RunDir, RunDirError, write_atomic
 from bamboo.wire.store import serve_store
@@ -39,21 +37,17 @@ class Coordinator:
     """One training run, its nodes from `launcher`: local worker processes, or agents."""
 
     def __init__(self, cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-                 launcher: Launcher, *, extra_faults: dict[int, list[Fault]] | None = None,
-                 debug: bool = False, resume: Checkpoint | None = None,
-                 http: tuple[str, int] | None = None,
-                 interface: Interface = Interface.CLI, stepwise: bool = False) -> None:
+                 launcher: Launcher, options: RunOptions | None = None) -> None:
+        options = options or RunOptions()
         # The workers write checkpoints and the final layers under the run directory (unless
         # --checkpoint-dir says elsewhere): they get its absolute path with the job.
         cfg = cfg.replace(out=str(run.path.resolve()))
-        self.cfg, self.rundir, self.display, self.debug = cfg, run, display, debug
-        self.http = http
+        self.cfg, self.rundir, self.display, self.debug = cfg, run, display, options.debug
+        self.http = options.http
         """`--http`: (host, port) to serve /healthz and /metrics on (bamboo.control.http)."""
-        self.resume = resume
-        self.user_stop = UserStop(interface)
-        self.core = CoordinatorCore(cfg, run.path, display, launcher,
-                                    extra_faults=extra_faults, resume=resume, debug=debug,
-                                    stepwise=stepwise, interface=interface)
+        self.resume = options.resume
+        self.user_stop = UserStop(options.interface)
+        self.core = CoordinatorCore(cfg, run.path, display, launcher, options)
         self.health: Any = None
         """The --http feed (bamboo.control.health), while the run lasts."""
         self.scalars: Any = None
@@ -250,16 +244,9 @@ class Coordinator:
             pass
 
 
-def run_job(cfg: JobConfig, run: RunDir, display: ProgressDisplay,
-            launcher: Launcher, *,
-            extra_faults: dict[int, list[Fault]] | None = None, debug: bool = False,
-            resume: Checkpoint | None = None,
-            http: tuple[str, int] | None = None,
-            interface: Interface = Interface.CLI) -> dict[str, Any]:
+def run_job(cfg: JobConfig, run: RunDir, display: ProgressDisplay, launcher: Launcher,
+            options: RunOptions | None = None) -> dict[str, Any]:
     """Run the job `cfg` to its end, its nodes from `launcher` (`bamboo.launch`: local worker
-    processes, or agents that join): the summary, or RunFailed
-    (HttpServeError when `http`, --http's address, cannot be served). `interface`: the one
-    the run was started from, whose words the user's stop says how to continue in."""
-    return Coordinator(cfg, run, display, launcher,
-                       extra_faults=extra_faults, debug=debug, resume=resume, http=http,
-                       interface=interface).run()
+    processes, agents that join, Ray actors) and driven as `options` say: the summary, or
+    RunFailed (HttpServeError when `options.http`, --http's address, cannot be served)."""
+    return Coordinator(cfg, run, display, launcher, options).run()

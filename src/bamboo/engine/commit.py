@@ -103,18 +103,40 @@ def _payload(received: tuple[bool, _Message]) -> tuple[bool, torch.Tensor]:
     return got, buf[:-1]
 
 
+@dataclass(frozen=True, slots=True)
+class _Holdings:
+    """What the node holds in the round: its roles, stages, replica and the ties among them."""
+
+    roles: RoleMap
+    rank: int
+    stages: dict[int, StageState]
+    replica: StageState | None
+    ties: TiedStages
+    num_layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Means:
+    """How the round sums: the peers' links, the bucketed sums, float64 pipeline order or
+    collectives, and the two hooks (a change of roles interrupts; a fault hook after the
+    sums)."""
+
+    p2p: P2P
+    reducer: BucketReducer
+    exact: bool
+    interrupt: Callable[[], bool]
+    after_reduce: Callable[[], None]
+
+
 class _Round:
-    def __init__(self, *, roles: RoleMap, rank: int, stages: dict[int, StageState],
-                 replica: StageState | None, p2p: P2P, num_layers: int, exact: bool,
-                 interrupt: Callable[[], bool], after_reduce: Callable[[], None],
-                 ties: TiedStages, reducer: BucketReducer) -> None:
-        self.roles, self.rank, self.stages, self.replica = roles, rank, stages, replica
-        self.ties, self.reducer = ties, reducer
-        self.after_reduce, self.exact, self.interrupt = after_reduce, exact, interrupt
-        self.p2p, self.num_layers = p2p, num_layers
-        self.pipeline = roles.pipeline_of(rank)
+    def __init__(self, held: _Holdings, means: _Means) -> None:
+        self.roles, self.rank, self.stages = held.roles, held.rank, held.stages
+        self.replica, self.ties, self.num_layers = held.replica, held.ties, held.num_layers
+        self.p2p, self.reducer, self.exact = means.p2p, means.reducer, means.exact
+        self.interrupt, self.after_reduce = means.interrupt, means.after_reduce
+        self.pipeline = held.roles.pipeline_of(held.rank)
         self.result = RoundResult()
-        self.device = next(iter(stages.values())).device
+        self.device = next(iter(held.stages.values())).device
 
     def run(self) -> RoundResult:
         if self.exact:
@@ -410,7 +432,7 @@ def commit_round(*, roles: RoleMap, rank: int, stages: dict[int, StageState],
     fault hook). `ties`: the ties on more than one stage. `reducer`: the node's bucketed sums
     (default: one bucket a stage, none begun early).
     """
-    return _Round(roles=roles, rank=rank, stages=stages, replica=replica, p2p=p2p,
-                  num_layers=num_layers, exact=exact, interrupt=interrupt,
-                  after_reduce=after_reduce, ties=ties or [],
-                  reducer=reducer or BucketReducer(bucket_bytes=0, exact=exact)).run()
+    held = _Holdings(roles, rank, stages, replica, ties or [], num_layers)
+    means = _Means(p2p, reducer or BucketReducer(bucket_bytes=0, exact=exact), exact,
+                   interrupt, after_reduce)
+    return _Round(held, means).run()

@@ -22,6 +22,7 @@ derives from the optimizer's own per-parameter state.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +46,17 @@ from bamboo.model import build_layers, model_ties
 from bamboo.model.ties import get_param
 from bamboo.plan.schedule import defers_weight
 
-__all__ = ["StageState", "build_stage"]
+__all__ = ["StageState", "StageOptimizer", "build_stage"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageOptimizer:
+    """How a stage's optimizer is made: its learning rate, weight decay and the optimizer
+    (`spec`: `MODULE:NAME(...)`, `bamboo.engine.optim`; None: AdamW)."""
+
+    lr: float
+    weight_decay: float
+    spec: str | None = None
 
 
 def _offloadable(value: Any) -> bool:
@@ -58,16 +69,16 @@ class StageState:
     """Stage `stage` (layers `layer_indices`) on this node."""
 
     def __init__(self, *, preset: ModelPreset, stage: int, layer_indices: range, seed: int,
-                 device: torch.device, lr: float, weight_decay: float,
-                 accumulate_dtype: torch.dtype = torch.float32,
-                 optimizer: str | None = None) -> None:
+                 device: torch.device, optim: StageOptimizer,
+                 accumulate_dtype: torch.dtype = torch.float32) -> None:
         self.stage, self.layer_indices, self.device = stage, layer_indices, device
         self.accumulate_dtype = accumulate_dtype
         self.module = nn.Sequential(*build_layers(preset, layer_indices, seed, device))
         self.module.train()
         self.params = list(self.module.parameters())
         self.optimizer: torch.optim.Optimizer | None = make_optimizer(
-            self.module, lr=lr, weight_decay=weight_decay, spec=optimizer) if self.params else None
+            self.module, lr=optim.lr, weight_decay=optim.weight_decay, spec=optim.spec
+        ) if self.params else None
         """None when the stage's layers have no parameters (nothing to step)."""
         self._options = group_options(self.optimizer) if self.optimizer is not None else {}
         """Each parameter's group options as built: what its state's layout is probed with."""
@@ -374,7 +385,7 @@ def build_stage(preset: ModelPreset, o: EngineOptions, parts: Sequence[range],
     """A fresh `stage` of a node's engine: seeded parameters, gradient sums in float64
     under --exact; under zb-h1 its linear layers taped in every forward (`split_backward`)."""
     st = StageState(preset=preset, stage=stage, layer_indices=parts[stage], seed=o.seed,
-                    device=device, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer,
+                    device=device, optim=StageOptimizer(o.lr, o.weight_decay, o.optimizer),
                     accumulate_dtype=torch.float64 if o.exact else torch.float32)
     if defers_weight(o.schedule, stage):
         st.taping = Taping(st.module)

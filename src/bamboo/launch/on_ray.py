@@ -304,11 +304,16 @@ def _check_run_dir(ray: Any, run_dir: Path, flag: str) -> None:
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources")]
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
                           ).remote(str(run_dir)) for node in alive]
-    try:
-        answers = ray.get(refs, timeout=_PROBE_S)
-    except Exception as e:  # noqa: BLE001 - a node that cannot run a task: said in one line
-        raise LaunchError(f"cannot check the run directory on the Ray nodes within "
-                          f"{_PROBE_S:g} s ({type(e).__name__})") from None
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_S)
+    answers = []
+    for ref in done:
+        try:
+            answers.append(ray.get(ref))
+        except Exception:  # noqa: BLE001 - a node that died meanwhile (or cannot run a task) holds no node
+            continue
+    if refs and not answers:
+        raise LaunchError(f"no Ray node ran the check of the run directory within {_PROBE_S:g} "
+                          f"s: is the cluster up (ray status)?")
     for node, host, wrong in answers:
         if wrong is not None:
             raise LaunchError(f"the run directory must be one every Ray node can write (a "

@@ -121,26 +121,26 @@ def _join_membership(etcd: dict | None, node: int, token: str, say: Any) -> _Etc
 class _Worker:
     """One worker process of this agent (local index k)."""
 
-    def __init__(self, k: int, job: Job, join_host: str, token: str, progress: Progress,
-                 beats: Any, cells: Any, say: Any, workers: int, log_dir: str) -> None:
+    def __init__(self, k: int, job: Job, opts: AgentOptions, progress: Progress) -> None:
         from bamboo.node import forkserver
         from bamboo.node.worker import worker_main
         self.k = k
-        self.spec = dataclasses.replace(job.spec, slot=k, device_index=k, local_workers=workers,
-                                        store_host=job.spec.store_host or join_host)
+        self.spec = dataclasses.replace(job.spec, slot=k, device_index=k,
+                                        local_workers=opts.workers,
+                                        store_host=job.spec.store_host or opts.address[0])
         progress.reset(k, time.monotonic() + 60.0)
         ctx = forkserver.context()
         self.reader, writer = ctx.Pipe(duplex=False)
-        self.log = os.path.abspath(os.path.join(log_dir, f"{self.spec.name}.log"))
-        self.process = ctx.Process(target=worker_main, args=(self.spec, writer, beats, cells,
-                                                             self.log),
+        self.log = os.path.abspath(os.path.join(opts.log_dir, f"{self.spec.name}.log"))
+        self.process = ctx.Process(target=worker_main, args=(self.spec, writer, progress.beats,
+                                                             progress.cells, self.log),
                                    name=f"bamboo-n{self.spec.node}")
         self.process.start()
         self.server = forkserver.server_pid()
         """The fork server that forked it (a later worker may come from a restarted one)."""
         writer.close()
         self.finished = False
-        self.membership = _join_membership(job.etcd, self.spec.node, token, say)
+        self.membership = _join_membership(job.etcd, self.spec.node, opts.token, opts.say)
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -227,9 +227,7 @@ class _Session:
             self.lease_s = max(2.0, float(msg.lease_s))
             if msg.worker in self.workers or not 0 <= msg.worker < self.opts.workers:
                 return None
-            w = _Worker(msg.worker, msg, self.opts.address[0], self.opts.token, self.progress,
-                        self.beats, self.cells, self.opts.say, self.opts.workers,
-                        self.opts.log_dir)
+            w = _Worker(msg.worker, msg, self.opts, self.progress)
             self.workers[msg.worker] = w
             self.opts.say(f"worker {msg.worker} is node n{w.spec.node} (its output: {w.log})")
         elif isinstance(msg, Objects):

@@ -16,7 +16,7 @@ from bamboo.config import ConfigError
 from bamboo.config.calls import parse_call
 from bamboo.config.presets import ModelPreset, preset
 from bamboo.engine.optim import learning_rate, make_optimizer, set_lr, step_lr
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageOptimizer, StageState
 
 SGD = "torch.optim.sgd:SGD(lr=0.05, momentum=0.9)"
 ONE_CYCLE = "torch.optim.lr_scheduler:OneCycleLR(max_lr=0.1, total_steps=6)"
@@ -120,7 +120,7 @@ def test_a_factorys_groups_keep_their_own_rates_under_the_schedule() -> None:
 def stage(spec: str | None) -> StageState:
     p: ModelPreset = preset("gpt2-tiny")
     return StageState(preset=p, stage=0, layer_indices=range(0, 2), seed=1,
-                      device=torch.device("cpu"), lr=0.05, weight_decay=0.0, optimizer=spec)
+                      device=torch.device("cpu"), optim=StageOptimizer(0.05, 0.0, spec))
 
 
 @pytest.mark.parametrize("spec, keys", [

@@ -16,7 +16,7 @@ from hypothesis import strategies as st_
 from bamboo.config.presets import preset
 from bamboo.engine.buckets import StageBuckets, group_name, plan_buckets
 from bamboo.engine.comm import P2P
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageOptimizer, StageState
 from support.gloo import gloo_options
 
 
@@ -42,7 +42,7 @@ def test_buckets_cover_the_gradient_in_whole_parameters_from_the_last(
 
 def _stage(exact: bool) -> StageState:
     return StageState(preset=preset("gpt2-tiny"), stage=1, layer_indices=range(2, 4), seed=3,
-                      device=torch.device("cpu"), lr=1e-2, weight_decay=0.1,
+                      device=torch.device("cpu"), optim=StageOptimizer(1e-2, 0.1),
                       accumulate_dtype=torch.float64 if exact else torch.float32)
 
 

@@ -14,7 +14,7 @@ from bamboo.data.sizing import SIZING
 from bamboo.engine import layer_state as ls
 from bamboo.engine.layer_state import HEADER, Kind, group_options, layer_layout, read_state
 from bamboo.engine.optim import bytes_per_parameter, check_optimizer, make_optimizer
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageOptimizer, StageState
 from bamboo.run.checkpoint import load_layers, write_layers
 from support.tabular import MODEL, PARAMETERLESS, TRIPLE
 
@@ -138,7 +138,7 @@ def test_a_stage_of_layers_without_parameters_holds_only_headers() -> None:
     """ReLU and Dropout of the tabular model: no optimizer, an empty gradient, a state of
     one header a layer, which round-trips; its step is a no-op."""
     st = StageState(preset=preset(MODEL, SIZING), stage=1, layer_indices=range(1, 3), seed=0,
-                    device=torch.device("cpu"), lr=0.1, weight_decay=0.0, optimizer=TRIPLE)
+                    device=torch.device("cpu"), optim=StageOptimizer(0.1, 0.0, TRIPLE))
     assert set(st.layer_indices) <= set(PARAMETERLESS)
     assert (st.optimizer, st.numel, st.grad_sum.numel()) == (None, 0, 0)
     assert st.state_size() == 2 * HEADER and st.layer_state(1) == {}

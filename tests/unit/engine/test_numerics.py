@@ -10,14 +10,14 @@ import torch
 
 from bamboo.config.presets import preset
 from bamboo.engine.memory import SavedCounts, SavedTensors, StepMemory, signature
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageOptimizer, StageState
 
 # -- units -------------------------------------------------------------------------------------
 
 
 def _stage(**kw: object) -> StageState:
     return StageState(preset=preset("gpt2-tiny"), stage=1, layer_indices=range(2, 4), seed=3,
-                      device=torch.device("cpu"), lr=1e-2, weight_decay=0.1, **kw)
+                      device=torch.device("cpu"), optim=StageOptimizer(1e-2, 0.1), **kw)
 
 
 @pytest.mark.timeout(60)

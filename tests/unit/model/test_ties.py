@@ -12,7 +12,7 @@ from torch import nn
 
 from bamboo.config.presets import custom_preset
 from bamboo.data.sizing import SIZING
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageOptimizer, StageState
 from bamboo.model import build_layer, build_layers, model_ties
 from bamboo.model.api import ModelError, PipelineModel, TensorSpec, load_model
 from bamboo.model.ties import Tie, TieError, param_path, share_within
@@ -93,7 +93,7 @@ def test_a_use_of_another_shape_or_no_such_parameter_is_refused_in_one_line(
 
 def _stage(p: object, layers: range) -> StageState:
     return StageState(preset=p, stage=0, layer_indices=layers, seed=1,  # type: ignore[arg-type]  # a preset built in the test
-                      device=torch.device("cpu"), lr=1e-3, weight_decay=0.0,
+                      device=torch.device("cpu"), optim=StageOptimizer(1e-3, 0.0),
                       accumulate_dtype=torch.float64)
 
 
