@@ -90,7 +90,7 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
     ray_cluster.kill(ray_cluster.raylets()[-1])  # two raylets: the third node waits for room
-    proc = _train(ray_cluster, out, 12, "--max-nodes", "3")
+    proc = _train(ray_cluster, out, 24, "--max-nodes", "3")
     try:
         wait_step(out, 2, proc)
         assert len(_ups(out)) == 2
@@ -105,7 +105,7 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
         summary = _summary(proc)
     finally:
         stop([proc])
-    assert_failure_free(summary, nodes=2, stages=2, steps=12)
+    assert_failure_free(summary, nodes=2, stages=2, steps=24)
     events = run_events(out)
     lost = [e for e in events if e["event"] == "node_lost"]
     assert [(e["node"], e["ray_node_id"]) for e in lost] == [(victim["node"],
