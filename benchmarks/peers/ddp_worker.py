@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from benchmarks.peers.job import Job, Parts, param_digest, write_json
@@ -62,15 +61,7 @@ def main(out: Path, every: int, boot_s: float) -> None:
     for step in range(start, job.steps):
         if rank == 0:
             write_json(out / "progress.json", {"step": step, "t": time.time()})
-        loss = parts.share_loss(model, step, rank, world)
-        total = torch.tensor([loss])
-        dist.all_reduce(total)
-        parts.clip()
-        for group in parts.optimizer.param_groups:
-            group["lr"] = parts.lr_at(step)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total) / world)
+        losses.append(parts.ddp_step(model, step, rank, world))
         if every and (step + 1) % every == 0 and step + 1 < job.steps:
             save(out / "ckpt", step + 1, losses, parts)
     if rank == 0:

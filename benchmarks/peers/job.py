@@ -117,6 +117,20 @@ class Parts:
             total += float(loss.detach()) * shares / G
         return total
 
+    def ddp_step(self, model: nn.Module, step: int, share: int, shares: int) -> float:
+        """One data-parallel step of `shares` workers (DDP's `model` reduces the gradients):
+        this share's forward and backward, clipping, the step's learning rate and the
+        optimizer step; the mean loss over the shares."""
+        import torch.distributed as dist
+        total = torch.tensor([self.share_loss(model, step, share, shares)])
+        dist.all_reduce(total)
+        self.clip()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total) / shares
+
     def clip(self) -> None:
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

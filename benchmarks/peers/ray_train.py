@@ -48,7 +48,6 @@ def train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
     import torch
-    import torch.distributed as dist
     from benchmarks.peers.job import Parts, param_digest, write_json
 
     job, every, out = Job(**config["job"]), config["every"], Path(config["out"])
@@ -68,15 +67,7 @@ def train_loop(config: dict) -> None:
             log.write(json.dumps({"from_step": start, "t": time.time()}) + "\n")
     model = ray.train.torch.prepare_model(parts.model)
     for step in range(start, job.steps):
-        loss = parts.share_loss(model, step, rank, world)
-        total = torch.tensor([loss])
-        dist.all_reduce(total)
-        parts.clip()
-        for group in parts.optimizer.param_groups:
-            group["lr"] = parts.lr_at(step)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total) / world)
+        losses.append(parts.ddp_step(model, step, rank, world))
         if rank == 0:
             write_json(out / "progress.json", {"step": step, "t": time.time()})
         if every and (step + 1) % every == 0 and step + 1 < job.steps:

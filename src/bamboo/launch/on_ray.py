@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import secrets
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,8 @@ from bamboo.protocol.launch import LaunchError, Offer, Started, StoreAddress, Wo
 from bamboo.protocol.messages import NoticeOrder, Progress
 
 __all__ = ["RayNodes", "import_ray", "RAY_EXTRA"]
+
+log = logging.getLogger(__name__)
 
 RAY_EXTRA = "pip install 'bamboo-train[ray]'"
 _POLL_S = 1.0
@@ -248,7 +249,7 @@ class RayNodes:
             nodes = ray.nodes()
             draining = _draining(ray)
         except Exception as e:  # noqa: BLE001 - the GCS unreachable for a moment: next poll
-            print(f"bamboo: warning: cannot read the Ray cluster's state ({e})", file=sys.stderr)
+            log.warning("cannot read the Ray cluster's state (%s); asking again in a second", e)
             return
         dead = {n["NodeID"] for n in nodes if not n.get("Alive", False)}
         for name, (node_id, process) in self.placed.items():
