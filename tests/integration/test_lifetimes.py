@@ -92,8 +92,10 @@ def test_an_agents_killed_fork_server_is_a_loss_of_its_workers(tmp_path: Path) -
         wait_step(out, 4, coord)
         os.kill(fork_server(agent.pid), signal.SIGKILL)
         stdout, stderr = coord.communicate(timeout=180)
-        assert coord.returncode == 0, stderr[-2000:]
+        if coord.returncode != 0:
+            stop([agent])
         agent_err = agent.communicate(timeout=30)[1]
+        assert coord.returncode == 0, (stderr[-2000:], agent_err[-3000:])
     finally:
         stop([p for p in (coord, agent) if p is not None])
     summary = json.loads(stdout)

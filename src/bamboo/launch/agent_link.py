@@ -159,9 +159,11 @@ class RemoteAgent:
         self.machine = hello.machine or f"{hello.host}-{hello.pid}"
         self.free = list(range(hello.workers))
         """Local worker indices (GPUs) with no worker on them."""
-        self.spares = 0
+        self._spares = 0
         """Workers that ended other than by finishing (killed, or fenced and then confirmed
-        gone) while the machine stayed connected: a replacement may take each one's GPU."""
+        gone) while the machine stayed connected: a replacement may take each one's GPU.
+        Counted by the relay thread, taken and given back by the run's (`_spare_lock`)."""
+        self._spare_lock = threading.Lock()
         self.workers: dict[int, RemoteProcess] = {}
         self.token: str | None = _TOKENS.get(channel)
         self.objects_sent: set[str] = set()
@@ -181,6 +183,18 @@ class RemoteAgent:
             self.send(objects)
         self.send(Job(worker=k, spec=spec, etcd=etcd, lease_s=lease_s))
         return process
+
+    def take_spares(self) -> int:
+        """How many spare rooms this machine has now, all taken (none once it is gone)."""
+        with self._spare_lock:
+            taken, self._spares = (0 if self.gone else self._spares), 0
+        return taken
+
+    def give_back_spare(self) -> None:
+        """One more spare room (a worker ended while the machine stays, or a spare the run
+        did not use this time)."""
+        with self._spare_lock:
+            self._spares += 1
 
     def send(self, msg: Any) -> bool:
         try:
@@ -218,7 +232,7 @@ class RemoteAgent:
                         # The machine is still here: its GPU can take a replacement, also
                         # after a fence (a link cut shorter than this connection's life).
                         if msg.code != 0:
-                            self.spares += 1
+                            self.give_back_spare()
         except Exception:  # noqa: BLE001 - EOF, a reset, garbage: the machine is lost
             pass
         finally:

@@ -75,9 +75,8 @@ class Agents:
         while its machine stayed (a spare)."""
         rooms: list[Offer] = []
         for agent in self.remote:
-            while agent.spares and not agent.gone:
-                agent.spares -= 1
-                rooms.append(Offer(agent.machine, spare=True, ticket=agent))
+            rooms += [Offer(agent.machine, spare=True, ticket=agent)
+                      for _ in range(agent.take_spares())]
         joined = self.listener.joined
         try:
             arrived = [joined.get(timeout=timeout_s) if timeout_s > 0 else joined.get_nowait()]
@@ -94,9 +93,14 @@ class Agents:
 
     def decline(self, offer: Offer, why: str) -> str | None:
         """An agent given no worker at all is told why; it retries while its --rejoin-s
-        lasts. A room of an agent that has workers, or a spare, just stays unused."""
+        lasts. A room of an agent that has workers stays unused; a spare is offered again
+        on the next call (the run may decline it only because the loss that freed it is
+        not handled yet, and may need it a moment later)."""
         agent: RemoteAgent = offer.ticket
-        if offer.spare or agent.workers or agent.gone:
+        if offer.spare:
+            agent.give_back_spare()
+            return None
+        if agent.workers or agent.gone:
             return None
         agent.send(Refused(why=why))
         agent.lost()
