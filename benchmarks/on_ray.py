@@ -20,10 +20,8 @@ quoting a figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,8 +31,9 @@ from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, for drivers started here
 
-import psutil
 from ray.cluster_utils import Cluster
+
+from bamboo.chaos.ray_nodes import kill_ray_node
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,14 +72,6 @@ def wait_for(pred, timeout: float = 300.0, poll: float = 0.02) -> float:  # type
             raise SystemExit("timed out waiting")
         time.sleep(poll)
     return time.monotonic()
-
-
-def kill_tree(node) -> None:  # type: ignore[no-untyped-def]  # ray's Node
-    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    victims = [raylet, *raylet.children(recursive=True)]
-    for p in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
 
 
 def failure_free(cluster: Cluster, args: argparse.Namespace, tmp: Path) -> None:
@@ -125,12 +116,10 @@ def kill_and_join(cluster: Cluster, args: argparse.Namespace, tmp: Path) -> None
     node = next(n for n in cluster.list_all_nodes() if n.node_id == ups[victim])
     done_before = max(e["step"] for e in events(out) if e["event"] == "step_done")
     killed = time.monotonic()
-    kill_tree(node)
+    kill_ray_node(cluster, node)
     went_on = wait_for(lambda: any(e["event"] == "step_done" and e["step"] > done_before
                                    for e in events(out)))
     summary = finish(proc)
-    with contextlib.suppress(Exception):
-        cluster.remove_node(node, allow_graceful=False)
     step = median_step(out, args.warm)
     lost = [e for e in events(out) if e["event"] == "node_lost"]
     print(f"    raylet of {victim} SIGKILLed with its processes after step {done_before}: "

@@ -20,10 +20,8 @@ result; each system's losses are checked against the job's failure-free run when
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,9 +33,10 @@ from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, in drivers started here
 
-import psutil
 from benchmarks.peers.job import Job
 from ray.cluster_utils import Cluster
+
+from bamboo.chaos.ray_nodes import kill_ray_node, processes_under
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,27 +117,12 @@ class Kills:
                 self.added.append(round(time.monotonic() - t0, 1))
 
     def _kill(self, victim) -> None:  # type: ignore[no-untyped-def]  # ray's Node
-        raylet = psutil.Process(victim.all_processes["raylet"][0].process.pid)
-        procs = [raylet, *raylet.children(recursive=True)]
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=10)
-        with contextlib.suppress(Exception):
-            self.cluster.remove_node(victim, allow_graceful=False)
+        kill_ray_node(self.cluster, victim)
 
     def _busiest(self):  # type: ignore[no-untyped-def]  # ray's Node
         """A raylet running a training process (the one with the most processes under it)."""
-        best, most = None, -1
-        for node in self.cluster.list_all_nodes():
-            if node is self.cluster.head_node:
-                continue
-            with contextlib.suppress(psutil.NoSuchProcess):
-                raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-                count = len(raylet.children(recursive=True))
-                if count > most:
-                    best, most = node, count
-        return best
+        raylets = [n for n in self.cluster.list_all_nodes() if n is not self.cluster.head_node]
+        return max(raylets, key=processes_under, default=None)
 
 
 def run_ray_train(cluster: Cluster, job: Job, args: argparse.Namespace, out: Path) -> dict:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
 import psutil
+
+from bamboo.chaos.ray_nodes import kill_ray_node
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, in drivers started here too
 
@@ -52,15 +53,7 @@ class RayCluster:
 
     def kill(self, node: Any) -> list[int]:
         """SIGKILL the raylet and every process under it at once (the pids killed)."""
-        raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-        victims = [raylet, *raylet.children(recursive=True)]
-        for p in victims:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        psutil.wait_procs(victims, timeout=10)
-        with contextlib.suppress(Exception):  # its processes are gone: forget the node
-            self.cluster.remove_node(node, allow_graceful=False)
-        return [p.pid for p in victims]
+        return kill_ray_node(self.cluster, node)
 
     def keep(self, raylets: int) -> None:
         """Add raylets until there are `raylets` (after a test killed or drained some: a
