@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	@# byte-compiled on every core (pip compiles on one: 78 s against 35 + 25 s here); a file
 	@# that does not compile is left to the interpreter, as pip leaves it
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
+	@# matplotlib's font cache, built once here (fc-list): the fast tier starts no process
+	MPLBACKEND=Agg $(BIN)/python -c 'import matplotlib.pyplot'
 	touch $(STAMP)
 
 # etcd (Debian's etcd-server) for the membership tests; installed when running as root.

@@ -1,9 +1,11 @@
-"""The driver: one job under Bamboo, torchrun elastic + DCP and torchft, failure-free and
-under each kill schedule, repetitions interleaved; a table per schedule (table.md), a plot
-(peers.png) and every run's record (results.json) in --out.
+"""The driver: one job under Bamboo, torchrun elastic + DCP and torchft (and, on a Ray
+cluster of this machine, Ray Train and Bamboo on Ray), failure-free and under each kill
+schedule, repetitions interleaved; a table per schedule (table.md), a plot (peers.png) and
+every run's record (results.json) in --out.
 
     python -m benchmarks.peers.run --kills 8,20 --boot-s 5 --reps 1 --out runs/peers
     python -m benchmarks.peers.run --kills p3-quiet --kills p3-dense --kills every:60 ...
+    python -m benchmarks.peers.run --systems bamboo-ray,ray-train --kills 15,40,65 --boot-s 10
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.peers import systems
 from benchmarks.peers.job import Job
+from benchmarks.peers.ray_systems import RAY_SYSTEMS
 from benchmarks.peers.report import (
     Kill,
     Outcome,
@@ -30,13 +33,17 @@ from benchmarks.peers.report import (
     summarize,
 )
 
-SYSTEMS = ("bamboo", "torchrun", "torchft")
+SYSTEMS = ("bamboo", "torchrun", "torchft", *RAY_SYSTEMS)
+DEFAULT_SYSTEMS = ("bamboo", "torchrun", "torchft")
 P3 = Path(__file__).resolve().parents[2] / "traces" / "aws-p3-2xlarge.csv"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help="comma-separated, of " + ", ".join(SYSTEMS) + " (the last two on a Ray "
+                    "cluster of this machine, a one-CPU raylet a worker; a kill there is a "
+                    "raylet SIGKILLed with its processes)")
     ap.add_argument("--model", default="gpt2-tiny")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
@@ -52,7 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stall-s", type=float, default=systems.STALL_S,
                     help="a torchft run not finished by then has hung: recorded as failed")
     ap.add_argument("--boot-s", type=float, default=5.0, help="seconds before capacity comes back")
-    ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun's DCP interval in steps")
+    ap.add_argument("--checkpoint-every", type=int, default=10,
+                    help="torchrun's DCP and Ray Train's checkpoint interval in steps")
+    ap.add_argument("--baseline", help="the system each mean is also given as a multiple of "
+                    "(default: torchrun, else ray-train, where run)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--bamboo-stages", type=_stages, default=1, help="Bamboo's pipeline depth P, "
                     "or auto (`bamboo train --stages auto --global-batch-size`: Bamboo picks P, D "
@@ -79,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in a.system_list if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system {unknown[0]!r}: choose from {', '.join(SYSTEMS)}")
+    ray_systems = [s for s in a.system_list if s in RAY_SYSTEMS]
+    if ray_systems and not a.report_only and importlib.util.find_spec("ray") is None:
+        ap.error(f"{ray_systems[0]} needs Ray: pip install -e '.[peers]'")
+    if ray_systems and any(k.unit != "s" for _, _, ks in a.schedules for k in ks):
+        ap.error(f"{ray_systems[0]} takes kills in seconds only (a raylet is killed at a time)")
     if not a.report_only and "torchft" in a.system_list and importlib.util.find_spec("torchft") is None:
         print("torchft is not installed (pip install -e '.[peers]'): left out", file=sys.stderr)
         a.system_list.remove("torchft")
@@ -113,6 +128,9 @@ def one_run(a: argparse.Namespace, job: Job, system: str, kills: list[Kill], out
     if system == "bamboo":
         return systems.run_bamboo(job, out, kills, a.boot_s, shlex.split(a.bamboo_flags),
                                   a.bamboo_stages)
+    if system in RAY_SYSTEMS:
+        from benchmarks.peers.ray_systems import run_on_ray
+        return run_on_ray(system, job, out, kills, a.boot_s, a.checkpoint_every, a.bamboo_stages)
     if system == "torchrun":
         return systems.run_torchrun(job, out, kills, a.boot_s, a.checkpoint_every)
     if a.torchft_stages > 1:
@@ -170,7 +188,7 @@ def run_all(a: argparse.Namespace) -> list[dict]:
                     rec = one_run(a, job, system, kills, a.out / tag)
                 except RuntimeError as e:  # kept as a failed run: the others still count
                     print(f"{tag}: {e}", file=sys.stderr, flush=True)
-                    records.append({"run": tag, "error": str(e)})
+                    records.append({"run": tag, "system": system, "error": str(e)})
                     continue
                 records.append({"run": tag, "schedule": name, "system": system,
                                 **{k: v for k, v in rec.items() if k != "config"}})
@@ -216,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         records = run_all(a)
     tables, titles = tables_of(a, records)
-    baseline = "torchrun" if "torchrun" in a.system_list else None
+    baseline = a.baseline or next((s for s in ("torchrun", "ray-train") if s in a.system_list),
+                                  None)
     text = "\n\n".join(f"{titles[n]}\n\n{markdown_table(rows, baseline=baseline)}"
                         for n, rows in tables.items())
     (a.out / "table.md").write_text(text + "\n")

@@ -62,9 +62,9 @@ def first_number(cell: str) -> float:
 
 @pytest.mark.timeout(420)
 def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) -> None:
-    done, records, out = drive_peers(
-        tmp_path, 40, "--systems", "bamboo,torchrun,torchft", "--workers", "2",
-        "--micro-batches", "4", "--kills", "@15", "--bamboo-stages", "1", "--checkpoint-every", "10")
+    flags = ["--systems", "bamboo,torchrun,torchft", "--workers", "2", "--micro-batches", "4",
+             "--kills", "@15", "--bamboo-stages", "1", "--checkpoint-every", "10"]
+    done, records, out = drive_peers(tmp_path, 40, *flags)
     assert sorted(records) == sorted(f"{s}-{k}-0" for s in ("bamboo", "torchrun", "torchft")
                                      for k in ("free", "kills-@15"))
 
@@ -93,6 +93,14 @@ def test_three_systems_one_job_one_kill_to_a_table_and_a_plot(tmp_path: Path) ->
     # the Lighthouse's per-quorum lines stay out of the driver's terminal
     assert "torchft::lighthouse" not in done.stdout + done.stderr
 
+    # --report-only rebuilds the same table (and the plot) from results.json, running nothing
+    table = (out / "table.md").read_text()
+    (out / "table.md").unlink()
+    (out / "peers.png").unlink()
+    drive(out, "--steps", "40", *flags, "--report-only")
+    assert (out / "table.md").read_text() == table
+    assert (out / "peers.png").stat().st_size > 0
+
 
 @pytest.mark.timeout(420)
 def test_a_job_of_two_stages_against_torchft_pipelines(tmp_path: Path) -> None:
@@ -108,17 +116,3 @@ def test_a_job_of_two_stages_against_torchft_pipelines(tmp_path: Path) -> None:
     rows = table_rows(out)
     assert sorted(rows) == ["bamboo", "torchft"]
     assert rows["bamboo"][3].startswith(("bit-equal", "yes"))
-
-
-@pytest.mark.timeout(420)
-def test_report_only_rebuilds_the_same_table_from_results(tmp_path: Path) -> None:
-    flags = ["--systems", "bamboo,torchrun", "--workers", "2", "--steps", "12",
-             "--micro-batches", "4", "--kills", "@5", "--bamboo-stages", "1",
-             "--checkpoint-every", "4"]
-    drive(tmp_path, *flags)
-    table = (tmp_path / "table.md").read_text()
-    (tmp_path / "table.md").unlink()
-    (tmp_path / "peers.png").unlink()
-    drive(tmp_path, *flags, "--report-only")
-    assert (tmp_path / "table.md").read_text() == table
-    assert (tmp_path / "peers.png").stat().st_size > 0

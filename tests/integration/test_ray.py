@@ -80,6 +80,7 @@ def test_a_run_on_ray_equals_the_same_job_on_local_processes(ray_cluster: RayClu
     raylets = {n.node_id for n in ray_cluster.raylets()}
     assert len(ups) == 2 and {e["ray_node_id"] for e in ups} <= raylets
     assert len({e["ray_node_id"] for e in ups}) == 2  # one node per one-CPU raylet
+    assert all(e["machine"] == e["ray_node_id"] for e in ups)  # a Ray node is a machine
     # Nothing of the run stays: its agents are gone, its actors dead.
     assert wait_gone(tmp_path / "ray") == []
     assert "NodeActor" not in ray_cluster.live_actors()

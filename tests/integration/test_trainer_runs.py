@@ -96,7 +96,7 @@ def test_ctrl_c_in_the_loop_leaves_a_resume_point_and_says_how_to_go_on(tmp_path
         _, stderr = proc.communicate(timeout=150)  # 29 s alone, over 60 s on a loaded machine
     finally:
         proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode != 0, f"the loop did not stop on SIGINT: {stderr}"
     said = [line for line in stderr.splitlines() if line.startswith("bamboo.Trainer:")]
     assert len(said) == 1 and "stopped by Ctrl-C with 4 steps done" in said[0], stderr
     assert 'resume="auto"' in said[0] and "step-00000004" in said[0], said

@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--no-rule", dest="rule", action="store_false")
     a = parser.parse_args(argv)
+    if a.sleep_after is not None:
+        # Ctrl-C raises KeyboardInterrupt, as in a script started from a shell: a process
+        # inherits an ignored or blocked SIGINT, and the one that started this may have had
+        # one left so by code run in it before.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     result = run_loop(a.out, stop_at=a.stop_at, resume=a.resume, rule=a.rule,
                       sleep_after=a.sleep_after)
     print(json.dumps({"losses": result.losses, "param_sha256": result.param_sha256}))

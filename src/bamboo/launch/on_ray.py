@@ -155,9 +155,12 @@ class RayNodes:
     def start(self, spec: WorkerSpec, heartbeats: Progress, offer: Offer | None = None
               ) -> Started:
         started = self.agents.start(spec, heartbeats, offer)
-        node_id = ray_node_of(started.machine) or "?"
-        self.placed[spec.name] = (node_id, started.process)
-        return dataclasses.replace(started, labels={"ray_node_id": node_id})
+        node_id = ray_node_of(started.machine)
+        self.placed[spec.name] = (node_id or "?", started.process)
+        # Its machine is its Ray node (each actor's agent names itself apart): nodes that Ray
+        # put on one machine are lost together, so the planner keeps a stage's replica off it.
+        return dataclasses.replace(started, machine=node_id or started.machine,
+                                   labels={"ray_node_id": node_id or "?"})
 
     def offers(self, timeout_s: float = 0.0) -> list[Offer]:
         self._poll()

@@ -23,8 +23,28 @@ def test_bamboo_is_pinned_only_when_the_job_is() -> None:
     assert flags[flags.index("--pin-cpus") + 1] == "auto"
 
 
+def test_the_ray_systems_take_kills_in_seconds_only(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("ray", reason="the peers extra (make setup installs it)")
+    a = run.parse_args(["--systems", "bamboo-ray,ray-train", "--kills", "15,40"])
+    assert a.system_list == ["bamboo-ray", "ray-train"]
+    with pytest.raises(SystemExit) as stop:
+        run.parse_args(["--systems", "ray-train", "--kills", "@15"])
+    assert stop.value.code == 2
+    assert "ray-train takes kills in seconds only" in capsys.readouterr().err
 
 
+def test_the_report_compares_with_ray_train_where_torchrun_did_not_run(tmp_path: Path) -> None:
+    """A Ray run's records: the table's ratios are against ray-train unless --baseline says."""
+    records = [{"run": f"{system}-free-0", "system": system, "schedule": "free",
+                "losses": [2.0], "samples": 64, "wall_s": wall, "param_l2": 60.0,
+                "param_sha256": "a"} for system, wall in (("bamboo-ray", 1.0), ("ray-train", 2.0))]
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    base = ["--report-only", "--systems", "bamboo-ray,ray-train", "--kills", "", "--out",
+            str(tmp_path)]
+    assert run.main(base) == 0
+    assert "| bamboo-ray | 64.0 (2.00x) |" in (tmp_path / "table.md").read_text()
+    assert run.main([*base, "--baseline", "bamboo-ray"]) == 0
+    assert "| ray-train | 32.0 (0.50x) |" in (tmp_path / "table.md").read_text()
 
 
 def test_pin_with_more_workers_than_cores_is_refused(capsys: pytest.CaptureFixture) -> None:
