@@ -125,6 +125,7 @@ def run_on_ray(system: str, job: Job, out: Path, kills: list[Kill], boot_s: floa
                every: int, stages: int | str) -> dict:
     """One run of `system` (RAY_SYSTEMS) on a cluster of its own, torn down after it."""
     from ray.cluster_utils import Cluster
+    out = out.resolve()  # Ray Train's storage path and its workers need it absolute
     out.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
