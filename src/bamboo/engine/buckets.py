@@ -196,12 +196,12 @@ class StageBuckets:
             into += part.to(into.device)
 
     def abandon(self) -> None:
-        """Drop what was launched (kept alive until the group's timeout surely passed: a gloo
-        collective cannot be cancelled, and its buffers must outlive it)."""
+        """Drop what was launched, off this thread (`bury`: a gloo collective cannot be
+        cancelled; its work keeps the tensors it reads and writes)."""
         self.disarm()
         launched = [(b.work, b.payload, b.gathered) for b in self.buckets if b.work is not None]
         if launched:
-            bury((launched, self.total), self.p2p)
+            bury((launched, self.total))
 
 
 class BucketReducer:

@@ -30,6 +30,7 @@ lands in a host buffer and is copied into the caller's buffer by the wait
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,30 +55,32 @@ GroupFormer = Callable[[str, Sequence[int]], dist.ProcessGroup]
 """Forms the process group `name` among the given node ranks (this node among them);
 blocks until every member has joined or the timeout passes."""
 
-_GRAVEYARD: list[tuple[float, Any]] = []
-"""(monotonic time it may be dropped, abandoned groups and transfers). A gloo transfer
-cannot be cancelled, and a group whose transfer is still blocked would block whoever drops
-it (its destructor joins its threads) until the timeout: abandoned ones are kept here until
-their timeout has surely passed, then released (their sockets with them)."""
+_RELEASE_GRACE_S = 1.0
+"""How long a buried entry is kept before its release begins: the peers that abandon the same
+group in the same event do so within this, so none of them sees it closed first."""
 
 
-def _bury(entry: Any, timeout_s: float) -> None:
-    now = time.monotonic()
-    _GRAVEYARD[:] = [e for e in _GRAVEYARD if e[0] > now]
-    _GRAVEYARD.append((now + 2 * timeout_s + 5, entry))
+def bury(entry: Any, *, collect: bool = False) -> None:
+    """Drop `entry` (abandoned groups, transfers that cannot be cancelled, their buffers, a
+    finished generation's engine) on a thread of its own, after a short grace. A gloo
+    transfer cannot be cancelled, and dropping a group whose collective is still blocked
+    waits (its destructor joins its threads, the GIL released) until that collective's
+    timeout: no caller waits for that. Nor may a group be kept longer than needed: bytes a
+    peer sent that this node will never read (a collective launched before a loss, given up
+    here) wake gloo's level-triggered loop without end, a share of a core spent on nothing
+    for as long as the group lives (docs/results.md, "The spinning gloo loop").
+    `collect`: `entry` sits in reference cycles (an engine and its parts), so a full
+    collection follows, on the same thread, for the same reason."""
+    box = [entry]
+    del entry
 
+    def release() -> None:
+        time.sleep(_RELEASE_GRACE_S)
+        box.clear()  # the destructors run here
+        if collect:
+            gc.collect()
 
-def bury(entry: Any, p2p: P2P) -> None:
-    """Keep `entry` (transfers that cannot be cancelled, and their buffers) alive until the
-    timeout of `p2p`'s group has surely passed."""
-    _bury(entry, _timeout_s(p2p.group))
-
-
-def _timeout_s(group: Any) -> float:
-    try:
-        return group.options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return 1800.0
+    threading.Thread(target=release, daemon=True, name="release").start()
 
 
 class PeerLost(RuntimeError):
@@ -191,7 +194,7 @@ def form_interruptibly(former: GroupFormer, name: str, ranks: Sequence[int],
     while thread.is_alive():
         thread.join(0.02)
         if thread.is_alive() and interrupt():
-            _bury(result, 1800.0)  # the formation ends by itself, with its store's timeout
+            bury(result)  # the formation ends by itself, with its store's timeout
             raise Interrupted()
     if isinstance(result[0], Exception):
         raise PeerLost(f"forming process group {name} failed: "
@@ -430,7 +433,8 @@ class P2P:
     def abandon(self) -> None:
         """Drop this group and everything pending on it (a peer in it was lost). NCCL's
         communicator is aborted; a gloo group has no abort that cancels a transfer, so its
-        blocked transfers end with the timeout on helper threads, never waited on again."""
+        blocked transfers end with the timeout on helper threads, never waited on again;
+        either way the groups are released off this thread (`bury`)."""
         if self.abandoned:
             return
         self.abandoned = True
@@ -440,8 +444,8 @@ class P2P:
                     group.abort()
                 except (RuntimeError, AttributeError):
                     pass
-        _bury((self.group, self.gradient_group, self._subgroups, self.pending, self.posted,
-               self._waiting), _timeout_s(self.group))
+        bury((self.group, self.gradient_group, self._subgroups, self.pending, self.posted,
+               self._waiting))
         self.pending, self.posted, self._waiting, self._subgroups = [], {}, {}, {}
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -35,7 +35,15 @@ import torch.distributed.checkpoint
 
 from bamboo.data.sizing import SIZING
 from bamboo.data.user import job_task
-from bamboo.engine.comm import P2P, RESTORE, GroupFormer, Interrupted, PeerLost, form_interruptibly
+from bamboo.engine.comm import (
+    P2P,
+    RESTORE,
+    GroupFormer,
+    Interrupted,
+    PeerLost,
+    bury,
+    form_interruptibly,
+)
 from bamboo.engine.engine import (
     Assignment,
     EngineOptions,
@@ -211,6 +219,7 @@ class WorkerNode:
         try:
             loaded = self._load_state(plan, rank, group, engine.held())
         except TransferFailed as e:
+            self._retire(engine)
             return self._failed(plan, e)
         self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
                          replica=engine.replica.stage if engine.replica is not None else None,
@@ -229,7 +238,15 @@ class WorkerNode:
                          for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
         self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step)
+        self._retire(engine)
         return "next"
+
+    def _retire(self, engine: NodeEngine) -> None:
+        """The generation is over here: its engine, with the process groups it holds, is
+        dropped off this thread (`bury`: a group may hold bytes a peer sent that will never
+        be read, or a collective still blocked)."""
+        self.faults.detach()
+        bury(engine, collect=True)
 
     def _steps(self, engine: NodeEngine, start: int) -> tuple[int, bool]:
         """The generation's steps from `start`, each after its held-out pass when one is

@@ -44,6 +44,10 @@ class Fault:
     when the step begins (a `--kill D:S@K`, whoever holds the stage by then)."""
 
 
+def _holds_nothing(pipeline: int, stage: int) -> bool:
+    return False
+
+
 class FaultPlan:
     """The faults aimed at one worker: the engine's instruction hook
     (`bamboo.plan.program.InstructionHook`), checked after every instruction."""
@@ -51,10 +55,15 @@ class FaultPlan:
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = list(faults)
         self.steps = {f.step for f in self.faults}
-        self.holds: Callable[[int, int], bool] = lambda pipeline, stage: False
+        self.holds: Callable[[int, int], bool] = _holds_nothing
         self._aimed: dict[tuple[int, Fault], bool] = {}
         self._seen_forward = False
         """Whether the step under way ran a forward yet (the default point is the first)."""
+
+    def detach(self) -> None:
+        """The generation's engine is done: its `holds` is let go (the next engine gives
+        its own at its first step), so nothing here keeps that engine alive."""
+        self.holds = _holds_nothing
 
     def forget(self, fired: list[str]) -> None:
         """A new generation: drop the kills already carried out (`D:S@K` strings, a redone
