@@ -63,6 +63,12 @@ def test_failover_ends_equal_to_failure_free(name: str, tmp_path: Path) -> None:
     assert summary["failovers"] == failovers and summary["peer_restores"] == peer_restores
     assert summary["checkpoint_restores"] == 0 and summary["redone_steps"] == 0
     assert summary["preemptions"] == len(cfg.cluster.kills) == len(summary["pause_s"])
+    # one a replica promoted: every failover's, and a lost shadow's own replica (its other
+    # stage restored from a peer) too
+    assert failovers <= len(summary["promotion_s"]) <= failovers + peer_restores
+    assert all(0 <= x < 5 for x in summary["promotion_s"]), summary["promotion_s"]
+    if cfg.redundancy.mode == "lazy":  # its replica in host memory, stepped on a thread
+        assert summary["replica_host_bytes"] > 0
     events = RunDir(tmp_path / "run")
     lost = [e for e in run_events(tmp_path / "run") if e["event"] == "node_lost"]
     assert len(lost) == len(cfg.cluster.kills)
@@ -191,6 +197,24 @@ def test_replica_sync_ships_only_the_reduced_gradient(tmp_path: Path) -> None:
         # the wait for the go and commit answers is part of the step, and every node waits
         # for at least the coordinator's two answers
         assert 0 < node["vote_s"] < node["step_s"]
+
+
+# -- lazy's replica, stepped on a thread of its own: its primary killed around that step -----
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("point", ["micro-batches done", "round done", "applied"])
+def test_lazy_kill_around_the_replicas_step_ends_equal(point: str, tmp_path: Path) -> None:
+    """Stage 1's node killed in step 2 before its reduced gradient leaves for the replica's
+    holder, after it left, and after the commit (the holder's replica step may still be
+    running on its thread when the failover promotes the replica)."""
+    cfg = config(nodes=2, stages=2, steps=5, redundancy="lazy")
+    index = [p.name for p in COMMIT_POINTS].index(point)
+    after = victim_schedule_length(cfg, 0, 1) - len(COMMIT_POINTS) + index
+    summary = run_in_process(cfg, tmp_path / "run", {1: [Fault("kill", 2, after)]})
+    assert_equals_failure_free(summary, cfg)
+    assert summary["failovers"] == 1 and len(summary["promotion_s"]) == 1, summary
+    assert summary["replica_host_bytes"] > 0
 
 
 # -- the property test: a random node killed at a random instruction of a random step -------

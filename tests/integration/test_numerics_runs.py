@@ -106,11 +106,19 @@ def test_memory_orders_the_redundancy_modes_and_offload_bounds_eager(run) -> Non
     mem = {name: s["memory_per_node_bytes"] for name, s in
            [("off", off), ("lazy", lazy), ("eager", eager), ("offload", offload)]}
     assert all(len(m) == 4 and min(m) > 0 for m in mem.values()), mem
+    host = {name: s["host_memory_per_node_bytes"] for name, s in
+            [("off", off), ("lazy", lazy), ("eager", eager), ("offload", offload)]}
     for a, b, c in zip(mem["off"], mem["lazy"], mem["eager"]):  # every node, so the max too
-        assert a < b <= c, mem
+        assert a <= b < c, mem
+    # lazy's replica lives in host memory: on the device, lazy adds only the stage outputs a
+    # shadow's redo needs, less than the replica it keeps on the host
+    for a, b, h in zip(mem["off"], mem["lazy"], host["lazy"]):
+        assert b - a < h, (mem, host)
     assert max(mem["offload"]) <= OFFLOAD_RATIO * max(mem["off"]), mem
     assert max(mem["eager"]) > OFFLOAD_RATIO * max(mem["off"]), mem  # offloading matters
-    for s in (off, lazy, eager):
-        assert s["host_memory_per_node_bytes"] == [0, 0, 0, 0]
-    assert min(offload["host_memory_per_node_bytes"]) > 0
+    assert host["off"] == host["eager"] == [0, 0, 0, 0], host
+    assert min(host["lazy"]) > 0 and min(host["offload"]) > 0, host
+    assert lazy["replica_host_bytes"] == max(host["lazy"]), (lazy["replica_host_bytes"], host)
+    assert off["replica_host_bytes"] == eager["replica_host_bytes"] == 0
+    assert 0 < offload["replica_host_bytes"] < lazy["replica_host_bytes"]  # its moments only
     assert offload["losses"] == eager["losses"] and offload["param_sha256"] == eager["param_sha256"]

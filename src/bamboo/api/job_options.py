@@ -49,6 +49,7 @@ class JobOptions:
         micro_batch_size: int = 8,
         global_batch_size: int | None = None,
         memory_per_node: str | None = None,
+        host_memory_per_node: str | None = None,
         layer_costs: str | PathLike[str] | None = None,
         pipeline_schedule: Literal['1f1b', 'zb-h1'] = '1f1b',
         # -- training --
@@ -164,6 +165,12 @@ class JobOptions:
                 or 16GiB: --stages auto picks the fewest stages whose share of the model fits
                 it; default this machine's memory shared by its local workers.
                 (--memory-per-node)
+            host_memory_per_node (str | None, default None): The host memory one node may use
+                for what it keeps off its accelerator (lazy redundancy's replica): with it
+                --stages auto counts that replica against it, not against --memory-per-node;
+                default on a GPU this machine's memory shared by its local workers; on CPU nodes
+                the two are one memory, so both count against --memory-per-node.
+                (--host-memory-per-node)
             layer_costs (str | PathLike[str] | None, default None): A file of measured seconds
                 per layer (`bamboo profile --layers-only`): stages are cut by those instead of
                 by parameter counts. (--layer-costs)

@@ -87,6 +87,12 @@ class LayoutSection:
         one node may use, e.g. 64MiB or 16GiB: --stages auto picks the fewest stages whose
         share of the model fits it; default this machine's memory shared by its local
         workers.""")
+    host_memory_per_node: str | None = option(None, check=_size, metavar="SIZE", help="""The
+        host memory one node may use for what it keeps off its accelerator (lazy
+        redundancy's replica): with it --stages auto counts that replica against it, not
+        against --memory-per-node; default on a GPU this machine's memory shared by its
+        local workers; on CPU nodes the two are one memory, so both count against
+        --memory-per-node.""")
     layer_costs: str | None = option(None, metavar="FILE", help="""A file of measured seconds
         per layer (`bamboo profile --layers-only`): stages are cut by those instead of by
         parameter counts.""")

@@ -36,6 +36,12 @@ class RedundancyMode(enum.StrEnum):
         return self.keeps_replica or self.chosen_per_generation
 
     @property
+    def keeps_replica_on_host(self) -> bool:
+        """Whether the replica lives in host memory (it runs no forward: lazy), not on the
+        device (eager runs its forwards there; `auto` may choose eager)."""
+        return self is RedundancyMode.LAZY
+
+    @property
     def runs_frc(self) -> bool:
         """Whether the replica's forward runs in every step, before any loss."""
         return self is RedundancyMode.EAGER

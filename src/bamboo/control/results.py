@@ -73,6 +73,10 @@ class Results:
         """The workers' resident memory, from the same reports."""
         self.largest_rss = 0
         """The largest resident memory among the reports of the last recorded step."""
+        self.replica_host_bytes = 0
+        """The largest replica a node reported keeping in host memory."""
+        self.promotions: list[float] = []
+        """Seconds each failover took to bring its replica to the device, in step order."""
 
     def record(self, p: PendingStep, reports: list[StepReport], names: list[str],
                own_processor: list[bool]) -> dict:
@@ -93,6 +97,8 @@ class Results:
                              "floor_s": redundant_work_floor(work, self._stages())})
         for r, name in zip(reports, names):
             self._note_memory(name, r)
+            self.replica_host_bytes = max(self.replica_host_bytes, r.replica_host_bytes)
+            self.promotions.extend(r.promotion_s)
         self.ctx.events.write("step_done", **record)
         for r, name in zip(reports, names):
             self.real_memory.note(name, r)
@@ -256,6 +262,7 @@ class Results:
             "wall_s": wall, "throughput": here / wall if wall > 0 else 0.0,
             "median_step_s": statistics.median(step_walls) if step_walls else None,
             **self.memory_fields(),
+            "replica_host_bytes": self.replica_host_bytes, "promotion_s": self.promotions,
             "coordinator": self.coordinator_fields(steps),
             "config": ctx.cfg.summary_fields(),
         }

@@ -43,7 +43,7 @@ from bamboo.engine.forward import StageForward
 from bamboo.engine.memory import storage_bytes
 from bamboo.engine.options import Assignment, EngineOptions, Observers, Placement
 from bamboo.engine.split_backward import Taping, input_gradient, weight_gradient
-from bamboo.engine.stage import StageState, build_stage
+from bamboo.engine.stage import StageState, build_replica, build_stage
 from bamboo.engine.step import StepState
 from bamboo.engine.transfers import recv_activation, recv_grad, send_activation, send_grad
 from bamboo.engine.transport import Transport, make_transport
@@ -106,7 +106,7 @@ class NodeEngine:
         self.loss = self.task.loss or loss_fn(model)
         self.stages = {s: self.build(s) for s in roles.stages_of(rank)}
         replica = roles.replica_of(rank) if shadowed else None
-        self.replica = self.build(replica) if replica is not None else None
+        self.replica = build_replica(self.build, replica, runs_forward=self.eager)
         self.ctx = NodeContext(rank=rank, pipeline=self.pipeline, P=self.P, parts=parts,
                                specs=self.specs, device=self.device, global_mbs=self.global_mbs,
                                link=self.link, former=place.former)

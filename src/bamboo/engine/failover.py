@@ -147,13 +147,13 @@ class _CatchUp:
             st = self.held.replica
             assert st is not None and st.stage == t.stage
             self.held = replace(self.held, replica=None)
-            st.to_device_optimizer()  # --frc-offload kept its optimizer state in host memory
+            promotion_s = st.promote()  # to the device, its pending step first
             self.r.frc_results_complete()
-            yield from self._install(t, st)
+            yield from self._install(t, st, promotion_s)
         else:
             self.restores.append(("recv", t))
 
-    def _install(self, t: Takeover, st: StageState) -> Changes:
+    def _install(self, t: Takeover, st: StageState, promotion_s: float = 0.0) -> Changes:
         """Make `st` this node's stage `t.stage`; the engine sets up the step's work on it."""
         self.held = replace(self.held, stages={**self.held.stages, t.stage: st})
-        yield Adopted(t.stage, from_replica=t.kind == "failover")
+        yield Adopted(t.stage, from_replica=t.kind == "failover", promotion_s=promotion_s)

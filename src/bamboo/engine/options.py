@@ -5,6 +5,7 @@ about how a node trains, in one frozen section built in one place,
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -104,6 +105,10 @@ class EngineOptions:
     """Eager FRC keeps what it saves, and the replica its optimizer state, in host memory."""
     frc_at: str = "waits"
     """waits | slot: where eager FRC runs."""
+    replica_step_later: bool = True
+    """A replica kept in host memory takes its optimizer step on a thread of its own,
+    overlapping the node's next work (`StageState.apply_later`); False (the environment's
+    `BAMBOO_REPLICA_STEP=inline`, for side-by-side measurements): inside the step."""
     bucket_mb: float = 25.0
     """The data-parallel sums' buckets, begun during the backward (`buckets.py`); 0: one
     bucket a stage, launched at the commit round."""
@@ -135,4 +140,5 @@ class EngineOptions:
                    activation_checkpointing=cfg.model.activation_checkpointing,
                    check_replicas=cfg.redundancy.check_replicas,
                    frc_offload=cfg.redundancy.frc_offload, frc_at=cfg.redundancy.frc_at,
-                   optimizer=t.optimizer, lr_schedule=t.lr_schedule)
+                   optimizer=t.optimizer, lr_schedule=t.lr_schedule,
+                   replica_step_later=os.environ.get("BAMBOO_REPLICA_STEP") != "inline")

@@ -11,8 +11,11 @@ stage's reduced gradient and never sums one, holds none until it is adopted.
 A replica's optimizer state may live in host memory (`offload_optimizer`, under
 `--frc-offload`): its step then brings one parameter's state tensors to the device at a
 time, runs the very step the primary runs (same kernels, same device: the same bits) and
-puts them back. `to_device_optimizer` moves the state to the device for good, when the
-replica is adopted as a primary.
+puts them back. A replica that runs no forward (lazy redundancy) keeps its parameters there
+too (`keep_on_host`: it takes no device memory), its step streamed the same way, and may
+run that step on a thread of its own (`apply_later`), off the critical path: every read of
+its state waits for it first (`settle`). `promote` (or `to_device_optimizer`) moves the
+state to the device for good, when the replica is adopted as a primary.
 
 A stage may hold only layers without parameters (activations, dropout, reshapes, pooling):
 it has no optimizer, its gradient sum is empty, and its layers' state is their layout's
@@ -21,7 +24,10 @@ derives from the optimizer's own per-parameter state.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +52,7 @@ from bamboo.model import build_layers, model_ties
 from bamboo.model.ties import get_param
 from bamboo.plan.schedule import defers_weight
 
-__all__ = ["StageState", "StageOptimizer", "build_stage"]
+__all__ = ["StageState", "StageOptimizer", "build_stage", "build_replica"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,19 @@ class StageOptimizer:
     lr: float
     weight_decay: float
     spec: str | None = None
+
+
+_REPLICA_STEPS: ThreadPoolExecutor | None = None
+"""The thread a node's replica steps run on (one: they run in order)."""
+REPLICA_STEP_TIMEOUT_S = 600.0
+"""How long a read of a replica waits for its step (`settle`) before giving up."""
+
+
+def _replica_steps() -> ThreadPoolExecutor:
+    global _REPLICA_STEPS
+    if _REPLICA_STEPS is None:
+        _REPLICA_STEPS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-step")
+    return _REPLICA_STEPS
 
 
 def _offloadable(value: Any) -> bool:
@@ -92,6 +111,10 @@ class StageState:
         adds every pipeline's sum in pipeline order as a failure-free step does)."""
         self.optimizer_on_host = False
         """The optimizer's state tensors live in host memory (see `offload_optimizer`)."""
+        self.on_host = False
+        """The parameters live in host memory too (`keep_on_host`: a replica off the device)."""
+        self._pending: Future | None = None
+        """The optimizer step `apply_later` began and no read has waited for yet."""
         self.taping: Any = None
         """Under zb-h1, the forward hooks that tape its linear layers (`split_backward.Taping`)."""
         self.layer_spans: list[tuple[int, int, int]] = []
@@ -227,15 +250,22 @@ class StageState:
         back to their host buffers."""
         assert self.optimizer is not None
         state = self.optimizer.state
-        for view, p in zip(self._split(grad), self.params):
+        stream_params = self.on_host and self.device.type != "cpu"
+        for view, p in zip(self._split(grad.to(self.device)), self.params):
             host = {k: v for k, v in state[p].items() if _offloadable(v)} if p in state else None
             for k, v in (host or {}).items():
                 state[p][k] = v.to(self.device, non_blocking=True)
+            host_param = p.data
+            if stream_params:
+                p.data = host_param.to(self.device, non_blocking=True)
             p.grad = view
             try:
                 self.optimizer.step()
             finally:
                 p.grad = None
+                if stream_params:
+                    host_param.copy_(p.data, non_blocking=True)
+                    p.data = host_param
             for k, on_device in list(state[p].items()):
                 if not _offloadable(on_device):
                     continue
@@ -252,6 +282,49 @@ class StageState:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # -- a replica in host memory, stepped off the critical path -----------------------------
+
+    def keep_on_host(self) -> None:
+        """Keep the parameters and the optimizer state in host memory from now on (pinned
+        where an accelerator is present): this stage takes no device memory between its
+        steps, which stream them through the device one parameter at a time. On a CPU
+        device they are in host memory already and step as they are."""
+        if self.device.type != "cpu":
+            for p in self.params:
+                p.data = to_host(p.data)
+            self.offload_optimizer()
+        self.on_host = True
+
+    def apply_later(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
+        """`apply` on the replica-step thread, overlapping what the node does next; every
+        read of this stage's state waits for it first (`settle`)."""
+        self.settle()
+        self._pending = _replica_steps().submit(self.apply, grad32, coef, lr)
+
+    def settle(self) -> None:
+        """Wait for the step `apply_later` began (its error raised here), bounded."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=REPLICA_STEP_TIMEOUT_S)
+        except FutureTimeout:
+            raise RuntimeError(f"stage {self.stage}'s replica step did not finish in "
+                               f"{REPLICA_STEP_TIMEOUT_S:.0f} s") from None
+
+    def promote(self) -> float:
+        """Bring a replica's state to the device for good (it is adopted as a primary):
+        the seconds it took, its pending step included."""
+        start = time.perf_counter()
+        self.settle()
+        if self.on_host and self.device.type != "cpu":
+            for p in self.params:
+                p.data = p.data.to(self.device)
+        self.on_host = False
+        self.to_device_optimizer()
+        self._sync()
+        return time.perf_counter() - start
+
     # -- where the optimizer state lives -----------------------------------------------------
 
     def offload_optimizer(self) -> None:
@@ -260,6 +333,7 @@ class StageState:
         `_step_streamed`)."""
         if self.optimizer_on_host:
             return
+        self.settle()
         for per in self._per_param_states():
             for k, v in per.items():
                 if _offloadable(v) and v.device.type != "cpu":
@@ -272,6 +346,7 @@ class StageState:
         a primary); a no-op for a stage whose optimizer state is on the device."""
         if not self.optimizer_on_host:
             return
+        self.settle()
         for per in self._per_param_states():
             for k, v in per.items():
                 if _offloadable(v):
@@ -284,13 +359,16 @@ class StageState:
     def memory(self) -> tuple[int, int]:
         """(device bytes, host bytes) this stage holds between steps by tensor accounting:
         parameters, the gradient sum (once allocated) and the optimizer's state tensors (on
-        the host when offloaded, even where host and device are the same memory)."""
+        the host when offloaded, even where host and device are the same memory). Sizes
+        only: it does not wait for a step under way (`apply_later`)."""
         params = sum(p.numel() * p.element_size() for p in self.params)
         grads = 0 if self._grad_sum is None else \
             self._grad_sum.numel() * self._grad_sum.element_size()
         grads += sum(flat.numel() * flat.element_size() for flat, _ in self._served.values())
         moments = sum(v.numel() * v.element_size() for per in self._per_param_states()
-                      for v in per.values() if _offloadable(v))
+                      for v in list(per.values()) if _offloadable(v))
+        if self.on_host:
+            return grads, params + moments
         if self.optimizer_on_host:
             return params + grads, moments
         return params + grads + moments, 0
@@ -307,6 +385,7 @@ class StageState:
     def state_vector(self) -> torch.Tensor:
         """The whole stage's state packed (uint8, on the device): its layers' packed states
         in layer order (`state_size` bytes)."""
+        self.settle()
         return torch.cat([self.packed_layer(i) for i in self.layer_indices])
 
     def state_size(self) -> int:
@@ -328,11 +407,13 @@ class StageState:
         """The layout of one layer's state (`bamboo.engine.layer_state`), the same on every
         node that builds this layer with this optimizer."""
         if layer_index not in self._layouts:
+            self.settle()
             self._layouts[layer_index] = layer_layout(self._layer_named(layer_index),
                                                       self.optimizer, self._options)
         return self._layouts[layer_index]
 
     def _live(self, layer_index: int) -> LayerState:
+        self.settle()
         params = [p for _, p in self._layer_named(layer_index)]
         return read_state(self.layer_layout(layer_index), params, self.optimizer,
                           f"layer {layer_index}")
@@ -352,6 +433,7 @@ class StageState:
         """Set one layer's parameters and optimizer state from its named tensors (a
         checkpoint's, a `layer_state`) or its packed buffer (a peer's); ValueError (one
         line) when they are of another model or optimizer."""
+        self.settle()
         layout, where = self.layer_layout(layer_index), f"layer {layer_index}"
         if isinstance(state, torch.Tensor):
             state = layout.unpack(state, where)
@@ -369,12 +451,14 @@ class StageState:
     def digest(self) -> str:
         """sha256 of the parameters' float32 bytes (replica checks)."""
         import hashlib
+        self.settle()
         sha = hashlib.sha256()
         for p in self.params:
             sha.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return sha.hexdigest()
 
     def parameters_by_layer(self) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        self.settle()
         return [(i, [(n, p.detach().to("cpu", torch.float32).clone())
                      for n, p in layer.named_parameters()])
                 for i, layer in zip(self.layer_indices, self.module)]
@@ -389,4 +473,16 @@ def build_stage(preset: ModelPreset, o: EngineOptions, parts: Sequence[range],
                     accumulate_dtype=torch.float64 if o.exact else torch.float32)
     if defers_weight(o.schedule, stage):
         st.taping = Taping(st.module)
+    return st
+
+
+def build_replica(build: Callable[[int], StageState], stage: int | None, *,
+                  runs_forward: bool) -> StageState | None:
+    """A node's replica of `stage` (None: it keeps none): kept in host memory
+    (`keep_on_host`) unless it runs forwards of its own (eager FRC runs them on the device)."""
+    if stage is None:
+        return None
+    st = build(stage)
+    if not runs_forward:
+        st.keep_on_host()
     return st

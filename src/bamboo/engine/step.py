@@ -62,6 +62,8 @@ class Adopted:
 
     stage: int
     from_replica: bool
+    promotion_s: float = 0.0
+    """A failover: seconds to bring the replica to the device (`StageState.promote`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class StepTally:
     lr: float = 0.0
     skipped: bool = False
     loss_scale: float = 1.0
+    promotion_s: list[float] = field(default_factory=list)
 
     def as_report(self) -> dict[str, Any]:
         """These figures as the report's fields."""
@@ -181,7 +184,7 @@ class StepState:
         if isinstance(change, Restarted):
             self.restart()
         elif isinstance(change, Adopted):
-            self.adopt(ctx, change.stage, change.from_replica)
+            self.adopt(ctx, change.stage, change.from_replica, change.promotion_s)
         else:
             for instr, value in change.received:
                 self.received(instr, value)
@@ -212,11 +215,14 @@ class StepState:
             self.transfers.received_acts.add(key)
         self.done.add(instr)
 
-    def adopt(self, ctx: NodeContext, stage: int, from_replica: bool) -> None:
+    def adopt(self, ctx: NodeContext, stage: int, from_replica: bool,
+              promotion_s: float = 0.0) -> None:
         """This node took over `stage` (a failover adopting its replica, or a peer restore):
         set up the step's work on it. Inputs kept for a shadow are its inputs; a failover's
         eager FRC results are its forwards (its backward passes are all redone)."""
         self.adopted.add(stage)
+        if from_replica:
+            self.tally.promotion_s.append(round(promotion_s, 6))
         for mb in ctx.global_mbs:
             key = (stage, mb)
             if stage > 0 and (stage - 1, mb) in self.saved_out:

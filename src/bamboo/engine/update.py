@@ -62,7 +62,10 @@ def apply_update(*, stages: dict[int, StageState], replica: StageState | None,
         assert result.replica_grad is not None
         if o.frc_offload:  # the replica's optimizer state lives in host memory
             replica.offload_optimizer()
-        replica.apply(result.replica_grad, coef, lr)
+        if replica.on_host and o.replica_step_later:  # off the critical path
+            replica.apply_later(result.replica_grad, coef, lr)
+        else:
+            replica.apply(result.replica_grad, coef, lr)
     return Applied(norm, lr, False, loss_scale)
 
 
@@ -73,6 +76,7 @@ def holdings(s: StepState, stages: dict[int, StageState], replica: StageState | 
     checked, every held stage's digest."""
     held = list(stages.values()) + ([replica] if replica is not None else [])
     device_bytes, host_bytes = s.memory.node_peak(held, list(stages.values()))
+    replica_host_bytes = replica.memory()[1] if replica is not None else 0
     digests = {}
     if check_replicas:
         digests = {f"stage{k}": st.digest() for k, st in stages.items()}
@@ -80,4 +84,4 @@ def holdings(s: StepState, stages: dict[int, StageState], replica: StageState | 
             digests[f"replica{replica.stage}"] = replica.digest()
     return dict(stages=sorted(stages), state_bytes=sum(st.state_size() for st in held),
                 params_held=sum(st.numel for st in held), device_bytes=device_bytes,
-                host_bytes=host_bytes, digests=digests)
+                host_bytes=host_bytes, replica_host_bytes=replica_host_bytes, digests=digests)

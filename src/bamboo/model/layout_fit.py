@@ -16,7 +16,7 @@ from bamboo.config.layout import AUTO, ChosenStages, parse_size
 from bamboo.config.presets import CustomSizing
 from bamboo.plan.layout_choice import Footprint, choose_layout
 
-__all__ = ["resolve_stages", "footprint", "node_memory"]
+__all__ = ["resolve_stages", "footprint", "node_memory", "host_memory"]
 
 
 def footprint(cfg: JobConfig, sizing: CustomSizing | None = None) -> Footprint:
@@ -47,6 +47,26 @@ def node_memory(cfg: JobConfig, local_workers: int) -> tuple[int, str]:
     return share, f"1/{max(1, local_workers)} of this machine's memory ({share / 2**30:.1f} GiB)"
 
 
+def host_memory(cfg: JobConfig, local_workers: int) -> int | None:
+    """Bytes of host memory one node may keep its replica in, where the mode keeps it there
+    and that memory is not the device's (--host-memory-per-node, else on CUDA nodes this
+    machine's memory shared by its `local_workers`); None: the replica counts against
+    --memory-per-node (CPU nodes, or a replica on the device)."""
+    if not cfg.redundancy.kind.keeps_replica_on_host:
+        return None
+    given = cfg.layout.host_memory_per_node
+    if given is not None:
+        return parse_size(given)
+    if cfg.runtime.device == "cpu":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    from bamboo.model.fits import machine_memory_bytes
+    machine = machine_memory_bytes()
+    return None if machine is None else machine // max(1, local_workers)
+
+
 def resolve_stages(cfg: JobConfig, local_workers: int,
                    sizing: CustomSizing | None = None) -> tuple[JobConfig, str | None]:
     """The job with --stages auto replaced by the planner's P, D and M (validated), and the
@@ -61,7 +81,8 @@ def resolve_stages(cfg: JobConfig, local_workers: int,
                            global_batch=layout.batch_samples,
                            micro_batch_size=layout.micro_batch_size,
                            replica=mode.may_keep_replica,
-                           least_pipelines=2 if mode.reroutes else 1, memory_source=source)
+                           least_pipelines=2 if mode.reroutes else 1, memory_source=source,
+                           host_memory_per_node=host_memory(cfg, local_workers))
     chosen = dataclasses.replace(layout, stages=ChosenStages(choice.stages),
                                  pipelines=choice.pipelines, micro_batches=choice.micro_batches)
     p, d, m = choice.stages, choice.pipelines, choice.micro_batches

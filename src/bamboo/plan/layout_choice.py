@@ -48,22 +48,30 @@ class NodeNeed:
     state_bytes: int
     activation_bytes: int
     schedule_bytes: int
+    host_bytes: int = 0
+    """The replica's state where it lives in host memory (not in `total`)."""
 
     @property
     def total(self) -> int:
+        """Device bytes."""
         return self.state_bytes + self.activation_bytes + self.schedule_bytes
 
 
-def node_need(model: Footprint, stages: int, micro_batches: int, replica: bool) -> NodeNeed:
-    """What the fullest node certainly holds with `stages` stages and M micro-batches."""
+def node_need(model: Footprint, stages: int, micro_batches: int, replica: bool,
+              replica_on_host: bool = False) -> NodeNeed:
+    """What the fullest node certainly holds with `stages` stages and M micro-batches (its
+    replica in host memory with `replica_on_host`)."""
     parts = partition(model.layer_costs, stages)
     per_stage = [sum(model.layer_params[i] for i in part) for part in parts]
     with_replica = replica and stages > 1
-    state = max(per_stage[s] + (per_stage[(s + 1) % stages] if with_replica else 0)
+    on_device = with_replica and not replica_on_host
+    state = max(per_stage[s] + (per_stage[(s + 1) % stages] if on_device else 0)
                 for s in range(stages)) * BYTES_PER_PARAMETER
+    host = max(per_stage[(s + 1) % stages] for s in range(stages)) * BYTES_PER_PARAMETER \
+        if with_replica and replica_on_host else 0
     stage_0 = sum(model.boundary_bytes[i] for i in parts[0])
     schedule = (4 * micro_batches + 8) * BYTES_PER_INSTRUCTION
-    return NodeNeed(state, min(micro_batches, stages) * stage_0, schedule)
+    return NodeNeed(state, min(micro_batches, stages) * stage_0, schedule, host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +96,11 @@ def _pipelines(micro_batches: int, most: int, least: int) -> int | None:
 
 def choose_layout(model: Footprint, *, nodes: int, memory_per_node: int, global_batch: int,
                   micro_batch_size: int, replica: bool, least_pipelines: int = 1,
-                  memory_source: str | None = None) -> LayoutChoice:
+                  memory_source: str | None = None,
+                  host_memory_per_node: int | None = None) -> LayoutChoice:
     """The smallest P whose fullest node fits `memory_per_node`, with D and M for a global
-    batch of `global_batch` samples; ConfigError (one line) when none does.
+    batch of `global_batch` samples; ConfigError (one line) when none does. With
+    `host_memory_per_node` the replica lives in host memory and must fit that instead.
     `least_pipelines`: 2 where the mode needs a data-parallel peer (reroute); `memory_source`:
     how the line names the memory (default "a node's N MiB")."""
     b, source = micro_batch_size, memory_source or f"a node's {_mib(memory_per_node)}"
@@ -104,18 +114,27 @@ def choose_layout(model: Footprint, *, nodes: int, memory_per_node: int, global_
         d = _pipelines(total, nodes // p, least_pipelines)
         if d is None:
             continue
-        need = node_need(model, p, total // d, replica)
-        if need.total <= memory_per_node:
+        need = node_need(model, p, total // d, replica, host_memory_per_node is not None)
+        if need.total <= memory_per_node and \
+                need.host_bytes <= (host_memory_per_node or 0):
             return LayoutChoice(p, d, total // d, need,
                                 _why(model, p, d, need, replica, source, tried))
         tried.append((p, need))
+    fit_device = [(p, n) for p, n in tried if n.total <= memory_per_node]
+    if host_memory_per_node is not None and fit_device:
+        p, need = min(fit_device, key=lambda t: t[1].host_bytes)
+        raise ConfigError(f"--stages auto: no layout of {model.name} fits a node's "
+                          f"--host-memory-per-node {_mib(host_memory_per_node)} on {nodes} "
+                          f"nodes: its replica needs at least {_mib(need.host_bytes)} (P={p}); "
+                          f"give more --host-memory-per-node or --nodes", "host_memory_per_node")
     raise ConfigError(_none_fits(model, nodes, source, tried, total, least_pipelines), "stages")
 
 
 def _why(model: Footprint, p: int, d: int, need: NodeNeed, replica: bool, source: str,
          tried: Sequence[tuple[int, NodeNeed]]) -> str:
-    state = f"{_mib(need.state_bytes)} of state" + (" with its replica" if replica and p > 1
-                                                     else "")
+    state = f"{_mib(need.state_bytes)} of state" + (
+        f" (its replica's {_mib(need.host_bytes)} in host memory)" if need.host_bytes
+        else " with its replica" if replica and p > 1 else "")
     fits = (f"{model.name}'s {state} and {_mib(need.total - need.state_bytes)} of activations "
             f"and schedule fit {source} at P={p}")
     if tried:

@@ -122,8 +122,13 @@ class StepReport:
     transient .grad, and the running peak of saved activations, kept stage outputs and
     eager FRC's saved tensors (unless offloaded). Not process memory."""
     host_bytes: int = 0
-    """Peak host bytes offload put there: FRC saved tensors and the replica's optimizer
-    state under --frc-offload (counted as host memory even on a CPU-only machine)."""
+    """Peak host bytes offload put there: FRC saved tensors, the replica kept in host
+    memory (lazy) and its optimizer state under --frc-offload (counted as host memory even
+    on a CPU-only machine)."""
+    replica_host_bytes: int = 0
+    """The replica's bytes in host memory after the step (0: none kept there)."""
+    promotion_s: list[float] = field(default_factory=list)
+    """Seconds each failover of this step took to bring its replica to the device."""
     rss_bytes: int = 0
     """The process's resident memory at the end of the step (after the optimizer step and
     the step's buffers are dropped): real memory, not tensor accounting."""

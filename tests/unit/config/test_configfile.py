@@ -209,6 +209,7 @@ FIELD_CASES: dict[str, list[tuple[object, str]]] = {
     "global_batch_size": [(0, "--global-batch-size must be a positive integer"),
                           (60, "not a multiple of 1 pipelines x 8 samples")],
     "memory_per_node": [("lots", "'lots' is not a size"), (64, "expected a string")],
+    "host_memory_per_node": [("lots", "'lots' is not a size"), (64, "expected a string")],
     "steps": [(0, "--steps must be a positive integer"), ("ten", "expected an integer")],
     "seed": [(-1, "--seed must be >= 0")],
     "redundancy": [("sometimes", "'sometimes' is not one of eager, lazy, off, reroute, auto")],

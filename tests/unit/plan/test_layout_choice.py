@@ -48,6 +48,22 @@ def test_the_smallest_p_whose_stage_with_its_replica_fits() -> None:
     assert off.need.state_bytes == 4 * LAYER * BYTES_PER_PARAMETER
 
 
+def test_a_replica_in_host_memory_counts_against_host_memory_not_the_device() -> None:
+    # 90 MB of device memory: with the replica on the device P=4 (above); in host memory
+    # the stage alone must fit it (P=2: 4 layers, 64 MB) and the next stage's 64 MB the host
+    c = choose_layout(model(), nodes=4, memory_per_node=90 * 10**6, global_batch=64,
+                      micro_batch_size=8, replica=True, host_memory_per_node=1 << 30)
+    assert (c.stages, c.pipelines) == (2, 2)
+    assert c.need.state_bytes == c.need.host_bytes == 4 * LAYER * BYTES_PER_PARAMETER
+    assert "its replica's 61.0 MiB in host memory" in c.why
+    # too little host memory for any replica: one line naming the flag
+    with pytest.raises(ConfigError, match="--host-memory-per-node 10.0 MiB") as e:
+        choose_layout(model(), nodes=4, memory_per_node=90 * 10**6, global_batch=64,
+                      micro_batch_size=8, replica=True, host_memory_per_node=10 * MiB)
+    assert e.value.options == ("host_memory_per_node",) and "\n" not in str(e.value)
+    assert [m.value for m in RedundancyMode if m.keeps_replica_on_host] == ["lazy"]
+
+
 def test_the_redundancy_modes_that_keep_a_replica() -> None:
     """Memory is planned for a replica where the mode keeps one, and under auto."""
     assert [m.value for m in RedundancyMode if m.may_keep_replica] == ["eager", "lazy", "auto"]
