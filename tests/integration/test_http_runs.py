@@ -130,5 +130,8 @@ def test_a_run_is_scraped_while_it_trains(tmp_path: Path) -> None:
            if e["event"] == "step_done"}
     assert scraped[("bamboo_worker_rss_bytes_max", ())] in \
         [rss[k] for k in range(step - 4, step) if k in rss]
+    # lazy (the default): the survivor kept its successor's replica in host memory until
+    # the failover, and the gauge keeps the largest
+    assert scraped[("bamboo_replica_host_bytes_max", ())] == summary["replica_host_bytes"] > 0
     with pytest.raises(urllib.error.URLError):  # the run is over: so is the server
         http_get(base + "/healthz", timeout=2)

@@ -73,6 +73,7 @@ class HealthFeed:
                 m.set_samples_per_second(samples / max(results.records[-1]["wall_s"], 1e-9))
             m.set_live_nodes(live)
             m.set_worker_rss(results.largest_rss)
+            m.set_replica_host_bytes(results.replica_host_bytes)
             m.set_stages_without_redundancy(self._stages_without_redundancy())
             m.add_preemptions("standby", failures.standby_losses - self.standby_seen)
             self.standby_seen = failures.standby_losses

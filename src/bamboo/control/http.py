@@ -77,6 +77,10 @@ class RunMetrics:
         self.worker_rss = Gauge("bamboo_worker_rss_bytes_max",
                                 "Largest resident memory of the workers at the last recorded step",
                                 registry=r)
+        self.replica_host_bytes = Gauge(
+            "bamboo_replica_host_bytes_max",
+            "Largest replica a node kept in host memory so far (summary.json's replica_host_bytes)",
+            registry=r)
         self.preemptions = Counter("bamboo_preemptions_total",
                                    "Nodes lost, by how the run covered them", ["handled_as"],
                                    registry=r)
@@ -115,6 +119,10 @@ class RunMetrics:
     def set_worker_rss(self, value: int) -> None:
         with self.lock:
             self.worker_rss.set(value)
+
+    def set_replica_host_bytes(self, value: int) -> None:
+        with self.lock:
+            self.replica_host_bytes.set(value)
 
     def set_stages_without_redundancy(self, count: int) -> None:
         with self.lock:
