@@ -30,7 +30,6 @@ lands in a host buffer and is copied into the caller's buffer by the wait
 """
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +59,7 @@ _RELEASE_GRACE_S = 1.0
 group in the same event do so within this, so none of them sees it closed first."""
 
 
-def bury(entry: Any, *, collect: bool = False) -> None:
+def bury(entry: Any) -> None:
     """Drop `entry` (abandoned groups, transfers that cannot be cancelled, their buffers, a
     finished generation's engine) on a thread of its own, after a short grace. A gloo
     transfer cannot be cancelled, and dropping a group whose collective is still blocked
@@ -68,17 +67,15 @@ def bury(entry: Any, *, collect: bool = False) -> None:
     timeout: no caller waits for that. Nor may a group be kept longer than needed: bytes a
     peer sent that this node will never read (a collective launched before a loss, given up
     here) wake gloo's level-triggered loop without end, a share of a core spent on nothing
-    for as long as the group lives (docs/results.md, "The spinning gloo loop").
-    `collect`: `entry` sits in reference cycles (an engine and its parts), so a full
-    collection follows, on the same thread, for the same reason."""
+    for as long as the group lives (docs/results.md, "The spinning gloo loop"). What sits in
+    reference cycles (an engine and its parts) is not freed by this: break them first (the
+    worker hands over a finished engine's attributes, the engine emptied)."""
     box = [entry]
     del entry
 
     def release() -> None:
         time.sleep(_RELEASE_GRACE_S)
         box.clear()  # the destructors run here
-        if collect:
-            gc.collect()
 
     threading.Thread(target=release, daemon=True, name="release").start()
 

@@ -244,9 +244,14 @@ class WorkerNode:
     def _retire(self, engine: NodeEngine) -> None:
         """The generation is over here: its engine, with the process groups it holds, is
         dropped off this thread (`bury`: a group may hold bytes a peer sent that will never
-        be read, or a collective still blocked)."""
+        be read, or a collective still blocked). The engine sits in cycles of its own (its
+        dispatch table, its transport and buckets), which a full collection would take
+        tenths of a second of every worker to find: emptying it breaks them, and its parts
+        go by their reference counts."""
         self.faults.detach()
-        bury(engine, collect=True)
+        parts = dict(vars(engine))
+        vars(engine).clear()
+        bury(parts)
 
     def _steps(self, engine: NodeEngine, start: int) -> tuple[int, bool]:
         """The generation's steps from `start`, each after its held-out pass when one is
