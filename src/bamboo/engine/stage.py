@@ -251,7 +251,7 @@ class StageState:
         assert self.optimizer is not None
         state = self.optimizer.state
         stream_params = self.on_host and self.device.type != "cpu"
-        for view, p in zip(self._split(grad.to(self.device)), self.params):
+        for view, p in zip(self._split(grad), self.params):
             host = {k: v for k, v in state[p].items() if _offloadable(v)} if p in state else None
             for k, v in (host or {}).items():
                 state[p][k] = v.to(self.device, non_blocking=True)

@@ -38,13 +38,18 @@ def node_memory(cfg: JobConfig, local_workers: int) -> tuple[int, str]:
     given = cfg.layout.memory_per_node
     if given is not None:
         return parse_size(given), f"--memory-per-node {given}"
-    from bamboo.model.fits import machine_memory_bytes
-    machine = machine_memory_bytes()
-    if machine is None:
+    share = _machine_share(local_workers)
+    if share is None:
         raise ConfigError("--stages auto needs the nodes' memory and this machine's cannot be "
                           "read: give --memory-per-node SIZE (e.g. 16GiB)", "memory_per_node")
-    share = machine // max(1, local_workers)
     return share, f"1/{max(1, local_workers)} of this machine's memory ({share / 2**30:.1f} GiB)"
+
+
+def _machine_share(local_workers: int) -> int | None:
+    """This machine's memory shared by its `local_workers` (None: it cannot be read)."""
+    from bamboo.model.fits import machine_memory_bytes
+    machine = machine_memory_bytes()
+    return None if machine is None else machine // max(1, local_workers)
 
 
 def host_memory(cfg: JobConfig, local_workers: int) -> int | None:
@@ -60,11 +65,7 @@ def host_memory(cfg: JobConfig, local_workers: int) -> int | None:
     if cfg.runtime.device == "cpu":
         return None
     import torch
-    if not torch.cuda.is_available():
-        return None
-    from bamboo.model.fits import machine_memory_bytes
-    machine = machine_memory_bytes()
-    return None if machine is None else machine // max(1, local_workers)
+    return _machine_share(local_workers) if torch.cuda.is_available() else None
 
 
 def resolve_stages(cfg: JobConfig, local_workers: int,

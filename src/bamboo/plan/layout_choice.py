@@ -116,7 +116,7 @@ def choose_layout(model: Footprint, *, nodes: int, memory_per_node: int, global_
             continue
         need = node_need(model, p, total // d, replica, host_memory_per_node is not None)
         if need.total <= memory_per_node and \
-                need.host_bytes <= (host_memory_per_node or 0):
+                (host_memory_per_node is None or need.host_bytes <= host_memory_per_node):
             return LayoutChoice(p, d, total // d, need,
                                 _why(model, p, d, need, replica, source, tried))
         tried.append((p, need))
