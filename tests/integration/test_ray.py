@@ -91,7 +91,7 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
     ray_cluster.kill(ray_cluster.raylets()[-1])  # two raylets: the third node waits for room
-    proc = _train(ray_cluster, out, 24, "--max-nodes", "3")
+    proc = _train(ray_cluster, out, 40, "--max-nodes", "3")  # steps of ~0.3 s: room to join
     try:
         wait_step(out, 2, proc)
         assert len(_ups(out)) == 2
@@ -106,7 +106,7 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
         summary = _summary(proc)
     finally:
         stop([proc])
-    assert_failure_free(summary, nodes=2, stages=2, steps=24)
+    assert_failure_free(summary, nodes=2, stages=2, steps=40)
     events = run_events(out)
     lost = [e for e in events if e["event"] == "node_lost"]
     assert [(e["node"], e["ray_node_id"]) for e in lost] == [(victim["node"],
@@ -121,7 +121,9 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
 def test_a_drain_for_preemption_drains_that_node_at_a_step_boundary(ray_cluster: RayCluster,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _train(ray_cluster, out, 10, "--max-nodes", "3")  # the third raylet's node stands by
+    # The third raylet's node stands by. Steps take ~0.3 s and `ray drain-node` ~2 s to land:
+    # 40 steps leave the notice room even on a loaded machine.
+    proc = _train(ray_cluster, out, 40, "--max-nodes", "3")
     try:
         wait_step(out, 2, proc)
         victim = _holder(out, 0, 1)
@@ -129,7 +131,7 @@ def test_a_drain_for_preemption_drains_that_node_at_a_step_boundary(ray_cluster:
         summary = _summary(proc)
     finally:
         stop([proc])
-    assert_failure_free(summary, nodes=2, stages=2, steps=10)
+    assert_failure_free(summary, nodes=2, stages=2, steps=40)
     events = run_events(out)
     lost = [e for e in events if e["event"] == "node_lost"]
     assert [(e["node"], e["handled_as"], e["ray_node_id"], e["host"]) for e in lost] == [
@@ -144,18 +146,18 @@ def test_a_drain_for_preemption_drains_that_node_at_a_step_boundary(ray_cluster:
 def test_the_driver_killed_then_resume_auto_continues_and_leaves_no_actor(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _train(ray_cluster, out, 8, "--checkpoint-every", "2")
+    proc = _train(ray_cluster, out, 16, "--checkpoint-every", "2")
     try:
         wait_step(out, 3, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         # Ray ends the actors a dead driver owned; their agents and workers go with them.
         assert wait_gone(out, timeout=30) == []
-        again = _train(ray_cluster, out, 8, "--resume", "auto")
+        again = _train(ray_cluster, out, 16, "--resume", "auto")
         summary = _summary(again)
     finally:
         stop([proc])
-    assert_failure_free(summary, nodes=2, stages=2, steps=8)
+    assert_failure_free(summary, nodes=2, stages=2, steps=16)
     starts = [e for e in run_events(out) if e["event"] == "run_start"]
     assert len(starts) >= 2
     assert wait_gone(out) == []
