@@ -20,8 +20,8 @@ from support.agents import assert_failure_free, start, stop, wait_step
 from support.procs import BAMBOO, REPO, run_bamboo, run_events
 from support.ray_cluster import RayCluster, wait_gone
 
-RAYLETS = 3
-"""One-CPU raylets: a pipeline of 2 stages and room for one standby."""
+RAYLETS = 4
+"""One-CPU raylets (machines): a pipeline of 2 stages and room for two standbys."""
 JOB = ["--model", "gpt2-tiny", "--nodes", "2", "--stages", "2", "--no-report", "--quiet"]
 
 
@@ -90,7 +90,8 @@ def test_a_run_on_ray_equals_the_same_job_on_local_processes(ray_cluster: RayClu
 def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_stands_by(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    ray_cluster.kill(ray_cluster.raylets()[-1])  # two raylets: the third node waits for room
+    for raylet in ray_cluster.raylets()[2:]:  # two raylets left: the third node waits for room
+        ray_cluster.kill(raylet)
     proc = _train(ray_cluster, out, 40, "--max-nodes", "3")  # steps of ~0.3 s: room to join
     try:
         wait_step(out, 2, proc)
@@ -121,8 +122,8 @@ def test_a_raylet_killed_with_its_processes_is_a_preemption_and_one_that_joins_s
 def test_a_drain_for_preemption_drains_that_node_at_a_step_boundary(ray_cluster: RayCluster,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "run"
-    # The third raylet's node stands by. Steps take ~0.3 s and `ray drain-node` ~2 s to land:
-    # 40 steps leave the notice room even on a loaded machine.
+    # A third node stands by on a third raylet, the fourth idle. Steps take ~0.3 s and `ray
+    # drain-node` ~2 s to land: 40 steps leave the notice room even on a loaded machine.
     proc = _train(ray_cluster, out, 40, "--max-nodes", "3")
     try:
         wait_step(out, 2, proc)
