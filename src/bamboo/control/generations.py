@@ -430,10 +430,9 @@ class Generations:
             handled = HandledAs.CHECKPOINT_RESTORE
         self.reconfigurations += 1
         decided = ctx.clock()
-        per_param = bytes_per_parameter(ctx.cfg.training.optimizer, ctx.cfg.training.lr)
-        moved = round(sum(ctx.param_counts[layer] for layer, _, _ in plan.transfers) * per_param)
         ctx.reconf = None
         plan = self.enter(plan)
+        moved = self._bytes_moved(plan)
         self.times.append({"gen": plan.gen, "t": r.started, "decision_s": decided - r.started,
                            "bytes": moved, "from_nodes": len(old), "to_nodes": plan.active})
         ctx.events.write("reconfigured", gen=plan.gen, reason=r.reason, step=plan.start_step,
@@ -447,6 +446,17 @@ class Generations:
                 + (f", restored from {Path(plan.checkpoint).name}" if plan.checkpoint else "")
                 + (", restarted from the initial state" if plan.fresh_start else ""))
         return NextGeneration(plan=plan, lost=tuple(r.lost), covered_as=handled)
+
+    def _bytes_moved(self, plan: GenerationPlan) -> int:
+        """About the bytes `plan`'s state transfers move. Published first: the estimate
+        builds an optimizer, whose first build here imports torch's compiler stack (0.5-1.5
+        s of this process), while the nodes move the state; with no transfer, nothing."""
+        if not plan.transfers:
+            return 0
+        training = self.ctx.cfg.training
+        per_param = bytes_per_parameter(training.optimizer, training.lr)
+        return round(sum(self.ctx.param_counts[layer] for layer, _, _ in plan.transfers)
+                     * per_param)
 
     def rows(self) -> list:
         roles = self.ctx.roles
