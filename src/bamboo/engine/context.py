@@ -50,6 +50,13 @@ class NodeContext:
         """True, when called, once the coordinator published roles newer than `roles`."""
         return lambda: self.link.latest_epoch > roles.epoch
 
+    def abandoned(self, roles: RoleMap) -> bool:
+        """The coordinator published roles after `roles` that abandon the generation: the
+        step under way is dropped whatever this node does, so its remaining work is not
+        worth computing (read from the store only once newer roles are known)."""
+        return self.link.latest_epoch > roles.epoch and any(
+            m.abandon for m in self.link.next_epochs(roles.epoch, wait=False))
+
     def boundary_spec(self, stage: int, input_side: bool) -> Any:
         """The spec of the tensor entering (`input_side`) or leaving `stage`."""
         part = self.parts[stage]

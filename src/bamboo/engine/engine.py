@@ -7,19 +7,17 @@ replica's gradient, the global norm; the coordinator says "commit" only if every
 survivor's round worked; C. the optimizer step on every stage held and on the replica
 (`update.py`). Between steps, `evaluate` runs the held-out pass (`evaluation.py`).
 
-When a peer is lost the node asks the coordinator for the new role map and applies it to
-the step under way (`failover.py`, which returns what the node then holds): a shadow adopts
-the lost stage and its list grows by that stage's work; the transport (`transport.py`:
-strict or tagged) gets the lost stage's successor what it needs again; the rest of the step
-goes on, and ends with the bits a failure-free step gives. The step's buffers: `StepState`.
+When a peer is lost the node applies the new role map to the step under way (`failover.py`):
+a shadow adopts the lost stage and its list grows by that stage's work; the transport gets
+the lost stage's successor what it needs again; the step ends with the bits a failure-free
+step gives. Roles that abandon the generation stop the list at the next instruction.
 
 This module is the dispatcher (as DeepSpeed's `_exec_schedule`) over the node's list
-(`plan.program.node_instructions`): one method per instruction, the commit round, the
-optimizer step. After each instruction, and at each of the commit round's points, it tells
-its instruction hook (a fault plan). Failover, the transport and the held-out pass get the
-node's facts (`context.NodeContext`) and what it holds (`context.Held`), never the engine;
-what they produce or receive comes back here, the step's one writer, which builds the
-step's report once, when it commits.
+(`plan.program.node_instructions`): a method per instruction, the commit round, the
+optimizer step; after each instruction and commit point it tells its hook (a fault plan).
+Failover, the transport and the held-out pass get the node's facts (`context.NodeContext`)
+and what it holds (`context.Held`), never the engine; what they produce comes back here,
+the step's one writer, which builds the step's report once, when it commits.
 """
 from __future__ import annotations
 
@@ -282,6 +280,8 @@ class NodeEngine:
         for index, instr in enumerate(schedule):
             if instr in s.done:
                 continue
+            if self.ctx.abandoned(self.roles):  # the recovery meets it: GenerationEnded
+                raise Interrupted
             self.progress(s.step, _BACKWARD if isinstance(instr, (*S.BACKWARDS, S.SendGrad, S.RecvGrad))
                        else _FORWARD)
             with self.reducer.around(instr):  # a stage's sum complete: its buckets go out
