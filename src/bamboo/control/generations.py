@@ -10,6 +10,8 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -88,6 +90,8 @@ class Generations:
         self.next_reason = ""
         self.first_members: list[str] | None = None
         """Generation 0's members in rank order, once its plan is made."""
+        self.estimating = False
+        """The bytes estimate's first optimizer build was started off the loop."""
 
     # -- who is who -------------------------------------------------------------------------
 
@@ -284,6 +288,9 @@ class Generations:
             return ctx.reconf
         ctx.reconf = Reconfiguration(reason=reason, started=ctx.clock(), ending=ending,
                                      abandoned=abandoned)
+        if not self.estimating:  # cached for the plans that move state (`_bytes_moved`)
+            self.estimating = True
+            threading.Thread(target=self._estimate, daemon=True, name="bytes-estimate").start()
         ctx.events.write("reconfiguration_start", reason=reason, step=ctx.committed,
                          abandoned=abandoned, gen=ctx.plan.gen)
         ctx.say(f"reconfiguring at step {ctx.committed}: {reason}")
@@ -447,10 +454,15 @@ class Generations:
                 + (", restarted from the initial state" if plan.fresh_start else ""))
         return NextGeneration(plan=plan, lost=tuple(r.lost), covered_as=handled)
 
+    def _estimate(self) -> None:
+        with contextlib.suppress(Exception):  # asked again where it is used: raised there
+            bytes_per_parameter(self.ctx.cfg.training.optimizer, self.ctx.cfg.training.lr)
+
     def _bytes_moved(self, plan: GenerationPlan) -> int:
-        """About the bytes `plan`'s state transfers move. Published first: the estimate
-        builds an optimizer, whose first build here imports torch's compiler stack (0.5-1.5
-        s of this process), while the nodes move the state; with no transfer, nothing."""
+        """About the bytes `plan`'s state transfers move. The estimate builds an optimizer,
+        whose first build here imports torch's compiler stack (0.5-1.5 s of this process):
+        begun on a thread of its own with the run's first reconfiguration, and asked for
+        after the plan is published, while the nodes move the state; no transfer, nothing."""
         if not plan.transfers:
             return 0
         training = self.ctx.cfg.training
