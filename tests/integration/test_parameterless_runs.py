@@ -128,6 +128,9 @@ def test_an_optimizers_own_state_survives_a_kill_and_a_resume_onto_another_layou
     assert (killed["failovers"], killed["peer_restores"], killed["preemptions"]) == (1, 1, 2)
     moved = [e for e in _events(tmp_path / "killed") if e["event"] == "reconfigured"]
     assert moved and moved[0]["transfers"] > 0, moved  # layer states sent to the standby
+    loaded = sum(e["bytes"] for e in _events(tmp_path / "killed")
+                 if e["event"] == "state_loaded" and e["gen"] == moved[0]["gen"])
+    assert loaded > 0 and moved[0]["bytes"] == loaded, (moved, loaded)  # as the holders said
     assert resumed.resumed_from_step == 2
     for run in (killed, {"losses": resumed.losses, "param_sha256": resumed.param_sha256}):
         assert (run["losses"], run["param_sha256"]) == (clean["losses"], clean["param_sha256"])

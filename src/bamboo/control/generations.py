@@ -10,8 +10,6 @@ from a restore point (`restore.RestorePoints`).
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -90,8 +88,8 @@ class Generations:
         self.next_reason = ""
         self.first_members: list[str] | None = None
         """Generation 0's members in rank order, once its plan is made."""
-        self.estimating = False
-        """The bytes estimate's first optimizer build was started off the loop."""
+        self.layer_bytes: dict[int, int] = {}
+        """Each layer's packed state bytes, as the nodes that ended a generation said."""
 
     # -- who is who -------------------------------------------------------------------------
 
@@ -288,9 +286,6 @@ class Generations:
             return ctx.reconf
         ctx.reconf = Reconfiguration(reason=reason, started=ctx.clock(), ending=ending,
                                      abandoned=abandoned)
-        if not self.estimating:  # cached for the plans that move state (`_bytes_moved`)
-            self.estimating = True
-            threading.Thread(target=self._estimate, daemon=True, name="bytes-estimate").start()
         ctx.events.write("reconfiguration_start", reason=reason, step=ctx.committed,
                          abandoned=abandoned, gen=ctx.plan.gen)
         ctx.say(f"reconfiguring at step {ctx.committed}: {reason}")
@@ -371,6 +366,7 @@ class Generations:
             return
         if msg.step == ctx.committed:  # else held at another step: not usable
             ctx.reconf.holdings[n.node] = set(msg.layers)
+        self.layer_bytes.update(zip(msg.layers, msg.layer_bytes, strict=False))
         ctx.reconf.ending.discard(n.node)
 
     def _transfer_failure(self, n: Node, raw: str) -> str:
@@ -454,21 +450,19 @@ class Generations:
                 + (", restarted from the initial state" if plan.fresh_start else ""))
         return NextGeneration(plan=plan, lost=tuple(r.lost), covered_as=handled)
 
-    def _estimate(self) -> None:
-        with contextlib.suppress(Exception):  # asked again where it is used: raised there
-            bytes_per_parameter(self.ctx.cfg.training.optimizer, self.ctx.cfg.training.lr)
-
     def _bytes_moved(self, plan: GenerationPlan) -> int:
-        """About the bytes `plan`'s state transfers move. The estimate builds an optimizer,
-        whose first build here imports torch's compiler stack (0.5-1.5 s of this process):
-        begun on a thread of its own with the run's first reconfiguration, and asked for
-        after the plan is published, while the nodes move the state; no transfer, nothing."""
-        if not plan.transfers:
-            return 0
+        """The bytes `plan`'s state transfers move: each layer's packed state as its holders
+        reported it; a layer none reported, by an estimate that builds an optimizer (whose
+        first build here imports torch's compiler stack, 0.5-1.5 s of this process: so it
+        is asked for only then, after the plan is published)."""
+        moved = [layer for layer, _, _ in plan.transfers]
+        unknown = sum(self.ctx.param_counts[layer] for layer in moved
+                      if layer not in self.layer_bytes)
+        known = sum(self.layer_bytes[layer] for layer in moved if layer in self.layer_bytes)
+        if not unknown:
+            return known
         training = self.ctx.cfg.training
-        per_param = bytes_per_parameter(training.optimizer, training.lr)
-        return round(sum(self.ctx.param_counts[layer] for layer, _, _ in plan.transfers)
-                     * per_param)
+        return known + round(unknown * bytes_per_parameter(training.optimizer, training.lr))
 
     def rows(self) -> list:
         roles = self.ctx.roles

@@ -205,6 +205,8 @@ class GenerationEnd(WorkerMessage):
     layers: list[int]
     step: int
     failed: str | None = None
+    layer_bytes: list[int] = field(default_factory=list)
+    """The packed state's bytes of each of `layers`, in order: what a transfer of it moves."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
