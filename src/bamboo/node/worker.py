@@ -237,8 +237,9 @@ class WorkerNode:
         self.holdings = {i: st.packed_layer(i).cpu()  # a packed copy: what a transfer sends
                          for st in engine.held() for i in st.layer_indices}
         self.holdings_step = done_step
-        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings), step=done_step,
-                         layer_bytes=[self.holdings[i].nbytes for i in sorted(self.holdings)])
+        layers = sorted(self.holdings)
+        self.link.report(GenerationEnd, gen=plan.gen, layers=layers, step=done_step,
+                         layer_bytes=[self.holdings[i].nbytes for i in layers])
         self._retire(engine)
         return "next"
 

@@ -1,6 +1,6 @@
 """A node learns that the coordinator abandoned its generation from the role maps published
-on a real TCPStore: newer roles that only re-assign work are not an abandon, and the node's
-step stops at its next instruction only once an abandoning map is among them."""
+on a real TCPStore (what the engine asks before each instruction): newer roles that only
+re-assign work are not an abandon; an abandoning map among them is."""
 from __future__ import annotations
 
 import time
