@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,8 +79,27 @@ def side(rank: int, port: int) -> None:
         p2p.close()
 
 
+STARTED = "child-started"
+
+
+def wait_for_child(store: dist.TCPStore, child: subprocess.Popen[str], limit_s: float) -> None:
+    """Waits until the child has imported torch and reached the store (slow on a loaded
+    machine), or fails naming why; the exchange itself then runs under the store's timeout."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise AssertionError(f"the second process ended ({child.returncode}) before the "
+                                 f"exchange: {child.communicate()[1][-2000:]}")
+        try:
+            store.wait([STARTED], timedelta(seconds=1))
+            return
+        except dist.DistStoreError:
+            continue
+    raise AssertionError(f"the second process did not start in {limit_s:.0f} s")
+
+
 @pytest.mark.procs
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_staged_exchange_between_two_processes() -> None:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=15))
@@ -87,8 +107,9 @@ def test_staged_exchange_between_two_processes() -> None:
     child = subprocess.Popen([sys.executable, __file__, str(master.port)], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        wait_for_child(master, child, limit_s=60.0)
         side(0, master.port)
-        _, err = child.communicate(timeout=15)
+        _, err = child.communicate(timeout=30)
         assert child.returncode == 0, err[-2000:]
     finally:
         if child.poll() is None:
@@ -97,4 +118,6 @@ def test_staged_exchange_between_two_processes() -> None:
 
 
 if __name__ == "__main__":  # the second process of test_staged_exchange_between_two_processes
-    side(1, int(sys.argv[1]))
+    port = int(sys.argv[1])
+    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=15)).set(STARTED, "1")
+    side(1, port)
