@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,10 +66,12 @@ _COMMITTED, _ABORTED, _REDO = "committed", "aborted", "redo"
 
 class NodeEngine:
     """Runs the stages its roles give its rank, one step at a time: the `model` with the job's
-    `options`, as assigned (`runs`), where `place`d, told to `observers` (`options.py`)."""
+    `options`, as assigned (`runs`), where `place`d, told to `observers` (`options.py`), its
+    stages taken from those `kept` (current, from the node's last engine) or built."""
 
     def __init__(self, *, model: ModelPreset, options: EngineOptions, runs: Assignment,
-                 place: Placement, observers: Observers | None = None) -> None:
+                 place: Placement, observers: Observers | None = None,
+                 kept: Mapping[int, StageState] | None = None) -> None:
         rank, layout, parts, roles = runs.rank, runs.layout, runs.parts, runs.roles
         self.preset, self.options, self.parts, self.layout = model, options, parts, layout
         self.rank, self.roles, self.task, self.device = rank, roles, place.task, place.device
@@ -78,11 +80,9 @@ class NodeEngine:
         seen = observers or Observers()
         self.link, self.hook, self.memory = place.link, seen.hook or program.NoHook(), seen.memory
         self.progress = seen.progress or (lambda step, phase: None)
-        self.flags: set[BoundaryFlag] = set()
-        """What the coordinator asked for after the last commit: `ckpt`, `reconf`."""
+        self.flags: set[BoundaryFlag] = set()  # what the coordinator asked after the last commit
         self.lr_scale = 1.0
-        """The factor on the scheduled learning rate of the next step (a step-by-step run's
-        order says it: every node, replica and shadow applies the same)."""
+        """The next step's factor on the scheduled learning rate (a step-by-step run's order)."""
         self.loss_scale = LossScale()
         """`--precision fp16`: the dynamic loss scale at the next step (bamboo.plan.loss_scale;
         the generation's plan gives it, each committed step moves it)."""
@@ -102,7 +102,7 @@ class NodeEngine:
         self.weight = 1.0 / layout.global_micro_batches
         self.specs = boundary_shapes(model, self.task.micro_batch_size)
         self.loss = self.task.loss or loss_fn(model)
-        self.stages = {s: self.build(s) for s in roles.stages_of(rank)}
+        self.stages = {s: (kept or {}).get(s) or self.build(s) for s in roles.stages_of(rank)}
         replica = roles.replica_of(rank) if shadowed else None
         self.replica = build_replica(self.build, replica, runs_forward=self.eager)
         self.ctx = NodeContext(rank=rank, pipeline=self.pipeline, P=self.P, parts=parts,

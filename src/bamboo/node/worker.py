@@ -56,6 +56,7 @@ from bamboo.engine.stage import StageState
 from bamboo.node import forkserver, output, procmem
 from bamboo.node.boundary import BoundaryOrders, RunOver
 from bamboo.node.devices import worker_device
+from bamboo.node.holdings import Holdings
 from bamboo.node.netif import collective_binding
 from bamboo.node.pinning import pin_this_process
 from bamboo.node.storage import StorageWrites, one_line
@@ -129,11 +130,8 @@ class WorkerNode:
         self.task = job_task(cfg, self.preset)
         self.options = EngineOptions.from_config(cfg)
         self.timeout = timedelta(seconds=cfg.runtime.comm_timeout_s)
-        self.holdings: dict[int, torch.Tensor] = {}
-        """Layer -> its packed state (`StageState.packed_layer`, on the CPU) at the last
-        generation's end (what this node can give)."""
-        self.holdings_step = -1
-        """The step `holdings` are at (the first step not yet applied)."""
+        self.holdings = Holdings()
+        """What the last generation left: the state this node can give, its stages to reuse."""
         self.faults = FaultPlan(list(spec.faults))
         self.store_connections = StoreConnections(spec.store_host, spec.store_port,
                                                   self.timeout)
@@ -189,8 +187,8 @@ class WorkerNode:
         rank = plan.members.index(self.spec.name)
         self.link.rank = rank
         self.faults.forget(plan.fired_kills)
-        if self.holdings_step != plan.start_step or plan.fresh_start:
-            self.holdings = {}  # a standby's old state: never current
+        if self.holdings.step != plan.start_step or plan.fresh_start:
+            self.holdings.clear()  # a standby's old state: never current
         try:
             group = self.join_group(plan, rank)
         except TransferFailed as e:
@@ -202,25 +200,14 @@ class WorkerNode:
                 pass
             self.link.report(Left, gen=plan.gen)
             return "finished"
-        cfg = self.cfg
-        layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
-                        stages=plan.stages,
-                        global_micro_batches=cfg.global_micro_batches)
-        engine = NodeEngine(
-            model=self.preset, options=self.options,
-            runs=Assignment(rank=rank, layout=layout, parts=plan.layer_ranges(),
-                            roles=plan.roles(), redundancy=plan.redundancy),
-            place=Placement(task=self.task, device=self.device, link=self.link, group=group,
-                            former=self._former(plan, rank)),
-            observers=Observers(hook=self.faults, progress=self._mark,
-                                memory=self._sample_memory))
-        engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
-        engine.loss_scale = LossScale.from_json(plan.loss_scale)
+        engine, reused = self._engine(plan, rank, group)
         try:
-            loaded = self._load_state(plan, rank, group, engine.held())
+            loaded = self._load_state(plan, rank, group, [
+                st for st in engine.held() if all(st is not r for r in reused)])
         except TransferFailed as e:
             self._retire(engine)
             return self._failed(plan, e)
+        self.holdings.clear()  # in the engine now; taken again at its end
         self.link.report(GenerationReady, gen=plan.gen, stages=sorted(engine.stages),
                          replica=engine.replica.stage if engine.replica is not None else None,
                          **loaded)
@@ -234,14 +221,37 @@ class WorkerNode:
             self._serve_final_requests(engine)  # returns at shutdown
             return "finished"
         engine.p2p.close()
-        self.holdings = {i: st.packed_layer(i).cpu()  # a packed copy: what a transfer sends
-                         for st in engine.held() for i in st.layer_indices}
-        self.holdings_step = done_step
-        layers = sorted(self.holdings)
-        self.link.report(GenerationEnd, gen=plan.gen, layers=layers, step=done_step,
-                         layer_bytes=[self.holdings[i].nbytes for i in layers])
+        primaries = {s: st for s, st in engine.stages.items()  # not a takeover still under way
+                     if s in engine.roles.stages_of(rank)}
+        self.holdings.take(engine.held(), primaries, done_step)
+        sizes = self.holdings.sizes()
+        self.link.report(GenerationEnd, gen=plan.gen, layers=list(sizes), step=done_step,
+                         layer_bytes=list(sizes.values()))
         self._retire(engine)
         return "next"
+
+    def _engine(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup
+                ) -> tuple[NodeEngine, list[StageState]]:
+        """The generation's engine at `rank`, and the stages it took as this node held them
+        (`Holdings.reusable`: the rest is built, and loaded by `_load_state`)."""
+        parts, roles = plan.layer_ranges(), plan.roles()
+        reused = {} if plan.checkpoint is not None else self.holdings.reusable(
+            {s: parts[s] for s in roles.stages_of(rank)},
+            {layer for layer, _, dst in plan.transfers if dst == rank})
+        layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
+                        stages=plan.stages, global_micro_batches=self.cfg.global_micro_batches)
+        engine = NodeEngine(
+            model=self.preset, options=self.options,
+            runs=Assignment(rank=rank, layout=layout, parts=parts, roles=roles,
+                            redundancy=plan.redundancy),
+            place=Placement(task=self.task, device=self.device, link=self.link, group=group,
+                            former=self._former(plan, rank)),
+            observers=Observers(hook=self.faults, progress=self._mark,
+                                memory=self._sample_memory),
+            kept=reused)
+        engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
+        engine.loss_scale = LossScale.from_json(plan.loss_scale)
+        return engine, list(reused.values())
 
     def _retire(self, engine: NodeEngine) -> None:
         """The generation is over here: its engine, with the process groups it holds, is
@@ -352,8 +362,8 @@ class WorkerNode:
 
     def _failed(self, plan: GenerationPlan, error: Exception) -> str:
         """The generation could not start here: report the state of the last boundary."""
-        self.link.report(GenerationEnd, gen=plan.gen, layers=sorted(self.holdings),
-                         step=self.holdings_step, failed=str(error))
+        self.link.report(GenerationEnd, gen=plan.gen, layers=list(self.holdings.sizes()),
+                         step=self.holdings.step, failed=str(error))
         return "next"
 
     def _load_state(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup,
@@ -373,7 +383,7 @@ class WorkerNode:
                                                       for st in held for i in st.layer_indices})
         for st in held:
             for i in st.layer_indices:
-                vector = received.get(i, self.holdings.get(i))
+                vector = received[i] if i in received else self.holdings.layer(i)
                 if vector is not None:  # else a fresh start: the layer as built from the seed
                     st.load_layer_state(i, vector)
         got = sum(v.numel() * v.element_size() for v in received.values())
@@ -393,7 +403,9 @@ class WorkerNode:
             for layer, src, dst in plan.transfers:
                 key = (RESTORE, layer, dst)
                 if src == rank:
-                    sends.append((self.holdings[layer].to(self.device), dst, key))
+                    held = self.holdings.layer(layer)
+                    assert held is not None, f"layer {layer} is not held here"
+                    sends.append((held.to(self.device), dst, key))
                 elif dst == rank:
                     buf = torch.empty(needed[layer], dtype=torch.uint8, device=self.device)
                     recvs.append((buf, src, key))
