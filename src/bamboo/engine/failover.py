@@ -122,9 +122,14 @@ class _CatchUp:
         ctx, s = self.ctx, self.s
         if new.abandon:
             raise GenerationEnded(self.held)
+        first_reroute = not self.held.roles.reroutes
         self.held = replace(self.held, roles=new)
         self.r.transport.roles_applied(new)
-        if new.rerouted:  # `--redundancy reroute`: the step runs again, whole, under these roles
+        # `--redundancy reroute`: the step runs again, whole, under these roles; but at one
+        # stage no node sent another anything of it, and a generation's first re-route moves
+        # no micro-batch a survivor served: each keeps what it finished and adds the lost
+        # slot's share
+        if new.rerouted and (ctx.P > 1 or not first_reroute):
             for st in self.held.stages.values():
                 st.reset_grads()
             self.restarted = True
