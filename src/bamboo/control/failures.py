@@ -217,7 +217,9 @@ class FailureHandler:
         if not ctx.rc:
             raise Unrecoverable("--redundancy off keeps no in-flight copy of its stage")
         if ctx.roles.stages == 1:
-            raise Unrecoverable("a one-stage pipeline keeps no replica")
+            # no replica at one stage, and none needed: the lost pipeline's micro-batches go
+            # to its peers, which keep what they finished of the step (the engine's re-route)
+            return plan_reroute(ctx.roles, n.rank)
         if ctx.roles.pipelines == 1 or self._shadowed():
             # a re-route after a shadow's failover or a peer restore in one generation is
             # not supported: the restarted step would drop what they carried over

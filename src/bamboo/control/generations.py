@@ -228,6 +228,9 @@ class Generations:
             if kept is not None:
                 return (f"{len(standbys)} standby node(s) fill a hole of the {kept[0]} x "
                         f"{kept[1]} layout")
+        if ctx.plan.stages == 1 and ctx.roles.reroutes and not ctx.plan.redundancy.reroutes:
+            # a loss's step re-routed in flight; the survivors' own layout steps faster
+            return f"a slot re-routed at one stage: a {d} x 1 layout"
         exposed = self.exposed_stages() if ctx.rc else []
         if exposed and p > 1 and d * p >= len(active):
             return (f"stage{'s' if len(exposed) > 1 else ''} {', '.join(map(str, exposed))} "
