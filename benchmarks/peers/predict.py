@@ -52,8 +52,9 @@ def _lines(path: Path) -> list[dict]:
 
 def bamboo_costs(runs: list[Path]) -> dict:
     """From Bamboo's events: a failover's pause and the reconfiguration after it (loss_cost),
-    a lost stage restored after a fatal loss (fault to the next generation ready), and the
-    step time while a shadow holds two stages against a clean step."""
+    a re-route's pause (its node_lost: the loss step's excess), a lost stage restored after a
+    fatal loss (fault to the next generation ready), and the step time while a shadow holds
+    two stages against a clean step."""
     pauses, added, restarts, shadow, clean = [], [], [], [], []
     every, write = [], []
     for run in runs:
@@ -63,11 +64,14 @@ def bamboo_costs(runs: list[Path]) -> dict:
         for e in events:
             kind = e["event"]
             if kind == "loss_cost":
-                (pauses if e["handled_as"] == "failover" else restarts).append(e["pause_s"])
+                if e["handled_as"] != "reroute":  # a re-route's pause is its node_lost's
+                    (pauses if e["handled_as"] == "failover" else restarts).append(e["pause_s"])
                 added.append(e["added_s"])
+            elif kind == "node_lost" and e.get("handled_as") == "reroute":
+                pauses.append(e["pause_s"])  # the loss step's excess: re-routed in flight
             elif kind == "fault_detected":
                 shadowed = e["handled_as"] == "failover"
-                if not shadowed:
+                if e["handled_as"] not in ("failover", "reroute"):
                     fault_t = e["t"]
             elif kind == "generation_ready" and fault_t is not None:
                 restarts.append(e["t"] - fault_t)

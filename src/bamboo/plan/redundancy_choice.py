@@ -14,10 +14,14 @@ seconds is expected to deliver ::
 
 samples per second, where ``per_failure`` is the wall time one loss costs:
 
-* ``off`` (and any mode when P == 1: a stage's only replica would be on the lost node
-  itself): every loss is fatal, ``fatal = restart_s + tau / 2 + rollback_s`` (global
-  restart, half a step in flight thrown away, and the expected redo when the restore has
-  to roll back to a durable checkpoint).
+* ``off`` (and any mode at D == P == 1): every loss is fatal, ``fatal = restart_s + tau /
+  2 + rollback_s`` (global restart, half a step in flight thrown away, and the expected
+  redo when the restore has to roll back to a durable checkpoint).
+* any other mode at one stage (P == 1, D >= 2): no replica (it would be on the lost node
+  itself), so every mode runs off's step; a loss is re-routed in flight to the D - 1
+  peers, who keep the micro-batches they finished and take the lost slot's share (``tau /
+  (D - 1)``), and the generation ends at that step's boundary (``reconfiguration_s``); it
+  is fatal only if every peer goes too before then.
 * ``eager`` / ``lazy``: ``base + q * fatal + lazy`` with ``base = failover_pause_s +
   tau * (shadow_slowdown - 1) + reconfiguration_s`` (failover, one slowed step while the
   shadow carries two stages, the reconfiguration that follows), ``q = 1 - exp(-2 * lam *
@@ -268,6 +272,8 @@ class ModeCosts:
         if mode in step:
             return step[mode]
         ref = next(m for m in ("off", "reroute", "lazy", "eager") if m in step)
+        if self.stages == 1:
+            return step[ref]  # one stage: no replica, no FRC; every mode runs off's step
         over = self.overhead
         return step[ref] * (1.0 + over[mode]) / (1.0 + over[ref])
 
@@ -289,7 +295,7 @@ class ModeTerms(NamedTuple):
     lazy_s: float
     """Lazy recomputation of the lost stage's forwards: tau / 2 (0 unless lazy)."""
     protected: bool
-    """False when every loss is fatal (mode off, or P == 1; reroute: D == 1)."""
+    """False when every loss is fatal (mode off; or shadows at P == 1 and D == 1; reroute: D == 1)."""
     risk_nodes: float = 2.0
     """Nodes whose loss within ``exposure_s`` makes a covered loss fatal after all: the two
     neighbours of a shadowed stage; for reroute, each of the stage's D - 1 peers."""
@@ -303,6 +309,8 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
     recon = costs.reconfiguration_s
     measured_pause = costs.failover_pause_by_mode.get(mode)
     pause = costs.failover_pause_s if measured_pause is None else measured_pause
+    if costs.stages == 1 and mode != "off":
+        return _one_stage_terms(mode, costs, tau, pause, measured_pause is not None)
     if mode == "reroute":
         peers = costs.pipelines - 1
         slowdown = 1.0 + (costs.shadow_slowdown - 1.0) / max(peers, 1)
@@ -324,6 +332,19 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
         tau / 2 if mode == "lazy" and measured_pause is None else 0.0,
         mode != "off" and costs.stages > 1,
     )
+
+
+def _one_stage_terms(mode: str, costs: ModeCosts, tau: float, pause: float,
+                     measured: bool) -> ModeTerms:
+    """A loss at one stage: re-routed in flight to the D - 1 peers, who keep their finished
+    micro-batches and take the lost slot's share (a measured pause, the loss step's excess,
+    holds that share already), then the generation's end at the boundary."""
+    peers = costs.pipelines - 1
+    share = 0.0 if measured else tau / max(peers, 1)
+    recon = costs.reconfiguration_s
+    return ModeTerms(mode, costs.samples_per_step / tau, costs.pipelines, 1, recon + tau,
+                     costs.restart_s + tau / 2 + costs.rollback_s, pause + share + recon, 0.0,
+                     peers >= 1, 1.0, max(peers, 1))
 
 
 def value(terms: ModeTerms, rate_per_node_s: float) -> float:

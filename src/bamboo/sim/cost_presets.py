@@ -26,7 +26,8 @@ class SimModel:
     stages: int
     """P: pipeline depth the step times were measured with."""
     step_s: dict[int, float]
-    """Seconds per global step with D pipelines (RC on, as Bamboo runs), by D."""
+    """Seconds per global step with D pipelines (RC on, as Bamboo runs; at one stage there is
+    no RC to run), by D."""
     samples_per_step: int
     """Global batch: samples per step, the same for every D."""
     rc_overhead: float = 0.10
@@ -69,6 +70,8 @@ class SimModel:
 
     def plain_step_time(self, pipelines: int) -> float:
         """Seconds per step for D pipelines without any redundancy."""
+        if self.stages == 1:
+            return self.step_time(pipelines)  # no replica, no FRC at one stage
         return self.step_time(pipelines) / (1.0 + self.rc_overhead)
 
 

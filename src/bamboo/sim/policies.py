@@ -18,7 +18,9 @@ peers ``torchrun`` and ``torchft`` are in :mod:`bamboo.sim.peers`.
 * ``on-demand``: a fixed on-demand cluster, closed form.
 * ``reroute``: no replicas (ReCycle, SOSP'24): a lost node's micro-batches go to the
   holders of the same stage in the other pipelines until a reconfiguration gives the
-  slot a node again; only a stage lost in every pipeline is fatal.
+  slot a node again; only a stage lost in every pipeline is fatal. At one stage (P == 1:
+  no replica to shadow from) every mode but ``off`` re-routes so, keeping the peers'
+  finished micro-batches, and ends the generation at that step's boundary.
 * ``adaptive``: Bamboo's mechanism, but at each (re)configuration it picks (with
   :mod:`bamboo.plan.redundancy_choice`, the decision ``--redundancy auto`` training uses) the
   redundancy mode (eager, lazy, off) and the number of pipelines that maximise
@@ -85,6 +87,8 @@ class BambooPolicy(RestartingPolicy):
     # -- the redundancy mode's costs (adaptive overrides the mode)
     def mode_overhead(self, mode: str) -> float:
         p = self.preset
+        if p.stages == 1:
+            return 0.0  # one stage: no replica, no FRC in any mode
         if mode == "eager":
             return p.rc_overhead
         return p.lazy_overhead if mode == "lazy" else 0.0
@@ -117,8 +121,9 @@ class BambooPolicy(RestartingPolicy):
             self.fatal(t, (pos, took))
             return
         P = self.P
-        if P == 1:
-            self.fatal(t, (pos,))
+        if P == 1:  # no replica: re-routed in flight to the peers, where any is left
+            if self.rc_mode == "off" or not self.reroute(t, pos):
+                self.fatal(t, (pos,))
             return
         pred = holder[pos - 1 if pos % P else pos + P - 1]  # the previous stage, cyclically
         if pred is None or pred in extra or self.rc_mode == "off":
@@ -136,6 +141,32 @@ class BambooPolicy(RestartingPolicy):
         if pause > 0:
             self.stall(pause)
         self.want_decision(t)
+
+    def reroute(self, t: float, pos: int) -> bool:
+        """Give the lost position's micro-batches to the live holders of its stage in the other
+        pipelines: with k of a stage's D holders lost, each live one does D / (D - k) of its
+        usual work, and the step runs at the pace of the most loaded stage. False (nothing
+        changed) when no holder of that stage is left.
+
+        The lost node's finished share of the step under way is done again; so is the whole
+        step's progress at P > 1, and at P == 1 from a generation's second re-route on (the
+        peers' finished micro-batches are kept only by a generation's first re-route at one
+        stage)."""
+        P, D, holder = self.P, self.D, self.holder
+        stage = pos % P
+        lost = [sum(holder[d * P + s] is None for d in range(D)) for s in range(P)]
+        if lost[stage] >= D:
+            return False
+        keeps_peers_work = P == 1 and self.overloaded == 0
+        self.overloaded += 1
+        self.bump("reroutes")
+        self.set_tau(self.base_tau * max(D / (D - k) for k in lost))
+        redo = self.frac * self.base_tau / ((D - lost[stage]) if keeps_peers_work else 1)
+        pause = self.preset.failover_pause_s + redo
+        if pause > 0:
+            self.stall(pause)
+        self.want_decision(t)
+        return True
 
     def fatal(self, t: float, lost: tuple[int, ...]) -> None:
         """Every copy of some stage in one pipeline is gone (``lost``: their positions)."""
@@ -166,6 +197,8 @@ class BambooPolicy(RestartingPolicy):
         D, P = self.D, self.P
         if ov and w >= ov:
             return True
+        if ov and self.P == 1 and self.rc_mode != "reroute":
+            return True  # a re-route at one stage ends its generation at the boundary
         active = D * P - ov
         if ov and 2 * ov / active > 0.05:
             return True
@@ -257,13 +290,11 @@ class ReroutePolicy(BambooPolicy):
     """Re-routing to data-parallel peers instead of shadows (`--redundancy reroute`).
 
     No replica costs anything before a loss. When the holder of stage s of pipeline d is
-    lost, the other pipelines' holders of stage s take its micro-batches: with k of the D
-    holders of a stage lost, each live one does D / (D - k) of its usual work, and the
-    step runs at the pace of the most loaded stage. The lost node's share of the step
-    under way is done again (like lazy recomputation), after the failover pause. A stage
-    lost in every pipeline (or D == 1) is fatal: a restore point, as for bamboo. The
-    reconfiguration triggers are bamboo's: a standby for each re-routed slot, or a layout
-    with more pipelines."""
+    lost, the other pipelines' holders of stage s take its micro-batches
+    (:meth:`BambooPolicy.reroute`, after the failover pause). A stage lost in every pipeline
+    (or D == 1) is fatal: a restore point, as for bamboo. The reconfiguration triggers are
+    bamboo's: a standby for each re-routed slot, or a layout with more pipelines; at one
+    stage the other modes re-route too, and end the generation at the loss step's boundary."""
 
     name = "reroute"
 
@@ -275,21 +306,10 @@ class ReroutePolicy(BambooPolicy):
         return 0.0  # no replica, no FRC
 
     def node_failed(self, t: float, node: int) -> None:
-        P, D, holder = self.P, self.D, self.holder
         pos = self.slot.pop(node)
-        holder[pos] = None
-        stage = pos % P
-        lost = [sum(holder[d * P + s] is None for d in range(D)) for s in range(P)]
-        if lost[stage] >= D:  # no live holder of this stage anywhere
+        self.holder[pos] = None
+        if not self.reroute(t, pos):  # no live holder of this stage anywhere
             self.fatal(t, (pos,))
-            return
-        self.overloaded += 1
-        self.bump("reroutes")
-        self.set_tau(self.base_tau * max(D / (D - k) for k in lost))
-        pause = self.preset.failover_pause_s + self.frac * self.base_tau
-        if pause > 0:
-            self.stall(pause)
-        self.want_decision(t)
 
 
 class AdaptivePolicy(BambooPolicy):

@@ -453,6 +453,22 @@ def test_redundancy_auto_measures_reroute_with_off(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_redundancy_auto_at_one_stage_protects_by_re_routing(tmp_path: Path) -> None:
+    """At one stage no mode keeps a replica, so every mode's step is off's; a mode that
+    re-routes a loss in flight is worth more than off's restore, so auto never picks off
+    with peers to re-route to, and the loss is re-routed, not restored."""
+    sim = run(tmp_path, cfg(nodes=4, stages=1, steps=10, redundancy="auto"), {4: kill_stage(1, 0)})
+    assert sim.stopped is None, sim.stopped
+    modes = sim.events.of("redundancy_mode")
+    first = modes[0]
+    assert first["mode"] != "off" and not first["trial"]
+    assert first["expected"]["lazy"] == first["expected"]["reroute"] > first["expected"]["off"]
+    assert len(set(first["step_s"].values())) == 1  # no mode estimated above off at P == 1
+    assert [e["handled_as"] for e in sim.lost_events()] == ["reroute"]
+    assert all(e["mode"] != "off" for e in modes[1:])
+
+
+@pytest.mark.timeout(60)
 def test_redundancy_auto_leaves_reroute_when_one_pipeline_is_left(tmp_path: Path) -> None:
     """A generation re-routing at D=2 loses a node, and no standby comes: the next
     generation has one pipeline, where reroute is not a mode; the choice is made among

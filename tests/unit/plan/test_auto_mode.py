@@ -199,12 +199,55 @@ def test_high_rate_and_costly_restarts_never_choose_off_over_lazy(costs, lazy_ov
 
 @settings(max_examples=100, deadline=None)
 @given(costs=mode_costs(), rate=rates)
-def test_a_single_stage_cannot_be_protected(costs, rate):
-    c = ModeCosts(samples_per_step=costs.samples_per_step, stages=1, pipelines=costs.pipelines,
-                  step_s={"eager": 1.2, "lazy": 1.1, "off": 1.0}, restart_s=costs.restart_s,
+def test_a_single_stage_alone_cannot_be_protected(costs, rate):
+    c = ModeCosts(samples_per_step=costs.samples_per_step, stages=1, pipelines=1,
+                  step_s={"off": 1.0}, restart_s=costs.restart_s,
                   reconfiguration_s=costs.reconfiguration_s, failover_pause_s=costs.failover_pause_s)
-    assert not mode_terms("lazy", c).protected
-    assert choose_mode(c, rate).mode == "off"
+    assert not any(mode_terms(m, c).protected for m in MODES)
+    assert c.step_time("eager") == c.step_time("lazy") == 1.0  # no replica, no FRC at one stage
+    ch = choose_mode(c, rate)
+    assert len(set(ch.expected.values())) == 1 and ch.mode == "eager"  # every mode alike: ties go first
+
+
+def test_one_stage_with_peers_is_re_routed_in_flight_by_hand():
+    """P == 1, D == 4: a loss costs the pause, the lost slot's share over the 3 peers and the
+    boundary's reconfiguration, and is fatal only if all 3 peers go within the window."""
+    c = ModeCosts(samples_per_step=48, stages=1, pipelines=4, step_s={"off": 0.8},
+                  failover_pause_s=0.1, reconfiguration_s=0.25, restart_s=1.12)
+    lam = 1e-3
+    tau = 0.8
+    q = (1 - math.exp(-lam * (0.25 + tau))) ** 3
+    fatal = 1.12 + tau / 2
+    for mode in ("eager", "lazy", "reroute"):
+        t = mode_terms(mode, c)
+        assert t.protected and c.step_time(mode) == tau
+        per = 0.1 + tau / 3 + 0.25 + q * fatal
+        assert value(t, lam) == pytest.approx(48 / tau / (1 + lam * 4 * per), rel=1e-12)
+    assert value(mode_terms("off", c), lam) == pytest.approx(48 / tau / (1 + lam * 4 * fatal), rel=1e-12)
+    assert choose_mode(c, lam).mode == "eager"  # protected modes tie; off loses
+    # a measured pause (the loss step's excess) holds the lost slot's share already
+    m = ModeCosts(samples_per_step=48, stages=1, pipelines=4, step_s={"off": 0.8},
+                  failover_pause_by_mode={"lazy": 0.33}, reconfiguration_s=0.25, restart_s=1.12)
+    assert mode_terms("lazy", m).base_s == pytest.approx(0.33 + 0.25)
+
+
+@settings(max_examples=100, deadline=None)
+@given(costs=mode_costs(), rate=rates)
+def test_one_stage_with_peers_beats_off_when_a_re_route_costs_less_than_a_fatal_loss(costs, rate):
+    D = max(costs.pipelines, 2)
+    tau = costs.step_time("off")
+    c = ModeCosts(samples_per_step=costs.samples_per_step, stages=1, pipelines=D,
+                  step_s={"off": tau}, failover_pause_s=costs.failover_pause_s,
+                  reconfiguration_s=costs.reconfiguration_s, restart_s=costs.restart_s,
+                  rollback_s=costs.rollback_s)
+    covered = c.failover_pause_s + tau / (D - 1) + c.reconfiguration_s
+    fatal = c.restart_s + tau / 2 + c.rollback_s
+    every_peer_goes = (1 - math.exp(-rate * (c.reconfiguration_s + tau))) ** (D - 1)
+    assume(covered + every_peer_goes * fatal < 0.999 * fatal)  # clear of float rounding
+    ch = choose_mode(c, rate)
+    assert ch.expected["lazy"] >= ch.expected["off"]
+    if rate > 1e-9:  # below, the difference is under a float's resolution
+        assert ch.expected["lazy"] > ch.expected["off"] and ch.mode != "off"
 
 
 # -- the rate estimator

@@ -70,6 +70,64 @@ def test_reroute_survives_what_kills_a_shadow_and_dies_only_with_a_whole_stage()
     assert lost_everywhere.fatal_failures == 1 and lost_everywhere.extra["reroutes"] == 1
 
 
+# One stage, four pipelines: nodes 0..3 each hold the whole model.
+FLAT = SimModel(name="flat", stages=1, samples_per_step=8,
+                step_s={1: 4.0, 2: 2.0, 3: 4 / 3, 4: 1.0}, rebalance_s=0.5, restart_s=30.0,
+                failover_pause_s=0.1, rc_overhead=0.1, lazy_overhead=0.03, ckpt_save_s=5.0,
+                ckpt_restart_s=60.0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy", "auto", "reroute"])
+def test_one_stage_re_routes_a_loss_in_flight_in_every_mode_but_off(mode):
+    """At P == 1 no mode keeps a replica, so none pays for one; a loss goes to the peers and
+    is not fatal until the last node goes; off restores from a peer (a restart)."""
+    quiet = make_policy(mode, FLAT, CFG).run(make_trace([], nodes=4))
+    off_quiet = make_policy("off", FLAT, CFG).run(make_trace([], nodes=4))
+    assert quiet.steps == off_quiet.steps  # no replica, no FRC at one stage
+    one = make_policy(mode, FLAT, CFG).run(make_trace([(100.0, 1)], nodes=4))
+    off = make_policy("off", FLAT, CFG).run(make_trace([(100.0, 1)], nodes=4))
+    assert one.fatal_failures == 0 and one.extra["reroutes"] == 1
+    assert "peer_restores" not in one.extra
+    assert off.extra["peer_restores"] == 1 and "reroutes" not in off.extra
+    assert one.steps > off.steps
+    if mode != "reroute":  # the generation ends at the loss step's boundary
+        assert one.reconfigurations == 1
+    three = make_policy(mode, FLAT, CFG).run(make_trace([(100.0, 1), (100.2, 2), (100.4, 3)], nodes=4))
+    assert three.fatal_failures == 0 and three.extra["reroutes"] == 3
+    everyone = make_policy(mode, FLAT, CFG).run(
+        make_trace([(100.0, 1), (100.2, 2), (100.4, 3), (100.6, 0)], nodes=4))
+    assert everyone.extra["reroutes"] == 3 and everyone.steps < three.steps
+
+
+def test_one_stage_ends_the_generation_at_the_loss_steps_boundary_in_every_mode_but_reroute():
+    """48 pipelines, one lost: too few overloaded for bamboo's trigger (5%), yet the other
+    modes end the generation at the boundary onto 47 pipelines; reroute waits for a standby."""
+    wide = SimModel(name="wide", stages=1, samples_per_step=48, step_s={d: 48.0 / d for d in range(1, 49)},
+                    rebalance_s=0.5, failover_pause_s=0.1)
+    trace = make_trace([(100.0, 5)], nodes=48)
+    assert make_policy("lazy", wide, CFG).run(trace).reconfigurations == 1
+    assert make_policy("reroute", wide, CFG).run(trace).reconfigurations == 0
+
+
+def test_one_stage_keeps_the_peers_finished_work_only_at_a_generations_first_re_route():
+    """A loss 0.9 s into a 1-s step at D == 4: the peers keep their 0.9 s and take the lost
+    slot's share; a second loss in the same generation starts the step again."""
+    pol = make_policy("reroute", FLAT, CFG)
+    pol.run(make_trace([], duration=40.0, nodes=4))
+    D, tau = pol.D, pol.base_tau
+    assert (D, tau) == (4, 1.0)
+    pol.frac = 0.9
+    pol.holder[pol.slot[1]] = None
+    assert pol.reroute(0.0, pol.slot.pop(1))
+    # the rest of the step at 4/3 the pace, plus the pause and the lost slot's 0.9 s over 3 peers
+    left = (1.0 - pol.frac) * pol.tau
+    assert left == pytest.approx(0.1 * 4 / 3 + 0.1 + 0.9 / 3)
+    pol.frac = 0.9
+    pol.holder[pol.slot[2]] = None
+    assert pol.reroute(0.0, pol.slot.pop(2))
+    assert (1.0 - pol.frac) * pol.tau == pytest.approx(0.1 * 2 + 0.1 + 0.9)
+
+
 def test_reroute_costs_nothing_before_a_loss():
     """No replica, no FRC: on a quiet trace it runs at the plain step time, eager's
     overhead (`rc_overhead`) faster than bamboo."""
