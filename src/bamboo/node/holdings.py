@@ -11,6 +11,10 @@ kept stage is packed only when a transfer sends one of its layers.
 
 Once the new engine has loaded its state, the worker drops what it held here: the engine
 holds it now, and gives it back at its end.
+
+A standby at one stage builds the stage it will hold (every layer) while it waits
+(`spare`): its join then loads the state into it, and the survivors, who wait for the
+joiner to receive, do not wait for its build too.
 """
 from __future__ import annotations
 
@@ -32,9 +36,19 @@ class Holdings:
         self.packed: dict[int, torch.Tensor] = {}
         """Layer -> its packed state, for the layers of held stages that are not kept."""
         self.step = -1
+        self.spare: tuple[int, StageState] | None = None
+        """(stage, that stage as built from the seed): built ahead, never loaded; no state."""
 
     def clear(self) -> None:
+        """Drop the state held (a built-ahead `spare` holds none, and stays)."""
         self.kept, self.packed = {}, {}
+
+    def built(self, stage: int, layers: range) -> StageState | None:
+        """The `spare`, taken, if it is `stage` with these `layers` (to be loaded)."""
+        if self.spare is None or self.spare[0] != stage or self.spare[1].layer_indices != layers:
+            return None
+        st, self.spare = self.spare[1], None
+        return st
 
     def take(self, held: Iterable[StageState], primaries: Mapping[int, StageState],
              step: int) -> None:

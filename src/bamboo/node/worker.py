@@ -52,7 +52,7 @@ from bamboo.engine.engine import (
     Observers,
     Placement,
 )
-from bamboo.engine.stage import StageState
+from bamboo.engine.stage import StageState, build_stage
 from bamboo.node import forkserver, output, procmem
 from bamboo.node.boundary import BoundaryOrders, RunOver
 from bamboo.node.devices import worker_device
@@ -162,6 +162,8 @@ class WorkerNode:
             self.spec.local_workers <= len(os.sched_getaffinity(0))
         self.link.report(Ready, cpus=self.cpus, own_processor=own)
         gen = self.spec.first_gen
+        if gen > 0 and self.store.check([plan_key(gen - 1)]):  # joining a run under way
+            self._build_ahead(GenerationPlan.from_json(self.store.get(plan_key(gen - 1)).decode()))
         while True:
             plan = self.wait_plan(gen)
             if plan is None:
@@ -171,6 +173,7 @@ class WorkerNode:
                 if self.spec.name in plan.leavers:
                     self.link.report(Left, gen=plan.gen)
                     return
+                self._build_ahead(plan)
                 gen = plan.gen + 1  # a standby in this generation
                 continue
             try:
@@ -180,6 +183,12 @@ class WorkerNode:
                 self.link.report(Done)
                 return
             gen = plan.gen + 1
+
+    def _build_ahead(self, plan: GenerationPlan) -> None:
+        """At one stage, build the stage a standby will hold (`Holdings.spare`)."""
+        if plan.stages == 1 and self.holdings.spare is None:
+            self.holdings.spare = (0, build_stage(self.preset, self.options, plan.layer_ranges(),
+                                                  self.device, 0))
 
     # -- one generation ---------------------------------------------------------------------
 
@@ -233,11 +242,15 @@ class WorkerNode:
     def _engine(self, plan: GenerationPlan, rank: int, group: dist.ProcessGroup
                 ) -> tuple[NodeEngine, list[StageState]]:
         """The generation's engine at `rank`, and the stages it took as this node held them
-        (`Holdings.reusable`: the rest is built, and loaded by `_load_state`)."""
+        (`Holdings.reusable`: the rest is built, or taken as built ahead, and loaded by
+        `_load_state`)."""
         parts, roles = plan.layer_ranges(), plan.roles()
+        own = {s: parts[s] for s in roles.stages_of(rank)}
         reused = {} if plan.checkpoint is not None else self.holdings.reusable(
-            {s: parts[s] for s in roles.stages_of(rank)},
-            {layer for layer, _, dst in plan.transfers if dst == rank})
+            own, {layer for layer, _, dst in plan.transfers if dst == rank})
+        built = {s: st for s in own if s not in reused
+                 and (st := self.holdings.built(s, own[s])) is not None}
+        self.holdings.spare = None  # a member now: one built for another layout is not needed
         layout = Layout(nodes=len(plan.members) + len(plan.holes), pipelines=plan.pipelines,
                         stages=plan.stages, global_micro_batches=self.cfg.global_micro_batches)
         engine = NodeEngine(
@@ -248,7 +261,7 @@ class WorkerNode:
                             former=self._former(plan, rank)),
             observers=Observers(hook=self.faults, progress=self._mark,
                                 memory=self._sample_memory),
-            kept=reused)
+            kept={**built, **reused})
         engine.lr_scale, self.stepwise = plan.lr_scale, plan.stepwise
         engine.loss_scale = LossScale.from_json(plan.loss_scale)
         return engine, list(reused.values())

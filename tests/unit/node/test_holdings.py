@@ -89,3 +89,26 @@ def test_what_is_not_kept_is_packed_and_every_layer_is_sized_as_it_is_sent() -> 
     # A primary in host memory (an adopted replica not yet promoted) is packed, not kept.
     holdings.take([replica], {0: replica}, step=2)
     assert holdings.kept == {} and set(holdings.packed) == {0, 1}
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_built_ahead_is_taken_once_for_its_own_layers_and_outlives_a_clear() -> None:
+    """A standby's spare holds no state: a clear (stale state dropped) keeps it; it is taken
+    only as the same stage of the same layers, once, and loads to the bits of a stage built
+    at the join."""
+    holdings = Holdings()
+    spare = _stage(0, range(0, 8))
+    holdings.spare = (0, spare)
+    holdings.clear()
+    assert holdings.built(0, range(0, 4)) is None and holdings.built(1, range(0, 8)) is None
+    assert holdings.spare is not None
+    taken = holdings.built(0, range(0, 8))
+    assert taken is spare and holdings.spare is None and holdings.built(0, range(0, 8)) is None
+    source = _trained(2)  # layers 2-3 of a trained stage, into the spare and a fresh build
+    fresh = _stage(0, range(0, 8))
+    for st in (taken, fresh):
+        for i in source.layer_indices:
+            st.load_layer_state(i, source.packed_layer(i))
+    for a, b in zip(taken.params, fresh.params):
+        assert torch.equal(a, b)
+    assert torch.equal(taken.packed_layer(2), fresh.packed_layer(2))
