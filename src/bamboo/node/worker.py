@@ -185,8 +185,10 @@ class WorkerNode:
             gen = plan.gen + 1
 
     def _build_ahead(self, plan: GenerationPlan) -> None:
-        """At one stage, build the stage a standby will hold (`Holdings.spare`)."""
-        if plan.stages == 1 and self.holdings.spare is None:
+        """At one stage, build the stage a standby will hold (`Holdings.spare`), unless it
+        holds one already (a member turned standby: the model twice on its device)."""
+        if plan.stages == 1 and self.holdings.spare is None and not self.holdings.kept \
+                and not self.holdings.packed:
             self.holdings.spare = (0, build_stage(self.preset, self.options, plan.layer_ranges(),
                                                   self.device, 0))
 

@@ -73,12 +73,13 @@ on an exact tie the earlier (more protected) mode wins."""
 
 ALL_MODES: tuple[str, ...] = ("eager", "lazy", "reroute", "off")
 """Every mode :func:`choose_mode` can weigh, in tie-break order. ``reroute`` (D >= 2): no
-replica; a loss restarts the step under way (half a step of work, expected) and the lost
-slot's micro-batches go to the stage's D - 1 peers, each carrying 1/(D - 1) of a slot
-more (the shadow's extra load spread: ``1 + (shadow_slowdown - 1) / (D - 1)``); the loss
-is fatal only if every peer of the stage goes too before the reconfiguration. Once a
-re-route's pause is measured (the loss step's excess over a clean step), it replaces the
-restart and slowed-step terms, which it already holds."""
+replica; a loss restarts the step under way (half a step of work, expected; not at one
+stage, where the peers keep their finished work) and the lost slot's micro-batches go to the
+stage's D - 1 peers, each carrying 1/(D - 1) of a slot more (the shadow's extra load spread:
+``1 + (shadow_slowdown - 1) / (D - 1)``); the loss is fatal only if every peer of the stage
+goes too before the reconfiguration. Once a re-route's pause is measured (the loss step's
+excess over a clean step), it replaces the restart and slowed-step terms, which it already
+holds."""
 
 PRIOR_RATE = 0.10 / 3600.0
 """Prior preemption rate per node-second (10% per node-hour: pessimistic, so a run starts protected)."""
@@ -287,11 +288,13 @@ class ModeTerms(NamedTuple):
     pipelines: int
     stages: int
     exposure_s: float
-    """Window after a failover in which losing a neighbour is fatal: reconfiguration_s + tau."""
+    """Window after a failover (or a re-route) in which losing a neighbour (every peer) is
+    fatal: reconfiguration_s + tau."""
     fatal_s: float
     """Cost of a fatal loss: restart_s + tau / 2 + rollback_s."""
     base_s: float
-    """Cost of a covered loss: failover_pause_s + tau * (shadow_slowdown - 1) + reconfiguration_s."""
+    """Cost of a covered loss: failover_pause_s + tau * (shadow_slowdown - 1) + reconfiguration_s
+    for a shadow; for a re-route see :data:`ALL_MODES` and, at one stage, the module docstring."""
     lazy_s: float
     """Lazy recomputation of the lost stage's forwards: tau / 2 (0 unless lazy)."""
     protected: bool
@@ -310,6 +313,10 @@ def mode_terms(mode: str, costs: ModeCosts) -> ModeTerms:
     measured_pause = costs.failover_pause_by_mode.get(mode)
     pause = costs.failover_pause_s if measured_pause is None else measured_pause
     if costs.stages == 1 and mode != "off":
+        if measured_pause is None:  # at one stage every mode but off re-routes alike
+            measured_pause = next((v for m, v in costs.failover_pause_by_mode.items()
+                                   if m != "off"), None)
+            pause = costs.failover_pause_s if measured_pause is None else measured_pause
         return _one_stage_terms(mode, costs, tau, pause, measured_pause is not None)
     if mode == "reroute":
         peers = costs.pipelines - 1

@@ -229,6 +229,9 @@ def test_one_stage_with_peers_is_re_routed_in_flight_by_hand():
     m = ModeCosts(samples_per_step=48, stages=1, pipelines=4, step_s={"off": 0.8},
                   failover_pause_by_mode={"lazy": 0.33}, reconfiguration_s=0.25, restart_s=1.12)
     assert mode_terms("lazy", m).base_s == pytest.approx(0.33 + 0.25)
+    # at one stage every mode but off re-routes alike: one mode's measured pause is every one's
+    for mode in ("eager", "reroute"):
+        assert mode_terms(mode, m).base_s == mode_terms("lazy", m).base_s
 
 
 @settings(max_examples=100, deadline=None)
