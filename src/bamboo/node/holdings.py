@@ -36,8 +36,8 @@ class Holdings:
         self.packed: dict[int, torch.Tensor] = {}
         """Layer -> its packed state, for the layers of held stages that are not kept."""
         self.step = -1
-        self.spare: tuple[int, StageState] | None = None
-        """(stage, that stage as built from the seed): built ahead, never loaded; no state."""
+        self.spare: StageState | None = None
+        """A stage as built from the seed: built ahead, never loaded; no state."""
 
     def clear(self) -> None:
         """Drop the state held (a built-ahead `spare` holds none, and stays)."""
@@ -45,9 +45,10 @@ class Holdings:
 
     def built(self, stage: int, layers: range) -> StageState | None:
         """The `spare`, taken, if it is `stage` with these `layers` (to be loaded)."""
-        if self.spare is None or self.spare[0] != stage or self.spare[1].layer_indices != layers:
+        st = self.spare
+        if st is None or st.stage != stage or st.layer_indices != layers:
             return None
-        st, self.spare = self.spare[1], None
+        self.spare = None
         return st
 
     def take(self, held: Iterable[StageState], primaries: Mapping[int, StageState],

@@ -189,8 +189,8 @@ class WorkerNode:
         holds one already (a member turned standby: the model twice on its device)."""
         if plan.stages == 1 and self.holdings.spare is None and not self.holdings.kept \
                 and not self.holdings.packed:
-            self.holdings.spare = (0, build_stage(self.preset, self.options, plan.layer_ranges(),
-                                                  self.device, 0))
+            self.holdings.spare = build_stage(self.preset, self.options, plan.layer_ranges(),
+                                              self.device, 0)
 
     # -- one generation ---------------------------------------------------------------------
 

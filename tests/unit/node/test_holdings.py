@@ -98,7 +98,7 @@ def test_a_stage_built_ahead_is_taken_once_for_its_own_layers_and_outlives_a_cle
     at the join."""
     holdings = Holdings()
     spare = _stage(0, range(0, 8))
-    holdings.spare = (0, spare)
+    holdings.spare = spare
     holdings.clear()
     assert holdings.built(0, range(0, 4)) is None and holdings.built(1, range(0, 8)) is None
     assert holdings.spare is not None
