@@ -5,7 +5,9 @@ side by side in one invocation.
 Runs `bamboo train` for each mode, interleaved over `--reps` repetitions (the order rotates,
 so machine noise hits every mode alike); per run the median step wall time after `--warmup`
 steps, and per node the median optimizer and commit-round seconds (`optim_s`, `reduce_s`:
-where the replica's step and its gradient's traffic show). Every run of one invocation must
+where the replica's step and its gradient's traffic show); the votes' own cost, a step's least
+`vote_s` over its nodes (the node that reached both votes last waited for no peer, only for
+the coordinator's answers); the replica's bytes a node sends a step. Every run of one invocation must
 end with the same `param_sha256` (the replica's step changes nothing the run computes).
 
     .venv/bin/python benchmarks/replica_step.py --nodes 2 --stages 2 --micro-batches 2 \\
@@ -66,7 +68,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     names = list(MODES)
     medians: dict[str, list[float]] = {m: [] for m in names}
-    parts: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
+    parts: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in names}
     digests: dict[str, set[str]] = {}
     host: dict[str, int] = {}
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; "
@@ -80,12 +82,16 @@ def main() -> int:
             medians[mode].append(statistics.median(walls))
             nodes = [n for e in steps for n in e["nodes"]]
             parts[mode].append((statistics.median(n["optim_s"] for n in nodes),
-                                statistics.median(n["reduce_s"] for n in nodes)))
+                                statistics.median(n["reduce_s"] for n in nodes),
+                                statistics.median(min(n["vote_s"] for n in e["nodes"])
+                                                  for e in steps),
+                                statistics.median(n["bytes_replica"] for n in nodes)))
             digests.setdefault(summary["param_sha256"], set()).add(mode)
             host[mode] = summary.get("replica_host_bytes", 0)
             print(f"  rep {rep} {mode:<12} median step {1e3 * medians[mode][-1]:7.1f} ms  "
                   f"optim {1e3 * parts[mode][-1][0]:6.1f} ms  commit round "
-                  f"{1e3 * parts[mode][-1][1]:6.1f} ms", flush=True)
+                  f"{1e3 * parts[mode][-1][1]:6.1f} ms  votes' own {1e3 * parts[mode][-1][2]:5.1f} "
+                  f"ms  replica sent {parts[mode][-1][3] / 1e6:5.2f} MB", flush=True)
     print("\nmode          median step ms (per rep)          vs off (paired by rep, median)  "
           "replica in host memory")
     for mode in names:

@@ -10,7 +10,15 @@ FRC forwards where the engine runs them) as a discrete-event timeline:
   when both stages sit on the same node: the engine passes them in memory);
 - after the last micro-batch instruction of every node comes the commit round (a
   barrier, then `commit` seconds) and the optimizer step (each node's own cost; with
-  lazy or eager RC it also steps its replica).
+  eager RC it also steps its replica, inline).
+- lazy RC steps its replica as the engine does with a replica in host memory: on a
+  thread of its own after the commit, overlapping what the node does next. The model
+  lets that step fill the node's idle time (with one processor per node: its own
+  bubbles; with shared cores: the cores' idle capacity of the micro-batch phase); only
+  what does not fit lengthens the step ('P' intervals). That is the best case: where
+  the idle time falls early in the step (the last stages wait for their first
+  activation) the step fits; where it falls late (the first stage waits for its last
+  gradient) the replica's step competes with the next step's first forwards.
 
 Processors: by default every node has its own (the GPU case: one device per node).
 With `cores=N`, N processors are shared by all nodes (processor sharing: k nodes
@@ -100,7 +108,8 @@ class Interval:
     end: float
     kind: str
     """'F' forward, 'B' backward (ZB-H1: its input gradient), 'W' weight gradient, 'R' eager
-    FRC forward, 'C' commit, 'O' optimizer."""
+    FRC forward, 'C' commit, 'O' optimizer, 'P' what a lazy replica's step adds after it
+    (the part that found no idle time)."""
     stage: int = -1
     mb: int = -1
 
@@ -186,7 +195,9 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
     replay = _Replay(stages, micro_batches, mode, costs, cores, lists, frc_policy, schedule)
     phase_a = replay.run()
     _mark_bubbles(replay.nodes, phase_a)
-    step_s = _commit_and_optimize(replay.nodes, mode, stages, costs, cores, phase_a)
+    work = sum(c[1] for lst in node_lists(stages, micro_batches, mode, lists, schedule)
+               for i in lst if (c := instruction_cost(costs, i)) is not None)
+    step_s = _commit_and_optimize(replay.nodes, mode, stages, costs, cores, phase_a, work)
     return Timeline(mode=mode, stages=stages, micro_batches=micro_batches, cores=cores,
                     phase_a_s=phase_a, step_s=step_s, nodes=replay.nodes)
 
@@ -326,27 +337,37 @@ def _mark_bubbles(nodes: list[NodeTimeline], phase_a: float) -> None:
 
 
 def _commit_and_optimize(nodes: list[NodeTimeline], mode: str, stages: int, costs: Costs,
-                         cores: int | None, phase_a: float) -> float:
-    """The commit round after the barrier, then every node's optimizer step(s) (with lazy or
-    eager RC its replica's too); the step's end."""
-    optim = []
+                         cores: int | None, phase_a: float, work: float) -> float:
+    """The commit round after the barrier, then every node's optimizer step (with eager RC
+    its replica's too; with lazy RC the part of the replica's step that found no idle time,
+    see the module docstring); the step's end. `work`: the micro-batch phase's compute,
+    every node's, in processor-seconds."""
+    own, replica = [], []
     for nt in nodes:
-        o = sum(costs.optim_cost(s) for s in nt.stages)
-        if mode != "off" and stages > 1 and len(nt.stages) == 1:
-            o += costs.replica_optim_cost((nt.stages[0] + 1) % stages)
-        optim.append(o)
+        own.append(sum(costs.optim_cost(s) for s in nt.stages))
+        keeps = mode != "off" and stages > 1 and len(nt.stages) == 1
+        replica.append(costs.replica_optim_cost((nt.stages[0] + 1) % stages) if keeps else 0.0)
+    if mode == "eager":
+        optim, spill = [o + r for o, r in zip(own, replica)], [0.0] * len(nodes)
+    elif cores is None:
+        optim, spill = own, [max(0.0, r - nt.idle_s) for r, nt in zip(replica, nodes)]
+    else:  # the idle capacity is shared: spread what does not fit over every node
+        left = max(0.0, sum(replica) - max(0.0, cores * phase_a - work))
+        optim, spill = own, [left / len(nodes)] * len(nodes)
     end_commit = phase_a + costs.commit
-    if cores is None:
-        last = max(optim, default=0.0)
-    else:
-        last = max(max(optim, default=0.0), sum(optim) / cores)
-    for nt, o in zip(nodes, optim):
+    if cores is None:  # each node's own end: its step, then what its replica's added
+        ends = [(o, o + x) for o, x in zip(optim, spill)]
+    else:  # processor sharing: the nodes' steps end together, then the replicas' rest
+        own_end = max(max(optim, default=0.0), sum(optim) / cores)
+        ends = [(own_end, own_end + sum(spill) / cores)] * len(nodes)
+    for nt, o, (end_own, end) in zip(nodes, optim, ends):
         if costs.commit > 0:
             nt.intervals.append(Interval(phase_a, end_commit, "C"))
         if o > 0:
-            nt.intervals.append(Interval(end_commit, end_commit + (o if cores is None else last),
-                                         "O"))
-    return end_commit + last
+            nt.intervals.append(Interval(end_commit, end_commit + end_own, "O"))
+        if end > end_own:
+            nt.intervals.append(Interval(end_commit + end_own, end_commit + end, "P"))
+    return end_commit + max((end for _, end in ends), default=0.0)
 
 
 @dataclass(kw_only=True)

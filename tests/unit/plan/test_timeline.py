@@ -56,13 +56,41 @@ def test_eager_frc_shows_when_many_micro_batches() -> None:
     assert cmp.overhead("eager") > compare(P, 2, Costs.uniform(P, f, b)).overhead("eager")
 
 
-def test_lazy_costs_only_the_replica_optimizer() -> None:
+def test_lazy_replica_step_hides_in_the_nodes_idle_time() -> None:
+    # The replica's step runs on a thread of its own after the commit: with one processor
+    # per node it fills that node's bubbles ((P - 1)(f + b) = 90 ms each here), so a 4-ms
+    # step costs nothing; eager steps its replica inline, after its own step.
     P, M = 4, 4
     costs = Costs.uniform(P, 0.01, 0.02, commit=0.003, optim=(0.004,) * P)
     cmp = compare(P, M, costs)
-    off, lazy = cmp.timelines["off"], cmp.timelines["lazy"]
+    off, lazy, eager = (cmp.timelines[m] for m in ("off", "lazy", "eager"))
     assert off.step_s == pytest.approx(7 * 0.03 + 0.003 + 0.004)
-    assert lazy.step_s - off.step_s == pytest.approx(0.004)
+    assert lazy.step_s == pytest.approx(off.step_s)
+    for nt in eager.nodes:
+        assert nt.busy("O") == pytest.approx(0.008)  # its own step, then its replica's
+    assert not any(nt.busy("P") for nt in lazy.nodes)
+
+
+def test_lazy_replica_step_adds_what_does_not_fit() -> None:
+    # P=2: each node idles (P - 1)(f + b) = 30 ms a step; a 50-ms replica step leaves 20 ms
+    # that lengthen the step (drawn as 'P' after the node's own step).
+    P, M, f, b = 2, 8, 0.01, 0.02
+    costs = Costs.uniform(P, f, b, optim=(0.005,) * P, replica_optim=(0.05,) * P)
+    off, lazy = (simulate_step(P, M, m, costs) for m in ("off", "lazy"))
+    assert lazy.step_s - off.step_s == pytest.approx(0.05 - (P - 1) * (f + b))
+    assert all(nt.busy("P") == pytest.approx(0.02) for nt in lazy.nodes)
+
+
+def test_lazy_replica_step_on_one_shared_core_adds_all_of_it() -> None:
+    # One core is never idle in the micro-batch phase: every replica step adds its whole
+    # cost; on 4 cores for 2 nodes half the capacity idles and hides it.
+    P, M = 2, 4
+    costs = Costs.uniform(P, 0.01, 0.02, optim=(0.004,) * P, replica_optim=(0.006,) * P)
+    one = {m: simulate_step(P, M, m, costs, cores=1).step_s for m in ("off", "lazy")}
+    assert one["off"] == pytest.approx(P * M * 0.03 + P * 0.004)
+    assert one["lazy"] - one["off"] == pytest.approx(P * 0.006)
+    four = {m: simulate_step(P, M, m, costs, cores=4).step_s for m in ("off", "lazy")}
+    assert four["lazy"] == pytest.approx(four["off"])
 
 
 def test_one_shared_core_is_the_sum_of_all_work() -> None:
@@ -106,7 +134,7 @@ def test_bad_input() -> None:
         simulate_step(4, 4, "off", Costs.uniform(3, 1, 1))
 
 
-def _events(tmp_path, mode: str) -> str:
+def _events(tmp_path, mode: str, host_bytes: int = 0) -> str:
     P, M = 2, 2
     lines = [{"event": "run_start", "config": {"stages": P, "micro_batches": M, "nodes": 2,
                                                "redundancy": mode}}]
@@ -118,7 +146,8 @@ def _events(tmp_path, mode: str) -> str:
             frc = M * 0.01 * (((s + 1) % P) + 1) if mode == "eager" else 0.0
             nodes.append({"node": f"n{s}", "stages": [s], "compute_s": M * 3 * f, "frc_s": frc,
                           "reduce_s": 0.002, "optim_s": 0.006, "step_s": 1.0, "wait_s": 0.0,
-                          "state_bytes": 12 * 300, "bytes_replica": 4 * 100})
+                          "state_bytes": 12 * 300, "bytes_replica": 4 * 100,
+                          "host_bytes": host_bytes})
         lines.append({"event": "step_done", "step": step, "wall_s": 0.5, "attempts": 1,
                       "nodes": nodes})
     path = tmp_path / "events.jsonl"
@@ -138,6 +167,20 @@ def test_costs_from_events(tmp_path, mode: str) -> None:
         assert costs.replica_optim == pytest.approx((0.004, 0.004))
     else:
         assert costs.optim == pytest.approx((0.006, 0.006))
+
+
+@pytest.mark.parametrize("host_bytes", [0, 4096])
+def test_costs_from_a_lazy_run(tmp_path, host_bytes: int) -> None:
+    # A replica in host memory stepped on its own thread: optim_s is the primary's step
+    # alone, and the replica's costs what its stage's own step does. On the device (a run
+    # from before the host replica) its step was inside optim_s, split by size.
+    _, _, costs, _ = costs_from_events(_events(tmp_path, "lazy", host_bytes))
+    if host_bytes:
+        assert costs.optim == pytest.approx((0.006, 0.006))
+        assert costs.replica_optim == pytest.approx((0.006, 0.006))
+    else:
+        assert costs.optim == pytest.approx((0.002, 0.002))
+        assert costs.replica_optim == pytest.approx((0.004, 0.004))
 
 
 def test_cli(tmp_path, capsys) -> None:
