@@ -40,7 +40,8 @@ __all__ = ["Results"]
 
 _TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "vote_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
-             "params_held", "device_bytes", "host_bytes", "rebuilds", "rss_bytes", "frc_forwards", "frc_in_waits",
+             "params_held", "device_bytes", "host_bytes", "replica_host_bytes", "rebuilds", "rss_bytes",
+             "frc_forwards", "frc_in_waits",
              "restarts", "page_faults", "buckets_early")
 _CUDA_COUNTERS = ("cuda_peak_bytes", "cuda_reserved_bytes")
 """Recorded only when a node measured them (it runs on CUDA)."""

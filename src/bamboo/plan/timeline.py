@@ -15,7 +15,8 @@ FRC forwards where the engine runs them) as a discrete-event timeline:
   thread of its own after the commit, overlapping what the node does next. The model
   lets that step fill the node's idle time (with one processor per node: its own
   bubbles; with shared cores: the cores' idle capacity of the micro-batch phase); only
-  what does not fit lengthens the step ('P' intervals). That is the best case: where
+  what does not fit lengthens the step ('P' intervals), and a replica's step, one
+  thread, never ends sooner than its excess over that phase. That is the best case: where
   the idle time falls early in the step (the last stages wait for their first
   activation) the step fits; where it falls late (the first stage waits for its last
   gradient) the replica's step competes with the next step's first forwards.
@@ -195,8 +196,10 @@ def simulate_step(stages: int, micro_batches: int, mode: str, costs: Costs, *,
     replay = _Replay(stages, micro_batches, mode, costs, cores, lists, frc_policy, schedule)
     phase_a = replay.run()
     _mark_bubbles(replay.nodes, phase_a)
-    work = sum(c[1] for lst in node_lists(stages, micro_batches, mode, lists, schedule)
-               for i in lst if (c := instruction_cost(costs, i)) is not None)
+    work = 0.0  # the micro-batch phase's compute, read only for lazy on shared cores
+    if mode == "lazy" and cores is not None:
+        work = sum(c[1] for lst in node_lists(stages, micro_batches, mode, lists, schedule)
+                   for i in lst if (c := instruction_cost(costs, i)) is not None)
     step_s = _commit_and_optimize(replay.nodes, mode, stages, costs, cores, phase_a, work)
     return Timeline(mode=mode, stages=stages, micro_batches=micro_batches, cores=cores,
                     phase_a_s=phase_a, step_s=step_s, nodes=replay.nodes)
@@ -341,25 +344,24 @@ def _commit_and_optimize(nodes: list[NodeTimeline], mode: str, stages: int, cost
     """The commit round after the barrier, then every node's optimizer step (with eager RC
     its replica's too; with lazy RC the part of the replica's step that found no idle time,
     see the module docstring); the step's end. `work`: the micro-batch phase's compute,
-    every node's, in processor-seconds."""
+    every node's, in processor-seconds (read for lazy on shared cores)."""
     own, replica = [], []
     for nt in nodes:
         own.append(sum(costs.optim_cost(s) for s in nt.stages))
         keeps = mode != "off" and stages > 1 and len(nt.stages) == 1
         replica.append(costs.replica_optim_cost((nt.stages[0] + 1) % stages) if keeps else 0.0)
-    if mode == "eager":
-        optim, spill = [o + r for o, r in zip(own, replica)], [0.0] * len(nodes)
-    elif cores is None:
-        optim, spill = own, [max(0.0, r - nt.idle_s) for r, nt in zip(replica, nodes)]
-    else:  # the idle capacity is shared: spread what does not fit over every node
-        left = max(0.0, sum(replica) - max(0.0, cores * phase_a - work))
-        optim, spill = own, [left / len(nodes)] * len(nodes)
-    end_commit = phase_a + costs.commit
+    optim = [o + r for o, r in zip(own, replica)] if mode == "eager" else own
     if cores is None:  # each node's own end: its step, then what its replica's added
-        ends = [(o, o + x) for o, x in zip(optim, spill)]
+        ends = [(o, o + _lazy_rest(mode, [r], phase_a, r - nt.idle_s))
+                for o, r, nt in zip(optim, replica, nodes)]
     else:  # processor sharing: the nodes' steps end together, then the replicas' rest
-        own_end = max(max(optim, default=0.0), sum(optim) / cores)
-        ends = [(own_end, own_end + sum(spill) / cores)] * len(nodes)
+        own_end = max(max(optim, default=0.0), sum(optim) / cores) if optim else 0.0
+        # each replica's step is one thread: it can take at most phase_a of the idle
+        # capacity, and what is left runs on at most one processor a thread
+        hidden = min(max(0.0, cores * phase_a - work), sum(min(r, phase_a) for r in replica))
+        rest = _lazy_rest(mode, replica, phase_a, sum(replica) - hidden, cores)
+        ends = [(own_end, own_end + (rest if r > 0 else 0.0)) for r in replica]
+    end_commit = phase_a + costs.commit
     for nt, o, (end_own, end) in zip(nodes, optim, ends):
         if costs.commit > 0:
             nt.intervals.append(Interval(phase_a, end_commit, "C"))
@@ -368,6 +370,20 @@ def _commit_and_optimize(nodes: list[NodeTimeline], mode: str, stages: int, cost
         if end > end_own:
             nt.intervals.append(Interval(end_commit + end_own, end_commit + end, "P"))
     return end_commit + max((end for _, end in ends), default=0.0)
+
+
+def _lazy_rest(mode: str, replica: list[float], phase_a: float, left: float,
+               processors: int | None = None) -> float:
+    """Seconds lazy's replica steps (`replica`, one thread each) add after the nodes' own
+    steps, `left` of their work having found no idle time: spread over the threads (at most
+    `processors` of them at once), and never less than the longest one's excess over the
+    micro-batch phase (a thread runs its step one processor at a time). 0 for other modes
+    and for what rounding leaves."""
+    threads = sum(1 for r in replica if r > 0)
+    if mode != "lazy" or threads == 0 or left <= _EPS:
+        return 0.0
+    rest = max(left / min(threads, processors or threads), max(replica) - phase_a)
+    return rest if rest > _EPS else 0.0
 
 
 @dataclass(kw_only=True)

@@ -10,7 +10,8 @@ __all__ = ["ascii_timeline", "render", "summary"]
 
 
 def ascii_timeline(tl: Timeline, width: int = 96, scale: float | None = None) -> list[str]:
-    """One row per node: F forward, B backward, R eager FRC, C commit, O optimizer, . idle."""
+    """One row per node: F forward, B backward, W weight gradient, R eager FRC, C commit,
+    O optimizer, P a lazy replica's step past its node's idle time, . idle."""
     total = scale or tl.step_s or 1.0
     rows = []
     for nt in tl.nodes:
@@ -52,8 +53,8 @@ def render(cmp: Comparison, *, width: int = 96, show: bool = True) -> str:
         scale = max(tl.step_s for tl in cmp.timelines.values())
         for mode, tl in cmp.timelines.items():
             lines += ["", (f"{mode}: {1e3 * tl.step_s:.2f} ms  (F forward, B backward, W weight "
-                          f"gradient, R eager FRC, C commit, O optimizer, . idle; lower case: "
-                          f"partly)")]
+                          f"gradient, R eager FRC, C commit, O optimizer, P lazy replica's "
+                          f"step past the idle time, . idle; lower case: partly)")]
             lines += ascii_timeline(tl, width, scale)
     return "\n".join(lines)
 

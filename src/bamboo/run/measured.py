@@ -20,11 +20,12 @@ def costs_from_events(path: str | Path, *, skip: int = 1, backward_ratio: float 
     instruction counts: compute_s / M is forward + backward of one micro-batch; in an
     eager run frc_s / M at node s is the forward of stage s+1, which splits it;
     otherwise backward = `backward_ratio` x forward. The optimizer time of an eager run
-    is split between primary and replica by their sizes (state_bytes, bytes_replica); a
-    lazy run whose replicas lived in host memory (host_bytes) stepped them on a thread of
-    their own, outside optim_s, so a replica's step is taken to cost what its stage's own
-    step costs on its primary (a run with `BAMBOO_REPLICA_STEP=inline` is read as one
-    whose replicas stepped inline only when they were on the device).
+    is split between primary and replica by their sizes (state_bytes, bytes_replica), and
+    so is a lazy run's from before its replicas lived in host memory. A lazy run whose nodes
+    report a replica in host memory (`replica_host_bytes`) stepped it on a thread of its
+    own, outside optim_s: a replica's step is taken to cost what its stage's own step costs
+    on its primary. (The benchmark knob `BAMBOO_REPLICA_STEP=inline`, which steps a host
+    replica inside optim_s, is not recorded: such a run reads as stepping it outside.)
     These are wall times as the workers saw them: with more processes than cores they
     include the slowdown of sharing the cores.
     """
@@ -60,7 +61,7 @@ def _stage_medians(steps: list[dict], P: int, path: str | Path) -> dict[int, dic
                 continue
             d = per_stage[node["stages"][0]]
             for k in ("compute_s", "frc_s", "reduce_s", "optim_s", "state_bytes",
-                      "params_held", "bytes_replica", "host_bytes"):
+                      "params_held", "bytes_replica", "replica_host_bytes"):
                 d.setdefault(k, []).append(float(node.get(k, 0.0)))
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in per_stage.items()}
     if any(not med[s] for s in range(P)):
@@ -85,7 +86,7 @@ def _forward_backward(med: dict[int, dict[str, float]], P: int, M: int, mode: st
 def _optimizer_shares(med: dict[int, dict[str, float]], P: int,
                       mode: str) -> tuple[list[float], list[float]]:
     """Each stage's optimizer seconds, and those of its replica on the predecessor."""
-    if mode == "lazy" and all(med[s]["host_bytes"] > 0 for s in range(P)):
+    if mode == "lazy" and any(med[s]["replica_host_bytes"] > 0 for s in range(P)):
         own = [med[s]["optim_s"] for s in range(P)]  # the replicas stepped on their thread
         return own, own
     optim, replica_optim = [], [0.0] * P

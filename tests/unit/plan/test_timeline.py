@@ -83,7 +83,7 @@ def test_lazy_replica_step_adds_what_does_not_fit() -> None:
 
 def test_lazy_replica_step_on_one_shared_core_adds_all_of_it() -> None:
     # One core is never idle in the micro-batch phase: every replica step adds its whole
-    # cost; on 4 cores for 2 nodes half the capacity idles and hides it.
+    # cost; 4 cores for 2 nodes idle 60% of their capacity, which hides it.
     P, M = 2, 4
     costs = Costs.uniform(P, 0.01, 0.02, optim=(0.004,) * P, replica_optim=(0.006,) * P)
     one = {m: simulate_step(P, M, m, costs, cores=1).step_s for m in ("off", "lazy")}
@@ -91,6 +91,31 @@ def test_lazy_replica_step_on_one_shared_core_adds_all_of_it() -> None:
     assert one["lazy"] - one["off"] == pytest.approx(P * 0.006)
     four = {m: simulate_step(P, M, m, costs, cores=4).step_s for m in ("off", "lazy")}
     assert four["lazy"] == pytest.approx(four["off"])
+
+
+def test_a_replica_step_is_one_thread_whatever_the_cores() -> None:
+    # A 1-s replica step runs on one thread: idle cores beside it do not make it shorter,
+    # so the step is never shorter than that step's excess over the micro-batch phase.
+    P, M = 2, 1
+    costs = Costs.uniform(P, 0.01, 0.01, optim=(0.001,) * P, replica_optim=(1.0,) * P)
+    for cores in (None, 2, 3, 100):
+        tl = simulate_step(P, M, "lazy", costs, cores=cores)
+        assert tl.step_s >= 1.0 - tl.phase_a_s + 0.001, cores
+
+
+def test_lazy_draws_nothing_for_a_replica_step_that_just_fits() -> None:
+    # A replica step exactly as long as its node's bubbles adds nothing, not a zero-length
+    # interval; on shared cores the rest is drawn only on nodes that keep a replica.
+    P, f, b = 4, 0.01, 0.02
+    costs = Costs.uniform(P, f, b, replica_optim=((P - 1) * (f + b),) * P)
+    for M in (2, 3):
+        lazy, off = simulate_step(P, M, "lazy", costs), simulate_step(P, M, "off", costs)
+        assert lazy.step_s == off.step_s
+        assert not any(i.kind == "P" for nt in lazy.nodes for i in nt.intervals)
+    shadowed = simulate_step(3, 2, "lazy", Costs(
+        forward=(0.01, 0.02, 0.03), backward=(0.02, 0.04, 0.06), optim=(0.001,) * 3,
+        replica_optim=(0.05,) * 3), cores=1, held=[[0, 1], [2]])
+    assert shadowed.nodes[0].busy("P") == 0 and shadowed.nodes[1].busy("P") > 0
 
 
 def test_one_shared_core_is_the_sum_of_all_work() -> None:
@@ -134,7 +159,7 @@ def test_bad_input() -> None:
         simulate_step(4, 4, "off", Costs.uniform(3, 1, 1))
 
 
-def _events(tmp_path, mode: str, host_bytes: int = 0) -> str:
+def _events(tmp_path, mode: str, replica_host_bytes: int = 0) -> str:
     P, M = 2, 2
     lines = [{"event": "run_start", "config": {"stages": P, "micro_batches": M, "nodes": 2,
                                                "redundancy": mode}}]
@@ -147,7 +172,7 @@ def _events(tmp_path, mode: str, host_bytes: int = 0) -> str:
             nodes.append({"node": f"n{s}", "stages": [s], "compute_s": M * 3 * f, "frc_s": frc,
                           "reduce_s": 0.002, "optim_s": 0.006, "step_s": 1.0, "wait_s": 0.0,
                           "state_bytes": 12 * 300, "bytes_replica": 4 * 100,
-                          "host_bytes": host_bytes})
+                          "replica_host_bytes": replica_host_bytes})
         lines.append({"event": "step_done", "step": step, "wall_s": 0.5, "attempts": 1,
                       "nodes": nodes})
     path = tmp_path / "events.jsonl"
@@ -169,13 +194,13 @@ def test_costs_from_events(tmp_path, mode: str) -> None:
         assert costs.optim == pytest.approx((0.006, 0.006))
 
 
-@pytest.mark.parametrize("host_bytes", [0, 4096])
-def test_costs_from_a_lazy_run(tmp_path, host_bytes: int) -> None:
+@pytest.mark.parametrize("replica_host_bytes", [0, 4096])
+def test_costs_from_a_lazy_run(tmp_path, replica_host_bytes: int) -> None:
     # A replica in host memory stepped on its own thread: optim_s is the primary's step
     # alone, and the replica's costs what its stage's own step does. On the device (a run
     # from before the host replica) its step was inside optim_s, split by size.
-    _, _, costs, _ = costs_from_events(_events(tmp_path, "lazy", host_bytes))
-    if host_bytes:
+    _, _, costs, _ = costs_from_events(_events(tmp_path, "lazy", replica_host_bytes))
+    if replica_host_bytes:
         assert costs.optim == pytest.approx((0.006, 0.006))
         assert costs.replica_optim == pytest.approx((0.006, 0.006))
     else:
