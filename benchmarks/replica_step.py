@@ -7,7 +7,8 @@ so machine noise hits every mode alike); per run the median step wall time after
 steps, and per node the median optimizer and commit-round seconds (`optim_s`, `reduce_s`:
 where the replica's step and its gradient's traffic show); the votes' own cost, a step's least
 `vote_s` over its nodes (the node that reached both votes last waited for no peer, only for
-the coordinator's answers); the replica's bytes a node sends a step. Every run of one invocation must
+the coordinator's answers); the replica's bytes a node sends a step. Every run of one
+invocation must
 end with the same `param_sha256` (the replica's step changes nothing the run computes).
 
     .venv/bin/python benchmarks/replica_step.py --nodes 2 --stages 2 --micro-batches 2 \\

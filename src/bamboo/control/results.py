@@ -40,9 +40,9 @@ __all__ = ["Results"]
 
 _TIMERS = ("step_s", "compute_s", "frc_s", "wait_s", "reduce_s", "optim_s", "vote_s", "rebuild_s")
 _COUNTERS = ("bytes_sent", "bytes_replica", "saved_bytes", "frc_saved_bytes", "state_bytes",
-             "params_held", "device_bytes", "host_bytes", "replica_host_bytes", "rebuilds", "rss_bytes",
-             "frc_forwards", "frc_in_waits",
-             "restarts", "page_faults", "buckets_early")
+             "params_held", "device_bytes", "host_bytes", "replica_host_bytes", "rebuilds",
+             "rss_bytes", "frc_forwards", "frc_in_waits", "restarts", "page_faults",
+             "buckets_early")
 _CUDA_COUNTERS = ("cuda_peak_bytes", "cuda_reserved_bytes")
 """Recorded only when a node measured them (it runs on CUDA)."""
 
@@ -165,7 +165,8 @@ class Results:
     @staticmethod
     def _node_timers(r: StepReport, name: str) -> dict:
         return {"node": name, "stages": r.stages} | \
-            {k: round(getattr(r, k), 6) for k in _TIMERS} | {k: getattr(r, k) for k in _COUNTERS} | \
+            {k: round(getattr(r, k), 6) for k in _TIMERS} | \
+            {k: getattr(r, k) for k in _COUNTERS} | \
             {k: getattr(r, k) for k in _CUDA_COUNTERS if getattr(r, k)}
 
     def _fp16_fields(self, steps: int) -> dict[str, Any]:
@@ -253,7 +254,8 @@ class Results:
             "reroutes": kinds.count("reroute"), "reconfigurations": reconfigurations,
             "redone_steps": redone_steps,
             "pause_s": pauses if pauses is not None else [round(x.cost_s, 4) for x in losses],
-            # null: a generation that never became ready (a later one replaced it, or the run stopped)
+            # null: a generation that never became ready (a later one replaced it, or the
+            # run stopped)
             "reconfiguration_s": [round(r["total_s"], 4) if "total_s" in r else None
                                   for r in reconf_times],
             "resumed_from_step": ctx.resume_step,

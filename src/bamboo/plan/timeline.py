@@ -351,15 +351,17 @@ def _commit_and_optimize(nodes: list[NodeTimeline], mode: str, stages: int, cost
         keeps = mode != "off" and stages > 1 and len(nt.stages) == 1
         replica.append(costs.replica_optim_cost((nt.stages[0] + 1) % stages) if keeps else 0.0)
     optim = [o + r for o, r in zip(own, replica)] if mode == "eager" else own
+    if mode != "lazy":
+        replica = [0.0] * len(nodes)  # none, or stepped inline (eager) in `optim`
     if cores is None:  # each node's own end: its step, then what its replica's added
-        ends = [(o, o + _lazy_rest(mode, [r], phase_a, r - nt.idle_s))
+        ends = [(o, o + _lazy_rest([r], phase_a, r - nt.idle_s))
                 for o, r, nt in zip(optim, replica, nodes)]
     else:  # processor sharing: the nodes' steps end together, then the replicas' rest
         own_end = max(max(optim, default=0.0), sum(optim) / cores) if optim else 0.0
         # each replica's step is one thread: it can take at most phase_a of the idle
         # capacity, and what is left runs on at most one processor a thread
         hidden = min(max(0.0, cores * phase_a - work), sum(min(r, phase_a) for r in replica))
-        rest = _lazy_rest(mode, replica, phase_a, sum(replica) - hidden, cores)
+        rest = _lazy_rest(replica, phase_a, sum(replica) - hidden, cores)
         ends = [(own_end, own_end + (rest if r > 0 else 0.0)) for r in replica]
     end_commit = phase_a + costs.commit
     for nt, o, (end_own, end) in zip(nodes, optim, ends):
@@ -372,15 +374,15 @@ def _commit_and_optimize(nodes: list[NodeTimeline], mode: str, stages: int, cost
     return end_commit + max((end for _, end in ends), default=0.0)
 
 
-def _lazy_rest(mode: str, replica: list[float], phase_a: float, left: float,
+def _lazy_rest(replica: list[float], phase_a: float, left: float,
                processors: int | None = None) -> float:
     """Seconds lazy's replica steps (`replica`, one thread each) add after the nodes' own
     steps, `left` of their work having found no idle time: spread over the threads (at most
     `processors` of them at once), and never less than the longest one's excess over the
-    micro-batch phase (a thread runs its step one processor at a time). 0 for other modes
-    and for what rounding leaves."""
+    micro-batch phase (a thread runs its step one processor at a time). 0 when no replica
+    steps and for what rounding leaves."""
     threads = sum(1 for r in replica if r > 0)
-    if mode != "lazy" or threads == 0 or left <= _EPS:
+    if threads == 0 or left <= _EPS:
         return 0.0
     rest = max(left / min(threads, processors or threads), max(replica) - phase_a)
     return rest if rest > _EPS else 0.0
