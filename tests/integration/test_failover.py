@@ -107,6 +107,33 @@ def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
 
 
 @pytest.mark.procs
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("redundancy,victims", [("off", (0,)), ("lazy", (0, 1))])
+def test_every_copy_of_a_stage_lost_after_the_last_commit_is_restored_and_redone(
+        redundancy: str, victims: tuple[int, ...], tmp_path: Path) -> None:
+    """One pipeline of two stages and a standby; after the last step's commit, before they
+    write their layers, the only copies of a stage die (with no redundancy its holder; with
+    lazy both nodes, holders and replicas at once). The survivors and the standby restore
+    the newest whole checkpoint (step 2's, or the initial state when the victims' writer
+    threads had not finished it), redo the steps after it, and the run ends equal to the
+    failure-free run."""
+    cfg = JobConfig.of(nodes=3, pipelines=1, stages=2, micro_batches=3, micro_batch_size=2,
+                       steps=3, checkpoint_every=2, redundancy=redundancy).validate()
+    faults = {v: [Fault("kill", 2, victim_schedule_length(cfg, 0, v) - 1)] for v in victims}
+    summary = run_in_process(cfg, tmp_path / "run", faults)
+    assert_equals_failure_free(summary, cfg)
+    assert summary["preemptions"] == len(victims) and summary["checkpoint_restores"] >= 1
+    events = run_events(tmp_path / "run")
+    lost = [e for e in events if e["event"] == "node_lost"]
+    assert {e["node"] for e in lost} == {f"n{v}" for v in victims}
+    assert all(e["phase"] == "after the last step" for e in lost)
+    assert "checkpoint_restore" in {e["handled_as"] for e in lost}
+    [restore] = [e for e in events if e["event"] == "checkpoint_restore"]
+    assert restore["step"] in (0, 2) and restore["redone_steps"] == 3 - restore["step"]
+    assert summary["redone_steps"] == restore["redone_steps"]
+
+
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_worker_frozen_as_it_starts_is_fenced_within_seconds(tmp_path: Path) -> None:
     """SIGSTOP the moment a worker's `node_up` appears, before it ever beats: it is fenced

@@ -324,10 +324,11 @@ class CoordinatorCore:
         self.checkpoints = CheckpointAssembly(ctx, interval)
         self.restore = RestorePoints(ctx, interval)
         self.gens = Generations(ctx, self.nodes, self.restore, self.kills, interval)
-        self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens, self.kills)
         self.results = Results(ctx, self.display)
-        self.orders = Orders(ctx)
         self.final_layers = FinalLayers(ctx, self.nodes, self.results)
+        self.failures = FailureHandler(ctx, self.nodes, self.steps, self.gens, self.kills,
+                                       self.final_layers)
+        self.orders = Orders(ctx)
         self.view = RunView(ctx, self.nodes, self.gens, self.display)
         self.auto: Any = None
         self.modes: Modes = FixedMode(cfg.redundancy.kind)
@@ -381,6 +382,8 @@ class CoordinatorCore:
             self.preemptions.step_begins(step)
 
     def _on_generation_end(self, n: Node, msg: GenerationEnd) -> None:
+        if n.state is NodeState.DONE:  # its finished generation was abandoned: it goes on
+            self.nodes.set_state(n, NodeState.READY)
         failed = self.gens.transfer_failure(n, msg)
         if failed is not None:  # a transfer failed: the generation cannot start
             self.failures.abandon(failed)

@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bamboo.control.final_layers import FinalLayers
 from bamboo.control.generations import Generations
 from bamboo.control.kills import Kills
 from bamboo.control.nodes import Node, NodeState, Supervisor
@@ -58,8 +59,10 @@ class ExitOutcome:
 
 class FailureHandler:
     def __init__(self, ctx: RunContext, nodes: Supervisor, steps: StepProtocol,
-                 generations: Generations, kills: Kills) -> None:
+                 generations: Generations, kills: Kills, final_layers: FinalLayers) -> None:
         self.ctx, self.nodes, self.steps, self.gens = ctx, nodes, steps, generations
+        self.final_layers = final_layers
+        """Asked, for a loss after the last step, which unwritten layers it left uncopied."""
         self.kills = kills
         """Told which `--kill` a loss carried out."""
         self.losses: list[Loss] = []
@@ -152,12 +155,7 @@ class FailureHandler:
                     active_before=ctx.plan.active)
         self.losses.append(loss)
         if step >= ctx.cfg.training.steps and not self.steps.eval_pending(step):
-            # After the last commit: nothing to redo; a final layer it did not write comes
-            # from another live copy (`final_layers.FinalLayers`).
-            loss.handled_as, loss.phase = HandledAs.FAILOVER, "after the last step"
-            loss.counts = dict(ZERO_COUNTS)
-            self._write(loss)
-            return ExitOutcome()
+            return self._after_last_step(n, loss, signame, where)
         if ctx.reconf is not None or not active or not self.gens.running():
             loss.phase = "reconfiguration"
             out = self._abandon(f"node {n.name} lost while a generation formed", loss, why="")
@@ -177,6 +175,26 @@ class FailureHandler:
             return out
         self._in_flight(n, loss, plan, phase, signame, where)
         return ExitOutcome(roles_changed=True)
+
+    def _after_last_step(self, n: Node, loss: Loss, signame: str, where: str) -> ExitOutcome:
+        """`n` was lost after the last commit: nothing to redo while every unwritten final
+        layer has a live copy (`final_layers.FinalLayers` asks one to write it); else the
+        finished generation is abandoned and a restore point covers those layers."""
+        loss.phase = "after the last step"
+        uncopied = self.final_layers.without_live_copy()
+        if uncopied:
+            listed = ", ".join(map(str, uncopied))
+            self.ctx.say(f"node {n.name} ({where}) lost after the last step with the last live "
+                         f"copy of layer(s) {listed}, before their final parameters were "
+                         f"written: the next generation restores them")
+            return self._abandon(f"node {n.name} lost after the last step with the last copy "
+                                 f"of layer(s) {listed}", loss,
+                                 why=f"node {n.name} was lost after the last step ({signame}) "
+                                     f"with the last copy of layer(s) {listed}")
+        loss.handled_as = HandledAs.FAILOVER
+        loss.counts = dict(ZERO_COUNTS)
+        self._write(loss)
+        return ExitOutcome()
 
     def _in_flight(self, n: Node, loss: Loss, plan: FailoverPlan, phase: str, signame: str,
                    where: str) -> None:
@@ -272,7 +290,8 @@ class FailureHandler:
         restarting = self.ctx.reconf.restarting or set()
         stopped = []
         for n in self.nodes:
-            if n.exited or n.state not in (NodeState.STARTING, NodeState.READY) or \
+            if n.exited or n.state not in (NodeState.STARTING, NodeState.READY,
+                                           NodeState.DONE) or \
                     n.kill_at is not None or not n.process.is_alive() or n.node in restarting:
                 continue  # gone or going: counted when it ends, never restarted
             self.nodes.retire(n)
@@ -351,6 +370,8 @@ class FailureHandler:
         for x in lost:
             if x.handled_as is HandledAs.PENDING:
                 x.handled_as = how
+                if x.step >= self.ctx.end_step:  # after the last step: no step of its own closes
+                    self._write(x)
 
     def stopped(self) -> None:
         """The run stops: losses it could not survive are written as `stopped`; losses

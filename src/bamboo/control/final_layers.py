@@ -6,8 +6,10 @@ the model incomplete, although other live nodes hold the same parameters: its re
 holder (lazy or eager redundancy keeps the replica stepped with the primary) or the
 stage's holder in another pipeline. `FinalLayers.pending()` asks one of them, through
 `protocol.final_request_key`, to write those layers from its copy, and keeps the run open
-until it reports them (or, when no live copy is left, lets it end with the documented
-"trained model is incomplete" stop).
+until it reports them. A loss that leaves some unwritten layer with no live copy at all is
+not this part's: the failure handler abandons the finished generation
+(`without_live_copy`), and the next one restores those layers from the newest checkpoint
+and redoes the steps after it, as for a loss of every copy mid-run.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ class FinalLayers:
         self.asked: dict[int, int] = {}
         """Layer -> the node asked to write it from its copy."""
 
-    def _copies(self) -> dict[int, list[int]]:
-        """Layer -> the live nodes (done with the last step, waiting to shut down) that hold
-        a copy of it, primaries first."""
+    def _copies(self, *, done_only: bool = True) -> dict[int, list[int]]:
+        """Layer -> the live nodes that hold a copy of it, primaries first: those done with
+        the last step and waiting to shut down (`done_only`), else every live member."""
         roles, plan = self.ctx.roles, self.ctx.plan
         out: dict[int, list[int]] = {}
         for table in (roles.holders, roles.replicas if plan.redundancy is not RedundancyMode.OFF else []):
@@ -39,13 +41,19 @@ class FinalLayers:
                     if rank is None:
                         continue
                     n = self.nodes.by_name(plan.members[rank])
-                    if n.state is not NodeState.DONE or n.exited:
+                    if n.exited or n.is_gone or (done_only and n.state is not NodeState.DONE):
                         continue
                     for layer in range(*plan.parts[s]):
                         out.setdefault(layer, [])
                         if n.node not in out[layer]:
                             out[layer].append(n.node)
         return out
+
+    def without_live_copy(self) -> list[int]:
+        """The layers whose final parameters no node reported and no live member holds."""
+        copies = self._copies(done_only=False)
+        missing = set(range(len(self.ctx.param_counts))) - self.results.final
+        return sorted(layer for layer in missing if not copies.get(layer))
 
     def pending(self) -> bool:
         """Whether the run must wait for a layer's final parameters from another copy

@@ -8,12 +8,13 @@ for storage; the coordinator hears of the layers once they are durable.
 """
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from bamboo.config import JobConfig
-from bamboo.protocol.messages import CheckpointPart
+from bamboo.protocol.messages import SHUTDOWN_KEY, CheckpointPart, LayerParams, final_request_key
 from bamboo.run.checkpoint import (
     CheckpointError,
     checkpoint_location,
@@ -25,6 +26,8 @@ from bamboo.run.writers import stages_written_by
 from bamboo.wire.link import CoordinatorLink
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from bamboo.engine.engine import NodeEngine
     from bamboo.engine.stage import StageState
 
@@ -104,3 +107,24 @@ class StorageWrites:
                 return [], str(e) if isinstance(e, CheckpointError) else one_line(e)
 
         return self.writer.submit(write).result()
+
+    def serve_final_requests(self, engine: NodeEngine, end_step: int, store: dist.Store,
+                             name: str) -> bool:
+        """After the last step, until the run shuts down (True): when the coordinator asks
+        (a layer's first holder was lost before it wrote the layer), write those layers'
+        final parameters from this node's copy (its replica, or a data-parallel peer's
+        stage). False: the coordinator abandoned the generation instead (every live copy of
+        some layer was lost before its final parameters were written), and this node takes
+        part in the generation that restores it."""
+        key, served = final_request_key(name), None
+        while not store.check([SHUTDOWN_KEY]):
+            if engine.ctx.abandoned(engine.roles):
+                return False
+            if store.check([key]):
+                text = store.get(key).decode()
+                if text != served:
+                    served = text
+                    layers, error = self.final(engine, end_step, json.loads(text))
+                    self.link.report(LayerParams, layers=layers, error=error)
+            time.sleep(0.05)
+        return True

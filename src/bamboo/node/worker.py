@@ -18,7 +18,6 @@ started it: `bamboo.node.forkserver`), so no worker outlives the run.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -78,7 +77,6 @@ from bamboo.protocol.messages import (
     Progress,
     Ready,
     WorkerError,
-    final_request_key,
     plan_key,
 )
 from bamboo.run.checkpoint import load_layers
@@ -229,8 +227,10 @@ class WorkerNode:
             layers, error = self.storage.final(engine, self.end_step)
             self.link.report(LayerParams, layers=layers, error=error)
             self.link.report(Done)
-            self._serve_final_requests(engine)  # returns at shutdown
-            return "finished"
+            if self.storage.serve_final_requests(engine, self.end_step, self.store,
+                                                 self.spec.name):
+                return "finished"  # the run shut down
+            # abandoned after the last step: this node's state goes into the next generation
         engine.p2p.close()
         primaries = {s: st for s, st in engine.stages.items()  # not a takeover still under way
                      if s in engine.roles.stages_of(rank)}
@@ -321,21 +321,6 @@ class WorkerNode:
                 case OrderKind.STEP:
                     engine.lr_scale = order.lr_scale
         return order.kind
-
-    def _serve_final_requests(self, engine: NodeEngine) -> None:
-        """Until the run shuts down: when the coordinator asks (a layer's first holder was
-        lost after the last step, before it wrote the layer), write those layers' final
-        parameters from this node's copy (its replica, or a data-parallel peer's stage)."""
-        key, served = final_request_key(self.spec.name), None
-        while not self.store.check([SHUTDOWN_KEY]):
-            if self.store.check([key]):
-                text = self.store.get(key).decode()
-                if text != served:
-                    served = text
-                    layers, error = self.storage.final(engine, self.end_step,
-                                                       json.loads(text))
-                    self.link.report(LayerParams, layers=layers, error=error)
-            time.sleep(0.05)
 
     def _sample_memory(self) -> procmem.MemorySample:
         """The process's real memory at the end of a step (the engine's report carries it)."""

@@ -304,17 +304,38 @@ def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
 
 
 @pytest.mark.timeout(60)
-def test_with_no_live_copy_of_a_lost_writer_the_model_is_incomplete(tmp_path: Path) -> None:
-    from bamboo.control.state import Stop
-    sim = SimCluster(cfg(redundancy="off", steps=3), tmp_path / "run")
+@pytest.mark.parametrize("checkpoint_every,restored_from", [(0, 0), (2, 3)])
+def test_a_writer_lost_after_the_last_commit_with_no_live_copy_is_restored_and_redone(
+        tmp_path: Path, checkpoint_every: int, restored_from: int) -> None:
+    """The only holder of stage 1 (no redundancy, one pipeline) is lost after the last
+    commit, before it writes its layers: the finished generation is abandoned, the next one
+    (its survivors and a standby) restores from the newest checkpoint (here the last step's:
+    nothing redone), or the initial state when there is none, redoes the steps after it and
+    writes the whole model."""
+    sim = SimCluster(cfg(redundancy="off", steps=3, nodes=5, checkpoint_every=checkpoint_every),
+                     tmp_path / "run")
     while sim.stopped is None and sim.ctx.committed < sim.cfg.training.steps:
         sim.step()
     sim.settle()
-    sim.final_writes(lost_before_writing=node_of(sim, 0, 1))
-    assert sim.core.finished() and not sim.events.of("final_rewrite")
-    with pytest.raises(Stop, match="trained model is incomplete") as info:
-        sim.core.final_summary()
-    assert info.value.exit_code == 3
+    victim = node_of(sim, 0, 1)
+    sim.final_writes(lost_before_writing=victim)
+    assert sim.stopped is None, sim.stopped
+    assert not sim.core.finished() and not sim.events.of("final_rewrite")
+    assert sim.ctx.reconf is not None and sim.ctx.reconf.abandoned
+    sim.settle()  # the survivors end the generation; the next one starts back
+    assert sim.ctx.committed == restored_from and sim.core.gens.running()
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.finished()
+    [restore] = sim.events.of("checkpoint_restore")
+    assert (restore["step"], restore["redone_steps"]) == (restored_from, 3 - restored_from)
+    summary = sim.core.final_summary()
+    assert summary["status"] == "completed"
+    assert summary["preemptions"] == summary["checkpoint_restores"] == 1
+    [lost] = sim.lost_events()
+    assert (lost["node"], lost["phase"], lost["handled_as"]) == \
+        (f"n{victim}", "after the last step", "checkpoint_restore")
+    accounted(sim, {f"n{victim}"})
 
 
 def _trace(tmp_path: Path, rows: list[tuple[float, str, str]]) -> str:
