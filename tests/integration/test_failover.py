@@ -17,6 +17,7 @@ from bamboo.config import JobConfig
 from bamboo.plan import schedule as S
 from bamboo.plan.faults import Fault
 from bamboo.plan.program import COMMIT_POINTS
+from bamboo.run.bits import COUNTERS
 from bamboo.run.runlog import RunDir
 from support.procs import run_events
 from support.runs import (
@@ -123,6 +124,7 @@ def test_every_copy_of_a_stage_lost_after_the_last_commit_is_restored_and_redone
     summary = run_in_process(cfg, tmp_path / "run", faults)
     assert_equals_failure_free(summary, cfg)
     assert summary["preemptions"] == len(victims) and summary["checkpoint_restores"] >= 1
+    assert sum(summary[k] for k in COUNTERS) == summary["preemptions"]
     events = run_events(tmp_path / "run")
     lost = [e for e in events if e["event"] == "node_lost"]
     assert {e["node"] for e in lost} == {f"n{v}" for v in victims}
