@@ -68,6 +68,9 @@ class StepProtocol:
         self.evaluated: set[int] = {step for step, _ in ctx.eval_losses}
         """Steps whose held-out loss is recorded, a resumed run's included (a generation
         that starts again at an evaluation point evaluates again: the first result stands)."""
+        self.evaluated_in_gen: set[tuple[int, int]] = set()
+        """(generation, steps done) of every evaluation vote that completed: a generation
+        that evaluates again after a restore is in its evaluation until its own vote does."""
         self.check_replicas = check_replicas
         self.micro_batches_done: dict[tuple[int, int], set[int]] = {}
         self.rounds: dict[tuple[int, int], dict[int, RoundDone]] = {}
@@ -119,6 +122,7 @@ class StepProtocol:
         if set(votes) >= self.live_active():
             self._decide(key, Go.GO.value, msg.step)
             del self.eval_votes[(msg.step, msg.epoch)]
+            self.evaluated_in_gen.add((self.ctx.plan.gen, msg.step))
             if msg.step not in self.evaluated:
                 self.evaluated.add(msg.step)
                 losses = dict(sorted((i, (loss, w)) for v in votes.values()
@@ -130,6 +134,12 @@ class StepProtocol:
     def eval_pending(self, step: int) -> bool:
         """An evaluation after `step` steps is due and not recorded yet."""
         return self.ctx.cfg.evaluates_at(step) and step not in self.evaluated
+
+    def evaluating_in_this_generation(self, step: int) -> bool:
+        """The current generation's nodes evaluate after `step` steps and their vote has not
+        completed (a recorded result of an earlier generation does not end it)."""
+        return self.ctx.cfg.evaluates_at(step) and \
+            (self.ctx.plan.gen, step) not in self.evaluated_in_gen
 
     def moot(self, step: int, epoch: int) -> None:
         """Roles changed in `step`: votes under `epoch` are answered abort and redo."""

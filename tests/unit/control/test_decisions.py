@@ -338,6 +338,73 @@ def test_a_writer_lost_after_the_last_commit_with_no_live_copy_is_restored_and_r
     accounted(sim, {f"n{victim}"})
 
 
+def _last_evaluation(sim: SimCluster, skip: int | None = None) -> None:
+    """Every active node but `skip` votes its part of the held-out pass after step 3."""
+    from bamboo.protocol.messages import EvalDone
+    roles = sim._roles()
+    for r in roles.active_ranks():
+        w = sim._worker(r)
+        if w.node.node != skip and not w.node.exited:
+            sim._send(w, EvalDone(rank=r, step=3, epoch=roles.epoch, losses=[(r, 1.0, 1.0)]))
+
+
+def _every_copy_lost_after_the_last_step(tmp_path: Path, **kw) -> SimCluster:
+    """One pipeline of two stages under lazy, four standbys: both nodes (every copy of
+    both stages) lost after the last commit (and its held-out pass, when one is due); the
+    next generation is planned."""
+    sim = SimCluster(JobConfig.of(nodes=6, stages=2, pipelines=1, steps=3, micro_batches=4,
+                                  redundancy="lazy", **kw).validate(), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < 3:
+        sim.step()
+    sim.settle()
+    if sim.cfg.evaluates_at(3):
+        _last_evaluation(sim)
+    sim.kill(0)
+    sim.final_writes(lost_before_writing=1)
+    assert sim.ctx.reconf is not None and sim.ctx.reconf.abandoned
+    sim.end_generation()
+    sim._guard(sim.core.tick, sim.clock())
+    assert sim.ctx.reconf is None and sim.stopped is None
+    return sim
+
+
+@pytest.mark.timeout(60)
+def test_a_member_lost_while_the_restored_last_step_forms_abandons_it(tmp_path: Path) -> None:
+    """The generation restored at the last step (its checkpoint whole) loses a member
+    before it runs: a loss while a generation forms (abandoned at once, not an 'after the
+    last step' loss its survivors would wait on until the communication timeout)."""
+    sim = _every_copy_lost_after_the_last_step(tmp_path, checkpoint_every=3)
+    assert sim.ctx.plan.start_step == 3 and not sim.core.gens.running()
+    epoch = sim.ctx.roles.epoch
+    sim.kill(int(sim.ctx.plan.members[0][1:]))
+    assert sim.ctx.roles.epoch > epoch and sim.ctx.roles.abandon
+    assert sim.ctx.reconf is not None and sim.ctx.reconf.lost[0].phase == "reconfiguration"
+    sim.settle()
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.finished() and sim.core.final_summary()["status"] == "completed"
+
+
+@pytest.mark.timeout(60)
+def test_a_loss_during_the_redone_last_evaluation_is_covered_in_flight(tmp_path: Path) -> None:
+    """After a restore the last step's held-out pass runs again (its first result, recorded,
+    stands): a node lost in it is covered in flight (new roles for the pass under way), not
+    taken for a loss after the run's evaluation, which would leave the pass's vote waiting
+    on it."""
+    sim = _every_copy_lost_after_the_last_step(tmp_path, eval_every=3, checkpoint_every=0)
+    while sim.stopped is None and sim.ctx.committed < 3:
+        sim.step()
+    assert 3 in sim.core.steps.evaluated  # the first pass's result
+    roles = sim._roles()
+    victim = sim._worker(roles.holders[0][0]).node.node
+    _last_evaluation(sim, skip=victim)
+    sim.kill(victim)
+    assert sim.stopped is None, sim.stopped
+    assert sim.ctx.roles.epoch > roles.epoch  # the pass goes on under new roles
+    assert all(e["phase"] != "after the last step" for e in sim.lost_events()
+               if e["node"] == f"n{victim}")
+
+
 def _trace(tmp_path: Path, rows: list[tuple[float, str, str]]) -> str:
     path = tmp_path / "trace.csv"
     path.write_text("".join(f"{s * 1000:.0f},{kind},{node}\n" for s, kind, node in rows))
