@@ -152,6 +152,8 @@ class SimWorker:
     layers: set[int] | None = None
     held_step: int = -1
     said_ready: bool = False
+    frozen: bool = False
+    """SIGSTOP: it neither beats nor sends (its process stays alive until fenced)."""
 
 
 class SimNodes(LocalWorkers):
@@ -207,17 +209,24 @@ class SimCluster:
         self._say_ready()
         return w
 
-    def kill(self, node: int) -> None:
-        """SIGKILL from outside: the process is gone."""
-        w = self.workers[node]
-        w.node.process.exitcode = -9
-        self._guard(self.core.node_exited, w.node)
+    def kill(self, *nodes: int) -> None:
+        """SIGKILL from outside: the processes are gone, all of them before the coordinator
+        handles the first exit (nodes killed together)."""
+        for node in nodes:
+            self.workers[node].node.process.exitcode = -9
+        for node in nodes:
+            if not self.workers[node].node.exited:  # else handled while syncing the others
+                self._guard(self.core.node_exited, self.workers[node].node)
 
     def notice(self, node: int) -> None:
         self._send(self.workers[node], Notice(rank=node, source="test"))
 
+    def freeze(self, node: int) -> None:
+        """SIGSTOP from outside: the process lives on, silent."""
+        self.workers[node].frozen = True
+
     def _send(self, w: SimWorker, msg: Any) -> None:
-        if not w.node.exited:
+        if not w.node.exited and not w.frozen:
             self._beat(w)
             self._guard(self.core.handle, w.node, msg)
 
@@ -225,7 +234,7 @@ class SimCluster:
         """The clock moves on; every live worker beats meanwhile."""
         self.clock.t += seconds
         for w in self.workers.values():
-            if not w.node.exited:
+            if not w.node.exited and not w.frozen:
                 self._beat(w)
 
     def _beat(self, w: SimWorker) -> None:

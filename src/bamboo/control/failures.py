@@ -71,7 +71,9 @@ class FailureHandler:
         """Every loss whose `node_lost` event is out, standbys' included, in that order."""
         self.reconfigured_steps: set[int] = set()
         """First steps of generations a reconfiguration made: not clean steps."""
-        """Told of each loss as its `node_lost` event is written (its handling final)."""
+        self.abandoned_after_last_step: int | None = None
+        """The generation that finished the last step and was abandoned after it: a loss
+        while it ends (its nodes lost together) is after the last step too."""
         self.restore_step: tuple[int, int] | None = None
         self.restores: list[Takeover] = []
         """Peer restores of (generation, step) `restore_step`: their sources must survive,
@@ -158,10 +160,11 @@ class FailureHandler:
                 and not self.steps.evaluating_in_this_generation(step):
             return self._after_last_step(n, loss, signame, where)
         if ctx.reconf is not None or not active or not self.gens.running():
-            loss.phase = "reconfiguration"
+            ending = self.abandoned_after_last_step == ctx.plan.gen
+            loss.phase = "after the last step" if ending else "reconfiguration"
             out = self._abandon(f"node {n.name} lost while a generation formed", loss, why="")
-            ctx.say(f"node {n.name} ({where}) lost in step {step} while a generation formed; "
-                    f"the next generation covers it")
+            when = "after the last step" if ending else f"in step {step} while a generation formed"
+            ctx.say(f"node {n.name} ({where}) lost {when}; the next generation covers it")
             return out
         try:
             plan = self._failover_plan(n, step)
@@ -188,6 +191,7 @@ class FailureHandler:
             self.ctx.say(f"node {n.name} ({where}) lost after the last step with the last live "
                          f"copy of layer(s) {listed}, before their final parameters were "
                          f"written: the next generation restores them")
+            self.abandoned_after_last_step = self.ctx.plan.gen
             return self._abandon(f"node {n.name} lost after the last step with the last copy "
                                  f"of layer(s) {listed}", loss,
                                  why=f"node {n.name} was lost after the last step ({signame}) "

@@ -32,7 +32,9 @@ class FinalLayers:
 
     def _copies(self, *, done_only: bool = True) -> dict[int, list[int]]:
         """Layer -> the live nodes that hold a copy of it, primaries first: those done with
-        the last step and waiting to shut down (`done_only`), else every live member."""
+        the last step and waiting to shut down (`done_only`), else every live member (a
+        process already dead, its exit not yet handled, is not live: nodes killed together
+        are each seen without the others' copies)."""
         roles, plan = self.ctx.roles, self.ctx.plan
         out: dict[int, list[int]] = {}
         for table in (roles.holders, roles.replicas if plan.redundancy is not RedundancyMode.OFF else []):
@@ -41,8 +43,9 @@ class FinalLayers:
                     if rank is None:
                         continue
                     n = self.nodes.by_name(plan.members[rank])
-                    if n.exited or n.is_gone or (done_only and n.state is not NodeState.DONE):
-                        continue
+                    if n.exited or n.is_gone or not n.process.is_alive() or \
+                            (done_only and n.state is not NodeState.DONE):
+                        continue  # a process dead but not yet reaped holds no copy
                     for layer in range(*plan.parts[s]):
                         out.setdefault(layer, [])
                         if n.node not in out[layer]:

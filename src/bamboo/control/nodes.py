@@ -153,9 +153,10 @@ class Node:
 
     @property
     def is_leased(self) -> bool:
-        """Its heartbeat is watched (a silent one is fenced)."""
+        """Its heartbeat is watched (a silent one is fenced); a DONE node too, since an
+        abandon after the last step waits for its `GenerationEnd`."""
         return not self.exited and self.state in (NodeState.STARTING, NodeState.READY,
-                                                  NodeState.NOTICED)
+                                                  NodeState.NOTICED, NodeState.DONE)
 
     @property
     def can_stay(self) -> bool:

@@ -338,6 +338,60 @@ def test_a_writer_lost_after_the_last_commit_with_no_live_copy_is_restored_and_r
     accounted(sim, {f"n{victim}"})
 
 
+@pytest.mark.timeout(60)
+def test_a_node_frozen_after_its_last_step_is_fenced_when_the_generation_is_abandoned(
+        tmp_path: Path) -> None:
+    """Stage 1's only holder is lost before writing its layers, so the finished generation
+    is abandoned; stage 0's holder, done and waiting to shut down, is frozen (SIGSTOP) and
+    never ends the generation. Its lease fences it within seconds (not the stall check's
+    minute and a half), and the standbys restore and finish the run."""
+    sim = SimCluster(cfg(redundancy="off", steps=3, nodes=5, lease_s=2.0), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < sim.cfg.training.steps:
+        sim.step()
+    sim.settle()
+    victim, frozen = node_of(sim, 0, 1), node_of(sim, 0, 0)
+    sim.final_writes(lost_before_writing=victim)
+    assert sim.ctx.reconf is not None and sim.ctx.reconf.abandoned
+    sim.freeze(frozen)
+    sim.settle()
+    assert sim.stopped is None, sim.stopped
+    [fenced] = sim.events.of("fenced")
+    assert fenced["node"] == f"n{frozen}"
+    assert fenced["silent_s"] <= 2.0 + 0.5 < sim.cfg.runtime.step_stall_s
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    summary = sim.core.final_summary()
+    assert summary["status"] == "completed" and summary["preemptions"] == 2
+    accounted(sim, {f"n{victim}", f"n{frozen}"})
+
+
+@pytest.mark.timeout(60)
+def test_every_copy_lost_together_after_the_last_step_is_one_restore_of_two_losses(
+        tmp_path: Path) -> None:
+    """Both nodes of a lazy pipeline (every copy of both stages) killed at the same moment
+    after the last commit: neither dead process counts as the other's live copy, so no
+    final write is asked of a dead node and both losses are restored after the last step."""
+    sim = SimCluster(JobConfig.of(nodes=4, stages=2, pipelines=1, steps=3, micro_batches=4,
+                                  redundancy="lazy", checkpoint_every=0).validate(),
+                     tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < 3:
+        sim.step()
+    sim.settle()
+    sim.kill(node_of(sim, 0, 0), node_of(sim, 0, 1))
+    assert sim.ctx.reconf is not None and sim.ctx.reconf.abandoned
+    assert not sim.events.of("final_rewrite")
+    sim.settle()
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    summary = sim.core.final_summary()
+    assert summary["preemptions"] == summary["checkpoint_restores"] == 2
+    [restore] = sim.events.of("checkpoint_restore")
+    assert (restore["step"], restore["redone_steps"]) == (0, 3)  # no checkpoint: from the seed
+    lost = sim.lost_events()
+    assert [(e["phase"], e["handled_as"]) for e in lost] == \
+        [("after the last step", "checkpoint_restore")] * 2
+
+
 def _last_evaluation(sim: SimCluster, skip: int | None = None) -> None:
     """Every active node but `skip` votes its part of the held-out pass after step 3."""
     from bamboo.protocol.messages import EvalDone
