@@ -422,7 +422,7 @@ class SimCluster:
         (after the last commit, before its write: no new roles follow the last step)."""
         if lost_before_writing is not None:
             self.kill(lost_before_writing)
-        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.training.steps)
+        final = final_dir(checkpoint_location(self.ctx.cfg), self.ctx.end_step)
         roles, plan = self.ctx.roles, self.ctx.plan
         for r in roles.active_ranks():
             w = self._worker(r)
@@ -439,7 +439,7 @@ class SimCluster:
     def serve_final_requests(self) -> None:
         """A live worker asked to write final layers from its copy (their first holder was
         lost after the last step) writes them and reports them, as `worker.py` does."""
-        final = final_dir(checkpoint_location(self.ctx.cfg), self.cfg.training.steps)
+        final = final_dir(checkpoint_location(self.ctx.cfg), self.ctx.end_step)
         self._guard(self.core.finished)  # the core asks while it cannot finish
         for w in self.workers.values():
             text = self.store.data.get(final_request_key(w.node.name))

@@ -156,7 +156,7 @@ class FailureHandler:
                     handled_as=HandledAs.PENDING, shadow=None, t=self._t(), signal=signame,
                     active_before=ctx.plan.active)
         self.losses.append(loss)
-        if step >= ctx.cfg.training.steps and ctx.reconf is None and self.gens.running() \
+        if step >= ctx.end_step and ctx.reconf is None and self.gens.running() \
                 and not self.steps.evaluating_in_this_generation(step):
             return self._after_last_step(n, loss, signame, where)
         if ctx.reconf is not None or not active or not self.gens.running():

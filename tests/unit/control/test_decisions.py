@@ -304,6 +304,28 @@ def test_a_writer_lost_after_the_last_commit_is_replaced_by_a_copy(
 
 
 @pytest.mark.timeout(60)
+def test_a_loop_finished_early_takes_a_loss_after_its_last_step_as_one(tmp_path: Path) -> None:
+    """A user's loop finishes after 2 of the job's 3 steps (its FINISH order ends the run
+    there): a writer lost after that commit is a loss after the last step, whose layers a
+    live copy writes, not a loss in a step that will never run."""
+    from bamboo.plan.orders import Order, OrderKind
+    sim = SimCluster(cfg(redundancy="lazy", nodes=4, steps=3), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < 2:
+        sim.step()
+    sim.settle()
+    sim.core.orders.give(Order(OrderKind.FINISH))
+    victim = node_of(sim, 0, 1)
+    sim.final_writes(lost_before_writing=victim)
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.finished()
+    [lost] = sim.lost_events()
+    assert (lost["node"], lost["step"], lost["phase"], lost["handled_as"]) == \
+        (f"n{victim}", 2, "after the last step", "failover")
+    [rewrite] = sim.events.of("final_rewrite")
+    assert rewrite["layers"] == list(range(*sim.ctx.plan.parts[1]))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("checkpoint_every,restored_from", [(0, 0), (2, 3)])
 def test_a_writer_lost_after_the_last_commit_with_no_live_copy_is_restored_and_redone(
         tmp_path: Path, checkpoint_every: int, restored_from: int) -> None:
