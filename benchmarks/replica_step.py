@@ -1,6 +1,7 @@
 """Lazy redundancy's failure-free cost against `--redundancy off`, with the replica's optimizer
-step on a thread of its own (the default) and inside the step (`BAMBOO_REPLICA_STEP=inline`),
-side by side in one invocation.
+step on a thread of its own (the default: at the lowest priority where a worker has a
+processor of its own), on that thread at the normal priority (`BAMBOO_REPLICA_STEP=thread`)
+and inside the step (`BAMBOO_REPLICA_STEP=inline`), side by side in one invocation.
 
 Runs `bamboo train` for each mode, interleaved over `--reps` repetitions (the order rotates,
 so machine noise hits every mode alike); per run the median step wall time after `--warmup`
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 MODES = {"off": ({}, ["--redundancy", "off"]),
          "lazy": ({}, ["--redundancy", "lazy"]),
+         "lazy-thread": ({"BAMBOO_REPLICA_STEP": "thread"}, ["--redundancy", "lazy"]),
          "lazy-inline": ({"BAMBOO_REPLICA_STEP": "inline"}, ["--redundancy", "lazy"])}
 
 
@@ -64,10 +66,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pin-cpus", default="off", choices=("off", "auto"))
     ap.add_argument("--out", help="keep the run directories here (default: a temporary one)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"which of {', '.join(MODES)} to run (comma-separated; off first)")
     args = ap.parse_args()
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="replica-step-"))
     root.mkdir(parents=True, exist_ok=True)
-    names = list(MODES)
+    names = [m for m in args.modes.split(",") if m]
+    if names[:1] != ["off"] or any(m not in MODES for m in names):
+        raise SystemExit(f"--modes {args.modes}: give 'off' first, then some of "
+                         f"{', '.join(MODES)}")
     medians: dict[str, list[float]] = {m: [] for m in names}
     parts: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in names}
     digests: dict[str, set[str]] = {}

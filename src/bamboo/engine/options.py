@@ -109,6 +109,10 @@ class EngineOptions:
     """A replica kept in host memory takes its optimizer step on a thread of its own,
     overlapping the node's next work (`StageState.apply_later`); False (the environment's
     `BAMBOO_REPLICA_STEP=inline`, for side-by-side measurements): inside the step."""
+    replica_step_yields: bool = True
+    """That thread runs at the lowest priority where the node has a processor of its own
+    (`replica_steps.yield_to_the_step`); False (`BAMBOO_REPLICA_STEP=thread`, or inline):
+    at the normal one."""
     bucket_mb: float = 25.0
     """The data-parallel sums' buckets, begun during the backward (`buckets.py`); 0: one
     bucket a stage, launched at the commit round."""
@@ -141,4 +145,6 @@ class EngineOptions:
                    check_replicas=cfg.redundancy.check_replicas,
                    frc_offload=cfg.redundancy.frc_offload, frc_at=cfg.redundancy.frc_at,
                    optimizer=t.optimizer, lr_schedule=t.lr_schedule,
-                   replica_step_later=os.environ.get("BAMBOO_REPLICA_STEP") != "inline")
+                   replica_step_later=os.environ.get("BAMBOO_REPLICA_STEP") != "inline",
+                   replica_step_yields=os.environ.get("BAMBOO_REPLICA_STEP") not in
+                   ("inline", "thread"))

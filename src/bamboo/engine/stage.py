@@ -13,9 +13,10 @@ A replica's optimizer state may live in host memory (`offload_optimizer`, under
 time, runs the very step the primary runs (same kernels, same device: the same bits) and
 puts them back. A replica that runs no forward (lazy redundancy) keeps its parameters there
 too (`keep_on_host`: it takes no device memory), its step streamed the same way, and may
-run that step on a thread of its own (`apply_later`), off the critical path: every read of
-its state waits for it first (`settle`). `promote` (or `to_device_optimizer`) moves the
-state to the device for good, when the replica is adopted as a primary.
+run that step on a thread of its own (`apply_later`, `replica_steps`), off the critical
+path: every read of its state waits for it first (`settle`). `promote` (or
+`to_device_optimizer`) moves the state to the device for good, when the replica is adopted
+as a primary.
 
 A stage may hold only layers without parameters (activations, dropout, reshapes, pooling):
 it has no optimizer, its gradient sum is empty, and its layers' state is their layout's
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from bamboo.config.presets import ModelPreset
+from bamboo.engine import replica_steps
 from bamboo.engine.layer_state import (
     LayerLayout,
     LayerState,
@@ -63,19 +64,6 @@ class StageOptimizer:
     lr: float
     weight_decay: float
     spec: str | None = None
-
-
-_REPLICA_STEPS: ThreadPoolExecutor | None = None
-"""The thread a node's replica steps run on (one: they run in order)."""
-REPLICA_STEP_TIMEOUT_S = 600.0
-"""How long a read of a replica waits for its step (`settle`) before giving up."""
-
-
-def _replica_steps() -> ThreadPoolExecutor:
-    global _REPLICA_STEPS
-    if _REPLICA_STEPS is None:
-        _REPLICA_STEPS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-step")
-    return _REPLICA_STEPS
 
 
 def _offloadable(value: Any) -> bool:
@@ -299,18 +287,14 @@ class StageState:
         """`apply` on the replica-step thread, overlapping what the node does next; every
         read of this stage's state waits for it first (`settle`)."""
         self.settle()
-        self._pending = _replica_steps().submit(self.apply, grad32, coef, lr)
+        self._pending = replica_steps.submit(self.apply, grad32, coef, lr)
 
     def settle(self) -> None:
         """Wait for the step `apply_later` began (its error raised here), bounded."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        try:
-            pending.result(timeout=REPLICA_STEP_TIMEOUT_S)
-        except FutureTimeout:
-            raise RuntimeError(f"stage {self.stage}'s replica step did not finish in "
-                               f"{REPLICA_STEP_TIMEOUT_S:.0f} s") from None
+        replica_steps.wait(pending, f"stage {self.stage}'s replica step")
 
     def promote(self) -> float:
         """Bring a replica's state to the device for good (it is adopted as a primary):

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint
 
 from bamboo.data.sizing import SIZING
 from bamboo.data.user import job_task
+from bamboo.engine import replica_steps
 from bamboo.engine.comm import (
     P2P,
     RESTORE,
@@ -159,6 +160,8 @@ class WorkerNode:
         own = self.device.type != "cpu" or bool(self.cpus) or \
             self.spec.local_workers <= len(os.sched_getaffinity(0))
         self.link.report(Ready, cpus=self.cpus, own_processor=own)
+        # the node's waits are idle time of its own: the replica's step takes them
+        replica_steps.yield_to_the_step(own and self.options.replica_step_yields)
         gen = self.spec.first_gen
         if gen > 0 and self.store.check([plan_key(gen - 1)]):  # joining a run under way
             self._build_ahead(GenerationPlan.from_json(self.store.get(plan_key(gen - 1)).decode()))

@@ -90,3 +90,23 @@ def test_a_replica_that_runs_forwards_stays_on_the_device() -> None:
     replica = build_replica(lambda stage: _stage(), 1, runs_forward=True)
     assert replica is not None and not replica.on_host
     assert build_replica(lambda stage: _stage(), None, runs_forward=False) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("yielding", [True, False])
+def test_the_replica_step_thread_yields_only_where_told(monkeypatch, yielding: bool) -> None:
+    """With a processor of its own the node's replica steps run at the lowest priority (in
+    its idle time); else at the node's own priority (shared cores have no idle time)."""
+    import os
+
+    from bamboo.engine import replica_steps
+    monkeypatch.setattr(replica_steps, "_executor", None)
+    monkeypatch.setattr(replica_steps, "_yielding", False)
+    replica_steps.yield_to_the_step(yielding)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pending = replica_steps.submit(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    nice = pending.result(timeout=10)
+    assert nice == (replica_steps.YIELDING_NICE if yielding else own)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # not the caller's
+    replica_steps._executor.shutdown()

@@ -1,0 +1,60 @@
+"""The thread a node's replica steps run on, off the step's critical path.
+
+A replica kept in host memory takes its optimizer step after the commit, on one thread of
+its own (`StageState.apply_later`), while the node goes on with its next work; every read
+of the replica waits for that step first. Where the node has a processor of its own (a
+GPU, or `--pin-cpus`), its waits (pipeline bubbles, peers' messages) leave that processor
+idle, and the thread runs at the lowest priority (`yield_to_the_step`): it takes the idle
+time, never the node's own step. On cores shared with other workers nothing is idle, so it
+keeps the normal priority: a low one there would starve it behind the other workers while
+the node waits for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+__all__ = ["submit", "wait", "yield_to_the_step", "YIELDING_NICE", "TIMEOUT_S"]
+
+TIMEOUT_S = 600.0
+"""How long a read of a replica waits for its step before giving up."""
+YIELDING_NICE = 19
+"""The thread's nice value when it yields to the node's own work (Linux's lowest priority
+short of SCHED_IDLE, which could starve it)."""
+
+_executor: ThreadPoolExecutor | None = None
+_yielding = False
+
+
+def yield_to_the_step(on: bool) -> None:
+    """Whether the replica-step thread, once started, runs at the lowest priority (the
+    node has a processor of its own). Set before the first step of the process."""
+    global _yielding
+    _yielding = on
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no native ids
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run `fn(*args)` on the replica-step thread (one: steps run in order)."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-step",
+                                       initializer=_lower_priority if _yielding else None)
+    return _executor.submit(fn, *args)
+
+
+def wait(pending: Future, what: str) -> None:
+    """Wait for `pending` (its error raised here), at most `TIMEOUT_S`."""
+    try:
+        pending.result(timeout=TIMEOUT_S)
+    except FutureTimeout:
+        raise RuntimeError(f"{what} did not finish in {TIMEOUT_S:.0f} s") from None
