@@ -4,10 +4,12 @@ A replica kept in host memory takes its optimizer step after the commit, on one 
 its own (`StageState.apply_later`), while the node goes on with its next work; every read
 of the replica waits for that step first. Where the node has a processor of its own (a
 GPU, or `--pin-cpus`), its waits (pipeline bubbles, peers' messages) leave that processor
-idle, and the thread runs at the lowest priority (`yield_to_the_step`): it takes the idle
-time, never the node's own step. On cores shared with other workers nothing is idle, so it
-keeps the normal priority: a low one there would starve it behind the other workers while
-the node waits for it.
+idle, and the thread runs at a low priority (`yield_to_the_step`): it takes the idle time
+rather than the node's own step's. On cores shared with other workers nothing is idle, so
+it keeps the normal priority. A yielding thread still running a step when the next one is
+due (a whole step later: other processes took the idle time it was meant to use) is
+`behind`: the steps after it go to a thread of the normal priority, since a waiting node
+must not depend on time other processes leave over.
 """
 from __future__ import annotations
 
@@ -19,23 +21,41 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-__all__ = ["submit", "wait", "yield_to_the_step", "YIELDING_NICE", "TIMEOUT_S"]
+__all__ = ["submit", "wait", "behind", "yield_to_the_step", "yielding", "YIELDING_NICE",
+           "TIMEOUT_S"]
 
 TIMEOUT_S = 600.0
 """How long a read of a replica waits for its step before giving up."""
-YIELDING_NICE = 19
-"""The thread's nice value when it yields to the node's own work (Linux's lowest priority
-short of SCHED_IDLE, which could starve it)."""
+YIELDING_NICE = 10
+"""The yielding thread's nice value: a tenth of a normal thread's share of a busy processor
+(CFS weights 110 against 1024), all of an idle one. Not 19: a process may not lower a
+thread's nice value again, and a step it is waiting for should not crawl."""
 
 _executor: ThreadPoolExecutor | None = None
 _yielding = False
 
 
 def yield_to_the_step(on: bool) -> None:
-    """Whether the replica-step thread, once started, runs at the lowest priority (the
-    node has a processor of its own). Set before the first step of the process."""
+    """Whether the replica-step thread, once started, runs at the low priority (the node
+    has a processor of its own). Set before the first step of the process."""
     global _yielding
     _yielding = on
+
+
+def yielding() -> bool:
+    """Whether replica steps go to a thread at the low priority."""
+    return _yielding
+
+
+def behind() -> None:
+    """A step was still running when the next was due: from now on steps run on a thread
+    of the normal priority (the old thread ends after the step it is running)."""
+    global _executor, _yielding
+    if _yielding:
+        _yielding = False
+        if _executor is not None:
+            _executor.shutdown(wait=False)
+            _executor = None
 
 
 def _lower_priority() -> None:
@@ -44,7 +64,7 @@ def _lower_priority() -> None:
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future:
-    """Run `fn(*args)` on the replica-step thread (one: steps run in order)."""
+    """Run `fn(*args)` on the replica-step thread (one at a time: steps run in order)."""
     global _executor
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-step",

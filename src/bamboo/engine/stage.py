@@ -286,6 +286,8 @@ class StageState:
     def apply_later(self, grad32: torch.Tensor, coef: float, lr: float) -> None:
         """`apply` on the replica-step thread, overlapping what the node does next; every
         read of this stage's state waits for it first (`settle`)."""
+        if self._pending is not None and not self._pending.done() and replica_steps.yielding():
+            replica_steps.behind()  # a whole step was not enough: the idle time went elsewhere
         self.settle()
         self._pending = replica_steps.submit(self.apply, grad32, coef, lr)
 

@@ -110,3 +110,36 @@ def test_the_replica_step_thread_yields_only_where_told(monkeypatch, yielding: b
     assert nice == (replica_steps.YIELDING_NICE if yielding else own)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # not the caller's
     replica_steps._executor.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_yielding_thread_that_falls_behind_gives_way_to_a_normal_one(monkeypatch) -> None:
+    """A replica step still running when the next is due (other processes took the idle
+    time): that step is waited for, and the next runs at the node's own priority."""
+    import os
+
+    from bamboo.engine import replica_steps
+    monkeypatch.setattr(replica_steps, "_executor", None)
+    monkeypatch.setattr(replica_steps, "_yielding", False)
+    replica_steps.yield_to_the_step(True)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    replica = _stage()
+    replica.keep_on_host()
+    release, niceness = threading.Event(), []
+    apply = replica.apply
+
+    def slow_apply(*args) -> None:
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        if len(niceness) == 1:
+            assert release.wait(10)
+        apply(*args)
+
+    monkeypatch.setattr(replica, "apply", slow_apply)
+    grad = torch.zeros(replica.numel)
+    replica.apply_later(grad, 1.0, 1e-3)
+    threading.Timer(0.3, release.set).start()
+    replica.apply_later(grad, 1.0, 1e-3)  # the first still runs: behind
+    replica.settle()
+    assert niceness == [replica_steps.YIELDING_NICE, own]
+    assert not replica_steps.yielding()
+    replica_steps._executor.shutdown()
