@@ -14,6 +14,7 @@ must not depend on time other processes leave over.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ YIELDING_NICE = 10
 (CFS weights 110 against 1024), all of an idle one. Not 19: a process may not lower a
 thread's nice value again, and a step it is waiting for should not crawl."""
 
+_log = logging.getLogger(__name__)
 _executor: ThreadPoolExecutor | None = None
 _yielding = False
 
@@ -53,6 +55,8 @@ def behind() -> None:
     global _executor, _yielding
     if _yielding:
         _yielding = False
+        _log.warning("the replica's optimizer step was still running a step later at a low "
+                     "priority; it runs at the normal priority from now on")
         if _executor is not None:
             _executor.shutdown(wait=False)
             _executor = None
