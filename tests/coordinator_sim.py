@@ -416,7 +416,7 @@ class SimCluster:
             return
         self.final_writes()
 
-    def final_writes(self, lost_before_writing: int | None = None) -> None:
+    def final_writes(self, lost_before_writing: int | None = None, *, serve: bool = True) -> None:
         """After the last step each stage's first live holder writes its layers (the
         workers' own rule, `bamboo.run.writers`); node `lost_before_writing` is killed first
         (after the last commit, before its write: no new roles follow the last step)."""
@@ -434,7 +434,10 @@ class SimCluster:
                 write_layers(final, {i: {"param.w": torch.zeros(1)} for i in mine})
             self._send(w, LayerParams(rank=r, layers=mine))
             self._send(w, Done(rank=r))
-        self.serve_final_requests()
+        if serve:  # else a copy asked to write has not written yet
+            self.serve_final_requests()
+        else:
+            self._guard(self.core.finished)  # the core asks while it cannot finish
 
     def serve_final_requests(self) -> None:
         """A live worker asked to write final layers from its copy (their first holder was

@@ -30,11 +30,13 @@ class FinalLayers:
         self.asked: dict[int, int] = {}
         """Layer -> the node asked to write it from its copy."""
 
-    def _copies(self, *, done_only: bool = True) -> dict[int, list[int]]:
+    def _copies(self, *, done_only: bool = True, running: bool = False) -> dict[int, list[int]]:
         """Layer -> the live nodes that hold a copy of it, primaries first: those done with
-        the last step and waiting to shut down (`done_only`), else every live member (a
-        process already dead, its exit not yet handled, is not live: nodes killed together
-        are each seen without the others' copies)."""
+        the last step and waiting to shut down (`done_only`), else every live member.
+        `running`: only those whose process still runs (one dead, its exit not yet handled,
+        holds no copy: nodes killed together are each seen without the others' copies);
+        else such a node still counts until its exit is handled (a copy asked to write that
+        dies keeps the run waiting for the loss that follows, never ends it incomplete)."""
         roles, plan = self.ctx.roles, self.ctx.plan
         out: dict[int, list[int]] = {}
         for table in (roles.holders, roles.replicas if plan.redundancy is not RedundancyMode.OFF else []):
@@ -43,9 +45,9 @@ class FinalLayers:
                     if rank is None:
                         continue
                     n = self.nodes.by_name(plan.members[rank])
-                    if n.exited or n.is_gone or not n.process.is_alive() or \
+                    if n.exited or n.is_gone or (running and not n.process.is_alive()) or \
                             (done_only and n.state is not NodeState.DONE):
-                        continue  # a process dead but not yet reaped holds no copy
+                        continue
                     for layer in range(*plan.parts[s]):
                         out.setdefault(layer, [])
                         if n.node not in out[layer]:
@@ -54,7 +56,7 @@ class FinalLayers:
 
     def without_live_copy(self) -> list[int]:
         """The layers whose final parameters no node reported and no live member holds."""
-        copies = self._copies(done_only=False)
+        copies = self._copies(done_only=False, running=True)
         missing = set(range(len(self.ctx.param_counts))) - self.results.final
         return sorted(layer for layer in missing if not copies.get(layer))
 

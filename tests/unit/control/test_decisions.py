@@ -326,6 +326,32 @@ def test_a_loop_finished_early_takes_a_loss_after_its_last_step_as_one(tmp_path:
 
 
 @pytest.mark.timeout(60)
+def test_a_copy_asked_to_write_that_dies_keeps_the_run_open_until_its_loss(
+        tmp_path: Path) -> None:
+    """The copy asked to write a lost writer's layers dies before its exit is handled: the
+    run is not finished (it would end with the model incomplete); the exit, handled, is a
+    loss after the last step that restores those layers, and the run completes."""
+    sim = SimCluster(JobConfig.of(nodes=4, stages=2, pipelines=1, steps=3, micro_batches=4,
+                                  redundancy="lazy").validate(), tmp_path / "run")
+    while sim.stopped is None and sim.ctx.committed < sim.cfg.training.steps:
+        sim.step()
+    sim.settle()
+    victim = node_of(sim, 0, 1)
+    sim.final_writes(lost_before_writing=victim, serve=False)
+    [rewrite] = sim.events.of("final_rewrite")
+    copy = int(rewrite["node"][1:])
+    sim.workers[copy].node.process.exitcode = -9  # dead, its exit not handled yet
+    assert not sim.core.finished()
+    sim.kill(copy)
+    assert sim.stopped is None, sim.stopped
+    sim.settle()
+    sim.finish()
+    assert sim.stopped is None, sim.stopped
+    assert sim.core.final_summary()["status"] == "completed"
+    accounted(sim, {f"n{victim}", f"n{copy}"})
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("checkpoint_every,restored_from", [(0, 0), (2, 3)])
 def test_a_writer_lost_after_the_last_commit_with_no_live_copy_is_restored_and_redone(
         tmp_path: Path, checkpoint_every: int, restored_from: int) -> None:
