@@ -110,7 +110,7 @@ class EngineOptions:
     overlapping the node's next work (`StageState.apply_later`); False (the environment's
     `BAMBOO_REPLICA_STEP=inline`, for side-by-side measurements): inside the step."""
     replica_step_yields: bool = True
-    """That thread runs at the lowest priority where the node has a processor of its own
+    """That thread runs at a low priority (nice 10) where the node has a processor of its own
     (`replica_steps.yield_to_the_step`); False (`BAMBOO_REPLICA_STEP=thread`, or inline):
     at the normal one."""
     bucket_mb: float = 25.0
